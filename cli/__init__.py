@@ -1,0 +1,1 @@
+"""The ``selfextend`` command line: thin click commands over the library."""

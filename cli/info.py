@@ -1,0 +1,73 @@
+"""``selfextend info MODEL``: the architecture facts that matter for Self-Extend and the KV cache."""
+
+from __future__ import annotations
+
+import click
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB"
+
+
+@click.command()
+@click.argument("model", default="smollm2-135m")
+@click.option(
+    "-g",
+    "--group-size",
+    type=int,
+    default=4,
+    show_default=True,
+    help="Self-Extend group size G (positions beyond the window are divided by G).",
+)
+@click.option(
+    "-w",
+    "--window",
+    type=int,
+    default=1024,
+    show_default=True,
+    help="Self-Extend neighbor window W, in tokens (exact positions inside it).",
+)
+def info(model: str, group_size: int, window: int) -> None:
+    """Print layers, heads, head dim, RoPE, trained window, KV-cache size and the Self-Extend reach.
+
+    Reads only the config (no weights). KV bytes are for fp16: 2 (K and V) x 2 bytes x head_dim x
+    kv_heads x layers per token.
+    """
+    from selfextend.models import load_config, model_facts
+    from selfextend.positions import max_length, validate
+
+    facts = model_facts(load_config(model))
+    trained = facts.trained_window
+    validate(group_size, window, trained)
+    rows = [
+        ("model", f"{model} ({facts.model_type})"),
+        ("layers", facts.layers),
+        ("attention heads", facts.heads),
+        (
+            "KV heads",
+            f"{facts.kv_heads} (GQA, {facts.heads // facts.kv_heads} query heads per KV head)"
+            if facts.kv_heads != facts.heads
+            else facts.kv_heads,
+        ),
+        ("head dim", f"{facts.head_dim} (rotary dims {facts.rotary_dim})"),
+        ("RoPE", f"{facts.rope_type}, theta {facts.rope_theta:g}" if facts.rope_theta else facts.rope_type),
+        ("trained window", f"{trained} tokens"),
+        ("vocab", facts.vocab_size),
+        (
+            "KV cache per token",
+            f"{facts.kv_bytes_per_token():,} bytes (fp16), {facts.kv_bytes_per_token(4):,} (fp32)",
+        ),
+        (f"KV cache at {trained} tokens", f"{_mib(facts.kv_bytes(trained))} (fp16)"),
+    ]
+    if trained:
+        reach = max_length(trained, group_size, window)
+        rows += [
+            (
+                f"Self-Extend G={group_size} W={window}",
+                f"up to {reach:,} tokens ({reach / trained:.1f}x the window)",
+            ),
+            (f"KV cache at {reach:,} tokens", f"{_mib(facts.kv_bytes(reach))} (fp16)"),
+        ]
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        click.echo(f"{k:<{width}}  {v}")

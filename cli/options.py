@@ -1,0 +1,63 @@
+"""Options shared by several commands, and the model loading they lead to."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import click
+
+
+def model_options(f: Callable) -> Callable:
+    """--model, --dtype, --device."""
+    f = click.option(
+        "--device", default="cpu", show_default=True, help="torch device: cpu, cuda, cuda:1, mps."
+    )(f)
+    f = click.option(
+        "--dtype",
+        default="float32",
+        show_default=True,
+        help="Weights and activations: float32, bfloat16 or float16.",
+    )(f)
+    f = click.option(
+        "-m",
+        "--model",
+        default="smollm2-135m",
+        show_default=True,
+        help="smollm2-135m (embedded), a .gguf file, a model directory or a hub id.",
+    )(f)
+    return f
+
+
+def self_extend_options(f: Callable) -> Callable:
+    """--group-size/--window: both or neither turn Self-Extend on."""
+    f = click.option(
+        "-w",
+        "--window",
+        type=int,
+        default=None,
+        help="Self-Extend neighbor window W in tokens (exact positions inside it).",
+    )(f)
+    f = click.option(
+        "-g",
+        "--group-size",
+        type=int,
+        default=None,
+        help="Self-Extend group size G: positions beyond the window are floor-divided by G.",
+    )(f)
+    return f
+
+
+def load_with_self_extend(model: str, dtype: str, device: str, group_size: int | None, window: int | None):
+    """Load a model (and tokenizer), with Self-Extend applied when G and W are given."""
+    import transformers
+
+    from selfextend.models import load_model
+    from selfextend.patch import apply_self_extend
+
+    if (group_size is None) != (window is None):
+        raise click.UsageError("Self-Extend needs both --group-size and --window")
+    transformers.utils.logging.disable_progress_bar()
+    lm, tokenizer = load_model(model, dtype=dtype, device=device)
+    if group_size is not None:
+        apply_self_extend(lm, group_size, window)
+    return lm, tokenizer

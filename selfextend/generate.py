@@ -1,0 +1,225 @@
+"""Our own generation loop over a context-shift cache: prefill, then decode token by token, forever if asked.
+
+transformers' ``generate()`` assumes a cache only grows; ours shrinks at every context shift, so
+the loop is ours: make room, forward, pick a token, stream its text.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from selfextend.cache import ContextShiftCache
+from selfextend.sampling import SamplingParams, sample
+
+
+@dataclass
+class GenerationStats:
+    """What a run did: tokens, time, shifts and cache fill."""
+
+    prompt_tokens: int = 0
+    reused_tokens: int = 0
+    prompt_seconds: float = 0.0
+    tokens: int = 0
+    seconds: float = 0.0
+    shifts: int = 0
+    n_past: int = 0
+    n_ctx: int = 0
+    stop_reason: str = ""
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def summary(self) -> str:
+        return (
+            f"{self.tokens} tokens in {self.seconds:.1f} s ({self.tokens_per_second:.2f} tokens/s), "
+            f"prompt {self.prompt_tokens} tokens in {self.prompt_seconds:.1f} s"
+            + (f" ({self.reused_tokens} from the prompt cache)" if self.reused_tokens else "")
+            + f", {self.shifts} context shifts, cache {self.n_past}/{self.n_ctx}"
+            + (f", stopped: {self.stop_reason}" if self.stop_reason else "")
+        )
+
+
+class TextStream:
+    """Incremental detokenizer: emits text only once it is complete (no split multi-byte characters)."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.prefix_offset = 0
+        self.read_offset = 0
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def push(self, token: int) -> str:
+        self.ids.append(token)
+        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        text = self._decode(self.ids[self.prefix_offset :])
+        if len(text) > len(prefix) and not text.endswith("\ufffd"):
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            # keep the windows short: the prefix is only context for the tokenizer's spacing rules
+            return text[len(prefix) :]
+        return ""
+
+
+class StopMatcher:
+    """Holds back text that may be the start of a stop string; reports when one is complete."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = [s for s in stops if s]
+        self.pending = ""
+
+    def push(self, text: str) -> tuple[str, bool]:
+        """Returns (text safe to emit, stopped)."""
+        self.pending += text
+        for s in self.stops:
+            i = self.pending.find(s)
+            if i >= 0:
+                out, self.pending = self.pending[:i], ""
+                return out, True
+        hold = 0
+        for s in self.stops:
+            for n in range(min(len(s) - 1, len(self.pending)), 0, -1):
+                if self.pending.endswith(s[:n]):
+                    hold = max(hold, n)
+                    break
+        out = self.pending[: len(self.pending) - hold]
+        self.pending = self.pending[len(out) :]
+        return out, False
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out
+
+
+@dataclass
+class Generator:
+    """Prefill and decode through a :class:`ContextShiftCache`; tracks which tokens the cache holds."""
+
+    model: nn.Module
+    cache: ContextShiftCache
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    seed: int | None = None
+    tokens: list[int] = field(default_factory=list)  # the tokens whose K/V are in the cache, in order
+
+    def __post_init__(self) -> None:
+        self.sampling.validate()
+        self.rng = torch.Generator(device="cpu")
+        if self.seed is not None:
+            self.rng.manual_seed(self.seed)
+        else:
+            self.rng.seed()
+        self.device = next(self.model.parameters()).device
+
+    def _forward(self, ids: list[int]) -> torch.Tensor:
+        before = self.cache.n_past
+        if self.cache.make_room(len(ids)):
+            discarded = before - self.cache.n_past
+            keep = self.cache.n_keep
+            self.tokens = self.tokens[:keep] + self.tokens[keep + discarded :]
+        x = torch.tensor([ids], device=self.device)
+        with torch.no_grad():
+            logits = self.model(x, past_key_values=self.cache, use_cache=True, logits_to_keep=1).logits
+        self.tokens.extend(ids)
+        return logits[0, -1]
+
+    def feed(self, ids: Sequence[int]) -> torch.Tensor:
+        """Write ``ids`` into the cache (in pieces that always fit) and return the last token's logits."""
+        if not ids:
+            raise ValueError("nothing to feed: empty prompt")
+        step = self.cache.max_chunk()
+        logits = None
+        for a in range(0, len(ids), step):
+            logits = self._forward(list(ids[a : a + step]))
+        return logits
+
+    def next_token(self, logits: torch.Tensor) -> int:
+        recent = torch.tensor(
+            self.tokens[-self.sampling.repeat_last_n :], dtype=torch.long, device=logits.device
+        )
+        return sample(logits, self.sampling, recent, self.rng if logits.device.type == "cpu" else None)
+
+    def decode(
+        self,
+        logits: torch.Tensor,
+        max_new_tokens: int = -1,
+        eos_token_ids: Sequence[int] = (),
+    ) -> Iterator[int]:
+        """Yield new tokens from the prompt's last ``logits``; ``max_new_tokens < 0`` means no limit.
+
+        Stops after an EOS token (which is yielded last) unless ``eos_token_ids`` is empty.
+        """
+        produced = 0
+        while max_new_tokens < 0 or produced < max_new_tokens:
+            token = self.next_token(logits)
+            produced += 1
+            yield token
+            if token in eos_token_ids:
+                return
+            logits = self._forward([token])
+
+
+def run(
+    generator: Generator,
+    prompt_ids: Sequence[int],
+    max_new_tokens: int = -1,
+    eos_token_ids: Sequence[int] = (),
+    reused: int = 0,
+) -> Iterator[tuple[int, GenerationStats]]:
+    """Prefill ``prompt_ids`` past the ``reused`` tokens cached, then decode; yields (token, stats)."""
+    stats = GenerationStats(prompt_tokens=len(prompt_ids), reused_tokens=reused, n_ctx=generator.cache.n_ctx)
+    t0 = time.perf_counter()
+    if reused == len(prompt_ids):
+        # the whole prompt is cached: re-feed its last token to get the logits to start from
+        generator.tokens.pop()
+        generator.cache.truncate(len(generator.tokens))
+        reused -= 1
+    logits = generator.feed(prompt_ids[reused:])
+    stats.prompt_seconds = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for token in generator.decode(logits, max_new_tokens, eos_token_ids):
+        stats.tokens += 1
+        stats.seconds = time.perf_counter() - t0
+        stats.shifts, stats.n_past = generator.cache.shifts, generator.cache.n_past
+        yield token, stats
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def build_prompt(
+    tokenizer, prompt: str, system: str | None = None, chat: bool = True
+) -> tuple[list[int], int]:
+    """Token ids of the prompt and how many leading ones are the system part (BOS, system prompt).
+
+    With a chat template, the system part is what two renders with different user texts share
+    (the template's system block and the user header); without, it is the BOS and ``system``.
+    """
+    if chat and getattr(tokenizer, "chat_template", None):
+
+        def render(user: str) -> list[int]:
+            msgs = ([{"role": "system", "content": system}] if system else []) + [
+                {"role": "user", "content": user}
+            ]
+            return list(
+                tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)["input_ids"]
+            )
+
+        ids = render(prompt)
+        return ids, _common_prefix(render("A"), render("B"))
+    text = f"{system}\n\n{prompt}" if system else prompt
+    ids = list(tokenizer(text).input_ids)
+    if system:
+        return ids, _common_prefix(ids, tokenizer(f"{system}\n\n").input_ids)
+    bos = tokenizer.bos_token_id
+    return ids, int(bool(ids) and bos is not None and ids[0] == bos)

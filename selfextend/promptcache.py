@@ -1,0 +1,84 @@
+"""Prompt-cache files: the KV cache after a prompt, saved so that a later run with the same start skips it.
+
+Like llama.cpp's session files. A file records the model's fingerprint and the settings that
+change the cached states (dtype, Self-Extend); a file made under others is refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from selfextend.cache import ContextShiftCache
+
+FORMAT = "selfextend-prompt-cache/1"
+
+
+class PromptCacheError(ValueError):
+    """A prompt-cache file that cannot be used here; one line for users."""
+
+
+def fingerprint(model: nn.Module) -> str:
+    """A short hash of the model's config and a slice of its embedding weights."""
+    h = hashlib.sha256(model.config.to_json_string(use_diff=False).encode())
+    emb = model.get_input_embeddings().weight
+    h.update(emb[:64].detach().float().cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def settings(model: nn.Module) -> dict[str, Any]:
+    """What the cached states depend on besides the tokens."""
+    se = [m.self_extend for m in model.modules() if hasattr(m, "self_extend")]
+    return {
+        "model": fingerprint(model),
+        "dtype": str(next(model.parameters()).dtype),
+        "self_extend": [se[0].group_size, se[0].window] if se else None,
+    }
+
+
+def save(path: str | Path, model: nn.Module, cache: ContextShiftCache, tokens: list[int]) -> None:
+    """Write the first ``len(tokens)`` cells of every layer (atomically: temp file, then rename)."""
+    n = len(tokens)
+    payload = {
+        "format": FORMAT,
+        "settings": json.dumps(settings(model), sort_keys=True),
+        "tokens": torch.tensor(tokens, dtype=torch.long),
+        "keys": [layer.keys[..., :n, :].clone().cpu() for layer in cache.layers],
+        "values": [layer.values[..., :n, :].clone().cpu() for layer in cache.layers],
+    }
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(payload, tmp)
+    os.replace(tmp, path)
+
+
+def load(path: str | Path, model: nn.Module, cache: ContextShiftCache, prompt: list[int]) -> list[int]:
+    """Load the longest cached prefix of ``prompt`` into the empty ``cache``; returns the reused tokens."""
+    try:
+        payload = torch.load(Path(path), map_location="cpu", weights_only=True)
+    except Exception as e:  # torch raises many types for a file that is not its own
+        raise PromptCacheError(f"{path} is not a selfextend prompt cache ({type(e).__name__})") from None
+    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
+        raise PromptCacheError(f"{path} is not a {FORMAT} file (another version or another program)")
+    ours, theirs = settings(model), json.loads(payload["settings"])
+    if ours != theirs:
+        diff = ", ".join(
+            f"{k}: file {theirs.get(k)} != now {v}" for k, v in ours.items() if theirs.get(k) != v
+        )
+        raise PromptCacheError(f"{path} was made with another model or settings ({diff})")
+    saved = payload["tokens"].tolist()
+    n = 0
+    limit = min(len(saved), len(prompt), cache.n_ctx - 1)
+    while n < limit and saved[n] == prompt[n]:
+        n += 1
+    if n:
+        cache.load_prefix(
+            [k[..., :n, :] for k in payload["keys"]], [v[..., :n, :] for v in payload["values"]]
+        )
+    return prompt[:n]

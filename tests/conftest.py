@@ -1,0 +1,91 @@
+"""Tiny randomly initialised models of each supported family: no download, float32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import (
+    GemmaConfig,
+    GemmaForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+TRAINED = 64  # max_position_embeddings of the tiny models
+COMMON = dict(
+    vocab_size=97,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=TRAINED,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+    initializer_range=0.15,  # sharper attention than the default 0.02, so positions matter
+)
+
+
+def _llama(**overrides):
+    return lambda: LlamaForCausalLM(LlamaConfig(**{**COMMON, **overrides}))
+
+
+FAMILIES = {
+    "llama": _llama(),
+    "mistral": lambda: MistralForCausalLM(MistralConfig(**COMMON, sliding_window=None)),
+    "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**COMMON)),
+    "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(**COMMON, head_dim=16)),
+    "phi3": lambda: Phi3ForCausalLM(
+        Phi3Config(
+            **COMMON,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+        )
+    ),
+    "gemma": lambda: GemmaForCausalLM(GemmaConfig(**COMMON, head_dim=16)),
+}
+
+ROPE_TYPES = {
+    "default": {},
+    "linear": {"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}},
+    "llama3": {
+        "rope_parameters": {
+            "rope_type": "llama3",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": TRAINED,
+        }
+    },
+    "yarn": {
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": TRAINED,
+        }
+    },
+}
+
+
+def make_model(family: str = "llama", seed: int = 0, rope: str = "default") -> torch.nn.Module:
+    torch.manual_seed(seed)
+    if rope == "default":
+        return FAMILIES[family]().eval()
+    extra = {"max_position_embeddings": 4 * TRAINED} if rope in ("llama3", "yarn") else {}
+    factory = _llama(**ROPE_TYPES[rope], **extra)
+    return factory().eval()
+
+
+@pytest.fixture(params=sorted(FAMILIES))
+def family(request: pytest.FixtureRequest) -> str:
+    return request.param

@@ -1,0 +1,98 @@
+"""Context-shift cache on tiny models: exact logits after shifts, kept tokens untouched, no reallocation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import COMMON, ROPE_TYPES, TRAINED
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import selfextend
+from selfextend.cache import ContextShiftCache
+from selfextend.generate import Generator
+from selfextend.rope import rotate
+
+TOL = 1e-4
+
+
+def one_layer_model(rope: str) -> torch.nn.Module:
+    """One layer: its keys and values depend on the token alone, so a fresh forward over the kept
+    tokens must reproduce the shifted cache exactly (deeper layers also carry the dropped context)."""
+    torch.manual_seed(0)
+    extra = {"max_position_embeddings": 4 * TRAINED} if rope in ("llama3", "yarn") else {}
+    return LlamaForCausalLM(
+        LlamaConfig(**{**COMMON, "num_hidden_layers": 1, **ROPE_TYPES[rope], **extra})
+    ).eval()
+
+
+@pytest.mark.parametrize("rope", sorted(ROPE_TYPES))
+@pytest.mark.parametrize("self_extend", [False, True])
+@pytest.mark.parametrize("steps", [25, 110])  # one shift, several shifts
+def test_logits_after_shifts_equal_fresh_forward(rope, self_extend, steps):
+    model = one_layer_model(rope)
+    if self_extend:
+        selfextend.apply_self_extend(model, group_size=3, window=7)
+    cache = ContextShiftCache(model, n_ctx=40, n_keep=5)
+    gen = Generator(model, cache)
+    ids = torch.randint(3, 97, (20 + steps,)).tolist()
+    logits = gen.feed(ids[:20])
+    for t in ids[20:]:
+        logits = gen.feed([t])
+    assert cache.shifts >= (1 if steps == 25 else 5)
+    assert gen.tokens[:5] == ids[:5] and gen.tokens[-1] == ids[-1] and len(gen.tokens) == cache.n_past
+    with torch.no_grad():
+        fresh = model(torch.tensor([gen.tokens])).logits[0, -1]
+    assert (logits - fresh).abs().max() < TOL
+
+
+def test_kept_tokens_bit_identical_and_storage_fixed():
+    from conftest import make_model
+
+    model = make_model("llama")
+    cache = ContextShiftCache(model, n_ctx=32, n_keep=6)
+    gen = Generator(model, cache)
+    ids = torch.randint(3, 97, (200,)).tolist()
+    gen.feed(ids[:10])
+    kept_k = [layer.keys[..., :6, :].clone() for layer in cache.layers]
+    kept_v = [layer.values[..., :6, :].clone() for layer in cache.layers]
+    storage = [(layer.keys.data_ptr(), layer.values.data_ptr()) for layer in cache.layers]
+    for t in ids[10:]:
+        gen.feed([t])
+    assert cache.shifts > 5
+    for layer, k, v, ptrs in zip(cache.layers, kept_k, kept_v, storage, strict=True):
+        assert torch.equal(layer.keys[..., :6, :], k) and torch.equal(layer.values[..., :6, :], v)
+        assert (layer.keys.data_ptr(), layer.values.data_ptr()) == ptrs
+        assert layer.keys.shape[-2] == 32
+
+
+def test_large_chunk_is_fed_in_pieces_not_truncated():
+    from conftest import make_model
+
+    model = make_model("llama")
+    cache = ContextShiftCache(model, n_ctx=32, n_keep=4)
+    gen = Generator(model, cache)
+    ids = torch.randint(3, 97, (100,)).tolist()
+    gen.feed(ids)
+    assert cache.shifts >= 1 and gen.tokens[:4] == ids[:4] and gen.tokens[-1] == ids[-1]
+    with pytest.raises(ValueError, match="at once"):
+        cache.make_room(40)
+
+
+def test_shift_drift_after_many_rotations():
+    """Keys moved by many small shifts stay close to a single rotation by the total (float32)."""
+    d = 64
+    inv_freq = 1.0 / (100000 ** (torch.arange(0, d, 2).float() / d))
+    k = rotate(torch.randn(1, 3, 1, d), torch.tensor([16000]), inv_freq)
+    stepwise = k
+    for _ in range(100):
+        stepwise = rotate(stepwise, torch.tensor([-150]), inv_freq)
+    once = rotate(k, torch.tensor([-15000]), inv_freq)
+    assert (stepwise - once).abs().max() < 1e-3
+
+
+@pytest.mark.parametrize("n_ctx,n_keep", [(0, 0), (-5, 0), (10, 10), (10, 12)])
+def test_bad_sizes_refused(n_ctx, n_keep):
+    from conftest import make_model
+
+    with pytest.raises(ValueError):
+        ContextShiftCache(make_model("llama"), n_ctx=n_ctx, n_keep=n_keep)

@@ -1,0 +1,175 @@
+"""Generation loop and the ``generate`` command: sampling, streaming text, errors, prompt cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from cli.main import main
+from selfextend.generate import StopMatcher, TextStream
+from selfextend.sampling import SamplingParams, apply_repetition_penalty, sample
+
+
+def test_greedy_and_filters():
+    logits = torch.tensor([0.0, 3.0, 2.9, -1.0])
+    assert sample(logits, SamplingParams(), torch.tensor([], dtype=torch.long)) == 1
+    g = torch.Generator().manual_seed(0)
+    picks = {
+        sample(logits, SamplingParams(temperature=1.0, top_k=2), torch.tensor([], dtype=torch.long), g)
+        for _ in range(200)
+    }
+    assert picks == {1, 2}
+    picks = {
+        sample(logits, SamplingParams(temperature=1.0, top_p=0.3), torch.tensor([], dtype=torch.long), g)
+        for _ in range(100)
+    }
+    assert picks == {1}
+    picks = {
+        sample(logits, SamplingParams(temperature=1.0, min_p=0.5), torch.tensor([], dtype=torch.long), g)
+        for _ in range(200)
+    }
+    assert picks == {1, 2}
+    penalised = apply_repetition_penalty(logits, torch.tensor([1, 3]), 2.0)
+    assert torch.allclose(penalised, torch.tensor([0.0, 1.5, 2.9, -2.0]))
+
+
+def test_seeded_sampling_repeats():
+    logits = torch.randn(50)
+    p = SamplingParams(temperature=1.0)
+    a = [
+        sample(logits, p, torch.tensor([], dtype=torch.long), torch.Generator().manual_seed(7))
+        for _ in range(3)
+    ]
+    b = [
+        sample(logits, p, torch.tensor([], dtype=torch.long), torch.Generator().manual_seed(7))
+        for _ in range(3)
+    ]
+    assert a == b
+
+
+def test_stop_matcher_holds_back_partial_stop():
+    m = StopMatcher(["END"])
+    assert m.push("hello E") == ("hello ", False)
+    assert m.push("N") == ("", False)
+    assert m.push("Dx") == ("", True)
+    m = StopMatcher(["END"])
+    assert m.push("hello EX") == ("hello EX", False)
+
+
+class ByteTokenizer:
+    """Decodes token ids as UTF-8 bytes: a multi-byte character spans several tokens."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+def test_text_stream_never_splits_characters():
+    data = "naïve café — 日本".encode()
+    stream = TextStream(ByteTokenizer())
+    pieces = [stream.push(b) for b in data]
+    assert "".join(pieces) == "naïve café — 日本"
+    assert all("\ufffd" not in p for p in pieces)
+
+
+# The command, on the real default model (converted once, then loaded from the user cache).
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(main, list(args))
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--ctx", "64", "--keep", "64"], "--keep"),
+        (["--ctx", "64", "--keep", "100"], "--keep"),
+        (["--ctx", "-5"], "--ctx"),
+        (["--ctx", "0"], "--ctx"),
+        (["-g", "4"], "--window"),
+        (["-g", "0", "-w", "16"], "group size"),
+        (["-g", "2", "-w", "9000"], "trained window"),
+    ],
+)
+def test_bad_flags_one_line_error(args, message):
+    r = invoke("generate", "-p", "hi", "-n", "1", *args)
+    assert r.exit_code != 0
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0]
+
+
+def test_unreadable_prompt_files(tmp_path):
+    r = invoke("generate", "-f", str(tmp_path / "missing.txt"))
+    assert r.exit_code != 0 and r.stderr.strip().count("\n") == 0 and "cannot read" in r.stderr
+    bad = tmp_path / "latin1.txt"
+    bad.write_bytes("caf\xe9".encode("latin-1"))
+    r = invoke("generate", "-f", str(bad))
+    assert r.exit_code != 0 and "not UTF-8" in r.stderr and r.stderr.strip().count("\n") == 0
+    empty = tmp_path / "empty.txt"
+    empty.write_text("  \n")
+    r = invoke("generate", "-f", str(empty))
+    assert r.exit_code != 0 and "empty" in r.stderr
+
+
+@pytest.mark.real
+def test_prompt_cache_gives_same_greedy_output(tmp_path):
+    pc = tmp_path / "prompt.cache"
+    args = [
+        "generate",
+        "-p",
+        "List three facts about owls.",
+        "--temperature",
+        "0",
+        "-n",
+        "24",
+        "--ctx",
+        "512",
+    ]
+    plain = invoke(*args)
+    assert plain.exit_code == 0, plain.stderr
+    first = invoke(*args, "--prompt-cache", str(pc))
+    assert first.exit_code == 0 and pc.exists()
+    second = invoke(*args, "--prompt-cache", str(pc))
+    assert second.exit_code == 0 and "from the prompt cache" in second.stderr
+    assert plain.stdout == first.stdout == second.stdout
+    assert len(plain.stdout.split()) > 5
+
+
+@pytest.mark.real
+def test_mismatched_prompt_cache_refused(tmp_path):
+    garbage = tmp_path / "garbage.cache"
+    garbage.write_bytes(b"not a cache")
+    r = invoke("generate", "-p", "hi", "-n", "1", "--prompt-cache", str(garbage))
+    assert r.exit_code != 0 and "not a selfextend prompt cache" in r.stderr
+    assert r.stderr.strip().count("\n") == 0
+    pc = tmp_path / "se.cache"
+    assert invoke("generate", "-p", "hi", "-n", "2", "--prompt-cache", str(pc)).exit_code == 0
+    r = invoke("generate", "-p", "hi", "-n", "1", "-g", "2", "-w", "512", "--prompt-cache", str(pc))
+    assert r.exit_code != 0 and "another model or settings" in r.stderr
+    assert r.stderr.strip().count("\n") == 0
+
+
+@pytest.mark.real
+def test_output_file_appends_and_shifts_reported(tmp_path):
+    out = tmp_path / "out.txt"
+    out.write_text("before\n")
+    r = invoke(
+        "generate",
+        "-p",
+        "Count from one to one hundred in words.",
+        "--temperature",
+        "0",
+        "-n",
+        "120",
+        "--ctx",
+        "96",
+        "--ignore-eos",
+        "--output",
+        str(out),
+    )
+    assert r.exit_code == 0, r.stderr
+    text = out.read_text()
+    assert text.startswith("before\n") and text[len("before\n") :] + "\n" == r.stdout
+    summary = r.stderr.strip().splitlines()[-1]
+    assert "120 tokens" in summary and "context shifts" in summary
+    assert int(summary.split(" context shifts")[0].rsplit(" ", 1)[-1]) >= 1

