@@ -10,8 +10,10 @@ import sys
 
 import click
 
+from cli.bench import bench
 from cli.generate import generate
 from cli.info import info
+from cli.measure import passkey, plot, ppl
 
 
 def _one_line(e: BaseException) -> str:
@@ -55,3 +57,7 @@ def main() -> None:
 
 main.add_command(info)
 main.add_command(generate)
+main.add_command(ppl)
+main.add_command(passkey)
+main.add_command(plot)
+main.add_command(bench)

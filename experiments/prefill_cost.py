@@ -39,7 +39,7 @@ def worker(variant: str, tokens: int, group_size: int, window: int) -> None:
     from selfextend.models import load_model
 
     model, tokenizer = load_model("smollm2-135m", dtype=torch.float32)
-    text = default_books()["the-adventures-of-sherlock-holmes"]
+    text = default_books()["sherlock-holmes"]
     ids = tokenizer(text[: tokens * 8], return_tensors="pt").input_ids[:, :tokens]
     if variant == "selfextend":
         selfextend.apply_self_extend(model, group_size, window)

@@ -4,7 +4,7 @@ One 16k-token excerpt of a default-corpus book, scored in one forward by the pla
 and by Self-Extend (G=4, W=1024); prints and writes the perplexity of the 4k-8k and 8k-16k
 parts. About 5 minutes on a 2-core CPU (fp32).
 
-    python experiments/self_extend_ppl.py [--book the-adventures-of-sherlock-holmes] [--tokens 16384]
+    python experiments/self_extend_ppl.py [--book sherlock-holmes] [--tokens 16384]
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ RESULTS = Path(__file__).parent / "results"
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--book", default="the-adventures-of-sherlock-holmes")
+    ap.add_argument("--book", default="sherlock-holmes")
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--group-size", type=int, default=4)
     ap.add_argument("--window", type=int, default=1024)

@@ -142,6 +142,70 @@ def _grouped_pass(
     return 0, out, lse
 
 
+def grouped_keys(
+    k: torch.Tensor, k_pos: torch.Tensor, group_size: int, inv_freq: torch.Tensor
+) -> torch.Tensor:
+    """Keys (B, Hkv, n, D) rotated at positions ``k_pos`` (B, n) moved to their grouped positions."""
+    return rotate(k, grouped_key_positions(k_pos, group_size) - k_pos, inv_freq)
+
+
+class GroupedKeyMemo:
+    """One layer's keys at grouped positions, kept between decode steps.
+
+    A key's grouped position ``j // G`` does not depend on the query, so during decoding only
+    the newly grouped keys need rotating. The memo is trusted only while the cache still holds
+    the same keys at the same positions: same first slot position, and the first and last
+    memoised raw key rows unchanged (a context shift or a new sequence changes them).
+    """
+
+    def __init__(self) -> None:
+        self.buf: torch.Tensor | None = None
+        self.n = 0
+        self.first_pos: torch.Tensor | None = None
+        self.edges: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def _valid(self, k: torch.Tensor, first_pos: torch.Tensor, n_grouped: int) -> bool:
+        if self.buf is None or self.n == 0 or self.n > n_grouped or self.edges is None:
+            return False
+        if self.buf.shape[:2] != k.shape[:2] or self.buf.dtype != k.dtype or self.buf.device != k.device:
+            return False
+        first, last = self.edges
+        return (
+            torch.equal(self.first_pos, first_pos)
+            and torch.equal(k[..., 0, :], first)
+            and torch.equal(k[..., self.n - 1, :], last)
+        )
+
+    def get(
+        self,
+        k: torch.Tensor,
+        first_pos: torch.Tensor,
+        n_grouped: int,
+        group_size: int,
+        inv_freq: torch.Tensor,
+    ) -> torch.Tensor:
+        """Grouped keys of slots [0, n_grouped) of ``k``; slot 0 is at position ``first_pos`` (B, 1)."""
+        if not self._valid(k, first_pos, n_grouped):
+            self.n = 0
+        b = self.buf
+        fits = b is not None and b.shape[:2] == k.shape[:2] and b.dtype == k.dtype and b.device == k.device
+        if not fits or b.shape[-2] < n_grouped:
+            capacity = max(n_grouped, 2 * b.shape[-2] if fits else 0, 256)  # amortised growth
+            grown = k.new_empty(*k.shape[:2], capacity, k.shape[-1])
+            if self.n:
+                grown[..., : self.n, :] = self.buf[..., : self.n, :]
+            self.buf = grown
+        if n_grouped > self.n:
+            pos = first_pos + torch.arange(self.n, n_grouped, device=k.device)  # (B, new)
+            self.buf[..., self.n : n_grouped, :] = grouped_keys(
+                k[..., self.n : n_grouped, :], pos, group_size, inv_freq
+            )
+            self.n = n_grouped
+        self.first_pos = first_pos.clone()
+        self.edges = (k[..., 0, :].clone(), k[..., n_grouped - 1, :].clone())
+        return self.buf[..., :n_grouped, :]
+
+
 def self_extend_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -151,11 +215,13 @@ def self_extend_attention(
     window: int,
     inv_freq: torch.Tensor,
     scale: float | None = None,
+    memo: GroupedKeyMemo | None = None,
 ) -> torch.Tensor:
     """Self-Extend attention for one unpadded problem, queries at the last ``Lq`` key slots.
 
     q (B, H, Lq, D) rotated at ``q_pos`` (B or 1, Lq); k/v (B, Hkv, Lk, D), keys rotated at their
-    positions ``q_pos[:, -1] - (Lk - 1 - s)``. Returns (B, H, Lq, D).
+    positions ``q_pos[:, -1] - (Lk - 1 - s)``. Returns (B, H, Lq, D). With a ``memo``, decode
+    steps (Lq = 1) rotate only the keys that became grouped since the last step.
     """
     b, h, lq, d = q.shape
     hkv, lk = k.shape[1], k.shape[2]
@@ -168,9 +234,12 @@ def self_extend_attention(
     elif group_size == 1:  # grouped positions are the normal ones
         q_g, k_g = q, k[..., :n_grouped, :]
     else:
-        last = q_pos[:, -1:]  # (B, 1)
-        k_pos = last - (lk - 1) + torch.arange(n_grouped, device=q.device)  # (B, Lk - W)
-        k_g = rotate(k[..., :n_grouped, :], grouped_key_positions(k_pos, group_size) - k_pos, inv_freq)
+        first_pos = q_pos[:, -1:] - (lk - 1)  # (B, 1): position of key slot 0
+        if memo is not None and lq == 1:
+            k_g = memo.get(k, first_pos, n_grouped, group_size, inv_freq)
+        else:
+            k_pos = first_pos + torch.arange(n_grouped, device=q.device)  # (B, Lk - W)
+            k_g = grouped_keys(k[..., :n_grouped, :], k_pos, group_size, inv_freq)
         q_g = rotate(q, grouped_query_positions(q_pos, group_size, window) - q_pos, inv_freq)
 
     if lq == 1:

@@ -9,6 +9,15 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def _head_nll(model: nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """NLL of ``targets`` (n,) under the output head applied to ``hidden`` (n, hidden_size)."""
+    logits = model.get_output_embeddings()(hidden).float()  # (n, vocab)
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    if cap:
+        logits = torch.tanh(logits / cap) * cap
+    return F.cross_entropy(logits, targets.to(logits.device), reduction="none").cpu()
+
+
 @torch.no_grad()
 def token_nll(model: nn.Module, ids: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
     """NLL (nats) of tokens 1..L-1 of ``ids`` (1, L) given their prefix, from one forward.
@@ -17,17 +26,36 @@ def token_nll(model: nn.Module, ids: torch.Tensor, chunk: int = 1024) -> torch.T
     ``chunk`` positions at a time, so memory holds (chunk, vocab) logits, never (L, vocab).
     """
     decoder = getattr(model, model.base_model_prefix)
-    head = model.get_output_embeddings()
     hidden = decoder(input_ids=ids.to(model.device)).last_hidden_state[0]  # (L, hidden)
-    targets = ids[0, 1:].to(hidden.device)
-    cap = getattr(model.config, "final_logit_softcapping", None)
+    targets = ids[0, 1:]
     nll = torch.empty(targets.shape[0], dtype=torch.float32)
     for a in range(0, targets.shape[0], chunk):
         b = min(a + chunk, targets.shape[0])
-        logits = head(hidden[a:b]).float()  # (chunk, vocab)
-        if cap:
-            logits = torch.tanh(logits / cap) * cap
-        nll[a:b] = F.cross_entropy(logits, targets[a:b], reduction="none").cpu()
+        nll[a:b] = _head_nll(model, hidden[a:b], targets[a:b])
+    return nll
+
+
+@torch.no_grad()
+def shift_nll(
+    model: nn.Module, ids: torch.Tensor, n_ctx: int, n_keep: int = 0, chunk: int = 256
+) -> torch.Tensor:
+    """NLL of tokens 1..L-1 when the text streams through a context-shift cache of ``n_ctx`` tokens.
+
+    Chunks of at most ``chunk`` tokens are written after making room; each token is scored
+    against whatever the cache holds at that moment, as during endless generation.
+    """
+    from selfextend.cache import ContextShiftCache
+
+    decoder = getattr(model, model.base_model_prefix)
+    cache = ContextShiftCache(model, n_ctx=n_ctx, n_keep=n_keep)
+    step = min(chunk, cache.max_chunk())
+    targets = ids[0, 1:]
+    nll = torch.empty(targets.shape[0], dtype=torch.float32)
+    for a in range(0, targets.shape[0], step):
+        b = min(a + step, targets.shape[0])
+        cache.make_room(b - a)
+        out = decoder(input_ids=ids[:, a:b].to(model.device), past_key_values=cache, use_cache=True)
+        nll[a:b] = _head_nll(model, out.last_hidden_state[0], targets[a:b])
     return nll
 
 

@@ -129,11 +129,14 @@ class Generator:
         self.tokens.extend(ids)
         return logits[0, -1]
 
-    def feed(self, ids: Sequence[int]) -> torch.Tensor:
-        """Write ``ids`` into the cache (in pieces that always fit) and return the last token's logits."""
+    def feed(self, ids: Sequence[int], chunk: int | None = None) -> torch.Tensor:
+        """Write ``ids`` into the cache and return the last token's logits.
+
+        Pieces are at most ``chunk`` tokens, by default the largest write one shift always makes room for.
+        """
         if not ids:
             raise ValueError("nothing to feed: empty prompt")
-        step = self.cache.max_chunk()
+        step = chunk or self.cache.max_chunk()
         logits = None
         for a in range(0, len(ids), step):
             logits = self._forward(list(ids[a : a + step]))

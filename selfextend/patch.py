@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -20,7 +20,7 @@ from torch import nn
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, prepare_padding_mask
 
-from selfextend.attention import self_extend_attention, self_extend_attention_reference
+from selfextend.attention import GroupedKeyMemo, self_extend_attention, self_extend_attention_reference
 from selfextend.positions import max_length, validate
 from selfextend.rope import find_rotary_embedding, rotate
 
@@ -36,6 +36,7 @@ class SelfExtendParams:
     window: int
     rotary: nn.Module
     previous_implementation: str
+    memo: GroupedKeyMemo = field(default_factory=GroupedKeyMemo)
 
     @property
     def inv_freq(self) -> torch.Tensor:
@@ -114,13 +115,13 @@ def self_extend_attention_forward(
     q_pos = _query_positions(kwargs, b, lq, lk, query.device)
     pads = _split_padding(attention_mask, lk)
 
-    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, memo=None) -> torch.Tensor:
         return self_extend_attention(
-            q, k, v, pos, params.group_size, params.window, params.inv_freq, scale=scaling
+            q, k, v, pos, params.group_size, params.window, params.inv_freq, scale=scaling, memo=memo
         )
 
     if pads is None:
-        out = run(query, key, value, q_pos)
+        out = run(query, key, value, q_pos, params.memo)
     else:
         # Each row on its own, without its padding slots: left padding means "these slots don't exist".
         out = torch.zeros_like(query)

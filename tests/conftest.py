@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import (
@@ -89,3 +91,27 @@ def make_model(family: str = "llama", seed: int = 0, rope: str = "default") -> t
 @pytest.fixture(params=sorted(FAMILIES))
 def family(request: pytest.FixtureRequest) -> str:
     return request.param
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory) -> Path:
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from selfextend.models import ensure_converted, resolve_model
+
+    tokenizer = AutoTokenizer.from_pretrained(ensure_converted(resolve_model("smollm2-135m")))
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+    )
+    d = tmp_path_factory.mktemp("tiny")
+    LlamaForCausalLM(config).save_pretrained(d)
+    tokenizer.save_pretrained(d)
+    return d

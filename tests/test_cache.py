@@ -96,3 +96,24 @@ def test_bad_sizes_refused(n_ctx, n_keep):
 
     with pytest.raises(ValueError):
         ContextShiftCache(make_model("llama"), n_ctx=n_ctx, n_keep=n_keep)
+
+
+def test_grouped_key_memo_matches_recomputation_across_shifts():
+    """Self-Extend decoding memoises grouped keys; across context shifts it must equal recomputing them."""
+    from conftest import make_model
+
+    from selfextend.patch import attention_modules
+
+    ids = torch.randint(3, 97, (160,)).tolist()
+    runs = []
+    for memo in (True, False):
+        model = make_model("qwen3")
+        selfextend.apply_self_extend(model, group_size=3, window=9)
+        if not memo:
+            for m in attention_modules(model):
+                m.self_extend.memo = None
+        gen = Generator(model, ContextShiftCache(model, n_ctx=48, n_keep=3))
+        logits = [gen.feed(ids[:20])] + [gen.feed([t]) for t in ids[20:]]
+        runs.append(torch.stack(logits))
+        assert gen.cache.shifts >= 5
+    assert (runs[0] - runs[1]).abs().max() < TOL

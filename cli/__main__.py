@@ -1,0 +1,5 @@
+"""``python -m cli``: the same as the ``selfextend`` command."""
+
+from cli.main import main
+
+main()

@@ -1,0 +1,241 @@
+"""``selfextend ppl``, ``passkey`` and ``plot``: measurements written as JSON Lines, and their plots."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from cli.options import model_options
+
+
+def _methods(specs: tuple[str, ...]):
+    from selfextend.methods import parse_method
+
+    return [parse_method(s) for s in (specs or ("plain",))]
+
+
+def _progress_bar(total: int, desc: str):
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="tok", unit_scale=True, desc=desc, dynamic_ncols=True)
+
+
+METHOD_HELP = (
+    "Repeatable: plain, selfextend:G=4,W=1024, ntk:factor=4, yarn:factor=4, "
+    "shift:ctx=2048,keep=4 (shift may add G=..,W=..). Default: plain."
+)
+
+
+@click.command()
+@model_options
+@click.option(
+    "--corpus",
+    default="default",
+    show_default=True,
+    help="'default' (four Gutenberg books), a UTF-8 text file, or a folder of .txt files.",
+)
+@click.option(
+    "--docs",
+    help="Comma-separated document names to use (default: all). "
+    "Default corpus: sherlock-holmes, us-history, surgery, war-and-peace.",
+)
+@click.option(
+    "--dataset", help="A `datasets` dataset instead of --corpus: a hub name (pg19) or json/parquet/text."
+)
+@click.option("--dataset-config", help="The dataset's configuration name.")
+@click.option("--split", default=None, help="The dataset split (default: test; train for --data-files).")
+@click.option("--text-column", default="text", show_default=True, help="The dataset column holding the text.")
+@click.option("--data-files", help="Local files for json/parquet/text datasets.")
+@click.option("--max-docs", type=int, default=None, help="Use at most this many documents.")
+@click.option(
+    "--lengths",
+    default="1k,2k,4k,8k,16k",
+    show_default=True,
+    help="Context lengths in tokens (k = 1024); each document's first LENGTH tokens are scored.",
+)
+@click.option("--method", "methods", multiple=True, help=METHOD_HELP)
+@click.option(
+    "-o",
+    "--out",
+    type=click.Path(dir_okay=False),
+    required=True,
+    help="JSON Lines file; records are appended as points finish, finished points are skipped.",
+)
+def ppl(
+    model: str,
+    dtype: str,
+    device: str,
+    corpus: str,
+    docs: str | None,
+    dataset: str | None,
+    dataset_config: str | None,
+    split: str | None,
+    text_column: str,
+    data_files: str | None,
+    max_docs: int | None,
+    lengths: str,
+    methods: tuple[str, ...],
+    out: str,
+) -> None:
+    """Perplexity against length for each document and method.
+
+    Records: model, doc, method, length, ppl (all tokens), ppl_last (the last quarter, where
+    extension methods differ), last_from, tokens, seconds.
+    """
+    from selfextend.corpus import load_corpus, select
+    from selfextend.sweep import parse_lengths, plan, ppl_sweep, tokenize_docs
+
+    parsed_lengths, parsed_methods = parse_lengths(lengths), _methods(methods)
+    texts = load_corpus(
+        corpus,
+        name=dataset,
+        config=dataset_config,
+        split=split,
+        text_column=text_column,
+        data_files=data_files,
+        max_docs=max_docs,
+    )
+    texts = select(texts, docs.split(",") if docs else None)
+    if max_docs:
+        texts = dict(list(texts.items())[:max_docs])
+    from cli.options import load_with_self_extend
+
+    lm, tokenizer = load_with_self_extend(model, dtype, device, None, None)
+    runs = plan(model, list(texts), parsed_methods, parsed_lengths, out)
+    if not runs:
+        click.echo(f"all points already in {out}", err=True)
+        return
+    ids = tokenize_docs(tokenizer, texts, runs)
+    bar = _progress_bar(sum(r.length for r in runs), "ppl")
+    with bar:
+        for r in ppl_sweep(lm, model, ids, runs, out, progress=bar.update):
+            bar.write(
+                f"{r['doc']:>16} {r['method']:>24} {r['length']:>7}  ppl {r['ppl']:9.2f}"
+                f"  last quarter {r['ppl_last']:9.2f}"
+            )
+    click.echo(f"wrote {out}", err=True)
+
+
+@click.command()
+@model_options
+@click.option("--lengths", default="2k,4k,8k", show_default=True, help="Prompt lengths in tokens (k = 1024).")
+@click.option(
+    "--depths",
+    default="0,0.25,0.5,0.75,1",
+    show_default=True,
+    help="Where the passkey sits, as fractions of the filler (0 = start, 1 = end).",
+)
+@click.option("--trials", type=int, default=2, show_default=True, help="Random passkeys per (length, depth).")
+@click.option("--method", "methods", multiple=True, help=METHOD_HELP)
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the passkeys.")
+@click.option(
+    "-o",
+    "--out",
+    type=click.Path(dir_okay=False),
+    required=True,
+    help="JSON Lines file; one record per trial, appended as it finishes; finished trials are skipped.",
+)
+def passkey(
+    model: str,
+    dtype: str,
+    device: str,
+    lengths: str,
+    depths: str,
+    trials: int,
+    methods: tuple[str, ...],
+    seed: int,
+    out: str,
+) -> None:
+    """Passkey retrieval: a 5-digit key hidden in filler, asked for at the end, answered greedily."""
+    from cli.options import load_with_self_extend
+    from selfextend.passkey import passkey_sweep
+    from selfextend.results import read_jsonl
+    from selfextend.sweep import parse_lengths
+
+    parsed_lengths, parsed_methods = parse_lengths(lengths), _methods(methods)
+    try:
+        parsed_depths = sorted({float(d) for d in depths.split(",") if d.strip()})
+    except ValueError:
+        raise click.BadParameter(
+            f"'{depths}': use fractions such as 0,0.5,1", param_hint="--depths"
+        ) from None
+    if not parsed_depths or not all(0 <= d <= 1 for d in parsed_depths):
+        raise click.BadParameter("depths must lie in [0, 1]", param_hint="--depths")
+    if trials < 1:
+        raise click.BadParameter("at least 1", param_hint="--trials")
+    lm, tokenizer = load_with_self_extend(model, dtype, device, None, None)
+    done = len(read_jsonl(out))
+    total = len(parsed_methods) * sum(parsed_lengths) * len(parsed_depths) * trials
+    bar = _progress_bar(total, "passkey")
+    with bar:
+        for r in passkey_sweep(
+            lm,
+            tokenizer,
+            model,
+            parsed_methods,
+            parsed_lengths,
+            parsed_depths,
+            trials,
+            out,
+            seed,
+            progress=bar.update,
+        ):
+            bar.write(
+                f"{r['method']:>24} {r['length']:>7} depth {r['depth']:.2f} #{r['trial']}: "
+                f"{'ok ' if r['correct'] else 'MISS'} {r['passkey']} -> {r['answer'][:20]!r}"
+            )
+    records = read_jsonl(out)
+    click.echo(
+        f"wrote {out}: {len(records) - done} new, accuracy over the file "
+        f"{sum(r['correct'] for r in records)}/{len(records)}",
+        err=True,
+    )
+
+
+@click.command()
+@click.argument("results", type=click.Path(exists=True, dir_okay=False))
+@click.option(
+    "-o", "--out", type=click.Path(dir_okay=False), help="PNG to write (default: RESULTS with .png)."
+)
+@click.option(
+    "--trained-window",
+    type=int,
+    default=None,
+    help="Mark this length (tokens) on the plot; default: the model's, when it can be read.",
+)
+@click.option(
+    "--field",
+    type=click.Choice(["ppl_last", "ppl"]),
+    default="ppl_last",
+    show_default=True,
+    help="For perplexity results: the last quarter of each context, or all of it.",
+)
+def plot(results: str, out: str | None, trained_window: int | None, field: str) -> None:
+    """Draw a JSONL results file as a PNG: PPL against length, passkey heatmaps, or bench time and memory."""
+    from selfextend.plot import plot_bench, plot_passkey, plot_ppl, record_kind
+    from selfextend.results import read_jsonl
+
+    records = read_jsonl(results)
+    kind = record_kind(records)
+    if trained_window is None:
+        trained_window = _trained_window(records[0].get("model"))
+    target = Path(out or Path(results).with_suffix(".png"))
+    if kind == "ppl":
+        plot_ppl(records, target, trained_window, field)
+    elif kind == "passkey":
+        plot_passkey(records, target, trained_window)
+    else:
+        plot_bench(records, target, trained_window)
+    click.echo(f"wrote {target}")
+
+
+def _trained_window(model: str | None) -> int | None:
+    from selfextend.models import ModelError, load_config, model_facts
+
+    if not model:
+        return None
+    try:
+        return model_facts(load_config(model)).trained_window
+    except ModelError:
+        return None

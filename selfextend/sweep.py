@@ -1,0 +1,132 @@
+"""Perplexity against length: documents x methods x lengths, one JSONL record per finished point.
+
+Rerunning with the same output file skips the points already there. For methods where a
+token's score does not depend on what follows it (all but dynamic NTK), one forward over the
+longest missing length scores every shorter prefix too, so the sweep costs one long forward
+per (document, method).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from selfextend.corpus import CorpusError
+from selfextend.eval import segment_ppl, shift_nll, token_nll
+from selfextend.methods import Method, applied
+from selfextend.results import append_jsonl, read_jsonl, repair_tail
+
+
+def parse_lengths(spec: str) -> list[int]:
+    """``"1k,2k,4096"`` -> [1024, 2048, 4096] (k = 1024 tokens)."""
+    lengths = []
+    for part in filter(None, (p.strip().lower() for p in spec.split(","))):
+        try:
+            n = int(float(part[:-1]) * 1024) if part.endswith("k") else int(part)
+        except ValueError:
+            raise ValueError(f"bad length '{part}': use token counts such as 2048 or 2k") from None
+        if n < 2:
+            raise ValueError(f"length {part} is too short: at least 2 tokens")
+        lengths.append(n)
+    if not lengths:
+        raise ValueError("no lengths given")
+    return sorted(set(lengths))
+
+
+def tokenize_prefix(tokenizer, text: str, n_tokens: int) -> torch.Tensor:
+    """The first ``n_tokens`` tokens of ``text`` (1, n) or fewer if it is shorter; tokenizes only a prefix."""
+    chars = n_tokens * 8
+    while True:
+        ids = tokenizer(text[:chars], return_tensors="pt").input_ids
+        if ids.shape[1] >= n_tokens or chars >= len(text):
+            return ids[:, :n_tokens]
+        chars *= 2
+
+
+def score(model: nn.Module, ids: torch.Tensor, method: Method) -> torch.Tensor:
+    """Per-token NLL of ``ids`` under ``method``."""
+    with applied(model, method):
+        if method.kind == "shift":
+            return shift_nll(model, ids, int(method.params["ctx"]), int(method.params.get("keep", 0)))
+        return token_nll(model, ids)
+
+
+@dataclass
+class Run:
+    """One forward (or stream) of ``length`` tokens of ``doc`` under ``method``, scoring ``covers``."""
+
+    doc: str
+    method: Method
+    length: int
+    covers: list[int]
+
+
+def plan(
+    model_name: str, docs: list[str], methods: list[Method], lengths: list[int], out: str | Path
+) -> list[Run]:
+    """The runs still needed: points already in ``out`` are skipped."""
+    done = {(r["model"], r["doc"], r["method"], r["length"]) for r in read_jsonl(out)}
+    runs = []
+    for doc in docs:
+        for method in methods:
+            missing = [n for n in lengths if (model_name, doc, method.name, n) not in done]
+            if not missing:
+                continue
+            if method.length_independent:
+                runs.append(Run(doc, method, max(missing), missing))
+            else:
+                runs += [Run(doc, method, n, [n]) for n in missing]
+    return runs
+
+
+def tokenize_docs(tokenizer, docs: dict[str, str], runs: list[Run]) -> dict[str, torch.Tensor]:
+    """The token ids each document needs for ``runs``; refuses documents shorter than their longest run."""
+    ids = {}
+    for name in sorted({r.doc for r in runs}):
+        need = max(r.length for r in runs if r.doc == name)
+        ids[name] = tokenize_prefix(tokenizer, docs[name], need)
+        if ids[name].shape[1] < need:
+            raise CorpusError(f"document '{name}' has {ids[name].shape[1]} tokens, fewer than length {need}")
+    return ids
+
+
+def ppl_sweep(
+    model: nn.Module,
+    model_name: str,
+    ids: dict[str, torch.Tensor],
+    runs: list[Run],
+    out: str | Path,
+    progress: Callable[[int], None] | None = None,
+) -> Iterator[dict]:
+    """Do ``runs`` on the documents' token ``ids``, appending each point's record to ``out`` once known.
+
+    ``progress`` is told how many tokens each run processed (for a progress bar).
+    """
+    repair_tail(out)
+    for run in runs:
+        t0 = time.perf_counter()
+        nll = score(model, ids[run.doc][:, : run.length], run.method)
+        seconds = time.perf_counter() - t0
+        if progress:
+            progress(run.length)
+        for n in run.covers:
+            last_from = n - n // 4
+            record = {
+                "model": model_name,
+                "doc": run.doc,
+                "method": run.method.name,
+                "length": n,
+                "ppl": segment_ppl(nll, 0, n),
+                "ppl_last": segment_ppl(nll, last_from, n),
+                "last_from": last_from,
+                "tokens": n,
+                "seconds": round(seconds, 2),
+                "forward_length": run.length,
+            }
+            append_jsonl(out, record)
+            yield record

@@ -1,0 +1,54 @@
+"""``selfextend bench`` runs every case side by side and writes records the plot command can draw."""
+
+from __future__ import annotations
+
+from click.testing import CliRunner
+
+from cli.main import main
+from selfextend.results import read_jsonl
+
+
+def test_bench_records_and_plot(tiny_dir, tmp_path):
+    out = tmp_path / "bench.jsonl"
+    args = [
+        "bench",
+        "--model",
+        str(tiny_dir),
+        "--lengths",
+        "64,128",
+        "--decode-lengths",
+        "96",
+        "-g",
+        "2",
+        "-w",
+        "32",
+        "--repeats",
+        "1",
+        "--ctx",
+        "64",
+        "--endless-tokens",
+        "40",
+        "-o",
+        str(out),
+    ]
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 0, r.stderr
+    records = read_jsonl(out)
+    runs = [x for x in records if not x.get("summary")]
+    prefill = {(x["variant"], x["length"]) for x in runs if x["case"] == "prefill"}
+    assert prefill == {(v, n) for v in ("plain", "selfextend", "reference") for n in (64, 128)}
+    assert all(x["seconds"] > 0 and x["peak_mib"] >= 0 for x in runs if x["case"] == "prefill")
+    assert {x["variant"] for x in runs if x["case"] == "decode"} == {"plain", "selfextend"}
+    endless = [x for x in runs if x["case"] == "endless" and x["variant"] == "shift"]
+    assert endless and endless[0]["shifts"] >= 1
+    summary = [x for x in records if x.get("summary")]
+    assert any("ratio" in x for x in summary if x["case"] == "prefill")
+    assert "vs plain" in r.stdout
+    png = tmp_path / "bench.png"
+    assert CliRunner().invoke(main, ["plot", str(out), "-o", str(png)]).exit_code == 0
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_bad_case(tiny_dir):
+    r = CliRunner().invoke(main, ["bench", "--model", str(tiny_dir), "--cases", "warp"])
+    assert r.exit_code != 0 and "unknown case" in r.stderr

@@ -1,0 +1,297 @@
+"""Perplexity sweeps, passkey and plots: exact scoring, resume, interruption, errors, PNG output."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+from click.testing import CliRunner
+from conftest import make_model
+
+from cli.main import main
+from selfextend.corpus import CorpusError, default_books, read_text_file, split_gutenberg
+from selfextend.eval import perplexity, shift_nll, token_nll
+from selfextend.methods import MethodError, parse_method
+from selfextend.results import append_jsonl, read_jsonl
+from selfextend.sweep import parse_lengths
+
+
+def test_token_nll_matches_direct_cross_entropy():
+    model = make_model("llama")
+    ids = torch.randint(3, 97, (1, 300))
+    nll = token_nll(model, ids, chunk=64)
+    with torch.no_grad():
+        logits = model(ids).logits[0, :-1]
+    direct = F.cross_entropy(logits, ids[0, 1:], reduction="mean").item()
+    assert math.isclose(perplexity(nll), math.exp(direct), rel_tol=1e-5)
+
+
+def test_shift_nll_without_shift_equals_one_forward():
+    model = make_model("qwen2")
+    ids = torch.randint(3, 97, (1, 200))
+    assert torch.allclose(shift_nll(model, ids, n_ctx=512, chunk=37), token_nll(model, ids), atol=1e-4)
+    assert not torch.allclose(shift_nll(model, ids, n_ctx=64, chunk=16), token_nll(model, ids), atol=1e-3)
+
+
+def test_default_corpus_books():
+    books = default_books()
+    assert list(books) == ["sherlock-holmes", "us-history", "surgery", "war-and-peace"]
+    assert all("PROJECT GUTENBERG" not in text[-2000:].upper() for text in books.values())
+    assert "Sherlock Holmes" in books["sherlock-holmes"][:2000]
+    text = (
+        "junk\n*** START OF THE PROJECT GUTENBERG EBOOK, A B ***\nbody\n"
+        "*** END OF THE PROJECT GUTENBERG EBOOK, A B ***\nwords"
+    )
+    assert split_gutenberg(text) == {"a-b": "body"}
+
+
+@pytest.mark.parametrize(
+    "spec,message",
+    [
+        ("magic", "unknown method"),
+        ("selfextend:G=4", "needs W"),
+        ("selfextend:G=four,W=8", "bad value"),
+        ("selfextend:G=4,W=8,X=1", "bad parameter"),
+        ("ntk", "needs factor"),
+        ("ntk:factor=0.5", "factor must be > 1"),
+        ("shift:ctx=10,keep=12", "keep"),
+    ],
+)
+def test_bad_method_specs(spec, message):
+    with pytest.raises(MethodError, match=message):
+        parse_method(spec)
+
+
+def test_method_names_round_trip():
+    for spec in ["plain", "selfextend:G=4,W=1024", "ntk:factor=4", "shift:ctx=2048,keep=4"]:
+        assert parse_method(spec).name == spec
+    assert parse_lengths("1k,512,2k,1k") == [512, 1024, 2048]
+    with pytest.raises(ValueError, match="bad length"):
+        parse_lengths("1x")
+
+
+def test_jsonl_ignores_cut_off_last_line(tmp_path):
+    p = tmp_path / "r.jsonl"
+    append_jsonl(p, {"a": 1})
+    with p.open("a") as f:
+        f.write('{"a": 2, "b"')
+    assert read_jsonl(p) == [{"a": 1}]
+
+
+def test_text_file_errors(tmp_path):
+    with pytest.raises(CorpusError, match="empty"):
+        (tmp_path / "e.txt").write_text("")
+        read_text_file(tmp_path / "e.txt")
+    (tmp_path / "b.txt").write_bytes(b"\xff\xfe\x00bad")
+    with pytest.raises(CorpusError, match="not UTF-8"):
+        read_text_file(tmp_path / "b.txt")
+
+
+# Commands on ``tiny_dir`` (conftest): a tiny random Llama with the real default tokenizer.
+
+
+def invoke(*args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def test_ppl_sweep_records_and_resume(tiny_dir, tmp_path):
+    out = tmp_path / "ppl.jsonl"
+    args = [
+        "ppl",
+        "--model",
+        tiny_dir,
+        "--docs",
+        "sherlock-holmes",
+        "--lengths",
+        "64,128",
+        "--method",
+        "plain",
+        "--method",
+        "selfextend:G=2,W=32",
+        "--method",
+        "ntk:factor=2",
+        "--method",
+        "shift:ctx=64,keep=4",
+        "-o",
+        out,
+    ]
+    r = invoke(*args)
+    assert r.exit_code == 0, r.stderr
+    records = read_jsonl(out)
+    assert len(records) == 8
+    for rec in records:
+        assert {"model", "doc", "method", "length", "ppl", "ppl_last", "tokens", "seconds"} <= set(rec)
+        assert rec["ppl"] > 1 and rec["ppl_last"] > 1
+    r = invoke(*args, "--method", "yarn:factor=2")
+    assert r.exit_code == 0, r.stderr
+    records = read_jsonl(out)
+    assert len(records) == 10 and sum(rec["method"] == "yarn:factor=2" for rec in records) == 2
+    keys = [(rec["doc"], rec["method"], rec["length"]) for rec in records]
+    assert len(keys) == len(set(keys))
+    # a point scored from a longer forward equals one scored alone (causal models)
+    alone = tmp_path / "alone.jsonl"
+    assert (
+        invoke(
+            "ppl", "--model", tiny_dir, "--docs", "sherlock-holmes", "--lengths", "64", "-o", alone
+        ).exit_code
+        == 0
+    )
+    plain64 = next(r for r in records if r["method"] == "plain" and r["length"] == 64)
+    assert math.isclose(read_jsonl(alone)[0]["ppl"], plain64["ppl"], rel_tol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (["--method", "bogus"], "unknown method"),
+        (["--method", "selfextend:G=2"], "needs W"),
+        (["--lengths", "999k"], "fewer than length"),
+        (["--docs", "nope"], "no document named"),
+    ],
+)
+def test_ppl_errors_one_line(tiny_dir, tmp_path, extra, message):
+    args = ["ppl", "--model", tiny_dir, "--lengths", "64", "-o", tmp_path / "x.jsonl"]
+    if "--docs" not in extra:
+        args += ["--docs", "sherlock-holmes"]
+    r = invoke(*args, *extra)
+    assert r.exit_code != 0
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], r.stderr
+
+
+@pytest.mark.parametrize("content,message", [(b"", "empty"), (b"caf\xe9 \xff", "not UTF-8")])
+def test_ppl_bad_text_files(tiny_dir, tmp_path, content, message):
+    f = tmp_path / "doc.txt"
+    f.write_bytes(content)
+    r = invoke("ppl", "--model", tiny_dir, "--corpus", f, "--lengths", "64", "-o", tmp_path / "x.jsonl")
+    assert r.exit_code != 0 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_ppl_on_local_json_dataset(tiny_dir, tmp_path):
+    data = tmp_path / "docs.jsonl"
+    books = default_books()
+    with data.open("w") as f:
+        for name in ("surgery", "us-history"):
+            f.write(json.dumps({"body": books[name][:5000], "id": name}) + "\n")
+    out = tmp_path / "ppl.jsonl"
+    r = invoke(
+        "ppl",
+        "--model",
+        tiny_dir,
+        "--dataset",
+        "json",
+        "--data-files",
+        data,
+        "--text-column",
+        "body",
+        "--lengths",
+        "64",
+        "-o",
+        out,
+    )
+    assert r.exit_code == 0, r.stderr
+    assert sorted(rec["doc"] for rec in read_jsonl(out)) == ["train-0", "train-1"]
+    r = invoke(
+        "ppl",
+        "--model",
+        tiny_dir,
+        "--dataset",
+        "json",
+        "--data-files",
+        data,
+        "--text-column",
+        "nope",
+        "--lengths",
+        "64",
+        "-o",
+        out,
+    )
+    assert r.exit_code != 0 and "no column 'nope'" in r.stderr
+
+
+def test_interrupted_sweep_leaves_valid_jsonl_and_resumes(tiny_dir, tmp_path):
+    out = tmp_path / "ppl.jsonl"
+    args = [
+        sys.executable,
+        "-m",
+        "cli",
+        "ppl",
+        "--model",
+        str(tiny_dir),
+        "--lengths",
+        "512,1024,2048",
+        "--method",
+        "ntk:factor=2",
+        "--method",
+        "ntk:factor=3",
+        "--method",
+        "ntk:factor=4",
+        "-o",
+        str(out),
+    ]
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline and len(read_jsonl(out)) < 2:
+        time.sleep(0.01)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    before = read_jsonl(out)
+    assert 2 <= len(before) < 36, "killed mid-sweep"
+    for line in out.read_text().splitlines():
+        if line.strip():
+            json.loads(line)  # every complete line parses
+    r = subprocess.run(args, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    after = read_jsonl(out)
+    keys = [(rec["doc"], rec["method"], rec["length"]) for rec in after]
+    assert len(after) == 36 and len(set(keys)) == 36
+    assert after[: len(before)] == before
+
+
+def test_passkey_and_plots(tiny_dir, tmp_path):
+    out = tmp_path / "pk.jsonl"
+    r = invoke(
+        "passkey",
+        "--model",
+        tiny_dir,
+        "--lengths",
+        "128,200",
+        "--depths",
+        "0,1",
+        "--trials",
+        "1",
+        "--method",
+        "plain",
+        "--method",
+        "selfextend:G=2,W=32",
+        "-o",
+        out,
+    )
+    assert r.exit_code == 0, r.stderr
+    records = read_jsonl(out)
+    assert len(records) == 8 and all(abs(rec["tokens"] - rec["length"]) < 40 for rec in records)
+    png = tmp_path / "pk.png"
+    r = invoke("plot", out, "-o", png)
+    assert r.exit_code == 0, r.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    ppl_out = tmp_path / "ppl.jsonl"
+    assert (
+        invoke(
+            "ppl", "--model", tiny_dir, "--docs", "surgery", "--lengths", "64,128", "-o", ppl_out
+        ).exit_code
+        == 0
+    )
+    r = invoke("plot", ppl_out)
+    assert r.exit_code == 0 and ppl_out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"x": 1}\n')
+    r = invoke("plot", bad)
+    assert r.exit_code != 0 and "unknown records" in r.stderr
