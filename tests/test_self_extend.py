@@ -174,3 +174,43 @@ def test_max_usable_length():
     model = make_model("llama")
     assert selfextend.max_usable_length(model, 4, 16) == (TRAINED - 16) * 4 + 16
     assert selfextend.max_length(8192, 4, 1024) == 29696
+
+
+def test_portable_kernel_equals_cpu_flash_kernel(monkeypatch):
+    """The matmul fallback used off-CPU computes the same attention and log-sum-exp as the fused kernel."""
+    import selfextend.attention as attention
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 4, 300, 16), torch.randn(1, 4, 300, 16), torch.randn(1, 4, 300, 16)
+    mask = torch.zeros(300, 300).masked_fill_(torch.rand(300, 300) < 0.3, float("-inf")).fill_diagonal_(0.0)
+    for kwargs in ({"is_causal": True}, {"mask": mask}, {}):
+        fused = attention.attend(q, k, v, 0.25, **kwargs)
+        portable = attention.attend_math(q, k, v, 0.25, chunk=64, **kwargs)
+        assert (fused[0] - portable[0]).abs().max() < TOL and (fused[1] - portable[1]).abs().max() < TOL
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, 16, 2).float() / 16))
+    pos = torch.arange(300)[None]
+    reference = self_extend_attention_reference(q, k[:, :2], v[:, :2], pos, pos, 3, 20, inv_freq)
+    monkeypatch.setattr(attention, "attend", attention.attend_math)
+    portable = self_extend_attention(
+        rotate(q, pos, inv_freq), rotate(k[:, :2], pos, inv_freq), v[:, :2], pos, 3, 20, inv_freq
+    )
+    assert (portable - reference).abs().max() < TOL
+
+
+@pytest.mark.real
+def test_real_model_efficient_equals_reference_and_plain_at_g1():
+    from selfextend.corpus import default_books
+    from selfextend.models import load_model
+
+    model, tokenizer = load_model("smollm2-135m")
+    ids = tokenizer(default_books()["sherlock-holmes"][:6000], return_tensors="pt").input_ids[:, :700]
+    plain = logits(model, ids)
+    with selfextend.self_extend(model, group_size=1, window=64):
+        assert (logits(model, ids) - plain).abs().max() < 1e-3
+    selfextend.apply_self_extend(model, group_size=4, window=64)
+    efficient = logits(model, ids)
+    selfextend.apply_self_extend(model, group_size=4, window=64, implementation=REFERENCE_IMPLEMENTATION)
+    reference = logits(model, ids)
+    selfextend.remove_self_extend(model)
+    assert (efficient - reference).abs().max() < 1e-3
+    assert (efficient - plain).abs().max() > 0.1
