@@ -1,0 +1,56 @@
+"""Command-line behaviour shared by all commands: help with units, one-line errors for bad models."""
+
+from __future__ import annotations
+
+import pytest
+from click.testing import CliRunner
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from cli.main import main
+
+
+def invoke(*args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+@pytest.mark.parametrize("command", ["info", "generate", "ppl", "passkey", "plot", "bench"])
+def test_every_command_has_help(command):
+    r = invoke(command, "--help")
+    assert r.exit_code == 0 and "Usage:" in r.stdout
+
+
+def test_info_reports_reach(tiny_dir):
+    r = invoke("info", tiny_dir, "-g", "4", "-w", "64")
+    assert r.exit_code == 0, r.stderr
+    assert any(line.split() == ["trained", "window", "256", "tokens"] for line in r.stdout.splitlines())
+    assert f"up to {(256 - 64) * 4 + 64:,} tokens" in r.stdout
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["info", "no-such-model"], "unknown model"),
+        (["info", "missing.gguf"], "no such file"),
+        (["generate", "-m", "no-such-model", "-p", "hi"], "unknown model"),
+        (["ppl", "-m", "no-such-model", "-o", "x.jsonl"], "unknown model"),
+    ],
+)
+def test_unknown_models_one_line(args, message, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    r = invoke(*args)
+    assert r.exit_code != 0
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], r.stderr
+
+
+def test_non_rope_model_refused(tmp_path):
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50)).save_pretrained(tmp_path)
+    for args in (["info", tmp_path], ["generate", "-m", tmp_path, "-p", "hi"]):
+        r = invoke(*args)
+        assert r.exit_code != 0 and "no rotary position embeddings" in r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_window_beyond_trained_window_refused(tiny_dir):
+    r = invoke("info", tiny_dir, "-g", "2", "-w", "256")
+    assert r.exit_code != 0 and "trained window" in r.stderr
