@@ -23,18 +23,12 @@ RESULTS = Path(__file__).parent / "results"
 VARIANTS = ("plain", "selfextend")
 
 
-def _rss_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
 def worker(variant: str, tokens: int, group_size: int, window: int) -> None:
     """One prefill in this process; prints a JSON line."""
     import torch
 
     import selfextend
+    from selfextend.bench import status_kib
     from selfextend.corpus import default_books
     from selfextend.models import load_model
 
@@ -46,11 +40,11 @@ def worker(variant: str, tokens: int, group_size: int, window: int) -> None:
     with torch.no_grad():
         model(ids[:, :2048], logits_to_keep=1)  # warm-up: lazy inits, thread pools
         Path("/proc/self/clear_refs").write_text("5")  # reset the peak RSS to the current RSS
-        base = _rss_kib("VmRSS")
+        base = status_kib("VmRSS")
         t0 = time.perf_counter()
         model(ids, logits_to_keep=1)
         seconds = time.perf_counter() - t0
-    peak = _rss_kib("VmHWM")
+    peak = status_kib("VmHWM")
     print(
         json.dumps(
             {

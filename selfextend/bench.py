@@ -30,7 +30,8 @@ PREFILL_VARIANTS = ("plain", "selfextend", "reference")
 DECODE_VARIANTS = ("plain", "selfextend")
 
 
-def _status_kib(field: str) -> int:
+def status_kib(field: str) -> int:
+    """A memory field of /proc/self/status (VmRSS, VmHWM ...) in KiB (Linux)."""
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(field + ":"):
             return int(line.split()[1])
@@ -61,9 +62,9 @@ class MemoryMeter:
             except OSError:
                 pass
             Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
-            base = _status_kib("VmRSS")
+            base = status_kib("VmRSS")
             yield result
-            result["peak_mib"] = (_status_kib("VmHWM") - base) / 1024
+            result["peak_mib"] = (status_kib("VmHWM") - base) / 1024
         else:
             yield result
             result["peak_mib"] = float("nan")

@@ -182,7 +182,7 @@ def test_ppl_on_local_json_dataset(tiny_dir, tmp_path):
         for name in ("surgery", "us-history"):
             f.write(json.dumps({"body": books[name][:5000], "id": name}) + "\n")
     out = tmp_path / "ppl.jsonl"
-    r = invoke(
+    args = [
         "ppl",
         "--model",
         tiny_dir,
@@ -190,30 +190,15 @@ def test_ppl_on_local_json_dataset(tiny_dir, tmp_path):
         "json",
         "--data-files",
         data,
-        "--text-column",
-        "body",
         "--lengths",
         "64",
         "-o",
         out,
-    )
+    ]
+    r = invoke(*args, "--text-column", "body")
     assert r.exit_code == 0, r.stderr
     assert sorted(rec["doc"] for rec in read_jsonl(out)) == ["train-0", "train-1"]
-    r = invoke(
-        "ppl",
-        "--model",
-        tiny_dir,
-        "--dataset",
-        "json",
-        "--data-files",
-        data,
-        "--text-column",
-        "nope",
-        "--lengths",
-        "64",
-        "-o",
-        out,
-    )
+    r = invoke(*args, "--text-column", "nope")
     assert r.exit_code != 0 and "no column 'nope'" in r.stderr
 
 
