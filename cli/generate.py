@@ -145,6 +145,7 @@ def generate(
     sampling.validate()
 
     lm, tokenizer = load_with_self_extend(model, dtype, device, group_size, window)
+    _warn_beyond_reach(lm, ctx, group_size, window)
     ids, n_system = build_prompt(tokenizer, prompt, system, chat)
     n_keep = len(ids) if keep == -1 else (n_system if keep is None else keep)
     if n_keep >= ctx - 1:
@@ -219,6 +220,23 @@ def generate(
     click.echo("", err=False)
     if stats is not None:
         click.echo(stats.summary(), err=True)
+
+
+def _warn_beyond_reach(model, ctx: int, group_size: int | None, window: int | None) -> None:
+    """A cache larger than what the model can attend over well is allowed, but said."""
+    from selfextend.patch import max_usable_length, trained_window
+
+    trained = trained_window(model.config)
+    if group_size is None and ctx > trained:
+        click.echo(
+            f"warning: --ctx {ctx} exceeds the trained window ({trained} tokens); quality drops past it "
+            "unless Self-Extend is on (-g/-w)",
+            err=True,
+        )
+    elif group_size is not None and ctx > (reach := max_usable_length(model, group_size, window)):
+        click.echo(
+            f"warning: --ctx {ctx} exceeds what G={group_size}, W={window} reach ({reach} tokens)", err=True
+        )
 
 
 def _eos_ids(model, tokenizer) -> list[int]:
