@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import click
 
-from cli.options import model_options
+from cli.options import model_options, weights_option
 
 
 @click.command()
 @model_options
+@weights_option("float")
 @click.option(
     "--lengths", default="2k,4k,8k", show_default=True, help="Prefill lengths in tokens (k = 1024)."
 )
@@ -43,7 +44,11 @@ from cli.options import model_options
     help="Tokens generated through the context-shift cache per repeat (0 = skip).",
 )
 @click.option(
-    "--cases", default="prefill,decode,endless", show_default=True, help="Which measurements to run."
+    "--cases",
+    default="prefill,decode,endless,generate",
+    show_default=True,
+    help="Which measurements to run: prefill, decode, endless (shift cache against plain decoding), "
+    "generate (float against int8 weights and llama.cpp, when llama-cpp-python is installed).",
 )
 @click.option(
     "-o", "--out", type=click.Path(dir_okay=False), help="Also write every run and the summary as JSON Lines."
@@ -52,6 +57,7 @@ def bench(
     model: str,
     dtype: str,
     device: str,
+    weights: str,
     lengths: str,
     decode_lengths: str,
     group_size: int,
@@ -68,7 +74,9 @@ def bench(
     Prefill: seconds and peak memory the forward adds (MiB). Decode: milliseconds per token at
     a cache length. Endless: tokens/s through a context-shift cache of --ctx tokens against
     plain decoding at the same average fill, resident memory at start and end, and the cost of
-    one shift. Ratios compare each variant with plain at the same length, in the same run.
+    one shift. Generate: tokens/s of greedy generation through the shift cache with float weights,
+    int8 weights and int8 + Self-Extend, against llama.cpp on the same GGUF (ratio column: to
+    llama.cpp). Other ratios compare each variant with plain at the same length, in the same run.
     """
     import psutil
     import torch
@@ -79,14 +87,16 @@ def bench(
         MemoryMeter,
         bench_decode,
         bench_endless,
+        bench_generate,
         bench_prefill,
         summarize,
     )
+    from selfextend.llamacpp import available as llamacpp_available
     from selfextend.results import append_jsonl
     from selfextend.sweep import parse_lengths
 
     wanted = {c.strip() for c in cases.split(",") if c.strip()}
-    unknown = wanted - {"prefill", "decode", "endless"}
+    unknown = wanted - {"prefill", "decode", "endless", "generate"}
     if unknown:
         raise click.BadParameter(f"unknown case {', '.join(sorted(unknown))}", param_hint="--cases")
     cfg = BenchConfig(
@@ -99,7 +109,7 @@ def bench(
         endless_ctx=ctx,
         endless_tokens=endless_tokens,
     )
-    lm, _ = load_with_self_extend(model, dtype, device, None, None)
+    lm, _ = load_with_self_extend(model, dtype, device, None, None, weights)
     from selfextend.patch import trained_window
     from selfextend.positions import validate
 
@@ -134,6 +144,14 @@ def bench(
     if "endless" in wanted and endless_tokens > 0:
         for r in bench_endless(lm, cfg, lambda: proc.memory_info().rss / 2**20):
             record(r)
+    if "generate" in wanted and endless_tokens > 0:
+        from selfextend.models import resolve_model
+
+        gguf = resolve_model(model).gguf_path
+        if gguf is None or not llamacpp_available():
+            click.echo("llama.cpp: skipped (needs a GGUF model and llama-cpp-python installed)", err=True)
+        for r in bench_generate(lm, cfg, gguf, torch.get_num_threads()):
+            record(r)
     click.echo(f"\n{model}, {dtype}, {device_name}, G={group_size}, W={window}, {repeats} repeats (medians)")
     click.echo(
         f"{'case':8} {'variant':10} {'length':>7} {'value':>12} {'vs plain':>9} "
@@ -144,6 +162,7 @@ def bench(
         "decode": ("ms_per_token", "ms/tok"),
         "endless": ("tokens_per_s", "tok/s"),
         "shift": ("ms_per_shift", "ms/shift"),
+        "generate": ("tokens_per_s", "tok/s"),
     }
     for row in summarize(runs):
         key, unit = units[row["case"]]

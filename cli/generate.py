@@ -8,11 +8,12 @@ import time
 
 import click
 
-from cli.options import model_options, self_extend_options
+from cli.options import model_options, self_extend_options, weights_option
 
 
 @click.command()
 @model_options
+@weights_option("int8")
 @self_extend_options
 @click.option("-p", "--prompt", help="Prompt text. Default: --prompt-file, else standard input.")
 @click.option(
@@ -95,6 +96,7 @@ def generate(
     model: str,
     dtype: str,
     device: str,
+    weights: str,
     group_size: int | None,
     window: int | None,
     prompt: str | None,
@@ -144,7 +146,7 @@ def generate(
     sampling = SamplingParams(temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n)
     sampling.validate()
 
-    lm, tokenizer = load_with_self_extend(model, dtype, device, group_size, window)
+    lm, tokenizer = load_with_self_extend(model, dtype, device, group_size, window, weights)
     _warn_beyond_reach(lm, ctx, group_size, window)
     ids, n_system = build_prompt(tokenizer, prompt, system, chat)
     n_keep = len(ids) if keep == -1 else (n_system if keep is None else keep)
@@ -155,14 +157,14 @@ def generate(
         )
     cache = ContextShiftCache(lm, n_ctx=ctx, n_keep=n_keep)
     gen = Generator(lm, cache, sampling, seed)
-    reused = 0
+    reused, reused_logits = 0, None
     if prompt_cache:
         from pathlib import Path
 
         from selfextend import promptcache
 
         if Path(prompt_cache).exists():
-            gen.tokens = promptcache.load(prompt_cache, lm, cache, ids)
+            gen.tokens, reused_logits = promptcache.load(prompt_cache, lm, cache, ids)
             reused = len(gen.tokens)
 
     eos = () if ignore_eos else tuple(_eos_ids(lm, tokenizer))
@@ -181,11 +183,11 @@ def generate(
                 out_file.flush()
 
     try:
-        for token, stats in run(gen, ids, max_new_tokens, eos, reused):
+        for token, stats in run(gen, ids, max_new_tokens, eos, reused, reused_logits):
             if stats.tokens == 1 and prompt_cache and cache.shifts == 0 and reused < len(ids):
                 from selfextend import promptcache
 
-                promptcache.save(prompt_cache, lm, cache, gen.tokens[: len(ids)])
+                promptcache.save(prompt_cache, lm, cache, gen.tokens[: len(ids)], gen.last_logits)
             text, stopped = stops.push(stream.push(token))
             emit(text)
             if stats_every and stats.tokens % stats_every == 0:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from cli.options import model_options
+from cli.options import model_options, run_name, weights_option
 
 
 def _methods(specs: tuple[str, ...]):
@@ -29,6 +29,7 @@ METHOD_HELP = (
 
 @click.command()
 @model_options
+@weights_option("float")
 @click.option(
     "--corpus",
     default="default",
@@ -66,6 +67,7 @@ def ppl(
     model: str,
     dtype: str,
     device: str,
+    weights: str,
     corpus: str,
     docs: str | None,
     dataset: str | None,
@@ -101,15 +103,16 @@ def ppl(
         texts = dict(list(texts.items())[:max_docs])
     from cli.options import load_with_self_extend
 
-    lm, tokenizer = load_with_self_extend(model, dtype, device, None, None)
-    runs = plan(model, list(texts), parsed_methods, parsed_lengths, out)
+    lm, tokenizer = load_with_self_extend(model, dtype, device, None, None, weights)
+    name = run_name(model, weights)
+    runs = plan(name, list(texts), parsed_methods, parsed_lengths, out)
     if not runs:
         click.echo(f"all points already in {out}", err=True)
         return
     ids = tokenize_docs(tokenizer, texts, runs)
     bar = _progress_bar(sum(r.length for r in runs), "ppl")
     with bar:
-        for r in ppl_sweep(lm, model, ids, runs, out, progress=bar.update):
+        for r in ppl_sweep(lm, name, ids, runs, out, progress=bar.update):
             bar.write(
                 f"{r['doc']:>16} {r['method']:>24} {r['length']:>7}  ppl {r['ppl']:9.2f}"
                 f"  last quarter {r['ppl_last']:9.2f}"
@@ -119,6 +122,7 @@ def ppl(
 
 @click.command()
 @model_options
+@weights_option("float")
 @click.option("--lengths", default="2k,4k,8k", show_default=True, help="Prompt lengths in tokens (k = 1024).")
 @click.option(
     "--depths",
@@ -140,6 +144,7 @@ def passkey(
     model: str,
     dtype: str,
     device: str,
+    weights: str,
     lengths: str,
     depths: str,
     trials: int,
@@ -164,7 +169,7 @@ def passkey(
         raise click.BadParameter("depths must lie in [0, 1]", param_hint="--depths")
     if trials < 1:
         raise click.BadParameter("at least 1", param_hint="--trials")
-    lm, tokenizer = load_with_self_extend(model, dtype, device, None, None)
+    lm, tokenizer = load_with_self_extend(model, dtype, device, None, None, weights)
     done = len(read_jsonl(out))
     total = len(parsed_methods) * sum(parsed_lengths) * len(parsed_depths) * trials
     bar = _progress_bar(total, "passkey")
@@ -172,7 +177,7 @@ def passkey(
         for r in passkey_sweep(
             lm,
             tokenizer,
-            model,
+            run_name(model, weights),
             parsed_methods,
             parsed_lengths,
             parsed_depths,

@@ -9,6 +9,7 @@ at the start of the case (so it is the memory the case itself added).
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import gc
 import statistics
@@ -25,9 +26,11 @@ from transformers import DynamicCache
 from selfextend.cache import ContextShiftCache
 from selfextend.generate import Generator
 from selfextend.patch import REFERENCE_IMPLEMENTATION, apply_self_extend, remove_self_extend
+from selfextend.quantize import quantize_int8
 
 PREFILL_VARIANTS = ("plain", "selfextend", "reference")
 DECODE_VARIANTS = ("plain", "selfextend")
+GENERATE_VARIANTS = ("float", "int8", "int8+selfextend", "llama.cpp")
 
 
 def status_kib(field: str) -> int:
@@ -215,6 +218,46 @@ def bench_endless(model: nn.Module, cfg: BenchConfig, rss: Callable[[], float]) 
         }
 
 
+@torch.no_grad()
+def bench_generate(
+    model: nn.Module, cfg: BenchConfig, gguf: str | Path | None = None, threads: int = 1
+) -> Iterator[dict]:
+    """Greedy tokens/s through a context-shift cache of ``endless_ctx`` cells: our loop with float
+    weights, with int8 weights, with int8 and Self-Extend, and llama.cpp on ``gguf`` (the same model
+    file) when llama-cpp-python is installed. Interleaved per repeat, the same prompt for all."""
+    from selfextend import llamacpp
+
+    ctx, keep = cfg.endless_ctx, cfg.endless_keep
+    quantized = copy.deepcopy(model)
+    quantize_int8(quantized)
+    llama = llamacpp.LlamaCppGenerator(gguf, ctx, keep, threads) if gguf and llamacpp.available() else None
+    for rep in range(cfg.repeats):
+        prompt = _tokens(model, ctx // 2, seed=rep).tolist()[0]
+        for name in GENERATE_VARIANTS:
+            record = {"case": "generate", "variant": name, "length": ctx, "repeat": rep}
+            if name == "llama.cpp":
+                if llama is None:
+                    continue
+                before = llama.shifts
+                record["tokens_per_s"] = llama.tokens_per_second(prompt, cfg.endless_tokens)
+                record["shifts"] = llama.shifts - before
+                yield record
+                continue
+            lm = model if name == "float" else quantized
+            attention = "selfextend" if name.endswith("selfextend") else "plain"
+            with variant(lm, attention, cfg.group_size, cfg.window):
+                gen = Generator(lm, ContextShiftCache(lm, n_ctx=ctx, n_keep=keep))
+                logits = gen.feed(prompt)
+                _sync(gen.device)
+                t0 = time.perf_counter()
+                for _ in range(cfg.endless_tokens):
+                    logits = gen.feed([int(logits.argmax())])
+                _sync(gen.device)
+                record["tokens_per_s"] = cfg.endless_tokens / (time.perf_counter() - t0)
+                record["shifts"] = gen.cache.shifts
+            yield record
+
+
 def summarize(records: list[dict]) -> list[dict]:
     """Medians per (case, variant, length), with each variant's ratio to plain at the same length."""
     groups: dict[tuple, list[dict]] = {}
@@ -226,6 +269,7 @@ def summarize(records: list[dict]) -> list[dict]:
         "decode": "ms_per_token",
         "endless": "tokens_per_s",
         "shift": "ms_per_shift",
+        "generate": "tokens_per_s",
     }
     for (case, name, length), rs in sorted(groups.items()):
         row = {"case": case, "variant": name, "length": length, "runs": len(rs)}
@@ -251,6 +295,10 @@ def summarize(records: list[dict]) -> list[dict]:
                     row["memory_ratio"] = row["peak_mib"] / base["peak_mib"]
         elif row["case"] == "endless" and row["variant"] == "shift":
             base = next((b for b in rows if b["case"] == "endless" and b["variant"] == "plain"), None)
+            if base:
+                row["ratio"] = row[key] / base[key]
+        elif row["case"] == "generate" and row["variant"] != "llama.cpp":
+            base = next((b for b in rows if b["case"] == "generate" and b["variant"] == "llama.cpp"), None)
             if base:
                 row["ratio"] = row[key] / base[key]
     return rows

@@ -107,6 +107,7 @@ class Generator:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     seed: int | None = None
     tokens: list[int] = field(default_factory=list)  # the tokens whose K/V are in the cache, in order
+    last_logits: torch.Tensor | None = None  # the prompt's last-token logits, once prefilled
 
     def __post_init__(self) -> None:
         self.sampling.validate()
@@ -174,16 +175,24 @@ def run(
     max_new_tokens: int = -1,
     eos_token_ids: Sequence[int] = (),
     reused: int = 0,
+    reused_logits: torch.Tensor | None = None,
 ) -> Iterator[tuple[int, GenerationStats]]:
-    """Prefill ``prompt_ids`` past the ``reused`` tokens cached, then decode; yields (token, stats)."""
+    """Prefill ``prompt_ids`` past the ``reused`` tokens cached, then decode; yields (token, stats).
+
+    ``reused_logits``: the last prompt token's logits when the whole prompt is cached with them.
+    """
     stats = GenerationStats(prompt_tokens=len(prompt_ids), reused_tokens=reused, n_ctx=generator.cache.n_ctx)
     t0 = time.perf_counter()
-    if reused == len(prompt_ids):
-        # the whole prompt is cached: re-feed its last token to get the logits to start from
-        generator.tokens.pop()
-        generator.cache.truncate(len(generator.tokens))
-        reused -= 1
-    logits = generator.feed(prompt_ids[reused:])
+    if reused == len(prompt_ids) and reused_logits is not None:
+        logits = reused_logits.to(generator.device)
+    else:
+        if reused == len(prompt_ids):
+            # the whole prompt is cached without its logits: re-feed its last token to get them
+            generator.tokens.pop()
+            generator.cache.truncate(len(generator.tokens))
+            reused -= 1
+        logits = generator.feed(prompt_ids[reused:])
+    generator.last_logits = logits
     stats.prompt_seconds = time.perf_counter() - t0
     t0 = time.perf_counter()
     for token in generator.decode(logits, max_new_tokens, eos_token_ids):

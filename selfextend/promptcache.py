@@ -1,7 +1,7 @@
 """Prompt-cache files: the KV cache after a prompt, saved so that a later run with the same start skips it.
 
 Like llama.cpp's session files. A file records the model's fingerprint and the settings that
-change the cached states (dtype, Self-Extend); a file made under others is refused.
+change the cached states (dtype, weight format, Self-Extend); a file made under others is refused.
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ import torch
 from torch import nn
 
 from selfextend.cache import ContextShiftCache
+from selfextend.quantize import weight_format
 
-FORMAT = "selfextend-prompt-cache/1"
+FORMAT = "selfextend-prompt-cache/2"
 
 
 class PromptCacheError(ValueError):
@@ -39,16 +40,22 @@ def settings(model: nn.Module) -> dict[str, Any]:
         "model": fingerprint(model),
         "dtype": str(next(model.parameters()).dtype),
         "self_extend": [se[0].group_size, se[0].window] if se else None,
+        "weights": weight_format(model),
     }
 
 
-def save(path: str | Path, model: nn.Module, cache: ContextShiftCache, tokens: list[int]) -> None:
-    """Write the first ``len(tokens)`` cells of every layer (atomically: temp file, then rename)."""
+def save(
+    path: str | Path, model: nn.Module, cache: ContextShiftCache, tokens: list[int], logits: torch.Tensor
+) -> None:
+    """Write the first ``len(tokens)`` cells of every layer and the last token's ``logits`` (atomically:
+    temp file, then rename). With the logits, a run whose prompt is exactly ``tokens`` starts from the
+    same numbers as the run that saved it, instead of recomputing the last token another way."""
     n = len(tokens)
     payload = {
         "format": FORMAT,
         "settings": json.dumps(settings(model), sort_keys=True),
         "tokens": torch.tensor(tokens, dtype=torch.long),
+        "logits": logits.detach().cpu().clone(),
         "keys": [layer.keys[..., :n, :].clone().cpu() for layer in cache.layers],
         "values": [layer.values[..., :n, :].clone().cpu() for layer in cache.layers],
     }
@@ -58,8 +65,13 @@ def save(path: str | Path, model: nn.Module, cache: ContextShiftCache, tokens: l
     os.replace(tmp, path)
 
 
-def load(path: str | Path, model: nn.Module, cache: ContextShiftCache, prompt: list[int]) -> list[int]:
-    """Load the longest cached prefix of ``prompt`` into the empty ``cache``; returns the reused tokens."""
+def load(
+    path: str | Path, model: nn.Module, cache: ContextShiftCache, prompt: list[int]
+) -> tuple[list[int], torch.Tensor | None]:
+    """Load the longest cached prefix of ``prompt`` into the empty ``cache``.
+
+    Returns the reused tokens, and the saved last-token logits when the prompt is exactly the saved one.
+    """
     try:
         payload = torch.load(Path(path), map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises many types for a file that is not its own
@@ -81,4 +93,5 @@ def load(path: str | Path, model: nn.Module, cache: ContextShiftCache, prompt: l
         cache.load_prefix(
             [k[..., :n, :] for k in payload["keys"]], [v[..., :n, :] for v in payload["values"]]
         )
-    return prompt[:n]
+    whole = n == len(saved) == len(prompt)
+    return prompt[:n], payload["logits"] if whole else None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from click.testing import CliRunner
 
 from cli.main import main
@@ -41,6 +42,9 @@ def test_bench_records_and_plot(tiny_dir, tmp_path):
     assert {x["variant"] for x in runs if x["case"] == "decode"} == {"plain", "selfextend"}
     endless = [x for x in runs if x["case"] == "endless" and x["variant"] == "shift"]
     assert endless and endless[0]["shifts"] >= 1
+    generate = {x["variant"]: x for x in runs if x["case"] == "generate"}
+    assert set(generate) == {"float", "int8", "int8+selfextend"}  # no GGUF here: no llama.cpp
+    assert all(x["tokens_per_s"] > 0 and x["shifts"] >= 1 for x in generate.values())
     summary = [x for x in records if x.get("summary")]
     assert any("ratio" in x for x in summary if x["case"] == "prefill")
     assert "vs plain" in r.stdout
@@ -52,3 +56,14 @@ def test_bench_records_and_plot(tiny_dir, tmp_path):
 def test_bench_bad_case(tiny_dir):
     r = CliRunner().invoke(main, ["bench", "--model", str(tiny_dir), "--cases", "warp"])
     assert r.exit_code != 0 and "unknown case" in r.stderr
+
+
+@pytest.mark.real
+def test_llama_cpp_yardstick_shifts_and_decodes():
+    pytest.importorskip("llama_cpp")
+    from selfextend.llamacpp import LlamaCppGenerator
+    from selfextend.models import resolve_model
+
+    llama = LlamaCppGenerator(resolve_model("smollm2-135m").gguf_path, n_ctx=64, n_keep=4, threads=1)
+    assert llama.tokens_per_second(list(range(1000, 1040)), 60) > 0
+    assert llama.shifts >= 2 and llama.llm.n_tokens <= 64
