@@ -121,14 +121,14 @@ def bench(
     runs: list[dict] = []
 
     def record(r: dict) -> None:
-        r.update(model=model, dtype=dtype, device=device_name)
+        r.update(model=model, dtype=dtype, weights=weights, device=device_name)
         runs.append(r)
         click.echo(
             "  "
             + " ".join(
                 f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                 for k, v in r.items()
-                if k not in ("model", "dtype", "device")
+                if k not in ("model", "dtype", "weights", "device")
             ),
             err=True,
         )
@@ -152,9 +152,12 @@ def bench(
             click.echo("llama.cpp: skipped (needs a GGUF model and llama-cpp-python installed)", err=True)
         for r in bench_generate(lm, cfg, gguf, torch.get_num_threads()):
             record(r)
-    click.echo(f"\n{model}, {dtype}, {device_name}, G={group_size}, W={window}, {repeats} repeats (medians)")
     click.echo(
-        f"{'case':8} {'variant':10} {'length':>7} {'value':>12} {'vs plain':>9} "
+        f"\n{model}, {dtype}, {weights} weights, {device_name}, G={group_size}, W={window}, "
+        f"{repeats} repeats (medians)"
+    )
+    click.echo(
+        f"{'case':8} {'variant':15} {'length':>7} {'value':>12} {'ratio':>9} "
         f"{'peak MiB':>9} {'mem vs plain':>12}"
     )
     units = {
@@ -170,8 +173,22 @@ def bench(
         peak = f"{row['peak_mib']:.0f}" if "peak_mib" in row else ""
         mem = f"{row['memory_ratio']:.2f}x" if "memory_ratio" in row else ""
         click.echo(
-            f"{row['case']:8} {row['variant']:10} {row['length']:>7} {row[key]:>8.3g} {unit:<6}"
+            f"{row['case']:8} {row['variant']:15} {row['length']:>7} {row[key]:>8.3g} {unit:<6}"
             f"{ratio:>7} {peak:>9} {mem:>12}"
         )
         if out:
-            append_jsonl(out, {"summary": True, "model": model, "dtype": dtype, "device": device_name, **row})
+            append_jsonl(
+                out,
+                {
+                    "summary": True,
+                    "model": model,
+                    "dtype": dtype,
+                    "weights": weights,
+                    "device": device_name,
+                    **row,
+                },
+            )
+    click.echo(
+        "ratio: to plain at the same length (endless: to plain decoding at the average fill; "
+        "generate: to llama.cpp)"
+    )

@@ -47,7 +47,7 @@ def test_bench_records_and_plot(tiny_dir, tmp_path):
     assert all(x["tokens_per_s"] > 0 and x["shifts"] >= 1 for x in generate.values())
     summary = [x for x in records if x.get("summary")]
     assert any("ratio" in x for x in summary if x["case"] == "prefill")
-    assert "vs plain" in r.stdout
+    assert "ratio: to plain" in r.stdout
     png = tmp_path / "bench.png"
     assert CliRunner().invoke(main, ["plot", str(out), "-o", str(png)]).exit_code == 0
     assert png.read_bytes()[:4] == b"\x89PNG"
