@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Perplexity with int8 weights (the default of `selfextend generate`) against float32, on the default
+# corpus: two books, the first 2k-8k tokens, the plain model and Self-Extend at 16k.
+# About 15 minutes on a 2-core CPU. Resumable. Prints the table of both and their ratio.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out=experiments/results/int8_quality.jsonl
+for weights in float int8; do
+    selfextend ppl --weights "$weights" --docs sherlock-holmes,war-and-peace --lengths 2k,4k,8k \
+        --method plain -o "$out"
+    selfextend ppl --weights "$weights" --docs sherlock-holmes --lengths 16k \
+        --method selfextend:G=4,W=1024 -o "$out"
+done
+python experiments/int8_table.py "$out"
