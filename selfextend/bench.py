@@ -112,6 +112,16 @@ def _tokens(model: nn.Module, n: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(100, vocab - 1, (1, n), generator=g).to(next(model.parameters()).device)
 
 
+def _greedy_seconds(gen: Generator, logits: torch.Tensor, n_tokens: int) -> float:
+    """Seconds to decode ``n_tokens`` greedily through ``gen``, starting from ``logits``."""
+    _sync(gen.device)
+    t0 = time.perf_counter()
+    for _ in range(n_tokens):
+        logits = gen.feed([int(logits.argmax())])
+    _sync(gen.device)
+    return time.perf_counter() - t0
+
+
 @torch.no_grad()
 def bench_prefill(model: nn.Module, cfg: BenchConfig, meter: MemoryMeter) -> Iterator[dict]:
     """Time and peak memory of one prefill per (repeat, length, variant), interleaved."""
@@ -171,11 +181,7 @@ def bench_endless(model: nn.Module, cfg: BenchConfig, rss: Callable[[], float]) 
         ids = _tokens(model, ctx // 2, seed=rep).tolist()[0]
         logits = gen.feed(ids)
         rss_start = rss()
-        t0 = time.perf_counter()
-        for _ in range(cfg.endless_tokens):
-            logits = gen.feed([int(logits.argmax())])
-        _sync(device)
-        seconds = time.perf_counter() - t0
+        seconds = _greedy_seconds(gen, logits, cfg.endless_tokens)
         yield {
             "case": "endless",
             "variant": "shift",
@@ -247,13 +253,8 @@ def bench_generate(
             attention = "selfextend" if name.endswith("selfextend") else "plain"
             with variant(lm, attention, cfg.group_size, cfg.window):
                 gen = Generator(lm, ContextShiftCache(lm, n_ctx=ctx, n_keep=keep))
-                logits = gen.feed(prompt)
-                _sync(gen.device)
-                t0 = time.perf_counter()
-                for _ in range(cfg.endless_tokens):
-                    logits = gen.feed([int(logits.argmax())])
-                _sync(gen.device)
-                record["tokens_per_s"] = cfg.endless_tokens / (time.perf_counter() - t0)
+                seconds = _greedy_seconds(gen, gen.feed(prompt), cfg.endless_tokens)
+                record["tokens_per_s"] = cfg.endless_tokens / seconds
                 record["shifts"] = gen.cache.shifts
             yield record
 

@@ -19,6 +19,11 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from selfextend.rope import find_rotary_embedding, rotate
 
 
+def discard_count(n_past: int, n_keep: int) -> int:
+    """Cells one context shift drops: the older half of what is not kept (llama.cpp's rule)."""
+    return (n_past - n_keep) // 2
+
+
 class ContextShiftLayer(CacheLayerMixin):
     """One layer's keys and values in preallocated (B, Hkv, n_ctx, D) buffers, filled up to ``n_past``."""
 
@@ -156,7 +161,7 @@ class ContextShiftCache(Cache):
             )
         made = 0
         while self.n_past + n_new > self.n_ctx:
-            n_discard = (self.n_past - self.n_keep) // 2
+            n_discard = discard_count(self.n_past, self.n_keep)
             if n_discard < 1:
                 raise ValueError(f"nothing left to discard: {self.n_past} cached, {self.n_keep} kept")
             inv_freq = self.rotary.inv_freq

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
+from selfextend.cache import discard_count
+
 
 def available() -> bool:
     """Whether llama-cpp-python is installed."""
@@ -46,7 +48,7 @@ class LlamaCppGenerator:
     def _shift(self) -> None:
         llm, lib = self.llm, self.lib
         n_past = llm.n_tokens
-        n_discard = (n_past - self.n_keep) // 2
+        n_discard = discard_count(n_past, self.n_keep)
         memory = lib.llama_get_memory(llm.ctx)
         lib.llama_memory_seq_rm(memory, 0, self.n_keep, self.n_keep + n_discard)
         lib.llama_memory_seq_add(memory, 0, self.n_keep + n_discard, n_past, -n_discard)
