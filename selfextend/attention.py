@@ -4,7 +4,12 @@ Both compute, for each query row, one softmax over the merged scores: the neighb
 (normal positions) where ``i - j < W`` and the grouped score (positions from
 ``selfextend.positions``) elsewhere.
 
-The efficient kernel never builds a (Lq, Lk) score matrix. It runs two attention passes
+A decode step (one query row) needs no mask: it scores the query at its grouped position
+against the keys before the window (kept at grouped positions between steps by a
+``GroupedKeyMemo``) and at its own position against the window, and takes one softmax over
+the concatenated row, with the query heads that share a KV head as rows of one product.
+
+For prefill, the efficient kernel never builds a (Lq, Lk) score matrix. It runs two attention passes
 with a fused kernel that also returns the log-sum-exp of each row, and merges them exactly:
 
 - neighbor pass: query blocks against only the keys of their band ``(i - W, i]``;
@@ -21,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from selfextend.positions import grouped_key_positions, grouped_query_positions, is_neighbor
-from selfextend.rope import rotate
+from selfextend.rope import RotationTable, rotate
 
 NEIGHBOR_BLOCK = 256
 
@@ -152,58 +157,92 @@ def grouped_keys(
 class GroupedKeyMemo:
     """One layer's keys at grouped positions, kept between decode steps.
 
-    A key's grouped position ``j // G`` does not depend on the query, so during decoding only
-    the newly grouped keys need rotating. The memo is trusted only while the cache still holds
-    the same keys at the same positions: same first slot position, and the first and last
-    memoised raw key rows unchanged (a context shift or a new sequence changes them).
+    A key's grouped position ``j // G`` does not depend on the query, so while decoding only the
+    key that just left the neighbor window needs rotating. The memo is trusted only along an
+    unbroken chain of decode steps: one key more than at the last step, slot 0 at the same
+    position, the same raw key in the last memoised slot. A prefill, a context shift, a
+    truncation or a new sequence breaks the chain, and the memo starts over.
     """
 
-    def __init__(self) -> None:
-        self.buf: torch.Tensor | None = None
+    def __init__(self, rotations: RotationTable | None = None) -> None:
+        self.rotations = rotations if rotations is not None else RotationTable()
+        self.buf: torch.Tensor | None = None  # (B, Hkv, capacity, D)
+        self.last_raw: torch.Tensor | None = None  # (B, Hkv, D): the raw key of slot n - 1
         self.n = 0
-        self.first_pos: torch.Tensor | None = None
-        self.edges: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.lk = -1
+        self.first_pos = 0
 
-    def _valid(self, k: torch.Tensor, first_pos: torch.Tensor, n_grouped: int) -> bool:
-        if self.buf is None or self.n == 0 or self.n > n_grouped or self.edges is None:
-            return False
-        if self.buf.shape[:2] != k.shape[:2] or self.buf.dtype != k.dtype or self.buf.device != k.device:
-            return False
-        first, last = self.edges
-        return (
-            torch.equal(self.first_pos, first_pos)
-            and torch.equal(k[..., 0, :], first)
-            and torch.equal(k[..., self.n - 1, :], last)
-        )
+    def reset(self) -> None:
+        self.n, self.lk = 0, -1
 
     def get(
-        self,
-        k: torch.Tensor,
-        first_pos: torch.Tensor,
-        n_grouped: int,
-        group_size: int,
-        inv_freq: torch.Tensor,
+        self, k: torch.Tensor, first_pos: int, n_grouped: int, group_size: int, inv_freq: torch.Tensor
     ) -> torch.Tensor:
-        """Grouped keys of slots [0, n_grouped) of ``k``; slot 0 is at position ``first_pos`` (B, 1)."""
-        if not self._valid(k, first_pos, n_grouped):
-            self.n = 0
+        """Grouped keys of slots [0, n_grouped) of ``k`` (B, Hkv, Lk, D), whose slot 0 is at ``first_pos``."""
+        n, buf = self.n, self.buf
+        continues = (
+            n > 0
+            and n_grouped == n + 1
+            and k.shape[-2] == self.lk + 1
+            and first_pos == self.first_pos
+            and buf.shape[-2] > n
+            and torch.equal(k[..., n - 1, :], self.last_raw)
+        )
+        if not continues:
+            return self._rebuild(k, first_pos, n_grouped, group_size, inv_freq)
+        j = first_pos + n  # the one key that left the window since the last step
+        delta = grouped_key_positions(j, group_size) - j
+        buf[..., n, :] = self.rotations.rotate(k[..., n, :], delta, inv_freq)
+        self.last_raw = k[..., n, :].clone()
+        self.n, self.lk = n_grouped, k.shape[-2]
+        return buf[..., :n_grouped, :]
+
+    def _rebuild(
+        self, k: torch.Tensor, first_pos: int, n_grouped: int, group_size: int, inv_freq: torch.Tensor
+    ) -> torch.Tensor:
+        """All grouped keys anew, in a buffer with room to grow (amortised doubling)."""
         b = self.buf
         fits = b is not None and b.shape[:2] == k.shape[:2] and b.dtype == k.dtype and b.device == k.device
-        if not fits or b.shape[-2] < n_grouped:
-            capacity = max(n_grouped, 2 * b.shape[-2] if fits else 0, 256)  # amortised growth
-            grown = k.new_empty(*k.shape[:2], capacity, k.shape[-1])
-            if self.n:
-                grown[..., : self.n, :] = self.buf[..., : self.n, :]
-            self.buf = grown
-        if n_grouped > self.n:
-            pos = first_pos + torch.arange(self.n, n_grouped, device=k.device)  # (B, new)
-            self.buf[..., self.n : n_grouped, :] = grouped_keys(
-                k[..., self.n : n_grouped, :], pos, group_size, inv_freq
-            )
-            self.n = n_grouped
-        self.first_pos = first_pos.clone()
-        self.edges = (k[..., 0, :].clone(), k[..., n_grouped - 1, :].clone())
+        if not fits or b.shape[-2] <= n_grouped:
+            capacity = max(n_grouped + 1, 2 * b.shape[-2] if fits else 256)
+            self.buf = k.new_empty(*k.shape[:2], capacity, k.shape[-1])
+        pos = first_pos + torch.arange(n_grouped, device=k.device)  # (n_grouped,)
+        self.buf[..., :n_grouped, :] = grouped_keys(k[..., :n_grouped, :], pos, group_size, inv_freq)
+        self.last_raw = k[..., n_grouped - 1, :].clone()
+        self.n, self.lk, self.first_pos = n_grouped, k.shape[-2], first_pos
         return self.buf[..., :n_grouped, :]
+
+
+def self_extend_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    pos: int,
+    group_size: int,
+    window: int,
+    inv_freq: torch.Tensor,
+    scale: float,
+    memo: GroupedKeyMemo,
+) -> torch.Tensor:
+    """One query row per sequence, all at position ``pos``: grouped scores for slots before the
+    window, neighbor scores inside it, one softmax over both. q (B, H, 1, D) -> (B, H, 1, D)."""
+    b, h, _, d = q.shape
+    hkv, lk = k.shape[1], k.shape[2]
+    n_grouped = lk - window
+    q = (q * scale).reshape(b, hkv, h // hkv, d)  # (B, Hkv, n_rep, D): the heads sharing a KV head as rows
+    scores = torch.matmul(q, k[..., max(n_grouped, 0) :, :].transpose(-1, -2))  # (B, Hkv, n_rep, <= W)
+    if n_grouped > 0:
+        if group_size == 1:
+            q_g, k_g = q, k[..., :n_grouped, :]
+        else:
+            k_g = memo.get(k, pos - (lk - 1), n_grouped, group_size, inv_freq)
+            delta = grouped_query_positions(pos, group_size, window) - pos
+            q_g = memo.rotations.rotate(q, delta, inv_freq)
+        scores = torch.cat((torch.matmul(q_g, k_g.transpose(-1, -2)), scores), dim=-1)  # (B, Hkv, n_rep, Lk)
+    else:
+        memo.reset()
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
+    return torch.matmul(probs, v).reshape(b, h, 1, d)
 
 
 def self_extend_attention(
@@ -220,41 +259,31 @@ def self_extend_attention(
     """Self-Extend attention for one unpadded problem, queries at the last ``Lq`` key slots.
 
     q (B, H, Lq, D) rotated at ``q_pos`` (B or 1, Lq); k/v (B, Hkv, Lk, D), keys rotated at their
-    positions ``q_pos[:, -1] - (Lk - 1 - s)``. Returns (B, H, Lq, D). With a ``memo``, decode
-    steps (Lq = 1) rotate only the keys that became grouped since the last step.
+    positions ``q_pos[:, -1] - (Lk - 1 - s)``. Returns (B, H, Lq, D). Decode steps (Lq = 1) take
+    a direct path; with a ``memo`` kept across steps, they rotate only the newly grouped key.
     """
     b, h, lq, d = q.shape
     hkv, lk = k.shape[1], k.shape[2]
-    n_rep = h // hkv
     scale = d**-0.5 if scale is None else scale
-    n_grouped = lk - window
     q_pos = q_pos.to(q.device).long()
+    last = q_pos[:, -1]
+    if lq == 1 and (last.shape[0] == 1 or bool((last == last[0]).all())):
+        memo = memo if memo is not None else GroupedKeyMemo()
+        return self_extend_decode(q, k, v, int(last[0]), group_size, window, inv_freq, scale, memo)
+    if memo is not None:
+        memo.reset()
+
+    n_rep, n_grouped = h // hkv, lk - window
+    v = repeat_kv(v, n_rep)
+    out, lse = _neighbor_pass(q, repeat_kv(k, n_rep), v, window, scale)
     if n_grouped <= 0:
-        q_g = k_g = None
-    elif group_size == 1:  # grouped positions are the normal ones
+        return out
+    if group_size == 1:  # grouped positions are the normal ones
         q_g, k_g = q, k[..., :n_grouped, :]
     else:
-        first_pos = q_pos[:, -1:] - (lk - 1)  # (B, 1): position of key slot 0
-        if memo is not None and lq == 1:
-            k_g = memo.get(k, first_pos, n_grouped, group_size, inv_freq)
-        else:
-            k_pos = first_pos + torch.arange(n_grouped, device=q.device)  # (B, Lk - W)
-            k_g = grouped_keys(k[..., :n_grouped, :], k_pos, group_size, inv_freq)
+        k_pos = q_pos[:, -1:] - (lk - 1) + torch.arange(n_grouped, device=q.device)  # (B, Lk - W)
+        k_g = grouped_keys(k[..., :n_grouped, :], k_pos, group_size, inv_freq)
         q_g = rotate(q, grouped_query_positions(q_pos, group_size, window) - q_pos, inv_freq)
-
-    if lq == 1:
-        # Decode: one query row needs no mask, so the query heads sharing a KV head become rows.
-        s0 = max(0, lk - window)
-        out, lse = attend(q.reshape(b, hkv, n_rep, d), k[..., s0:, :], v[..., s0:, :], scale)
-        if q_g is not None:
-            q_g = q_g.reshape(b, hkv, n_rep, d)  # (B, Hkv, n_rep, D)
-            out, lse = merge_into(out, lse, *attend(q_g, k_g, v[..., :n_grouped, :], scale))
-        return out.reshape(b, h, 1, d)
-
-    k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
-    out, lse = _neighbor_pass(q, k, v, window, scale)
-    if q_g is None:
-        return out
     grouped = _grouped_pass(q_g, repeat_kv(k_g, n_rep), v, window, scale)
     if grouped is not None:
         first, out_g, lse_g = grouped

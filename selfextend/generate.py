@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from selfextend.cache import ContextShiftCache
+from selfextend.decode import decode_step_for
 from selfextend.sampling import SamplingParams, sample
 
 
@@ -108,6 +109,7 @@ class Generator:
     seed: int | None = None
     tokens: list[int] = field(default_factory=list)  # the tokens whose K/V are in the cache, in order
     last_logits: torch.Tensor | None = None  # the prompt's last-token logits, once prefilled
+    direct_decode: bool = True  # single tokens through a DecodeStep where the model allows it
 
     def __post_init__(self) -> None:
         self.sampling.validate()
@@ -117,6 +119,8 @@ class Generator:
         else:
             self.rng.seed()
         self.device = next(self.model.parameters()).device
+        single = self.cache.layers[0].keys.shape[0] == 1
+        self.step = decode_step_for(self.model) if self.direct_decode and single else None
 
     def _forward(self, ids: list[int]) -> torch.Tensor:
         before = self.cache.n_past
@@ -124,11 +128,15 @@ class Generator:
             discarded = before - self.cache.n_past
             keep = self.cache.n_keep
             self.tokens = self.tokens[:keep] + self.tokens[keep + discarded :]
-        x = torch.tensor([ids], device=self.device)
-        with torch.no_grad():
-            logits = self.model(x, past_key_values=self.cache, use_cache=True, logits_to_keep=1).logits
+        if len(ids) == 1 and self.step is not None and self.step.supported():
+            logits = self.step(ids[0], self.cache)
+        else:
+            x = torch.tensor([ids], device=self.device)
+            with torch.no_grad():
+                out = self.model(x, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+            logits = out.logits[0, -1]
         self.tokens.extend(ids)
-        return logits[0, -1]
+        return logits
 
     def feed(self, ids: Sequence[int], chunk: int | None = None) -> torch.Tensor:
         """Write ``ids`` into the cache and return the last token's logits.

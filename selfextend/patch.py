@@ -22,7 +22,7 @@ from transformers.masking_utils import AttentionMaskInterface, causal_mask_funct
 
 from selfextend.attention import GroupedKeyMemo, self_extend_attention, self_extend_attention_reference
 from selfextend.positions import max_length, validate
-from selfextend.rope import find_rotary_embedding, rotate
+from selfextend.rope import RotationTable, find_rotary_embedding, rotate
 
 IMPLEMENTATION = "selfextend"
 REFERENCE_IMPLEMENTATION = "selfextend_reference"
@@ -36,7 +36,7 @@ class SelfExtendParams:
     window: int
     rotary: nn.Module
     previous_implementation: str
-    memo: GroupedKeyMemo = field(default_factory=GroupedKeyMemo)
+    memo: GroupedKeyMemo = field(default_factory=GroupedKeyMemo)  # this layer's grouped keys while decoding
 
     @property
     def inv_freq(self) -> torch.Tensor:
@@ -229,11 +229,12 @@ def apply_self_extend(
     if not modules:
         raise ValueError(f"{type(model).__name__}: no attention modules found")
     rotary = find_rotary_embedding(model)
+    rotations = RotationTable()  # one table for all layers: a decode step rotates each by the same deltas
     previous = model.config._attn_implementation
     if previous in (IMPLEMENTATION, REFERENCE_IMPLEMENTATION):
         previous = modules[0].self_extend.previous_implementation
     for m in modules:
-        m.self_extend = SelfExtendParams(group_size, window, rotary, previous)
+        m.self_extend = SelfExtendParams(group_size, window, rotary, previous, GroupedKeyMemo(rotations))
     model.set_attn_implementation(implementation)
     return model
 

@@ -7,17 +7,21 @@ below. Integer (floor) division everywhere, in prefill and in decode alike.
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 import torch
 
-
-def grouped_key_positions(pos: torch.Tensor, group_size: int) -> torch.Tensor:
-    """Key position ``j`` -> ``j // G``."""
-    return torch.div(pos, group_size, rounding_mode="floor")
+Position = TypeVar("Position", int, torch.Tensor)
 
 
-def grouped_query_positions(pos: torch.Tensor, group_size: int, window: int) -> torch.Tensor:
+def grouped_key_positions(pos: Position, group_size: int) -> Position:
+    """Key position ``j`` -> ``j // G`` (a Python int or a tensor of them)."""
+    return pos // group_size
+
+
+def grouped_query_positions(pos: Position, group_size: int, window: int) -> Position:
     """Query position ``i`` -> ``i // G + W - W // G``, so that distance ``W`` maps to about ``W``."""
-    return torch.div(pos, group_size, rounding_mode="floor") + (window - window // group_size)
+    return pos // group_size + (window - window // group_size)
 
 
 def is_neighbor(distance: torch.Tensor, window: int) -> torch.Tensor:

@@ -9,14 +9,48 @@ without any ``attention_scaling`` factor: it must be a pure rotation.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """(x1, x2) -> (-x2, x1) over the last dimension's halves (the convention of Llama and kin)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+class Rotation(NamedTuple):
+    """Factors of a rotation by some deltas: ``cos`` and ``sin`` (B, 1, L, rot_dim) in float32.
+
+    The sign of the Llama convention's ``rotate_half`` (-x2, x1) is folded into ``sin``.
+    """
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    @classmethod
+    def of(cls, delta: torch.Tensor, inv_freq: torch.Tensor) -> Rotation:
+        """The rotation by ``delta`` positions, ``delta`` (B, L) or (L,)."""
+        delta = delta.to(device=inv_freq.device, dtype=torch.float32)
+        if delta.dim() == 1:
+            delta = delta[None]  # (1, L)
+        angles = delta[:, None, :, None] * inv_freq.float()  # (B, 1, L, rot_dim / 2)
+        angles = torch.cat((angles, angles), dim=-1)  # (B, 1, L, rot_dim)
+        return cls.from_cos_sin(angles.cos(), angles.sin())
+
+    @classmethod
+    def from_cos_sin(cls, cos: torch.Tensor, sin: torch.Tensor) -> Rotation:
+        """From the (..., rot_dim) cos and sin of the Llama convention (what rotary modules return)."""
+        half = sin.shape[-1] // 2
+        return cls(cos.float(), torch.cat((-sin[..., :half], sin[..., half:]), dim=-1).float())
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        """Rotate ``x`` (B, H, L, D): ``x * cos + swap_halves(x) * sin`` over the first ``rot_dim``
+        dimensions (the rest pass through, for partial rotary models); float32 inside, ``x.dtype`` out."""
+        rot_dim = self.cos.shape[-1]
+        half = rot_dim // 2
+        x_rot = x[..., :rot_dim].float()
+        swapped = torch.cat((x_rot[..., half:], x_rot[..., :half]), dim=-1)
+        out = torch.addcmul(x_rot * self.cos, swapped, self.sin)
+        if rot_dim < x.shape[-1]:
+            out = torch.cat((out, x[..., rot_dim:].float()), dim=-1)
+        return out.to(x.dtype)
 
 
 def rotate(x: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
@@ -25,17 +59,40 @@ def rotate(x: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> torc
     Only the first ``2 * len(inv_freq)`` dimensions rotate (partial rotary models); the rest
     pass through. Computed in float32, returned in ``x.dtype``.
     """
-    rot_dim = 2 * inv_freq.shape[-1]
-    delta = delta.to(device=x.device, dtype=torch.float32)
-    if delta.dim() == 1:
-        delta = delta[None]  # (1, L)
-    angles = delta[:, None, :, None] * inv_freq.to(device=x.device, dtype=torch.float32)  # (B, 1, L, D/2)
-    angles = torch.cat((angles, angles), dim=-1)  # (B, 1, L, rot_dim)
-    x_rot = x[..., :rot_dim].float()
-    out = x_rot * angles.cos() + rotate_half(x_rot) * angles.sin()
-    if rot_dim < x.shape[-1]:
-        out = torch.cat((out, x[..., rot_dim:].float()), dim=-1)
-    return out.to(x.dtype)
+    return Rotation.of(delta, inv_freq.to(x.device)).apply(x)
+
+
+class RotationTable:
+    """Rotations by whole-number deltas as (D, D) matrices, built once and shared by every layer.
+
+    A decode step rotates each layer's query and newest grouped key by the same deltas, so the
+    rotation is looked up instead of recomputed 2 x n_layers times, and applied as one small
+    matrix product (``x @ matrix``; the matrix is :class:`Rotation` applied to the identity, so
+    the formula stays in one place). The table empties itself when it grows past
+    ``max_entries`` or when the inverse frequencies change (dynamic RoPE).
+    """
+
+    def __init__(self, max_entries: int = 64) -> None:
+        self.max_entries = max_entries
+        self.entries: dict[tuple[int, int], torch.Tensor] = {}
+        self.inv_freq: torch.Tensor | None = None
+        self.version = -1
+
+    def matrix(self, delta: int, inv_freq: torch.Tensor, dim: int) -> torch.Tensor:
+        """(dim, dim) float32 matrix of the rotation by ``delta``: ``rotate(x, delta) == x @ matrix``."""
+        changed = inv_freq is not self.inv_freq or inv_freq._version != self.version
+        if changed or len(self.entries) >= self.max_entries:
+            self.entries.clear()
+            self.inv_freq, self.version = inv_freq, inv_freq._version
+        found = self.entries.get((delta, dim))
+        if found is None:
+            eye = torch.eye(dim, device=inv_freq.device)[None, None]  # (1, 1, dim, dim)
+            found = self.entries[delta, dim] = Rotation.of(torch.tensor([delta]), inv_freq).apply(eye)[0, 0]
+        return found
+
+    def rotate(self, x: torch.Tensor, delta: int, inv_freq: torch.Tensor) -> torch.Tensor:
+        """``rotate(x, delta, inv_freq)`` for one whole-number delta, in float32, returned in ``x.dtype``."""
+        return torch.matmul(x.float(), self.matrix(delta, inv_freq, x.shape[-1])).to(x.dtype)
 
 
 def find_rotary_embedding(model: nn.Module) -> nn.Module:

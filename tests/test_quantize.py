@@ -25,7 +25,7 @@ def test_quantize_rows_roundtrip_error_is_half_a_step():
 def test_int8_linear_equals_dequantized_product(rows, bias):
     torch.manual_seed(1)
     lin = nn.Linear(64, 96, bias=bias)
-    layer = Int8Linear(lin)
+    layer = Int8Linear.from_linear(lin)
     x = torch.randn(2, rows, 64)
     want = nn.functional.linear(x.bfloat16(), layer.dequantized()).float()
     if bias:
@@ -39,7 +39,7 @@ def test_int8_linear_equals_dequantized_product(rows, bias):
 
 def test_fused_and_gemm_paths_agree_on_the_same_rows():
     torch.manual_seed(2)
-    layer = Int8Linear(nn.Linear(64, 96, bias=False))
+    layer = Int8Linear.from_linear(nn.Linear(64, 96, bias=False))
     x = torch.randn(FUSED_MAX_ROWS + 4, 64)
     many = layer(x)  # dequantise + GEMM
     few = torch.cat([layer(x[i : i + 1]) for i in range(x.shape[0])])  # fused kernel, row by row

@@ -1,0 +1,94 @@
+"""The direct decode step against the model's own forward: same logits, through shifts, every variant."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import ROPE_TYPES, make_model
+from torch import nn
+
+import selfextend
+from selfextend.cache import ContextShiftCache
+from selfextend.decode import DecodeStep, decode_step_for
+from selfextend.generate import Generator
+from selfextend.patch import REFERENCE_IMPLEMENTATION
+from selfextend.quantize import Int8Linear, fuse_int8, quantize_int8
+
+TOL = 1e-4
+
+
+def decoded_logits(model: nn.Module, ids: list[int], direct: bool, n_ctx: int = 40) -> torch.Tensor:
+    """Logits of every token after the first 20, fed one by one through a shifting cache."""
+    gen = Generator(model, ContextShiftCache(model, n_ctx=n_ctx, n_keep=3), direct_decode=direct)
+    assert (gen.step is not None) == (direct and decode_step_for(model) is not None)
+    gen.feed(ids[:20])
+    out = torch.stack([gen.feed([t]) for t in ids[20:]])
+    assert gen.cache.shifts >= 1
+    return out
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("self_extend", [False, True])
+def test_direct_decode_equals_model_forward(family, self_extend):
+    model = make_model(family)
+    if self_extend:
+        selfextend.apply_self_extend(model, group_size=3, window=12)
+    ids = torch.randint(3, 97, (70,), generator=torch.Generator().manual_seed(1)).tolist()
+    want = decoded_logits(model, ids, direct=False)
+    got = decoded_logits(model, ids, direct=True)
+    assert (got - want).abs().max() < TOL
+
+
+@pytest.mark.parametrize("rope", sorted(ROPE_TYPES))
+def test_direct_decode_follows_every_rope_type(rope):
+    model = make_model("llama", rope=rope)
+    ids = torch.randint(3, 97, (60,), generator=torch.Generator().manual_seed(2)).tolist()
+    assert (decoded_logits(model, ids, True) - decoded_logits(model, ids, False)).abs().max() < TOL
+
+
+@pytest.mark.parametrize("self_extend", [False, True])
+def test_direct_decode_with_int8_weights(self_extend):
+    """Fused int8 projections compute the same products as the separate ones: equal up to bf16 rounding."""
+    model = make_model("qwen2")  # q, k, v carry biases
+    quantize_int8(model)
+    if self_extend:
+        selfextend.apply_self_extend(model, group_size=3, window=12)
+    ids = torch.randint(3, 97, (60,), generator=torch.Generator().manual_seed(3)).tolist()
+    want = decoded_logits(model, ids, direct=False)
+    got = decoded_logits(model, ids, direct=True)
+    assert (got - want).abs().max() < 0.02 * want.abs().max()
+
+
+@pytest.mark.parametrize("family", ["qwen3", "phi3", "gemma"])
+def test_other_architectures_use_the_model_forward(family):
+    assert decode_step_for(make_model(family)) is None
+    with pytest.raises(ValueError, match="DecodeStep does not support"):
+        DecodeStep(make_model(family))
+
+
+def test_reference_attention_is_not_taken_over():
+    model = make_model("llama")
+    selfextend.apply_self_extend(model, 3, 12, implementation=REFERENCE_IMPLEMENTATION)
+    gen = Generator(model, ContextShiftCache(model, n_ctx=40))
+    assert gen.step is not None and not gen.step.supported()
+
+
+@pytest.mark.parametrize("bias", [(False, False), (True, False), (True, True)])
+def test_fused_int8_shares_storage_and_computes_the_parts(bias):
+    torch.manual_seed(4)
+    parts = [Int8Linear.from_linear(nn.Linear(32, n, bias=b)) for n, b in zip((48, 16), bias, strict=True)]
+    x = torch.randn(3, 32)
+    before = [p(x) for p in parts]
+    fused = fuse_int8(parts)
+    out = fused(x)
+    assert out.shape == (3, 64)
+    torch.testing.assert_close(out, torch.cat(before, dim=-1), rtol=0, atol=0)
+    for p, b in zip(parts, before, strict=True):
+        torch.testing.assert_close(p(x), b, rtol=0, atol=0)
+        assert p.weight_int8.untyped_storage().data_ptr() == fused.weight_int8.untyped_storage().data_ptr()
+
+
+def test_fusing_needs_one_input_size():
+    parts = [Int8Linear.from_linear(nn.Linear(32, 8)), Int8Linear.from_linear(nn.Linear(16, 8))]
+    with pytest.raises(ValueError, match="share their input size"):
+        fuse_int8(parts)
