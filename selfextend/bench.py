@@ -104,6 +104,7 @@ class BenchConfig:
     endless_ctx: int = 2048
     endless_tokens: int = 2000
     endless_keep: int = 4
+    endless_plain_tokens: int = 256  # plain decoding at the average fill: tokens timed
 
 
 def _tokens(model: nn.Module, n: int, seed: int = 0) -> torch.Tensor:
@@ -192,20 +193,17 @@ def bench_endless(model: nn.Module, cfg: BenchConfig, rss: Callable[[], float]) 
             "rss_start_mib": rss_start,
             "rss_end_mib": rss(),
         }
-        cache = DynamicCache(config=model.config)
-        prompt = _tokens(model, average + cfg.decode_steps, seed=rep)
-        model(prompt[:, :average], past_key_values=cache, use_cache=True, logits_to_keep=1)
-        _sync(device)
-        t0 = time.perf_counter()
-        for t in range(average, average + cfg.decode_steps):
-            model(prompt[:, t : t + 1], past_key_values=cache, use_cache=True)
-        _sync(device)
+        # plain decoding: the same loop and decode path, in a cache too large to ever shift
+        steps = cfg.endless_plain_tokens
+        gen = Generator(model, ContextShiftCache(model, n_ctx=average + steps + 1, n_keep=keep))
+        logits = gen.feed(_tokens(model, average, seed=rep).tolist()[0])
+        seconds = _greedy_seconds(gen, logits, steps)
         yield {
             "case": "endless",
             "variant": "plain",
             "length": average,
             "repeat": rep,
-            "tokens_per_s": cfg.decode_steps / (time.perf_counter() - t0),
+            "tokens_per_s": steps / seconds,
         }
         shift_cache = ContextShiftCache(model, n_ctx=ctx, n_keep=keep)
         model(

@@ -92,3 +92,22 @@ def test_fusing_needs_one_input_size():
     parts = [Int8Linear.from_linear(nn.Linear(32, 8)), Int8Linear.from_linear(nn.Linear(16, 8))]
     with pytest.raises(ValueError, match="share their input size"):
         fuse_int8(parts)
+
+
+@pytest.mark.real
+@pytest.mark.parametrize("weights", ["float", "int8"])
+def test_direct_decode_on_the_default_model(weights):
+    """SmolLM2 with Self-Extend (the grouped part in use) and a shift: direct decode tracks the forward."""
+    from selfextend.corpus import default_books
+    from selfextend.models import load_model
+
+    model, tokenizer = load_model()
+    if weights == "int8":
+        quantize_int8(model)
+    selfextend.apply_self_extend(model, group_size=4, window=64)
+    text = next(iter(default_books().values()))
+    ids = tokenizer(text[:4000]).input_ids[:200]
+    got, want = (decoded_logits(model, ids, direct=d, n_ctx=160) for d in (True, False))
+    tolerance = 1e-4 if weights == "float" else 0.05  # int8: bf16 activations, rounded 30 layers deep
+    assert (got - want).abs().max() < tolerance * want.abs().max()
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.95
