@@ -69,7 +69,8 @@ class DecodeStep:
         self.layers = list(inner.layers)
         self.head = model.lm_head
         attn = self.layers[0].self_attn
-        self.head_dim = attn.head_dim
+        self.head_dim = d = attn.head_dim
+        self.heads = [p.out_features // d for p in (attn.q_proj, attn.k_proj, attn.v_proj)]
         self.qkv, self.gate_up = [], []
         for layer in self.layers:
             a, mlp = layer.self_attn, layer.mlp
@@ -103,19 +104,8 @@ class DecodeStep:
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             h = self._rms_norm(layer.input_layernorm, x)
-            q, k, v = (
-                self._project(self.qkv[i], h)
-                .view(1, 1, -1, d)
-                .transpose(1, 2)
-                .split(
-                    [
-                        attn.q_proj.out_features // d,
-                        attn.k_proj.out_features // d,
-                        attn.v_proj.out_features // d,
-                    ],
-                    dim=1,
-                )
-            )  # (1, heads, 1, D) each
+            qkv = self._project(self.qkv[i], h).view(1, 1, -1, d).transpose(1, 2)  # (1, H + 2 Hkv, 1, D)
+            q, k, v = qkv.split(self.heads, dim=1)
             k, v = cache.layers[i].update(rot.apply(k), v)  # (1, Hkv, n_past + 1, D)
             q = rot.apply(q)
             if self_extend:
