@@ -100,14 +100,13 @@ class DecodeStep:
         x = self.embed.weight[token].view(1, 1, -1)  # (B=1, L=1, hidden)
         position_ids = torch.tensor([[pos]], device=x.device)
         rot = Rotation.from_cos_sin(*(t[:, None] for t in self.rotary(x, position_ids)))  # (1, 1, 1, D)
-        d = self.head_dim
+        d, n_qk = self.head_dim, self.heads[0] + self.heads[1]
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
-            h = self._rms_norm(layer.input_layernorm, x)
+            h = layer.input_layernorm.forward(x)
             qkv = self._project(self.qkv[i], h).view(1, 1, -1, d).transpose(1, 2)  # (1, H + 2 Hkv, 1, D)
-            q, k, v = qkv.split(self.heads, dim=1)
-            k, v = cache.layers[i].update(rot.apply(k), v)  # (1, Hkv, n_past + 1, D)
-            q = rot.apply(q)
+            q, k = rot.apply(qkv[:, :n_qk]).split(self.heads[:2], dim=1)  # one rotation for both
+            k, v = cache.layers[i].update(k, qkv[:, n_qk:])  # (1, Hkv, n_past + 1, D)
             if self_extend:
                 p = attn.self_extend
                 out = self_extend_decode(
@@ -116,14 +115,7 @@ class DecodeStep:
             else:
                 out = F.scaled_dot_product_attention(q, k, v, scale=attn.scaling, enable_gqa=True)
             x = x + attn.o_proj.forward(out.transpose(1, 2).reshape(1, 1, -1))
-            h = self._rms_norm(layer.post_attention_layernorm, x)
+            h = layer.post_attention_layernorm.forward(x)
             gate, up = self._project(self.gate_up[i], h).chunk(2, dim=-1)
             x = x + layer.mlp.down_proj.forward(F.silu(gate) * up)
-        return self.head.forward(self._rms_norm(self.norm, x))[0, -1]
-
-    @staticmethod
-    def _rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """The Llama RMSNorm: in float32, then scaled by the weight in the input's dtype."""
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
-        return norm.weight * xf.to(x.dtype)
+        return self.head.forward(self.norm.forward(x))[0, -1]
