@@ -230,17 +230,15 @@ def self_extend_decode(
     hkv, lk = k.shape[1], k.shape[2]
     n_grouped = lk - window
     q = (q * scale).reshape(b, hkv, h // hkv, d)  # (B, Hkv, n_rep, D): the heads sharing a KV head as rows
-    scores = torch.matmul(q, k[..., max(n_grouped, 0) :, :].transpose(-1, -2))  # (B, Hkv, n_rep, <= W)
-    if n_grouped > 0:
-        if group_size == 1:
-            q_g, k_g = q, k[..., :n_grouped, :]
-        else:
-            k_g = memo.get(k, pos - (lk - 1), n_grouped, group_size, inv_freq)
-            delta = grouped_query_positions(pos, group_size, window) - pos
-            q_g = memo.rotations.rotate(q, delta, inv_freq)
-        scores = torch.cat((torch.matmul(q_g, k_g.transpose(-1, -2)), scores), dim=-1)  # (B, Hkv, n_rep, Lk)
-    else:
+    if n_grouped <= 0 or group_size == 1:  # every key at its own position
         memo.reset()
+        scores = torch.matmul(q, k.transpose(-1, -2))  # (B, Hkv, n_rep, Lk)
+    else:
+        k_g = memo.get(k, pos - (lk - 1), n_grouped, group_size, inv_freq)
+        q_g = memo.rotations.rotate(q, grouped_query_positions(pos, group_size, window) - pos, inv_freq)
+        grouped = torch.matmul(q_g, k_g.transpose(-1, -2))  # (B, Hkv, n_rep, Lk - W)
+        neighbors = torch.matmul(q, k[..., n_grouped:, :].transpose(-1, -2))  # (B, Hkv, n_rep, W)
+        scores = torch.cat((grouped, neighbors), dim=-1)  # (B, Hkv, n_rep, Lk)
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
     return torch.matmul(probs, v).reshape(b, h, 1, d)
 
