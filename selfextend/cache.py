@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from selfextend.rope import find_rotary_embedding, rotate
+from selfextend.rope import layer_frequencies, rotate
 
 
 def discard_count(n_past: int, n_keep: int) -> int:
@@ -122,7 +122,7 @@ class ContextShiftCache(Cache):
             for _ in range(config.num_hidden_layers)
         ]
         super().__init__(layers=layers)
-        self.rotary = find_rotary_embedding(model)
+        self.frequencies = layer_frequencies(model)  # each layer's own (Gemma 3: local and global bases)
         self.n_ctx, self.n_keep = n_ctx, n_keep
         self.shifts = 0
         self.discarded = 0
@@ -164,9 +164,8 @@ class ContextShiftCache(Cache):
             n_discard = discard_count(self.n_past, self.n_keep)
             if n_discard < 1:
                 raise ValueError(f"nothing left to discard: {self.n_past} cached, {self.n_keep} kept")
-            inv_freq = self.rotary.inv_freq
-            for layer in self.layers:
-                layer.shift(self.n_keep, n_discard, inv_freq)
+            for layer, freq in zip(self.layers, self.frequencies, strict=True):
+                layer.shift(self.n_keep, n_discard, freq.inv_freq)
             self.shifts += 1
             self.discarded += n_discard
             made += 1
