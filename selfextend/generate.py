@@ -124,6 +124,7 @@ class Generator:
         single = self.cache.layers[0].keys.shape[0] == 1
         self.step = decode_step_for(self.model) if self.direct_decode and single else None
 
+    @torch.no_grad()
     def _forward(self, ids: list[int]) -> torch.Tensor:
         before = self.cache.n_past
         if self.cache.make_room(len(ids)):
@@ -134,8 +135,7 @@ class Generator:
             logits = self.step(ids[0], self.cache)
         else:
             x = torch.tensor([ids], device=self.device)
-            with torch.no_grad():
-                out = self.model(x, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+            out = self.model(x, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
             logits = out.logits[0, -1]
         self.tokens.extend(ids)
         return logits
