@@ -557,7 +557,10 @@ def load_model(
     device: str | torch.device = "cpu",
     attn_implementation: str = "sdpa",
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load a causal LM and its tokenizer, on ``device`` and in eval mode.
+    """Load a causal LM and its tokenizer, on ``device``, inference-ready: eval mode, gradients off.
+
+    With ``requires_grad`` off on every parameter a forward builds no autograd graph even outside
+    ``torch.no_grad()`` (a 2k-token forward otherwise keeps gigabytes of activations alive).
 
     A GGUF is dequantised to float32 once and cached (see :func:`ensure_converted`), then loaded from the
     cache in ``dtype`` (``"auto"`` keeps float32). Raises :class:`ModelError` for non-RoPE models and for
@@ -585,6 +588,7 @@ def load_model(
     except (RuntimeError, AssertionError) as exc:  # e.g. CUDA asked for on a CPU-only torch
         raise ModelError(f"cannot move the model to {target}: {_first_line(exc)}") from exc
     model.eval()
+    model.requires_grad_(False)
     return model, tokenizer
 
 

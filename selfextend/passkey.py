@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from torch import nn
 
 from selfextend.cache import ContextShiftCache
@@ -44,6 +45,7 @@ def build_passkey_prompt(tokenizer, length: int, depth: float, key: int) -> list
     return list(tokenizer(text).input_ids)
 
 
+@torch.no_grad()
 def answer(model: nn.Module, ids: list[int], method: Method) -> list[int]:
     """Greedy answer tokens after the prompt, under ``method`` (a shift method streams the prompt)."""
     with applied(model, method):

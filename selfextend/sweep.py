@@ -49,6 +49,7 @@ def tokenize_prefix(tokenizer, text: str, n_tokens: int) -> torch.Tensor:
         chars *= 2
 
 
+@torch.no_grad()
 def score(model: nn.Module, ids: torch.Tensor, method: Method) -> torch.Tensor:
     """Per-token NLL of ``ids`` under ``method``."""
     with applied(model, method):
