@@ -669,7 +669,10 @@ def load_model(
     attn_implementation: str = "sdpa",
     weights: str = "float",
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load a causal LM and its tokenizer, on ``device`` and in eval mode.
+    """Load a causal LM and its tokenizer, on ``device``, inference-ready: eval mode, gradients off.
+
+    With ``requires_grad`` off on every parameter a forward builds no autograd graph even outside
+    ``torch.no_grad()`` (a 2k-token forward otherwise keeps gigabytes of activations alive).
 
     ``weights="int8"`` holds every linear layer as per-row int8 (:mod:`selfextend.quantize`), the rest in
     ``dtype``. A GGUF goes tensor by tensor into that form once and is cached in it (see
@@ -704,6 +707,7 @@ def load_model(
     except (RuntimeError, AssertionError) as exc:  # e.g. CUDA asked for on a CPU-only torch
         raise ModelError(f"cannot move the model to {target}: {_first_line(exc)}") from exc
     model.eval()
+    model.requires_grad_(False)
     return model, tokenizer
 
 

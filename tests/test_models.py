@@ -345,6 +345,9 @@ def test_load_model_from_directory(tiny_gguf: Path, cache: Path, tmp_path: Path)
     assert again.config._attn_implementation == "eager"
     assert tok("the")["input_ids"] == tokenizer("the")["input_ids"]
     assert load_config(str(saved)).hidden_size == 32
+    for m in (model, again):  # inference-ready: a forward outside no_grad builds no autograd graph
+        assert not m.training and not any(p.requires_grad for p in m.parameters())
+        assert m(torch.tensor([[1, 2, 3]])).logits.grad_fn is None
 
 
 def _same_state(a: torch.nn.Module, b: torch.nn.Module) -> bool:
