@@ -11,6 +11,7 @@ import sys
 import click
 
 from cli.bench import bench
+from cli.cache import cache
 from cli.generate import generate
 from cli.info import info
 from cli.measure import passkey, plot, ppl
@@ -61,3 +62,4 @@ main.add_command(ppl)
 main.add_command(passkey)
 main.add_command(plot)
 main.add_command(bench)
+main.add_command(cache)

@@ -6,8 +6,9 @@ the process's resident high-water mark (VmHWM) after the load, so it includes th
 that importing torch and transformers takes (reported apart as ``rss_imports_mb``). The
 run-form size is the bytes of every parameter and buffer of the loaded model (shared storage
 counted once). Load time is given as wall time and as the process's CPU time (user + system,
-all threads), which other work on a shared machine disturbs less. Each run also greedy-decodes a few tokens of a fixed prompt, so a later run of
-the same command shows whether the loaded weights still give the same tokens.
+all threads), which other work on a shared machine disturbs less. Each run also greedy-decodes a
+few tokens of a fixed prompt, so a later run of the same command shows whether the loaded weights
+still give the same tokens.
 
     python experiments/load_cost.py --label after [--models smollm2-135m gemma3-270m]
         [--forms int8 float32 bfloat16] [--out experiments/results/load_cost.jsonl]
@@ -91,7 +92,9 @@ def run_one(model: str, form: str, cache: Path) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--worker", nargs=2, metavar=("MODEL", "FORM"), help=argparse.SUPPRESS)
     parser.add_argument("--label", default="after", help="before/after, stored in each record")
     parser.add_argument("--models", nargs="+", default=["smollm2-135m", "gemma3-270m"])

@@ -303,6 +303,8 @@ def _write_entry(
         # The marker goes in last: an entry without it is never trusted.
         (tmp / _MARKER).write_text(json.dumps(_gguf_identity(gguf, form), indent=2) + "\n")
         tmp.chmod(0o755)  # mkdtemp makes it private; the entry should read like any other folder
+        for written in tmp.iterdir():
+            written.chmod(0o644)
         if entry.exists() and not _is_complete(entry):
             shutil.rmtree(entry, ignore_errors=True)
         try:
@@ -337,7 +339,8 @@ def _marker(entry: Path) -> dict[str, Any] | None:
 
 def _remove_superseded(entry: Path, gguf: Path) -> None:
     """Delete conversions of an older version of the same GGUF path (the file changed since), in every
-    form, and those written in an older cache format; other forms of this version stay."""
+    form; other forms of this version stay, and so do entries of other cache formats (an older
+    selfextend may still be using them: ``selfextend cache list`` marks them stale)."""
     ident = _marker(entry) or {}
     for other in entry.parent.iterdir():
         if other == entry or other.name.startswith(".") or not other.is_dir():
@@ -345,7 +348,10 @@ def _remove_superseded(entry: Path, gguf: Path) -> None:
         marker = _marker(other)
         if marker is None or marker.get("source") != ident.get("source"):
             continue
-        if any(marker.get(k) != ident.get(k) for k in ("size", "mtime_ns", "format")):
+        if marker.get("format") == ident.get("format") and (
+            marker.get("size"),
+            marker.get("mtime_ns"),
+        ) != (ident.get("size"), ident.get("mtime_ns")):
             shutil.rmtree(other, ignore_errors=True)
 
 

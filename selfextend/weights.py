@@ -99,6 +99,18 @@ def _assign(model: nn.Module, name: str, tensor: torch.Tensor, dtype: torch.dtyp
         raise KeyError(f"checkpoint tensor {name} has no place in {type(model).__name__}")
 
 
+def _tie_head(model: nn.Module) -> None:
+    """A tied output head shares the embedding (float) or is quantised from it (int8, if still empty)."""
+    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    if not getattr(model.config.get_text_config(), "tie_word_embeddings", False) or head is None:
+        return
+    if not isinstance(head, Int8Linear):
+        head.weight = embed.weight
+    elif head.weight_int8.is_meta and not embed.weight.is_meta:
+        q, scale = quantize_rows(embed.weight)
+        head.weight_int8, head.scale = q, scale.to(torch.bfloat16)
+
+
 def fill(
     model: PreTrainedModel, tensors: Iterable[tuple[str, torch.Tensor]], form: RunForm
 ) -> PreTrainedModel:
@@ -109,14 +121,7 @@ def fill(
     """
     for name, tensor in tensors:
         _assign(model, name, tensor, form.dtype)
-    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
-    if getattr(model.config.get_text_config(), "tie_word_embeddings", False) and head is not None:
-        if isinstance(head, Int8Linear):
-            if head.weight_int8.is_meta:
-                q, scale = quantize_rows(embed.weight)
-                head.weight_int8, head.scale = q, scale.to(torch.bfloat16)
-        else:
-            head.weight = embed.weight
+    _tie_head(model)
     missing = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if missing:
         raise KeyError(f"{len(missing)} weights missing from the checkpoint, e.g. {', '.join(missing[:3])}")
@@ -258,6 +263,7 @@ def form_bytes(config: PretrainedConfig, form: RunForm) -> int:
     A tied output head counts once in float and as its own int8 copy in int8, as loading makes it.
     """
     model = empty_model(config, form)
+    _tie_head(model)
     total = 0
     seen: set[int] = set()
     for t in [*model.parameters(), *model.buffers()]:
