@@ -45,7 +45,8 @@ def model_options(f: Callable) -> Callable:
         "--model",
         default="smollm2-135m",
         show_default=True,
-        help="smollm2-135m (embedded), a .gguf file, a model directory or a hub id.",
+        help="smollm2-135m (embedded), gemma3-270m (the gemma extra), a .gguf file, a model directory "
+        "or a hub id.",
     )(f)
     return f
 

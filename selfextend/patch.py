@@ -9,8 +9,9 @@ restores the previous attention implementation.
 
 Models whose ``config.layer_types`` mix ``sliding_attention`` and ``full_attention`` (Gemma 3,
 Qwen2 with ``use_sliding_window``): a sliding layer never sees a distance beyond its window, so it
-needs no extension and keeps its own attention (SDPA, with the sliding mask transformers builds
-for it); only the full-attention layers get Self-Extend, each with its own rotary frequencies.
+needs no extension and keeps its own attention: the band ``i - j < sliding_window``, computed
+block by block without the dense mask transformers would build (SDPA with that mask when there is
+padding); only the full-attention layers get Self-Extend, each with its own rotary frequencies.
 """
 
 from __future__ import annotations
@@ -31,7 +32,12 @@ from transformers.masking_utils import (
     sdpa_mask,
 )
 
-from selfextend.attention import GroupedKeyMemo, self_extend_attention, self_extend_attention_reference
+from selfextend.attention import (
+    GroupedKeyMemo,
+    self_extend_attention,
+    self_extend_attention_reference,
+    sliding_window_attention,
+)
 from selfextend.positions import max_length, validate
 from selfextend.rope import Frequencies, RotationTable, layer_frequencies, rotate
 
@@ -76,6 +82,9 @@ def padding_mask(
     hybrid models' sliding layers, which keep their own attention) is SDPA's usual one.
     """
     if mask_function is not causal_mask_function:
+        plain_sliding = kwargs.get("local_size") is not None and not kwargs.get("use_vmap")
+        if plain_sliding and (attention_mask is None or bool(attention_mask.all())):
+            return None  # the sliding layer's band is cut from slot arithmetic (sliding_window_attention)
         return sdpa_mask(
             batch_size=batch_size,
             kv_length=kv_length,
@@ -131,9 +140,18 @@ def _own_attention(
     dropout: float,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None] | None:
-    """A sliding layer's own attention (SDPA with its mask), or None for a layer Self-Extend serves."""
+    """A sliding layer's own attention, or None for a layer Self-Extend serves.
+
+    Without padding the mask function returned no mask, and the band ``i - j < sliding_window`` is
+    attended block by block (:func:`sliding_window_attention`); with padding, SDPA with transformers' mask.
+    """
     if not isinstance(module.self_extend, OwnAttention):
         return None
+    window = kwargs.get("sliding_window")
+    if attention_mask is None and window is not None:
+        scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+        out = sliding_window_attention(query, key, value, int(window), scale)
+        return out.transpose(1, 2).contiguous(), None
     return sdpa_attention_forward(
         module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
     )

@@ -180,3 +180,31 @@ def test_soft_capping_and_all_sliding_refused():
         selfextend.apply_self_extend(gemma2(softcap=50.0), group_size=3, window=7)
     with pytest.raises(ValueError, match="every layer"):
         selfextend.apply_self_extend(gemma3(layer_types=["sliding_attention"] * 2), group_size=3, window=7)
+
+
+@pytest.mark.parametrize("lk,lq,window", [(700, 700, 512), (700, 1, 512), (900, 300, 100), (40, 40, 64)])
+def test_sliding_window_kernel_equals_masked_sdpa(lk, lq, window):
+    from selfextend.attention import repeat_kv, sliding_window_attention
+
+    torch.manual_seed(lk + lq)
+    q, k, v = torch.randn(1, 4, lq, 16), torch.randn(1, 2, lk, 16), torch.randn(1, 2, lk, 16)
+    distance = torch.arange(lk - lq, lk)[:, None] - torch.arange(lk)[None]  # (Lq, Lk)
+    allowed = (distance >= 0) & (distance < window)
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q, repeat_kv(k, 2), repeat_kv(v, 2), attn_mask=allowed, scale=0.25
+    )
+    assert (sliding_window_attention(q, k, v, window, 0.25) - expected).abs().max() < TOL
+
+
+def test_gemma3_left_padded_batch_equals_rows_alone():
+    """With padding the sliding layers take transformers' masked SDPA path; rows must match unpadded."""
+    model = gemma3()
+    selfextend.apply_self_extend(model, group_size=3, window=7)
+    a, b = torch.randint(3, 97, (1, 80)), torch.randint(3, 97, (1, 60))
+    batch = torch.cat([a, torch.cat([torch.zeros(1, 20, dtype=torch.long), b], dim=1)])
+    mask = torch.ones_like(batch)
+    mask[1, :20] = 0
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    out = logits(model, batch, attention_mask=mask, position_ids=pos)
+    assert (out[0, -1] - logits(model, a)[0, -1]).abs().max() < TOL
+    assert (out[1, -1] - logits(model, b)[0, -1]).abs().max() < TOL
