@@ -11,6 +11,7 @@ import sys
 import click
 
 from cli.bench import bench
+from cli.chat import chat
 from cli.generate import generate
 from cli.info import info
 from cli.measure import passkey, plot, ppl
@@ -57,6 +58,7 @@ def main() -> None:
 
 main.add_command(info)
 main.add_command(generate)
+main.add_command(chat)
 main.add_command(ppl)
 main.add_command(passkey)
 main.add_command(plot)

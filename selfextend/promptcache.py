@@ -45,11 +45,17 @@ def settings(model: nn.Module) -> dict[str, Any]:
 
 
 def save(
-    path: str | Path, model: nn.Module, cache: ContextShiftCache, tokens: list[int], logits: torch.Tensor
+    path: str | Path,
+    model: nn.Module,
+    cache: ContextShiftCache,
+    tokens: list[int],
+    logits: torch.Tensor,
+    extra: dict[str, Any] | None = None,
 ) -> None:
     """Write the first ``len(tokens)`` cells of every layer and the last token's ``logits`` (atomically:
     temp file, then rename). With the logits, a run whose prompt is exactly ``tokens`` starts from the
-    same numbers as the run that saved it, instead of recomputing the last token another way."""
+    same numbers as the run that saved it, instead of recomputing the last token another way.
+    ``extra``: JSON-able state of whoever owns the cache (a chat session), stored with it."""
     n = len(tokens)
     payload = {
         "format": FORMAT,
@@ -59,6 +65,8 @@ def save(
         "keys": [layer.keys[..., :n, :].clone().cpu() for layer in cache.layers],
         "values": [layer.values[..., :n, :].clone().cpu() for layer in cache.layers],
     }
+    if extra is not None:
+        payload["extra"] = json.dumps(extra)
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     torch.save(payload, tmp)
@@ -72,18 +80,7 @@ def load(
 
     Returns the reused tokens, and the saved last-token logits when the prompt is exactly the saved one.
     """
-    try:
-        payload = torch.load(Path(path), map_location="cpu", weights_only=True)
-    except Exception as e:  # torch raises many types for a file that is not its own
-        raise PromptCacheError(f"{path} is not a selfextend prompt cache ({type(e).__name__})") from None
-    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
-        raise PromptCacheError(f"{path} is not a {FORMAT} file (another version or another program)")
-    ours, theirs = settings(model), json.loads(payload["settings"])
-    if ours != theirs:
-        diff = ", ".join(
-            f"{k}: file {theirs.get(k)} != now {v}" for k, v in ours.items() if theirs.get(k) != v
-        )
-        raise PromptCacheError(f"{path} was made with another model or settings ({diff})")
+    payload = read(path, model)
     saved = payload["tokens"].tolist()
     n = 0
     limit = min(len(saved), len(prompt), cache.n_ctx - 1)
@@ -95,3 +92,21 @@ def load(
         )
     whole = n == len(saved) == len(prompt)
     return prompt[:n], payload["logits"] if whole else None
+
+
+def read(path: str | Path, model: nn.Module) -> dict[str, Any]:
+    """The file's contents, once it is known to be ours and made with this model and these settings."""
+    try:
+        payload = torch.load(Path(path), map_location="cpu", weights_only=True)
+    except Exception as e:  # torch raises many types for a file that is not its own
+        kind = type(e).__name__
+        raise PromptCacheError(f"{path} is not a selfextend prompt-cache or session file ({kind})") from None
+    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
+        raise PromptCacheError(f"{path} is not a {FORMAT} file (another version or another program)")
+    ours, theirs = settings(model), json.loads(payload["settings"])
+    if ours != theirs:
+        diff = ", ".join(
+            f"{k}: file {theirs.get(k)} != now {v}" for k, v in ours.items() if theirs.get(k) != v
+        )
+        raise PromptCacheError(f"{path} was made with another model or settings ({diff})")
+    return payload
