@@ -207,6 +207,8 @@ class Repl:
             except EOFError:
                 if lines:
                     return "\n".join(lines)
+                if self.interactive:
+                    click.echo("", err=True)  # the summary goes below the prompt, not after it
                 raise
             finally:
                 self.reading = False

@@ -138,6 +138,7 @@ class Generator:
             out = self.model(x, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
             logits = out.logits[0, -1]
         self.tokens.extend(ids)
+        self.last_logits = logits
         return logits
 
     def feed(
