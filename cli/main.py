@@ -14,7 +14,7 @@ from cli.bench import bench
 from cli.chat import chat
 from cli.generate import generate
 from cli.info import info
-from cli.measure import passkey, plot, ppl
+from cli.measure import passkey, plot, ppl, table
 
 
 def _one_line(e: BaseException) -> str:
@@ -62,4 +62,5 @@ main.add_command(chat)
 main.add_command(ppl)
 main.add_command(passkey)
 main.add_command(plot)
+main.add_command(table)
 main.add_command(bench)

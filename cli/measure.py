@@ -15,10 +15,51 @@ def _methods(specs: tuple[str, ...]):
     return [parse_method(s) for s in (specs or ("plain",))]
 
 
-def _progress_bar(total: int, desc: str):
+def _progress_bar(total: int, desc: str, procs=None):
+    """A token progress bar; launched on several processes, only the main one draws it."""
     from tqdm import tqdm
 
-    return tqdm(total=total, unit="tok", unit_scale=True, desc=desc, dynamic_ncols=True)
+    if procs is not None and procs.world > 1:
+        desc = f"{desc} rank {procs.rank}/{procs.world}"
+    return tqdm(
+        total=total,
+        unit="tok",
+        unit_scale=True,
+        desc=desc,
+        dynamic_ncols=True,
+        disable=procs is not None and not procs.main,
+    )
+
+
+def _join(out: str, key):
+    """Join the sweep's processes (one, or those a launcher started), merging leftover rank files first.
+
+    Returns the processes and the device this one uses (``--device`` if given, else its own).
+    """
+    from selfextend.distributed import merge, processes
+
+    procs = processes()
+    if procs.main:
+        added = merge(out, key)
+        if added:
+            click.echo(f"merged {added} records left by an earlier run into {out}", err=True)
+    procs.wait()
+    ctx = click.get_current_context()
+    asked = (
+        None
+        if ctx.get_parameter_source("device") == click.core.ParameterSource.DEFAULT
+        else ctx.params["device"]
+    )
+    return procs, procs.device(asked)
+
+
+def _finish(procs, out: str, key) -> None:
+    """Wait for every process, then merge their rank files into ``out``."""
+    from selfextend.distributed import merge
+
+    procs.wait()
+    if procs.main and procs.world > 1:
+        merge(out, key)
 
 
 METHOD_HELP = (
@@ -102,22 +143,28 @@ def ppl(
     if max_docs:
         texts = dict(list(texts.items())[:max_docs])
     from cli.options import load_with_self_extend
+    from selfextend.sweep import point_key, run_cost
 
-    lm, tokenizer = load_with_self_extend(model, dtype, device, None, None, weights)
+    procs, device = _join(out, point_key)
     name = run_name(model, weights)
     runs = plan(name, list(texts), parsed_methods, parsed_lengths, out)
     if not runs:
         click.echo(f"all points already in {out}", err=True)
         return
+    with procs.main_first():
+        lm, tokenizer = load_with_self_extend(model, dtype, device, None, None, weights)
     ids = tokenize_docs(tokenizer, texts, runs)
-    bar = _progress_bar(sum(r.length for r in runs), "ppl")
+    mine = procs.share(runs, lambda r: run_cost(r, lm.config.get_text_config().hidden_size))
+    bar = _progress_bar(sum(r.length for r in mine), "ppl", procs)
     with bar:
-        for r in ppl_sweep(lm, name, ids, runs, out, progress=bar.update):
+        for r in ppl_sweep(lm, name, ids, mine, procs.output(out), progress=bar.update):
             bar.write(
                 f"{r['doc']:>16} {r['method']:>24} {r['length']:>7}  ppl {r['ppl']:9.2f}"
                 f"  last quarter {r['ppl_last']:9.2f}"
             )
-    click.echo(f"wrote {out}", err=True)
+    _finish(procs, out, point_key)
+    if procs.main:
+        click.echo(f"wrote {out}", err=True)
 
 
 @click.command()
@@ -154,7 +201,8 @@ def passkey(
 ) -> None:
     """Passkey retrieval: a 5-digit key hidden in filler, asked for at the end, answered greedily."""
     from cli.options import load_with_self_extend
-    from selfextend.passkey import passkey_sweep
+    from selfextend.distributed import forward_cost
+    from selfextend.passkey import passkey_plan, passkey_sweep, point_key
     from selfextend.results import read_jsonl
     from selfextend.sweep import parse_lengths
 
@@ -169,27 +217,25 @@ def passkey(
         raise click.BadParameter("depths must lie in [0, 1]", param_hint="--depths")
     if trials < 1:
         raise click.BadParameter("at least 1", param_hint="--trials")
-    lm, tokenizer = load_with_self_extend(model, dtype, device, None, None, weights)
+    procs, device = _join(out, point_key)
+    name = run_name(model, weights)
     done = len(read_jsonl(out))
-    total = len(parsed_methods) * sum(parsed_lengths) * len(parsed_depths) * trials
-    bar = _progress_bar(total, "passkey")
-    with bar:
-        for r in passkey_sweep(
-            lm,
-            tokenizer,
-            run_name(model, weights),
-            parsed_methods,
-            parsed_lengths,
-            parsed_depths,
-            trials,
-            out,
-            seed,
-            progress=bar.update,
-        ):
-            bar.write(
-                f"{r['method']:>24} {r['length']:>7} depth {r['depth']:.2f} #{r['trial']}: "
-                f"{'ok ' if r['correct'] else 'MISS'} {r['passkey']} -> {r['answer'][:20]!r}"
-            )
+    points = passkey_plan(name, parsed_methods, parsed_lengths, parsed_depths, trials, out)
+    if points:
+        with procs.main_first():
+            lm, tokenizer = load_with_self_extend(model, dtype, device, None, None, weights)
+        hidden = lm.config.get_text_config().hidden_size
+        mine = procs.share(points, lambda p: forward_cost(p.length, hidden))
+        bar = _progress_bar(sum(p.length for p in mine), "passkey", procs)
+        with bar:
+            for r in passkey_sweep(lm, tokenizer, name, mine, procs.output(out), seed, progress=bar.update):
+                bar.write(
+                    f"{r['method']:>24} {r['length']:>7} depth {r['depth']:.2f} #{r['trial']}: "
+                    f"{'ok ' if r['correct'] else 'MISS'} {r['passkey']} -> {r['answer'][:20]!r}"
+                )
+        _finish(procs, out, point_key)
+    if not procs.main:
+        return
     records = read_jsonl(out)
     click.echo(
         f"wrote {out}: {len(records) - done} new, accuracy over the file "
@@ -198,41 +244,123 @@ def passkey(
     )
 
 
-@click.command()
-@click.argument("results", type=click.Path(exists=True, dir_okay=False))
-@click.option(
-    "-o", "--out", type=click.Path(dir_okay=False), help="PNG to write (default: RESULTS with .png)."
-)
-@click.option(
-    "--trained-window",
-    type=int,
-    default=None,
-    help="Mark this length (tokens) on the plot; default: the model's, when it can be read.",
-)
-@click.option(
-    "--field",
-    type=click.Choice(["ppl_last", "ppl"]),
-    default="ppl_last",
-    show_default=True,
-    help="For perplexity results: the last quarter of each context, or all of it.",
-)
-def plot(results: str, out: str | None, trained_window: int | None, field: str) -> None:
-    """Draw a JSONL results file as a PNG: PPL against length, passkey heatmaps, or bench time and memory."""
-    from selfextend.plot import plot_bench, plot_passkey, plot_ppl, record_kind
+def summary_options(f):
+    """--field, --stat, --ratio, --reference: how ``plot`` and ``table`` aggregate over documents."""
+    from selfextend.aggregate import STATS
+
+    f = click.option(
+        "--reference",
+        type=int,
+        default=None,
+        help="With --ratio: the length (tokens) each method is divided by; default: the longest "
+        "measured length within the trained window.",
+    )(f)
+    f = click.option(
+        "--ratio",
+        is_flag=True,
+        help="Each method's PPL over its own PPL at --reference (per document, then aggregated).",
+    )(f)
+    f = click.option(
+        "--stat",
+        type=click.Choice(list(STATS)),
+        default="mean",
+        show_default=True,
+        help="How PPL is aggregated over documents (the spread shown is their min-max range).",
+    )(f)
+    f = click.option(
+        "--field",
+        type=click.Choice(["ppl_last", "ppl"]),
+        default="ppl_last",
+        show_default=True,
+        help="For perplexity results: the last quarter of each context, or all of it.",
+    )(f)
+    f = click.option(
+        "--trained-window",
+        type=int,
+        default=None,
+        help="The model's trained window in tokens (marked on plots, default reference of --ratio); "
+        "default: the model's, when it can be read.",
+    )(f)
+    return f
+
+
+def _records(results: str, trained_window: int | None):
+    from selfextend.plot import record_kind
     from selfextend.results import read_jsonl
 
     records = read_jsonl(results)
     kind = record_kind(records)
     if trained_window is None:
         trained_window = _trained_window(records[0].get("model"))
+    return records, kind, trained_window
+
+
+@click.command()
+@click.argument("results", type=click.Path(exists=True, dir_okay=False))
+@click.option(
+    "-o", "--out", type=click.Path(dir_okay=False), help="PNG to write (default: RESULTS with .png)."
+)
+@summary_options
+@click.option("--per-doc", is_flag=True, help="Perplexity: one panel per document instead of the aggregate.")
+def plot(
+    results: str,
+    out: str | None,
+    trained_window: int | None,
+    field: str,
+    stat: str,
+    ratio: bool,
+    reference: int | None,
+    per_doc: bool,
+) -> None:
+    """Draw a JSONL results file as a PNG: PPL against length, passkey heatmaps, or bench time and memory.
+
+    Perplexity is aggregated over documents (STAT, with the documents' range as a band), the same
+    numbers `selfextend table` prints.
+    """
+    from selfextend.plot import plot_bench, plot_passkey, plot_ppl
+
+    records, kind, trained_window = _records(results, trained_window)
     target = Path(out or Path(results).with_suffix(".png"))
     if kind == "ppl":
-        plot_ppl(records, target, trained_window, field)
+        plot_ppl(records, target, trained_window, field, stat, per_doc, ratio, reference)
     elif kind == "passkey":
         plot_passkey(records, target, trained_window)
     else:
         plot_bench(records, target, trained_window)
     click.echo(f"wrote {target}")
+
+
+@click.command()
+@click.argument("results", type=click.Path(exists=True, dir_okay=False))
+@click.option(
+    "-f",
+    "--format",
+    "fmt",
+    type=click.Choice(["markdown", "csv", "latex"]),
+    default="markdown",
+    show_default=True,
+    help="Table format.",
+)
+@summary_options
+def table(
+    results: str,
+    fmt: str,
+    trained_window: int | None,
+    field: str,
+    stat: str,
+    ratio: bool,
+    reference: int | None,
+) -> None:
+    """Print a ppl or passkey JSONL file as a table: methods by lengths, aggregated over documents.
+
+    PPL cells read `value (min-max over documents)`; passkey cells hits/trials over all depths.
+    """
+    from selfextend.aggregate import format_table, summarize
+
+    records, kind, trained_window = _records(results, trained_window)
+    if kind not in ("ppl", "passkey"):
+        raise click.UsageError(f"{results} holds {kind} records; table takes ppl or passkey results")
+    click.echo(format_table(summarize(records, field, stat, ratio, reference, trained_window), fmt))
 
 
 def _trained_window(model: str | None) -> int | None:

@@ -10,6 +10,7 @@ import random
 import re
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -58,48 +59,74 @@ def answer(model: nn.Module, ids: list[int], method: Method) -> list[int]:
         return list(gen.decode(logits, ANSWER_TOKENS))
 
 
-def passkey_sweep(
-    model: nn.Module,
-    tokenizer,
+def point_key(record: dict) -> tuple:
+    """What identifies a passkey point: a resumed or merged sweep holds each key once."""
+    return (record["model"], record["method"], record["length"], record["depth"], record["trial"])
+
+
+@dataclass(frozen=True)
+class Point:
+    """One question: ``trial`` at ``depth`` in a prompt of about ``length`` tokens, under ``method``."""
+
+    method: Method
+    length: int
+    depth: float
+    trial: int
+
+
+def passkey_plan(
     model_name: str,
     methods: list[Method],
     lengths: list[int],
     depths: list[float],
     trials: int,
     out: str | Path,
+) -> list[Point]:
+    """Every (method, length, depth, trial) point not yet in ``out``."""
+    done = {point_key(r) for r in read_jsonl(out)}
+    return [
+        Point(method, length, depth, trial)
+        for method in methods
+        for length in lengths
+        for depth in depths
+        for trial in range(trials)
+        if (model_name, method.name, length, depth, trial) not in done
+    ]
+
+
+def passkey_sweep(
+    model: nn.Module,
+    tokenizer,
+    model_name: str,
+    points: list[Point],
+    out: str | Path,
     seed: int = 0,
     progress: Callable[[int], None] | None = None,
 ) -> Iterator[dict]:
-    """Every missing (method, length, depth, trial) point, one JSONL record each, appended as it finishes.
+    """Ask each of ``points``, appending one JSONL record to ``out`` as each finishes.
 
     Passkeys come from ``seed`` and the point's coordinates, so a resumed run asks the same questions.
     """
     repair_tail(out)
-    done = {(r["model"], r["method"], r["length"], r["depth"], r["trial"]) for r in read_jsonl(out)}
-    for method in methods:
-        for length in lengths:
-            for depth in depths:
-                for trial in range(trials):
-                    if (model_name, method.name, length, depth, trial) in done:
-                        continue
-                    key = random.Random(f"{seed}-{length}-{depth}-{trial}").randint(10000, 99999)
-                    ids = build_passkey_prompt(tokenizer, length, depth, key)
-                    t0 = time.perf_counter()
-                    text = tokenizer.decode(answer(model, ids, method), skip_special_tokens=True)
-                    found = re.search(r"\d+", text)
-                    record = {
-                        "model": model_name,
-                        "method": method.name,
-                        "length": length,
-                        "depth": depth,
-                        "trial": trial,
-                        "passkey": key,
-                        "answer": text.strip(),
-                        "correct": bool(found and found.group(0) == str(key)),
-                        "tokens": len(ids),
-                        "seconds": round(time.perf_counter() - t0, 2),
-                    }
-                    append_jsonl(out, record)
-                    if progress:
-                        progress(length)
-                    yield record
+    for p in points:
+        key = random.Random(f"{seed}-{p.length}-{p.depth}-{p.trial}").randint(10000, 99999)
+        ids = build_passkey_prompt(tokenizer, p.length, p.depth, key)
+        t0 = time.perf_counter()
+        text = tokenizer.decode(answer(model, ids, p.method), skip_special_tokens=True)
+        found = re.search(r"\d+", text)
+        record = {
+            "model": model_name,
+            "method": p.method.name,
+            "length": p.length,
+            "depth": p.depth,
+            "trial": p.trial,
+            "passkey": key,
+            "answer": text.strip(),
+            "correct": bool(found and found.group(0) == str(key)),
+            "tokens": len(ids),
+            "seconds": round(time.perf_counter() - t0, 2),
+        }
+        append_jsonl(out, record)
+        if progress:
+            progress(p.length)
+        yield record

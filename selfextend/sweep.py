@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from selfextend.corpus import CorpusError
+from selfextend.distributed import forward_cost
 from selfextend.eval import segment_ppl, shift_nll, token_nll
 from selfextend.methods import Method, applied
 from selfextend.results import append_jsonl, read_jsonl, repair_tail
@@ -67,11 +68,22 @@ class Run:
     covers: list[int]
 
 
+def point_key(record: dict) -> tuple:
+    """What identifies a perplexity point: a resumed or merged sweep holds each key once."""
+    return (record["model"], record["doc"], record["method"], record["length"])
+
+
+def run_cost(run: Run, hidden_size: int) -> float:
+    """Relative compute of ``run``, for sharing runs among processes (a shift streams through ``ctx``)."""
+    span = int(run.method.params["ctx"]) if run.method.kind == "shift" else None
+    return forward_cost(run.length, hidden_size, span)
+
+
 def plan(
     model_name: str, docs: list[str], methods: list[Method], lengths: list[int], out: str | Path
 ) -> list[Run]:
     """The runs still needed: points already in ``out`` are skipped."""
-    done = {(r["model"], r["doc"], r["method"], r["length"]) for r in read_jsonl(out)}
+    done = {point_key(r) for r in read_jsonl(out)}
     runs = []
     for doc in docs:
         for method in methods:
