@@ -100,7 +100,7 @@ def read(path: str | Path, model: nn.Module) -> dict[str, Any]:
         payload = torch.load(Path(path), map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises many types for a file that is not its own
         kind = type(e).__name__
-        raise PromptCacheError(f"{path} is not a selfextend prompt-cache or session file ({kind})") from None
+        raise PromptCacheError(f"{path} is not a selfextend prompt cache or chat session ({kind})") from None
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise PromptCacheError(f"{path} is not a {FORMAT} file (another version or another program)")
     ours, theirs = settings(model), json.loads(payload["settings"])
