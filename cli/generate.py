@@ -8,7 +8,7 @@ import time
 
 import click
 
-from cli.options import model_options, self_extend_options, weights_option
+from cli.options import COUNT, SEED, integer, model_options, number, self_extend_options, weights_option
 
 
 @click.command()
@@ -29,52 +29,60 @@ from cli.options import model_options, self_extend_options, weights_option
 @click.option(
     "-c",
     "--ctx",
-    type=int,
+    type=integer(2),
     default=2048,
     show_default=True,
     help="KV cache capacity in tokens; when full, the older half after --keep is dropped.",
 )
 @click.option(
     "--keep",
-    type=int,
+    type=integer(-1),
     default=None,
     help="Tokens kept at every shift. Default: BOS + the system prompt; -1: the whole prompt.",
 )
 @click.option(
     "-n",
     "--max-new-tokens",
-    type=int,
+    type=integer(-1),
     default=256,
     show_default=True,
     help="Tokens to generate; -1 goes on until Ctrl-C (with --ignore-eos, forever).",
 )
 @click.option("--ignore-eos", is_flag=True, help="Do not stop at end-of-sequence tokens.")
 @click.option("--stop", multiple=True, help="Stop when this text appears (repeatable).")
-@click.option("--temperature", type=float, default=0.8, show_default=True, help="0 = greedy.")
+@click.option("--temperature", type=number(0.0), default=0.8, show_default=True, help="0 = greedy.")
 @click.option(
-    "--top-k", type=int, default=40, show_default=True, help="Keep the k most likely tokens (0 = off)."
+    "--top-k", type=COUNT, default=40, show_default=True, help="Keep the k most likely tokens (0 = off)."
 )
 @click.option(
-    "--top-p", type=float, default=0.95, show_default=True, help="Nucleus: smallest set with this mass."
+    "--top-p",
+    type=number(0.0, 1.0, lo_open=True),
+    default=0.95,
+    show_default=True,
+    help="Nucleus: smallest set with this mass.",
 )
 @click.option(
     "--min-p",
-    type=float,
+    type=number(0.0, 1.0, hi_open=True),
     default=0.05,
     show_default=True,
     help="Drop tokens below this fraction of the top token's probability.",
 )
 @click.option(
     "--repeat-penalty",
-    type=float,
+    type=number(0.0, lo_open=True),
     default=1.0,
     show_default=True,
     help="Penalty for tokens among the last --repeat-last-n (1 = off).",
 )
 @click.option(
-    "--repeat-last-n", type=int, default=64, show_default=True, help="Window of the repeat penalty, tokens."
+    "--repeat-last-n",
+    type=integer(-1),
+    default=64,
+    show_default=True,
+    help="Window of the repeat penalty, tokens (0 = no penalty, -1 = the whole context).",
 )
-@click.option("--seed", type=int, default=None, help="Random seed for sampling (default: random).")
+@click.option("--seed", type=SEED, default=None, help="Random seed for sampling (default: random).")
 @click.option(
     "-o",
     "--output",
@@ -88,7 +96,7 @@ from cli.options import model_options, self_extend_options, weights_option
 )
 @click.option(
     "--stats-every",
-    type=int,
+    type=COUNT,
     default=0,
     help="Every N tokens, print a JSON line on stderr: tokens, tokens/s over the last N, RSS MiB.",
 )
@@ -131,16 +139,14 @@ def generate(
 
     from cli.options import load_with_self_extend
     from selfextend.cache import ContextShiftCache
-    from selfextend.corpus import read_text_file
+    from selfextend.corpus import read_stdin, read_text_file
     from selfextend.generate import Generator, StopMatcher, TextStream, build_prompt, run
     from selfextend.sampling import SamplingParams
 
-    if ctx < 1:
-        raise click.BadParameter(f"must be a positive number of tokens, got {ctx}", param_hint="--ctx")
     if keep is not None and keep >= ctx:
         raise click.BadParameter(f"--keep ({keep}) must be smaller than --ctx ({ctx})", param_hint="--keep")
     if prompt is None:
-        prompt = read_text_file(prompt_file) if prompt_file else sys.stdin.read()
+        prompt = read_text_file(prompt_file) if prompt_file else read_stdin()
     if not prompt.strip():
         raise click.UsageError("empty prompt: give --prompt, --prompt-file or text on standard input")
     sampling = SamplingParams(temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n)

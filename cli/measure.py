@@ -6,13 +6,13 @@ from pathlib import Path
 
 import click
 
-from cli.options import model_options, run_name, weights_option
+from cli.options import POSITIVE, SEED, integer, model_options, run_name, weights_option
 
 
 def _methods(specs: tuple[str, ...]):
-    from selfextend.methods import parse_method
+    from selfextend.methods import parse_methods
 
-    return [parse_method(s) for s in (specs or ("plain",))]
+    return parse_methods(specs)
 
 
 def _progress_bar(total: int, desc: str):
@@ -48,7 +48,7 @@ METHOD_HELP = (
 @click.option("--split", default=None, help="The dataset split (default: test; train for --data-files).")
 @click.option("--text-column", default="text", show_default=True, help="The dataset column holding the text.")
 @click.option("--data-files", help="Local files for json/parquet/text datasets.")
-@click.option("--max-docs", type=int, default=None, help="Use at most this many documents.")
+@click.option("--max-docs", type=POSITIVE, default=None, help="Use at most this many documents.")
 @click.option(
     "--lengths",
     default="1k,2k,4k,8k,16k",
@@ -86,9 +86,9 @@ def ppl(
     extension methods differ), last_from, tokens, seconds.
     """
     from selfextend.corpus import load_corpus, select
-    from selfextend.sweep import parse_lengths, plan, ppl_sweep, tokenize_docs
+    from selfextend.sweep import dtype_name, parse_lengths, plan, ppl_sweep, tokenize_docs
 
-    parsed_lengths, parsed_methods = parse_lengths(lengths), _methods(methods)
+    parsed_lengths, parsed_methods = parse_lengths(lengths, "--lengths"), _methods(methods)
     texts = load_corpus(
         corpus,
         name=dataset,
@@ -105,7 +105,7 @@ def ppl(
 
     lm, tokenizer = load_with_self_extend(model, dtype, device, None, None, weights)
     name = run_name(model, weights)
-    runs = plan(name, list(texts), parsed_methods, parsed_lengths, out)
+    runs = plan(name, list(texts), parsed_methods, parsed_lengths, out, dtype_name(lm))
     if not runs:
         click.echo(f"all points already in {out}", err=True)
         return
@@ -130,9 +130,11 @@ def ppl(
     show_default=True,
     help="Where the passkey sits, as fractions of the filler (0 = start, 1 = end).",
 )
-@click.option("--trials", type=int, default=2, show_default=True, help="Random passkeys per (length, depth).")
+@click.option(
+    "--trials", type=POSITIVE, default=2, show_default=True, help="Random passkeys per (length, depth)."
+)
 @click.option("--method", "methods", multiple=True, help=METHOD_HELP)
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the passkeys.")
+@click.option("--seed", type=SEED, default=0, show_default=True, help="Seed of the passkeys.")
 @click.option(
     "-o",
     "--out",
@@ -158,7 +160,7 @@ def passkey(
     from selfextend.results import read_jsonl
     from selfextend.sweep import parse_lengths
 
-    parsed_lengths, parsed_methods = parse_lengths(lengths), _methods(methods)
+    parsed_lengths, parsed_methods = parse_lengths(lengths, "--lengths"), _methods(methods)
     try:
         parsed_depths = sorted({float(d) for d in depths.split(",") if d.strip()})
     except ValueError:
@@ -205,7 +207,7 @@ def passkey(
 )
 @click.option(
     "--trained-window",
-    type=int,
+    type=integer(2),
     default=None,
     help="Mark this length (tokens) on the plot; default: the model's, when it can be read.",
 )

@@ -6,6 +6,37 @@ from collections.abc import Callable
 
 import click
 
+from selfextend.validate import MAX_INT, MAX_SEED, ValidationError, parse_float, parse_int
+
+
+class Checked(click.ParamType):
+    """A click type that parses with :mod:`selfextend.validate`, so the CLI and the library accept and
+    refuse the same numbers; click then names the option in its one-line error."""
+
+    def __init__(self, name: str, parse: Callable[[object, str], object]) -> None:
+        self.name, self.parse = name, parse
+
+    def convert(self, value: object, param: click.Parameter | None, ctx: click.Context | None) -> object:
+        try:
+            return self.parse(value, param.name if param else self.name)
+        except ValidationError as e:
+            self.fail(e.requirement, param, ctx)
+
+
+def integer(lo: int | None = None, hi: int | None = MAX_INT) -> Checked:
+    """An integer option in [lo, hi] (no floats, no booleans, nothing too large to use)."""
+    return Checked("integer", lambda v, name: parse_int(v, name, lo, hi))
+
+
+def number(lo: float | None = None, hi: float | None = None, **open_ends: bool) -> Checked:
+    """A finite number option (``nan``/``inf`` refused) in the range; ``lo_open``/``hi_open`` exclude ends."""
+    return Checked("number", lambda v, name: parse_float(v, name, lo=lo, hi=hi, **open_ends))
+
+
+SEED = integer(0, MAX_SEED)
+POSITIVE = integer(1)
+COUNT = integer(0)
+
 
 def model_options(f: Callable) -> Callable:
     """--model, --dtype, --device."""
@@ -50,14 +81,14 @@ def self_extend_options(f: Callable) -> Callable:
     f = click.option(
         "-w",
         "--window",
-        type=int,
+        type=POSITIVE,
         default=None,
         help="Self-Extend neighbor window W in tokens (exact positions inside it).",
     )(f)
     f = click.option(
         "-g",
         "--group-size",
-        type=int,
+        type=POSITIVE,
         default=None,
         help="Self-Extend group size G: positions beyond the window are floor-divided by G.",
     )(f)

@@ -17,8 +17,10 @@ from torch import nn
 
 from selfextend.cache import ContextShiftCache
 from selfextend.generate import Generator
-from selfextend.methods import Method, applied
-from selfextend.results import append_jsonl, read_jsonl, repair_tail
+from selfextend.methods import Method, applied, unique_methods
+from selfextend.results import append_jsonl, done_keys, read_jsonl, repair_tail
+from selfextend.sweep import check_lengths, dtype_name
+from selfextend.validate import ValidationError, check_float, check_int, check_seed
 
 TASK = (
     "There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
@@ -58,6 +60,12 @@ def answer(model: nn.Module, ids: list[int], method: Method) -> list[int]:
         return list(gen.decode(logits, ANSWER_TOKENS))
 
 
+RESUME_FIELDS = ("model", "dtype", "method", "length", "depth", "trial", "seed")
+"""What makes two trials the same trial (the answer is greedy, so nothing else changes it)."""
+LEGACY = {"dtype": "float32", "seed": 0}
+"""Records written before ``dtype`` and ``seed`` were recorded: float32 and seed 0, the defaults then."""
+
+
 def passkey_sweep(
     model: nn.Module,
     tokenizer,
@@ -74,13 +82,21 @@ def passkey_sweep(
 
     Passkeys come from ``seed`` and the point's coordinates, so a resumed run asks the same questions.
     """
+    methods, lengths = unique_methods(list(methods)), check_lengths(lengths)
+    depths = sorted({check_float(d, "depth", 0.0, 1.0) for d in depths})
+    if not depths:
+        raise ValidationError("depths", "needs at least one depth in [0, 1]")
+    trials, seed = check_int(trials, "trials", 1), check_seed(seed)
+    if seed is None:
+        raise ValidationError("seed", "must be an integer (the passkeys are drawn from it)")
+    dtype = dtype_name(model)
     repair_tail(out)
-    done = {(r["model"], r["method"], r["length"], r["depth"], r["trial"]) for r in read_jsonl(out)}
+    done = done_keys(read_jsonl(out), RESUME_FIELDS, LEGACY)
     for method in methods:
         for length in lengths:
             for depth in depths:
                 for trial in range(trials):
-                    if (model_name, method.name, length, depth, trial) in done:
+                    if (model_name, dtype, method.name, length, depth, trial, seed) in done:
                         continue
                     key = random.Random(f"{seed}-{length}-{depth}-{trial}").randint(10000, 99999)
                     ids = build_passkey_prompt(tokenizer, length, depth, key)
@@ -89,6 +105,8 @@ def passkey_sweep(
                     found = re.search(r"\d+", text)
                     record = {
                         "model": model_name,
+                        "dtype": dtype,
+                        "seed": seed,
                         "method": method.name,
                         "length": length,
                         "depth": depth,
