@@ -15,10 +15,51 @@ def _methods(specs: tuple[str, ...]):
     return parse_methods(specs)
 
 
-def _progress_bar(total: int, desc: str):
+def _progress_bar(total: int, desc: str, procs=None):
+    """A token progress bar; launched on several processes, only the main one draws it."""
     from tqdm import tqdm
 
-    return tqdm(total=total, unit="tok", unit_scale=True, desc=desc, dynamic_ncols=True)
+    if procs is not None and procs.world > 1:
+        desc = f"{desc} rank {procs.rank}/{procs.world}"
+    return tqdm(
+        total=total,
+        unit="tok",
+        unit_scale=True,
+        desc=desc,
+        dynamic_ncols=True,
+        disable=procs is not None and not procs.main,
+    )
+
+
+def _join(out: str, key):
+    """Join the sweep's processes (one, or those a launcher started), merging leftover rank files first.
+
+    Returns the processes and the device this one uses (``--device`` if given, else its own).
+    """
+    from selfextend.distributed import merge, processes
+
+    procs = processes()
+    if procs.main:
+        added = merge(out, key)
+        if added:
+            click.echo(f"merged {added} records left by an earlier run into {out}", err=True)
+    procs.wait()
+    ctx = click.get_current_context()
+    asked = (
+        None
+        if ctx.get_parameter_source("device") == click.core.ParameterSource.DEFAULT
+        else ctx.params["device"]
+    )
+    return procs, procs.device(asked)
+
+
+def _finish(procs, out: str, key) -> None:
+    """Wait for every process, then merge their rank files into ``out``."""
+    from selfextend.distributed import merge
+
+    procs.wait()
+    if procs.main and procs.world > 1:
+        merge(out, key)
 
 
 METHOD_HELP = (
@@ -102,22 +143,28 @@ def ppl(
     if max_docs:
         texts = dict(list(texts.items())[:max_docs])
     from cli.options import load_with_self_extend
+    from selfextend.sweep import point_key, run_cost
 
-    lm, tokenizer = load_with_self_extend(model, dtype, device, None, None, weights)
+    procs, device = _join(out, point_key)
     name = run_name(model, weights)
-    runs = plan(name, list(texts), parsed_methods, parsed_lengths, out, dtype_name(lm))
+    runs = plan(name, list(texts), parsed_methods, parsed_lengths, out, dtype_name(dtype))
     if not runs:
         click.echo(f"all points already in {out}", err=True)
         return
+    with procs.main_first():
+        lm, tokenizer = load_with_self_extend(model, dtype, device, None, None, weights)
     ids = tokenize_docs(tokenizer, texts, runs)
-    bar = _progress_bar(sum(r.length for r in runs), "ppl")
+    mine = procs.share(runs, lambda r: run_cost(r, lm.config.get_text_config().hidden_size))
+    bar = _progress_bar(sum(r.length for r in mine), "ppl", procs)
     with bar:
-        for r in ppl_sweep(lm, name, ids, runs, out, progress=bar.update):
+        for r in ppl_sweep(lm, name, ids, mine, procs.output(out), progress=bar.update):
             bar.write(
                 f"{r['doc']:>16} {r['method']:>24} {r['length']:>7}  ppl {r['ppl']:9.2f}"
                 f"  last quarter {r['ppl_last']:9.2f}"
             )
-    click.echo(f"wrote {out}", err=True)
+    _finish(procs, out, point_key)
+    if procs.main:
+        click.echo(f"wrote {out}", err=True)
 
 
 @click.command()
@@ -156,9 +203,10 @@ def passkey(
 ) -> None:
     """Passkey retrieval: a 5-digit key hidden in filler, asked for at the end, answered greedily."""
     from cli.options import load_with_self_extend
-    from selfextend.passkey import passkey_sweep
+    from selfextend.distributed import forward_cost
+    from selfextend.passkey import passkey_plan, passkey_sweep, point_key
     from selfextend.results import read_jsonl
-    from selfextend.sweep import parse_lengths
+    from selfextend.sweep import dtype_name, parse_lengths
 
     parsed_lengths, parsed_methods = parse_lengths(lengths, "--lengths"), _methods(methods)
     try:
@@ -171,31 +219,31 @@ def passkey(
         raise click.BadParameter("depths must lie in [0, 1]", param_hint="--depths")
     if trials < 1:
         raise click.BadParameter("at least 1", param_hint="--trials")
-    lm, tokenizer = load_with_self_extend(model, dtype, device, None, None, weights)
+    procs, device = _join(out, point_key)
+    name = run_name(model, weights)
     done = len(read_jsonl(out))
-    total = len(parsed_methods) * sum(parsed_lengths) * len(parsed_depths) * trials
-    bar = _progress_bar(total, "passkey")
-    with bar:
-        for r in passkey_sweep(
-            lm,
-            tokenizer,
-            run_name(model, weights),
-            parsed_methods,
-            parsed_lengths,
-            parsed_depths,
-            trials,
-            out,
-            seed,
-            progress=bar.update,
-        ):
-            bar.write(
-                f"{r['method']:>24} {r['length']:>7} depth {r['depth']:.2f} #{r['trial']}: "
-                f"{'ok ' if r['correct'] else 'MISS'} {r['passkey']} -> {r['answer'][:20]!r}"
-            )
+    points = passkey_plan(
+        name, parsed_methods, parsed_lengths, parsed_depths, trials, out, dtype_name(dtype), seed
+    )
+    if points:
+        with procs.main_first():
+            lm, tokenizer = load_with_self_extend(model, dtype, device, None, None, weights)
+        hidden = lm.config.get_text_config().hidden_size
+        mine = procs.share(points, lambda p: forward_cost(p.length, hidden))
+        bar = _progress_bar(sum(p.length for p in mine), "passkey", procs)
+        with bar:
+            for r in passkey_sweep(lm, tokenizer, name, mine, procs.output(out), seed, progress=bar.update):
+                bar.write(
+                    f"{r['method']:>24} {r['length']:>7} depth {r['depth']:.2f} #{r['trial']}: "
+                    f"{'ok ' if r['correct'] else 'MISS'} {r['passkey']} -> {r['answer'][:20]!r}"
+                )
+        _finish(procs, out, point_key)
+    if not procs.main:
+        return
     records = read_jsonl(out)
     click.echo(
         f"wrote {out}: {len(records) - done} new, accuracy over the file "
-        f"{sum(r['correct'] for r in records)}/{len(records)}",
+        f"{sum(r.get('correct') is True for r in records)}/{len(records)}",
         err=True,
     )
 

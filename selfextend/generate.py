@@ -7,7 +7,7 @@ the loop is ours: make room, forward, pick a token, stream its text.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -17,6 +17,8 @@ from selfextend.cache import ContextShiftCache
 from selfextend.decode import decode_step_for
 from selfextend.sampling import SamplingParams, sample
 from selfextend.validate import ValidationError, check_int, check_seed
+
+PREFILL_CHUNK = 512  # prompt pieces in run(): as llama.cpp's default micro-batch; also the progress step
 
 
 @dataclass
@@ -142,17 +144,26 @@ class Generator:
         self.tokens.extend(ids)
         return logits
 
-    def feed(self, ids: Sequence[int], chunk: int | None = None) -> torch.Tensor:
+    def feed(
+        self,
+        ids: Sequence[int],
+        chunk: int | None = None,
+        progress: Callable[[int], object] | None = None,
+    ) -> torch.Tensor:
         """Write ``ids`` into the cache and return the last token's logits.
 
-        Pieces are at most ``chunk`` tokens, by default the largest write one shift always makes room for.
+        Pieces are at most ``chunk`` tokens, by default the largest write one shift always makes room for;
+        ``progress`` is called with each piece's length once it is written.
         """
         if not ids:
             raise ValueError("nothing to feed: empty prompt")
         step = chunk or self.cache.max_chunk()
         logits = None
         for a in range(0, len(ids), step):
-            logits = self._forward(list(ids[a : a + step]))
+            piece = list(ids[a : a + step])
+            logits = self._forward(piece)
+            if progress is not None:
+                progress(len(piece))
         return logits
 
     def next_token(self, logits: torch.Tensor) -> int:
@@ -188,10 +199,12 @@ def run(
     eos_token_ids: Sequence[int] = (),
     reused: int = 0,
     reused_logits: torch.Tensor | None = None,
+    progress: Callable[[int], object] | None = None,
 ) -> Iterator[tuple[int, GenerationStats]]:
     """Prefill ``prompt_ids`` past the ``reused`` tokens cached, then decode; yields (token, stats).
 
     ``reused_logits``: the last prompt token's logits when the whole prompt is cached with them.
+    ``progress``: called with the number of prompt tokens written after each :data:`PREFILL_CHUNK`.
     """
     max_new_tokens = check_int(max_new_tokens, "max_new_tokens", -1)  # refused before the prefill
     stats = GenerationStats(prompt_tokens=len(prompt_ids), reused_tokens=reused, n_ctx=generator.cache.n_ctx)
@@ -204,7 +217,8 @@ def run(
             generator.tokens.pop()
             generator.cache.truncate(len(generator.tokens))
             reused -= 1
-        logits = generator.feed(prompt_ids[reused:])
+        chunk = min(PREFILL_CHUNK, generator.cache.max_chunk())
+        logits = generator.feed(prompt_ids[reused:], chunk, progress)
     generator.last_logits = logits
     stats.prompt_seconds = time.perf_counter() - t0
     t0 = time.perf_counter()
@@ -213,6 +227,15 @@ def run(
         stats.seconds = time.perf_counter() - t0
         stats.shifts, stats.n_past = generator.cache.shifts, generator.cache.n_past
         yield token, stats
+
+
+def eos_token_ids(model: nn.Module, tokenizer) -> tuple[int, ...]:
+    """The tokens that end a reply: the generation config's end-of-sequence ids and the tokenizer's."""
+    ids = model.generation_config.eos_token_id
+    ids = [ids] if isinstance(ids, int) else list(ids or [])
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids.append(tokenizer.eos_token_id)
+    return tuple(ids)
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

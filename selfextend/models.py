@@ -524,7 +524,8 @@ _DTYPES: dict[str, torch.dtype | str] = {
 }
 
 
-def _parse_dtype(dtype: torch.dtype | str) -> torch.dtype | str:
+def parse_dtype(dtype: torch.dtype | str) -> torch.dtype | str:
+    """A torch dtype from a name (``float32``, ``bf16``, ``half``...), or ``"auto"``; ModelError otherwise."""
     if isinstance(dtype, torch.dtype):
         return dtype
     key = str(dtype).strip().lower().removeprefix("torch.")
@@ -621,7 +622,7 @@ def load_model(
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     source = resolve_model(name_or_path)
-    wanted = _parse_dtype(dtype)
+    wanted = parse_dtype(dtype)
     target = _parse_device(device)
     if source.kind == "gguf":
         # ensure_converted checks RoPE itself, before writing the cache (reading the GGUF's config first

@@ -10,6 +10,7 @@ import random
 import re
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -18,9 +19,9 @@ from torch import nn
 from selfextend.cache import ContextShiftCache
 from selfextend.generate import Generator
 from selfextend.methods import Method, applied, unique_methods
-from selfextend.results import append_jsonl, done_keys, read_jsonl, repair_tail
+from selfextend.results import append_jsonl, read_jsonl, repair_tail
 from selfextend.sweep import check_lengths, dtype_name
-from selfextend.validate import ValidationError, check_float, check_int, check_seed
+from selfextend.validate import MAX_SEED, ValidationError, check_float, check_int
 
 TASK = (
     "There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
@@ -60,64 +61,97 @@ def answer(model: nn.Module, ids: list[int], method: Method) -> list[int]:
         return list(gen.decode(logits, ANSWER_TOKENS))
 
 
-RESUME_FIELDS = ("model", "dtype", "method", "length", "depth", "trial", "seed")
-"""What makes two trials the same trial (the answer is greedy, so nothing else changes it)."""
 LEGACY = {"dtype": "float32", "seed": 0}
 """Records written before ``dtype`` and ``seed`` were recorded: float32 and seed 0, the defaults then."""
+KEY_FIELDS = ("model", "dtype", "seed", "method", "length", "depth", "trial")
 
 
-def passkey_sweep(
-    model: nn.Module,
-    tokenizer,
+def point_key(record: dict) -> tuple:
+    """What identifies a passkey point: a resumed or merged sweep holds each key once.
+
+    Everything that changes the answer (it is greedy): model and weights, dtype, seed (the passkey),
+    method, length, depth, trial. A record missing a field gets None there and matches no real point.
+    """
+    return tuple(record.get(f, LEGACY.get(f)) for f in KEY_FIELDS)
+
+
+@dataclass(frozen=True)
+class Point:
+    """One question: ``trial`` at ``depth`` in a prompt of about ``length`` tokens, under ``method``."""
+
+    method: Method
+    length: int
+    depth: float
+    trial: int
+
+
+def passkey_plan(
     model_name: str,
     methods: list[Method],
     lengths: list[int],
     depths: list[float],
     trials: int,
     out: str | Path,
+    dtype: str = "float32",
     seed: int = 0,
-    progress: Callable[[int], None] | None = None,
-) -> Iterator[dict]:
-    """Every missing (method, length, depth, trial) point, one JSONL record each, appended as it finishes.
+) -> list[Point]:
+    """Every (method, length, depth, trial) point not yet in ``out`` for this model, ``dtype`` and ``seed``.
 
-    Passkeys come from ``seed`` and the point's coordinates, so a resumed run asks the same questions.
+    Every argument is checked first (:class:`~selfextend.validate.ValidationError`, or MethodError for a
+    method given twice).
     """
     methods, lengths = unique_methods(list(methods)), check_lengths(lengths)
     depths = sorted({check_float(d, "depth", 0.0, 1.0) for d in depths})
     if not depths:
         raise ValidationError("depths", "needs at least one depth in [0, 1]")
-    trials, seed = check_int(trials, "trials", 1), check_seed(seed)
-    if seed is None:
-        raise ValidationError("seed", "must be an integer (the passkeys are drawn from it)")
-    dtype = dtype_name(model)
+    trials, seed = check_int(trials, "trials", 1), check_int(seed, "seed", 0, MAX_SEED)
+    done = {point_key(r) for r in read_jsonl(out)}
+    return [
+        Point(method, length, depth, trial)
+        for method in methods
+        for length in lengths
+        for depth in depths
+        for trial in range(trials)
+        if (model_name, dtype, seed, method.name, length, depth, trial) not in done
+    ]
+
+
+def passkey_sweep(
+    model: nn.Module,
+    tokenizer,
+    model_name: str,
+    points: list[Point],
+    out: str | Path,
+    seed: int = 0,
+    progress: Callable[[int], None] | None = None,
+) -> Iterator[dict]:
+    """Ask each of ``points``, appending one JSONL record to ``out`` as each finishes.
+
+    Passkeys come from ``seed`` and the point's coordinates, so a resumed run asks the same questions.
+    """
+    seed, dtype = check_int(seed, "seed", 0, MAX_SEED), dtype_name(model)
     repair_tail(out)
-    done = done_keys(read_jsonl(out), RESUME_FIELDS, LEGACY)
-    for method in methods:
-        for length in lengths:
-            for depth in depths:
-                for trial in range(trials):
-                    if (model_name, dtype, method.name, length, depth, trial, seed) in done:
-                        continue
-                    key = random.Random(f"{seed}-{length}-{depth}-{trial}").randint(10000, 99999)
-                    ids = build_passkey_prompt(tokenizer, length, depth, key)
-                    t0 = time.perf_counter()
-                    text = tokenizer.decode(answer(model, ids, method), skip_special_tokens=True)
-                    found = re.search(r"\d+", text)
-                    record = {
-                        "model": model_name,
-                        "dtype": dtype,
-                        "seed": seed,
-                        "method": method.name,
-                        "length": length,
-                        "depth": depth,
-                        "trial": trial,
-                        "passkey": key,
-                        "answer": text.strip(),
-                        "correct": bool(found and found.group(0) == str(key)),
-                        "tokens": len(ids),
-                        "seconds": round(time.perf_counter() - t0, 2),
-                    }
-                    append_jsonl(out, record)
-                    if progress:
-                        progress(length)
-                    yield record
+    for p in points:
+        key = random.Random(f"{seed}-{p.length}-{p.depth}-{p.trial}").randint(10000, 99999)
+        ids = build_passkey_prompt(tokenizer, p.length, p.depth, key)
+        t0 = time.perf_counter()
+        text = tokenizer.decode(answer(model, ids, p.method), skip_special_tokens=True)
+        found = re.search(r"\d+", text)
+        record = {
+            "model": model_name,
+            "dtype": dtype,
+            "seed": seed,
+            "method": p.method.name,
+            "length": p.length,
+            "depth": p.depth,
+            "trial": p.trial,
+            "passkey": key,
+            "answer": text.strip(),
+            "correct": bool(found and found.group(0) == str(key)),
+            "tokens": len(ids),
+            "seconds": round(time.perf_counter() - t0, 2),
+        }
+        append_jsonl(out, record)
+        if progress:
+            progress(p.length)
+        yield record

@@ -17,9 +17,10 @@ import torch
 from torch import nn
 
 from selfextend.corpus import CorpusError
+from selfextend.distributed import forward_cost
 from selfextend.eval import segment_ppl, shift_nll, token_nll
 from selfextend.methods import Method, applied, unique_methods
-from selfextend.results import append_jsonl, done_keys, read_jsonl, repair_tail
+from selfextend.results import append_jsonl, read_jsonl, repair_tail
 from selfextend.validate import ValidationError, check_int, parse_float, parse_int
 
 MAX_LENGTH = 2**24
@@ -53,6 +54,18 @@ def check_lengths(lengths: list[int], name: str = "lengths") -> list[int]:
     return sorted(set(checked))
 
 
+def dtype_name(model_or_dtype: nn.Module | torch.dtype | str) -> str:
+    """A dtype as records spell it (``float32``, ``bfloat16``...): a model's parameter dtype, a torch dtype,
+    or a ``--dtype`` value (aliases such as ``fp32`` normalised; ``auto`` stays ``auto``)."""
+    if isinstance(model_or_dtype, nn.Module):
+        model_or_dtype = next(model_or_dtype.parameters()).dtype
+    if isinstance(model_or_dtype, str):
+        from selfextend.models import parse_dtype
+
+        model_or_dtype = parse_dtype(model_or_dtype)
+    return str(model_or_dtype).removeprefix("torch.")
+
+
 def tokenize_prefix(tokenizer, text: str, n_tokens: int) -> torch.Tensor:
     """The first ``n_tokens`` tokens of ``text`` (1, n) or fewer if it is shorter; tokenizes only a prefix."""
     chars = n_tokens * 8
@@ -82,15 +95,23 @@ class Run:
     covers: list[int]
 
 
-RESUME_FIELDS = ("model", "dtype", "doc", "method", "length")
-"""What makes two ppl points one point: model (with its weight format), dtype, text, method, length."""
 LEGACY = {"dtype": "float32"}
 """Records written before ``dtype`` was recorded were all float32 (the only dtype the scripts used)."""
 
 
-def dtype_name(model: nn.Module) -> str:
-    """The model's parameter dtype as records spell it: ``float32``, ``bfloat16``..."""
-    return str(next(model.parameters()).dtype).removeprefix("torch.")
+def point_key(record: dict) -> tuple:
+    """What identifies a perplexity point: a resumed or merged sweep holds each key once.
+
+    Everything that changes the numbers: model (with its weight format), dtype, text, method, length.
+    A record missing a field gets None there, so it never stands in for a real point.
+    """
+    return tuple(record.get(f, LEGACY.get(f)) for f in ("model", "dtype", "doc", "method", "length"))
+
+
+def run_cost(run: Run, hidden_size: int) -> float:
+    """Relative compute of ``run``, for sharing runs among processes (a shift streams through ``ctx``)."""
+    span = int(run.method.params["ctx"]) if run.method.kind == "shift" else None
+    return forward_cost(run.length, hidden_size, span)
 
 
 def plan(
@@ -101,9 +122,12 @@ def plan(
     out: str | Path,
     dtype: str = "float32",
 ) -> list[Run]:
-    """The runs still needed: points already in ``out`` are skipped. A method given twice is refused."""
+    """The runs still needed: points already in ``out`` (same model, ``dtype``...) are skipped.
+
+    A method given twice is refused (:class:`~selfextend.methods.MethodError`).
+    """
     methods, lengths = unique_methods(list(methods)), check_lengths(lengths)
-    done = done_keys(read_jsonl(out), RESUME_FIELDS, LEGACY)
+    done = {point_key(r) for r in read_jsonl(out)}
     runs = []
     for doc in docs:
         for method in methods:

@@ -19,6 +19,26 @@ def test_every_command_has_help(command):
     assert r.exit_code == 0 and "Usage:" in r.stdout
 
 
+@pytest.mark.parametrize("command", ["generate", "ppl", "passkey", "bench"])
+def test_threads_on_every_model_command(command):
+    assert "--threads" in invoke(command, "--help").stdout
+    r = invoke(command, "--threads", "0")
+    assert r.exit_code == 2 and len(r.stderr.strip().splitlines()) == 1 and "--threads" in r.stderr
+
+
+def test_threads_set_for_torch(tiny_dir):
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        r = invoke("generate", "-m", tiny_dir, "--threads", "1", "-p", "hi", "-n", "2", "--temperature", "0")
+        assert r.exit_code == 0, r.stderr
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_info_reports_reach(tiny_dir):
     r = invoke("info", tiny_dir, "-g", "4", "-w", "64")
     assert r.exit_code == 0, r.stderr

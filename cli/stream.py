@@ -1,0 +1,87 @@
+"""Terminal output shared by ``generate`` and ``chat``: streamed text, stats lines, the prefill bar."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from contextlib import nullcontext
+
+import click
+
+PROGRESS_MIN_TOKENS = 256  # prompts shorter than this prefill in a blink: no bar
+
+
+class Output:
+    """Streamed text on stdout (and appended to ``path``, flushed as it goes), notes on stderr.
+
+    When stdout and stderr are the same terminal, a note printed mid-line would land inside the
+    text, so a note then starts on a new line of its own.
+    """
+
+    def __init__(self, path: str | None = None, stats_every: int = 0) -> None:
+        import psutil
+
+        self.file = open(path, "a", encoding="utf-8") if path else None  # noqa: SIM115 (closed in close())
+        self.stats_every = stats_every
+        self.proc = psutil.Process()
+        self.shared_screen = sys.stdout.isatty() and sys.stderr.isatty()
+        self.at_line_start = True
+        self.mark = (0, time.perf_counter())
+
+    def text(self, text: str) -> None:
+        if not text:
+            return
+        click.echo(text, nl=False)
+        sys.stdout.flush()
+        self.at_line_start = text.endswith("\n")
+        if self.file:
+            self.file.write(text)
+            self.file.flush()
+
+    def note(self, line: str) -> None:
+        """One line on stderr, never inside a line of streamed text on a shared terminal."""
+        if self.shared_screen and not self.at_line_start:
+            click.echo("", err=True)
+            self.at_line_start = True
+        click.echo(line, err=True)
+
+    def rss_mib(self) -> float:
+        return self.proc.memory_info().rss / 2**20
+
+    def restart_rate(self, tokens: int = 0) -> None:
+        """Start the next tokens/s interval now, ``tokens`` in (after a prefill, or at a new reply)."""
+        self.mark = (tokens, time.perf_counter())
+
+    def tokens(self, tokens: int, shifts: int, n_past: int) -> None:
+        """Every ``stats_every`` tokens: a JSON line with the rate over them, RSS, shifts and cache fill."""
+        if not self.stats_every or tokens % self.stats_every:
+            return
+        now = time.perf_counter()
+        rate = (tokens - self.mark[0]) / max(now - self.mark[1], 1e-9)
+        self.mark = (tokens, now)
+        record = {
+            "tokens": tokens,
+            "tokens_per_s": round(rate, 2),
+            "rss_mib": round(self.rss_mib(), 1),
+            "shifts": shifts,
+            "n_past": n_past,
+        }
+        self.note(json.dumps(record))
+
+    def close(self) -> None:
+        if self.file:
+            self.file.close()
+            self.file = None
+
+
+def prefill_bar(n_tokens: int, quiet: bool = False):
+    """A tqdm bar (tokens/s, ETA) on stderr for a prompt long enough to make a user wait; else nothing.
+
+    Use as a context manager; its ``update`` takes the tokens just written.
+    """
+    if quiet or n_tokens < PROGRESS_MIN_TOKENS:
+        return nullcontext(None)
+    from tqdm import tqdm
+
+    return tqdm(total=n_tokens, unit="tok", desc="prompt", leave=False, dynamic_ncols=True, file=sys.stderr)
