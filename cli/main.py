@@ -14,7 +14,7 @@ import click
 from cli.bench import bench
 from cli.generate import generate
 from cli.info import info
-from cli.measure import passkey, plot, ppl
+from cli.measure import passkey, plot, ppl, table
 
 
 def _one_line(e: BaseException) -> str:
@@ -69,4 +69,5 @@ main.add_command(generate)
 main.add_command(ppl)
 main.add_command(passkey)
 main.add_command(plot)
+main.add_command(table)
 main.add_command(bench)

@@ -9,4 +9,4 @@ methods=(--method plain --method selfextend:G=6,W=1024)
 selfextend passkey --lengths 4k,8k,16k --depths 0.25,0.75 --trials 1 "${methods[@]}" -o "$out"
 selfextend passkey --lengths 32k --depths 0.5 --trials 1 "${methods[@]}" -o "$out"
 selfextend plot "$out" -o experiments/results/passkey.png
-python experiments/table.py "$out"
+selfextend table "$out"

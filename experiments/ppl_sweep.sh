@@ -9,5 +9,8 @@ selfextend ppl --docs sherlock-holmes,war-and-peace --lengths 2k,4k,8k,16k,32k \
     --method plain --method selfextend:G=6,W=1024 --method selfextend:G=8,W=2048 \
     --method ntk:factor=4 --method shift:ctx=2048,keep=4 -o "$out"
 selfextend plot "$out" -o experiments/results/ppl_sweep.png
+selfextend plot "$out" --ratio -o experiments/results/ppl_sweep_ratio.png
+selfextend plot "$out" --per-doc -o experiments/results/ppl_sweep_per_doc.png
 selfextend plot "$out" --field ppl -o experiments/results/ppl_sweep_overall.png
-python experiments/table.py "$out"
+selfextend table "$out"
+selfextend table "$out" --ratio

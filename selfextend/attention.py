@@ -49,7 +49,48 @@ def attend(
             q, k, v, 0.0, is_causal, attn_mask=mask, scale=scale
         )
         return out, lse
+    if q.device.type == "cuda":
+        try:
+            return attend_cuda(q, k, v, scale, is_causal, mask)
+        except torch.OutOfMemoryError:
+            raise
+        except RuntimeError:  # a head size, dtype or GPU the fused kernels do not take
+            pass
     return attend_math(q, k, v, scale, is_causal, mask)
+
+
+def attend_cuda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    is_causal: bool = False,
+    mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``attend`` through torch's fused CUDA kernels that return the log-sum-exp.
+
+    Flash attention for half-precision inputs without a mask; memory-efficient attention (which
+    takes an additive bias and float32) otherwise. Raises RuntimeError where neither applies, and
+    ``attend`` then falls back to the portable kernel. Causal calls here are always square
+    (Lq == Lk), where top-left and bottom-right alignment agree. Not yet run on a GPU: no GPU was
+    available while it was written, so only its CPU fallback is tested.
+    """
+    lq, lk = q.shape[-2], k.shape[-2]
+    if mask is None and q.dtype in (torch.float16, torch.bfloat16):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, scale=scale)[
+            :2
+        ]
+        return out, lse.float()
+    bias = None
+    if mask is not None:
+        # The kernel wants the bias rows 16-element aligned: pad the storage, keep the view Lk wide.
+        padded = mask.new_empty(*mask.shape[:-1], -(-lk // 16) * 16)
+        padded[..., :lk] = mask
+        bias = padded[..., :lk].expand(q.shape[0], q.shape[1], lq, lk)  # (B, H, Lq, Lk)
+    out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
+        q, k, v, bias, True, 0.0, is_causal, scale=scale
+    )[:2]
+    return out, lse[..., :lq].float()  # the kernel pads the lse rows to a multiple of 32
 
 
 def attend_math(

@@ -197,6 +197,24 @@ def test_portable_kernel_equals_cpu_flash_kernel(monkeypatch):
     assert (portable - reference).abs().max() < TOL
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (not run here yet)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_fused_kernels_equal_portable(dtype):
+    """Flash / memory-efficient attention with log-sum-exp against the portable kernel, on a GPU."""
+    import selfextend.attention as attention
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 4, 300, 64, device="cuda", dtype=dtype) for _ in range(3))
+    mask = torch.zeros(300, 300, device="cuda", dtype=dtype)
+    mask.masked_fill_(torch.rand(300, 300, device="cuda") < 0.3, float("-inf")).fill_diagonal_(0.0)
+    tol = TOL if dtype == torch.float32 else 2e-2
+    for kwargs in ({"is_causal": True}, {"mask": mask}, {}):
+        fused = attention.attend_cuda(q, k, v, 0.125, **kwargs)
+        portable = attention.attend_math(q, k, v, 0.125, chunk=64, **kwargs)
+        assert (fused[0].float() - portable[0].float()).abs().max() < tol
+        assert (fused[1] - portable[1]).abs().max() < tol
+
+
 @pytest.mark.real
 def test_real_model_efficient_equals_reference_and_plain_at_g1():
     from selfextend.corpus import default_books

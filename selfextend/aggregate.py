@@ -1,0 +1,189 @@
+"""Results across documents: one number (and its spread) per method and length, for plots and tables.
+
+``plot`` and ``table`` both call :func:`summarize`, so a table shows exactly the numbers its plot
+draws. Perplexity is aggregated over documents by a statistic (mean by default) with the min-max
+range of the documents as its spread; the ratio view divides each document's PPL by that
+document's PPL at a reference length under the same method *before* aggregating, so a method that
+keeps PPL flat sits at 1 whatever the documents' own difficulty. Passkey results become accuracy
+(hits over trials, all depths together).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+STATS: dict[str, Callable[[list[float]], float]] = {
+    "mean": statistics.fmean,
+    "median": statistics.median,
+    "gmean": statistics.geometric_mean,
+    "min": min,
+    "max": max,
+}
+FORMATS = ("markdown", "csv", "latex")
+
+
+class AggregateError(ValueError):
+    """Results that cannot be summarised as asked (unknown statistic, missing reference length...)."""
+
+
+@dataclass
+class Cell:
+    """One (method, length) entry: the aggregate ``value``, the documents' range, and how many there were.
+
+    For passkey results ``value`` is the accuracy, ``hits`` of ``n`` trials.
+    """
+
+    value: float
+    low: float
+    high: float
+    n: int
+    hits: int | None = None
+
+
+@dataclass
+class Summary:
+    """Methods by lengths. ``kind`` is ``ppl`` or ``passkey``; ``what`` says what the numbers are."""
+
+    kind: str
+    what: str
+    methods: list[str]
+    lengths: list[int]
+    cells: dict[tuple[str, int], Cell] = field(default_factory=dict)
+    model: str = ""
+    reference: int | None = None
+
+
+def reference_length(lengths: list[int], trained_window: int | None) -> int:
+    """The default reference of the ratio view: the longest measured length within the trained window."""
+    inside = [n for n in lengths if trained_window is None or n <= trained_window]
+    if not inside:
+        raise AggregateError(f"no measured length within the trained window ({trained_window} tokens)")
+    return max(inside)
+
+
+def summarize(
+    records: list[dict[str, Any]],
+    field: str = "ppl_last",
+    stat: str = "mean",
+    ratio: bool = False,
+    reference: int | None = None,
+    trained_window: int | None = None,
+) -> Summary:
+    """Aggregate ppl or passkey ``records`` into methods x lengths (see the module docstring).
+
+    ``field`` picks ``ppl_last`` or ``ppl``; ``stat`` one of :data:`STATS`; with ``ratio`` each value
+    is relative to the method's PPL at ``reference`` (default :func:`reference_length`).
+    """
+    if stat not in STATS:
+        raise AggregateError(f"unknown statistic '{stat}': use {', '.join(STATS)}")
+    if not records:
+        raise AggregateError("no records")
+    methods = list(dict.fromkeys(r["method"] for r in records))  # in the order the sweep ran them
+    lengths = sorted({r["length"] for r in records})
+    model = str(records[0].get("model", ""))
+    if "correct" in records[0]:
+        return _passkey(records, methods, lengths, model)
+    values: dict[tuple[str, int], dict[str, float]] = defaultdict(dict)  # (method, length) -> doc -> ppl
+    for r in records:
+        values[(r["method"], r["length"])][r["doc"]] = float(r[field])
+    what = "perplexity, last quarter of the context" if field == "ppl_last" else "perplexity, whole context"
+    if ratio:
+        reference = reference or reference_length(lengths, trained_window)
+        if reference not in lengths:
+            raise AggregateError(f"reference length {reference} was not measured ({lengths})")
+        values = {
+            (method, n): {d: v / base[d] for d, v in docs.items() if d in base}
+            for (method, n), docs in values.items()
+            for base in [values.get((method, reference), {})]
+        }
+        what = f"{what}, relative to {reference} tokens"
+    summary = Summary("ppl", f"{stat} {what}", methods, lengths, model=model, reference=reference)
+    for key, docs in values.items():
+        if docs:
+            vs = list(docs.values())
+            summary.cells[key] = Cell(STATS[stat](vs), min(vs), max(vs), len(vs))
+    return summary
+
+
+def _passkey(records: list[dict[str, Any]], methods: list[str], lengths: list[int], model: str) -> Summary:
+    summary = Summary("passkey", "passkey retrieval accuracy", methods, lengths, model=model)
+    for method in methods:
+        for n in lengths:
+            hits = [bool(r["correct"]) for r in records if r["method"] == method and r["length"] == n]
+            if hits:
+                acc = sum(hits) / len(hits)
+                summary.cells[(method, n)] = Cell(acc, acc, acc, len(hits), sum(hits))
+    return summary
+
+
+def fmt_tokens(n: float) -> str:
+    """2048 -> ``2k``, 1536 -> ``1.5k``, 500 -> ``500``."""
+    return f"{n / 1024:g}k" if n >= 1024 else f"{n:g}"
+
+
+def _cell_text(summary: Summary, cell: Cell | None) -> str:
+    if cell is None:
+        return ""
+    if summary.kind == "passkey":
+        return f"{cell.hits}/{cell.n}"
+    digits = 3 if summary.reference else 2
+    text = f"{cell.value:.{digits}f}"
+    if cell.n > 1:
+        text += f" ({cell.low:.{digits}f}-{cell.high:.{digits}f})"
+    return text
+
+
+def format_table(summary: Summary, fmt: str = "markdown") -> str:
+    """The summary as a Markdown, CSV or LaTeX table: a row per method, a column per length.
+
+    PPL cells read ``value (min-max over documents)`` when there are several documents; CSV gives the
+    value, low, high and document count as separate columns instead.
+    """
+    if fmt not in FORMATS:
+        raise AggregateError(f"unknown table format '{fmt}': use {', '.join(FORMATS)}")
+    heads = [fmt_tokens(n) for n in summary.lengths]
+    rows = [
+        [_cell_text(summary, summary.cells.get((m, n))) for n in summary.lengths] for m in summary.methods
+    ]
+    if fmt == "csv":
+        return _csv(summary)
+    if fmt == "markdown":
+        lines = [f"| method | {' | '.join(heads)} |", "|---|" + "---:|" * len(heads)]
+        lines += [f"| {m} | {' | '.join(r)} |" for m, r in zip(summary.methods, rows, strict=True)]
+        return "\n".join(lines)
+    esc = lambda s: s.replace("_", r"\_").replace("%", r"\%")  # noqa: E731
+    lines = [
+        r"\begin{tabular}{l" + "r" * len(heads) + "}",
+        r"\hline",
+        "method & " + " & ".join(heads) + r" \\",
+        r"\hline",
+    ]
+    lines += [f"{esc(m)} & " + " & ".join(r) + r" \\" for m, r in zip(summary.methods, rows, strict=True)]
+    lines += [r"\hline", r"\end{tabular}"]
+    return "\n".join(lines)
+
+
+def _csv(summary: Summary) -> str:
+    import csv
+    import io
+
+    buf = io.StringIO()
+    writer = csv.writer(buf, lineterminator="\n")
+    if summary.kind == "passkey":
+        writer.writerow(["method", "length", "accuracy", "hits", "trials"])
+    else:
+        writer.writerow(["method", "length", "value", "low", "high", "documents"])
+    for m in summary.methods:
+        for n in summary.lengths:
+            c = summary.cells.get((m, n))
+            if c is None:
+                continue
+            if summary.kind == "passkey":
+                writer.writerow([m, n, f"{c.value:.4g}", c.hits, c.n])
+            else:
+                writer.writerow([m, n, f"{c.value:.6g}", f"{c.low:.6g}", f"{c.high:.6g}", c.n])
+    return buf.getvalue().rstrip("\n")

@@ -1,0 +1,163 @@
+"""Aggregating results across documents: the numbers `table` prints are the ones `plot` draws."""
+
+from __future__ import annotations
+
+import json
+import statistics
+
+import matplotlib
+import pytest
+from click.testing import CliRunner
+
+from cli.main import main
+from selfextend.aggregate import AggregateError, format_table, summarize
+
+matplotlib.use("Agg")
+
+PPL = {  # (doc, method, length) -> ppl_last
+    ("a", "plain", 1024): 10.0,
+    ("a", "plain", 2048): 12.0,
+    ("a", "plain", 4096): 60.0,
+    ("b", "plain", 1024): 20.0,
+    ("b", "plain", 2048): 16.0,
+    ("b", "plain", 4096): 200.0,
+    ("c", "plain", 1024): 30.0,
+    ("c", "plain", 2048): 32.0,
+    ("c", "plain", 4096): 64.0,
+    ("a", "selfextend:G=4,W=512", 1024): 10.0,
+    ("a", "selfextend:G=4,W=512", 2048): 12.0,
+    ("a", "selfextend:G=4,W=512", 4096): 13.2,
+    ("b", "selfextend:G=4,W=512", 1024): 20.0,
+    ("b", "selfextend:G=4,W=512", 2048): 16.0,
+    ("b", "selfextend:G=4,W=512", 4096): 16.0,
+}
+
+
+def _records() -> list[dict]:
+    return [
+        {"model": "m", "doc": d, "method": m, "length": n, "ppl_last": v, "ppl": v / 2, "seconds": 1.0}
+        for (d, m, n), v in PPL.items()
+    ]
+
+
+def test_mean_median_and_range_over_documents():
+    s = summarize(_records())
+    assert s.methods == ["plain", "selfextend:G=4,W=512"]  # in the order the sweep ran them
+    cell = s.cells[("plain", 4096)]
+    assert cell.value == pytest.approx((60 + 200 + 64) / 3) and (cell.low, cell.high, cell.n) == (60, 200, 3)
+    assert summarize(_records(), stat="median").cells[("plain", 4096)].value == 64
+    assert summarize(_records(), stat="gmean").cells[("plain", 1024)].value == pytest.approx(
+        statistics.geometric_mean([10, 20, 30])
+    )
+    assert summarize(_records(), field="ppl").cells[("plain", 1024)].value == pytest.approx(10)
+
+
+def test_ratio_is_per_document_then_aggregated():
+    s = summarize(_records(), ratio=True, trained_window=3000)
+    assert s.reference == 2048  # the longest length within the trained window
+    plain = s.cells[("plain", 4096)]
+    assert plain.value == pytest.approx((60 / 12 + 200 / 16 + 64 / 32) / 3)
+    assert s.cells[("selfextend:G=4,W=512", 4096)].value == pytest.approx((1.1 + 1.0) / 2)
+    assert s.cells[("plain", 2048)].value == 1.0
+    assert summarize(_records(), ratio=True, reference=1024).cells[("plain", 2048)].value == pytest.approx(
+        (1.2 + 0.8 + 32 / 30) / 3
+    )
+    with pytest.raises(AggregateError, match="reference length 3000 was not measured"):
+        summarize(_records(), ratio=True, reference=3000)
+    with pytest.raises(AggregateError, match="unknown statistic"):
+        summarize(_records(), stat="mode")
+
+
+def test_table_formats():
+    s = summarize(_records())
+    md = format_table(s).splitlines()
+    assert md[0] == "| method | 1k | 2k | 4k |"
+    assert md[2] == "| plain | 20.00 (10.00-30.00) | 20.00 (12.00-32.00) | 108.00 (60.00-200.00) |"
+    assert md[3].endswith("| 14.60 (13.20-16.00) |")
+    csv = format_table(s, "csv").splitlines()
+    assert csv[0] == "method,length,value,low,high,documents" and csv[3] == "plain,4096,108,60,200,3"
+    tex = format_table(s, "latex")
+    assert (
+        r"\begin{tabular}{lrrr}" in tex
+        and r"plain & 20.00 (10.00-30.00)" in tex
+        and tex.endswith(r"\end{tabular}")
+    )
+    with pytest.raises(AggregateError, match="unknown table format"):
+        format_table(s, "html")
+
+
+def test_passkey_accuracy_over_depths():
+    recs = [
+        {
+            "model": "m",
+            "method": "plain",
+            "length": 4096,
+            "depth": d,
+            "trial": t,
+            "correct": d < 0.5 or t == 0,
+        }
+        for d in (0.0, 0.5, 1.0)
+        for t in (0, 1)
+    ]
+    s = summarize(recs)
+    assert s.kind == "passkey" and s.cells[("plain", 4096)].hits == 4 and s.cells[("plain", 4096)].n == 6
+    assert format_table(s).splitlines()[2] == "| plain | 4/6 |"
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"ratio": True}, {"per_doc": True}])
+def test_plot_draws_the_table_numbers_with_plain_tick_labels(tmp_path, monkeypatch, kwargs):
+    from matplotlib.figure import Figure
+
+    from selfextend.plot import plot_ppl
+
+    saved = []
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: saved.append(fig))
+    plot_ppl(_records(), tmp_path / "p.png", trained_window=2048, **kwargs)
+    (fig,) = saved
+    axes = [ax for ax in fig.axes if ax.get_lines()]
+    drawn = {
+        (line.get_label(), x): y
+        for ax in axes[:1]
+        for line in ax.get_lines()
+        for x, y in zip(*line.get_data(), strict=True)
+    }
+    docs = ["a"] if kwargs.get("per_doc") else None
+    records = [r for r in _records() if docs is None or r["doc"] in docs]
+    s = summarize(records, ratio=kwargs.get("ratio", False), trained_window=2048)
+    for (method, n), cell in s.cells.items():
+        assert drawn[(method, n)] == pytest.approx(cell.value)
+    fig.canvas.draw()
+    labels = [t.get_text() for ax in axes for t in ax.get_yticklabels() if t.get_text()]
+    assert labels and all("times" not in t and "^" not in t for t in labels)
+    assert any("trained" in t.get_text() for t in axes[0].get_xticklabels())
+    assert axes[-1].get_legend() is not None and axes[-1].get_legend().get_bbox_to_anchor().x0 > 0
+
+
+def test_heatmap_counts_contrast_with_cells():
+    import matplotlib.pyplot as plt
+
+    from selfextend.plot import _text_colour
+
+    cmap = plt.get_cmap("RdYlGn")
+    assert _text_colour(cmap(0.0)) == "white" and _text_colour(cmap(1.0)) == "white"
+    assert _text_colour(cmap(0.5)) == "black"
+
+
+def test_table_and_plot_commands(tmp_path):
+    path = tmp_path / "ppl.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in _records()))
+    runner = CliRunner()
+    r = runner.invoke(main, ["table", str(path), "--trained-window", "2048", "--ratio", "-f", "csv"])
+    assert r.exit_code == 0, r.output
+    assert r.output.splitlines()[0] == "method,length,value,low,high,documents"
+    r = runner.invoke(
+        main,
+        ["plot", str(path), "--trained-window", "2048", "--stat", "median", "-o", str(tmp_path / "x.png")],
+    )
+    assert r.exit_code == 0 and (tmp_path / "x.png").stat().st_size > 10000
+    r = runner.invoke(main, ["table", str(path), "--ratio", "--reference", "999"])
+    assert r.exit_code == 2 and "reference length 999 was not measured" in r.stderr
+    bench = tmp_path / "bench.jsonl"
+    bench.write_text(json.dumps({"case": "prefill", "variant": "plain", "length": 1, "seconds": 1}) + "\n")
+    r = runner.invoke(main, ["table", str(bench)])
+    assert r.exit_code == 2 and "table takes ppl or passkey" in r.stderr
