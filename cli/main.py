@@ -6,7 +6,9 @@ non-zero exit, never a traceback.
 
 from __future__ import annotations
 
+import signal
 import sys
+import threading
 import warnings
 
 import click
@@ -22,6 +24,10 @@ def _one_line(e: BaseException) -> str:
     return text.splitlines()[0] if text else type(e).__name__
 
 
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
 def _warning_line(message, category, filename, lineno, file=None, line=None) -> None:
     """Warnings as one ``warning: ...`` line on stderr (no source line, no file position)."""
     click.echo(
@@ -35,6 +41,8 @@ class Group(click.Group):
     def main(self, *args, **kwargs):  # noqa: D102
         kwargs["standalone_mode"] = False
         warnings.showwarning = _warning_line
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM stops like Ctrl-C: summary, output flushed
         try:
             return super().main(*args, **kwargs)
         except click.exceptions.Exit as e:

@@ -556,6 +556,45 @@ def _hub_offline() -> bool:
         return bool(os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE"))
 
 
+def _hub_unreachable(timeout: float = 3.0) -> str | None:
+    """Why the hub cannot be reached, or None when it can (or a proxy is configured, so we cannot tell).
+
+    One connection attempt with a short timeout, so a machine without network gets its one-line error at
+    once instead of after huggingface_hub's retries (about 30 s).
+    """
+    if any(
+        os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY")
+    ):
+        return None
+    import socket
+    import threading
+    from urllib.parse import urlsplit
+
+    try:
+        from huggingface_hub import constants
+
+        endpoint = urlsplit(constants.ENDPOINT)
+    except (ImportError, AttributeError):
+        endpoint = urlsplit("https://huggingface.co")
+    host, port = (
+        endpoint.hostname or "huggingface.co",
+        endpoint.port or (443 if endpoint.scheme == "https" else 80),
+    )
+    why: list[str] = [f"no answer within {timeout:g} s"]
+
+    def probe() -> None:  # in a thread: name resolution itself has no timeout
+        try:
+            socket.create_connection((host, port), timeout=timeout).close()
+            why.clear()
+        except OSError as exc:
+            why[:] = [f"{host}: {_first_line(exc)}"]
+
+    thread = threading.Thread(target=probe, daemon=True)
+    thread.start()
+    thread.join(timeout + 0.5)
+    return why[0] if why else None
+
+
 def _from_pretrained(source: ModelSource, loader: Callable[..., Any], **kwargs: Any) -> Any:
     """Call a transformers ``from_pretrained`` for a directory or hub id, wrapping failures in ModelError.
 
@@ -569,6 +608,9 @@ def _from_pretrained(source: ModelSource, loader: Callable[..., Any], **kwargs: 
             except OSError:
                 if _hub_offline():
                     raise
+            unreachable = _hub_unreachable()
+            if unreachable:
+                raise OSError(f"not in the local cache, and the hub cannot be reached ({unreachable})")
             return loader(source.location, **kwargs)
         return loader(source.location, **kwargs)
     except (OSError, ValueError, KeyError) as exc:
