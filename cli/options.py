@@ -7,34 +7,35 @@ from collections.abc import Callable
 
 import click
 
-from selfextend.validate import MAX_INT, MAX_SEED, ValidationError, parse_float, parse_int
-
 
 class Checked(click.ParamType):
-    """A click type that parses with :mod:`selfextend.validate`, so the CLI and the library accept and
-    refuse the same numbers; click then names the option in its one-line error."""
+    """A click type that parses with a :mod:`selfextend.validate` function (imported when a value comes,
+    so ``--help`` stays light), so the CLI and the library accept and refuse the same numbers; click then
+    names the option in its one-line error."""
 
-    def __init__(self, name: str, parse: Callable[[object, str], object]) -> None:
-        self.name, self.parse = name, parse
+    def __init__(self, name: str, parser: str, **bounds: object) -> None:
+        self.name, self.parser, self.bounds = name, parser, bounds
 
     def convert(self, value: object, param: click.Parameter | None, ctx: click.Context | None) -> object:
+        from selfextend import validate
+
         try:
-            return self.parse(value, param.name if param else self.name)
-        except ValidationError as e:
+            return getattr(validate, self.parser)(value, param.name if param else self.name, **self.bounds)
+        except validate.ValidationError as e:
             self.fail(e.requirement, param, ctx)
 
 
-def integer(lo: int | None = None, hi: int | None = MAX_INT) -> Checked:
-    """An integer option in [lo, hi] (no floats, no booleans, nothing too large to use)."""
-    return Checked("integer", lambda v, name: parse_int(v, name, lo, hi))
+def integer(lo: int | None = None, **bounds: int) -> Checked:
+    """An integer option >= lo (``hi=`` an upper bound; nothing too large to use, no floats or booleans)."""
+    return Checked("integer", "parse_int", lo=lo, **bounds)
 
 
 def number(lo: float | None = None, hi: float | None = None, **open_ends: bool) -> Checked:
     """A finite number option (``nan``/``inf`` refused) in the range; ``lo_open``/``hi_open`` exclude ends."""
-    return Checked("number", lambda v, name: parse_float(v, name, lo=lo, hi=hi, **open_ends))
+    return Checked("number", "parse_float", lo=lo, hi=hi, **open_ends)
 
 
-SEED = integer(0, MAX_SEED)
+SEED = Checked("seed", "parse_seed")
 POSITIVE = integer(1)
 COUNT = integer(0)
 

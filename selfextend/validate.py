@@ -101,6 +101,11 @@ def parse_float(text: Any, name: str, **bounds: Any) -> float:
     return check_float(text, name, **bounds)
 
 
+def parse_seed(text: Any, name: str = "seed") -> int | None:
+    """A seed written as text (or None), then :func:`check_seed`."""
+    return None if text is None else parse_int(text, name, 0, MAX_SEED)
+
+
 def check_seed(value: Any, name: str = "seed") -> int | None:
     """A random seed: None (fresh randomness) or an integer in [0, 2**63 - 1]."""
     return None if value is None else check_int(value, name, 0, MAX_SEED)
