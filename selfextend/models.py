@@ -598,9 +598,12 @@ def _hub_unreachable(timeout: float = 3.0) -> str | None:
 def _from_pretrained(source: ModelSource, loader: Callable[..., Any], **kwargs: Any) -> Any:
     """Call a transformers ``from_pretrained`` for a directory or hub id, wrapping failures in ModelError.
 
+    A weights file that is cut short or corrupted (safetensors' own error type) is a ModelError too.
     Hub ids are tried from the local Hugging Face cache first: that works offline and skips the network
     round trips (which retry for ~20 s when there is no network); only a miss goes online.
     """
+    from safetensors import SafetensorError
+
     try:
         if source.kind == "hub":
             try:
@@ -613,7 +616,7 @@ def _from_pretrained(source: ModelSource, loader: Callable[..., Any], **kwargs: 
                 raise OSError(f"not in the local cache, and the hub cannot be reached ({unreachable})")
             return loader(source.location, **kwargs)
         return loader(source.location, **kwargs)
-    except (OSError, ValueError, KeyError) as exc:
+    except (OSError, ValueError, KeyError, SafetensorError) as exc:  # SafetensorError: a cut weights file
         if source.kind == "hub":
             where = f"'{source.name}' from the Hugging Face hub or its local cache"
         else:
