@@ -288,12 +288,16 @@ def summary_options(f):
     return f
 
 
-def _records(results: str, trained_window: int | None, field: str = "ppl_last"):
+def _records(results: str, trained_window: int | None, field: str = "ppl_last", command: str = "plot"):
     """The usable records of RESULTS (bad lines, other kinds, records missing fields: skipped, said)."""
-    from selfextend.plot import usable_records
+    from selfextend.plot import records_kind, usable_records
     from selfextend.results import read_jsonl
 
-    kind, records = usable_records(read_jsonl(results), field, results)
+    records = read_jsonl(results)
+    if command == "table" and records_kind(records, results) not in ("ppl", "passkey"):
+        kind = records_kind(records, results)
+        raise click.UsageError(f"{results} holds {kind} records; table takes ppl or passkey results")
+    kind, records = usable_records(records, field, results)
     if trained_window is None:
         trained_window = _trained_window(records[0].get("model"))
     return records, kind, trained_window
@@ -361,9 +365,7 @@ def table(
     """
     from selfextend.aggregate import format_table, summarize
 
-    records, kind, trained_window = _records(results, trained_window, field)
-    if kind not in ("ppl", "passkey"):
-        raise click.UsageError(f"{results} holds {kind} records; table takes ppl or passkey results")
+    records, kind, trained_window = _records(results, trained_window, field, "table")
     click.echo(format_table(summarize(records, field, stat, ratio, reference, trained_window), fmt))
 
 

@@ -47,6 +47,16 @@ def _fits(record: dict[str, Any], kind: str, field: str) -> bool:
     return True
 
 
+def records_kind(records: list[dict[str, Any]], source: str = "results") -> str:
+    """``ppl``, ``passkey`` or ``bench``: the most common kind among ``records`` (ValueError if none)."""
+    if not records:
+        raise ValueError(f"{source}: no records to plot")
+    kinds = [k for r in records for k in [_kind_of(r)] if k]
+    if not kinds:
+        raise ValueError(f"{source}: unknown records (fields: {', '.join(sorted(records[0]))})")
+    return max(_NEEDS, key=kinds.count)
+
+
 def usable_records(
     records: list[dict[str, Any]], field: str = "ppl_last", source: str = "results"
 ) -> tuple[str, list[dict[str, Any]]]:
@@ -58,12 +68,7 @@ def usable_records(
     """
     from selfextend.results import ResultsWarning
 
-    if not records:
-        raise ValueError(f"{source}: no records to plot")
-    kinds = [k for r in records for k in [_kind_of(r)] if k]
-    if not kinds:
-        raise ValueError(f"{source}: unknown records (fields: {', '.join(sorted(records[0]))})")
-    kind = max(_NEEDS, key=kinds.count)
+    kind = records_kind(records, source)
     usable = [r for r in records if _kind_of(r) == kind and _fits(r, kind, field)]
     other = len(records) - sum(k == kind for k in map(_kind_of, records))
     broken = len(records) - other - len(usable)
