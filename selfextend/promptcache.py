@@ -73,6 +73,38 @@ def save(
     os.replace(tmp, path)
 
 
+def _check_payload(path: str | Path, payload: dict, cache: ContextShiftCache) -> None:
+    """Every field a prompt cache needs, with types and shapes that fit ``cache``; PromptCacheError if not."""
+
+    def bad(what: str) -> PromptCacheError:
+        return PromptCacheError(f"{path} is a damaged prompt cache: {what}")
+
+    missing = [k for k in ("settings", "tokens", "logits", "keys", "values") if k not in payload]
+    if missing:
+        raise bad(f"no {', '.join(missing)}")
+    try:
+        if not isinstance(json.loads(payload["settings"]), dict):
+            raise ValueError
+    except (TypeError, ValueError):
+        raise bad("its settings are not a JSON object") from None
+    tokens, logits = payload["tokens"], payload["logits"]
+    if not isinstance(tokens, torch.Tensor) or tokens.dim() != 1 or tokens.dtype != torch.long:
+        raise bad("its tokens are not a 1-D integer tensor")
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 1 or not logits.is_floating_point():
+        raise bad("its logits are not a 1-D float tensor")
+    n, layers = tokens.shape[0], cache.layers
+    for name in ("keys", "values"):
+        states = payload[name]
+        if not isinstance(states, list) or len(states) != len(layers):
+            count = len(states) if isinstance(states, list) else "?"
+            raise bad(f"{name} for {count} layers, the model has {len(layers)}")
+        for i, (t, layer) in enumerate(zip(states, layers, strict=True)):
+            want = (*layer.keys.shape[:2], n, layer.keys.shape[-1])
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != want:
+                got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise bad(f"layer {i} {name} have shape {got}, expected {want}")
+
+
 def load(
     path: str | Path, model: nn.Module, cache: ContextShiftCache, prompt: list[int]
 ) -> tuple[list[int], torch.Tensor | None]:
@@ -80,7 +112,7 @@ def load(
 
     Returns the reused tokens, and the saved last-token logits when the prompt is exactly the saved one.
     """
-    payload = read(path, model)
+    payload = read(path, model, cache)
     saved = payload["tokens"].tolist()
     n = 0
     limit = min(len(saved), len(prompt), cache.n_ctx - 1)
@@ -94,8 +126,9 @@ def load(
     return prompt[:n], payload["logits"] if whole else None
 
 
-def read(path: str | Path, model: nn.Module) -> dict[str, Any]:
-    """The file's contents, once it is known to be ours and made with this model and these settings."""
+def read(path: str | Path, model: nn.Module, cache: ContextShiftCache) -> dict[str, Any]:
+    """The file's contents, once it is known to be ours, intact, shaped for ``cache``'s layers and made
+    with this model and these settings; PromptCacheError if not."""
     try:
         payload = torch.load(Path(path), map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises many types for a file that is not its own
@@ -103,6 +136,7 @@ def read(path: str | Path, model: nn.Module) -> dict[str, Any]:
         raise PromptCacheError(f"{path} is not a selfextend prompt cache or chat session ({kind})") from None
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise PromptCacheError(f"{path} is not a {FORMAT} file (another version or another program)")
+    _check_payload(path, payload, cache)
     ours, theirs = settings(model), json.loads(payload["settings"])
     if ours != theirs:
         diff = ", ".join(

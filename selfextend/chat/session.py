@@ -252,14 +252,21 @@ class ChatSession:
         dtype, weight format, Self-Extend settings and ``--ctx``, else :class:`ChatError` (and nothing
         changes)."""
         try:
-            payload = promptcache.read(path, self.model)
+            payload = promptcache.read(path, self.model, self.cache)
         except promptcache.PromptCacheError as e:
             raise ChatError(str(e)) from None
         state = _session_state(payload, path)
         if state["n_ctx"] != self.n_ctx:
             raise ChatError(f"{path} was saved with --ctx {state['n_ctx']}, this session has {self.n_ctx}")
         tokens = payload["tokens"].tolist()
-        _check_cells(payload, self.model, len(tokens), state, path)
+        _check_positions(len(tokens), state, path)
+        try:
+            exchanges = [Exchange(**e) for e in state["exchanges"]]
+            stats = ChatStats(**state["stats"])
+            rng = torch.tensor(state["rng"], dtype=torch.uint8)
+            torch.Generator().set_state(rng)
+        except (TypeError, ValueError, RuntimeError):
+            raise ChatError(f"{path}: damaged session state") from None
         self.keep = state["keep"]
         self.template = ChatTemplate(self.tokenizer, state["system"])
         self._build(state["n_keep"])
@@ -267,15 +274,31 @@ class ChatSession:
             self.cache.load_prefix(payload["keys"], payload["values"])
         self.gen.tokens = tokens
         self.gen.last_logits = payload["logits"] if payload["logits"].numel() else None
-        self.gen.rng.set_state(torch.tensor(state["rng"], dtype=torch.uint8))
-        self.exchanges.extend(Exchange(**e) for e in state["exchanges"])
+        self.gen.rng.set_state(rng)
+        self.exchanges.extend(exchanges)
         self.closed = state["closed"]
         self.cache.shifts, self.cache.discarded = state["shifts"], state["discarded"]
         self.ledger.dropped_exchanges = state["dropped_exchanges"]
-        self.stats = ChatStats(**state["stats"])
+        self.stats = stats
+
+
+STATE_FIELDS = {
+    "n_ctx": int,
+    "n_keep": int,
+    "keep": (int, type(None)),
+    "system": (str, type(None)),
+    "closed": bool,
+    "exchanges": list,
+    "shifts": int,
+    "discarded": int,
+    "dropped_exchanges": int,
+    "stats": dict,
+    "rng": list,
+}
 
 
 def _session_state(payload: dict[str, Any], path: str | Path) -> dict[str, Any]:
+    """The chat's state saved beside the cells, with every field of the type it must have."""
     import json
 
     if "extra" not in payload:
@@ -286,19 +309,19 @@ def _session_state(payload: dict[str, Any], path: str | Path) -> dict[str, Any]:
         raise ChatError(f"{path}: unreadable session state") from None
     if not isinstance(state, dict) or state.get("kind") != SESSION_KIND:
         raise ChatError(f"{path} is not a {SESSION_KIND} session")
+    for name, kind in STATE_FIELDS.items():
+        if not isinstance(state.get(name), kind) or (kind is int and isinstance(state[name], bool)):
+            raise ChatError(f"{path}: damaged session state ({name})")
     return state
 
 
-def _check_cells(payload: dict[str, Any], model: nn.Module, n: int, state: dict[str, Any], path) -> None:
-    """The saved cells must fit this model's cache: one (1, Hkv, n, D) tensor per layer, n <= n_ctx."""
-    probe = ContextShiftCache(model, n_ctx=2, n_keep=0)
-    want = probe.layers[0].keys.shape  # (1, Hkv, 2, D)
-    for stored in (payload["keys"], payload["values"]):
-        if len(stored) != len(probe.layers) or any(t.shape != (want[0], want[1], n, want[3]) for t in stored):
-            raise ChatError(f"{path}: its cache cells do not have this model's shapes")
-    if n > state["n_ctx"] or not 0 <= state["n_keep"] <= n:
+def _check_positions(n: int, state: dict[str, Any], path: str | Path) -> None:
+    """The kept count and every exchange's cells must lie among the ``n`` saved cells."""
+    if n > state["n_ctx"] or not 0 <= state["n_keep"] <= n or state["n_keep"] >= state["n_ctx"] - 1:
         raise ChatError(f"{path}: {n} cells, {state['n_keep']} kept: no cache of {state['n_ctx']} holds that")
     for e in state["exchanges"]:
+        if not isinstance(e, dict):
+            raise ChatError(f"{path}: damaged session state (exchanges)")
         for p in (e.get("start"), e.get("reply_start")):
-            if p is not None and not 0 <= p <= n:
+            if p is not None and (not isinstance(p, int) or not 0 <= p <= n):
                 raise ChatError(f"{path}: an exchange points outside the saved cells")
