@@ -13,13 +13,13 @@ def invoke(*args):
     return CliRunner().invoke(main, [str(a) for a in args])
 
 
-@pytest.mark.parametrize("command", ["info", "generate", "ppl", "passkey", "plot", "bench", "cache"])
+@pytest.mark.parametrize("command", ["info", "generate", "chat", "ppl", "passkey", "plot", "bench", "cache"])
 def test_every_command_has_help(command):
     r = invoke(command, "--help")
     assert r.exit_code == 0 and "Usage:" in r.stdout
 
 
-@pytest.mark.parametrize("command", ["generate", "ppl", "passkey", "bench"])
+@pytest.mark.parametrize("command", ["generate", "chat", "ppl", "passkey", "bench"])
 def test_threads_on_every_model_command(command):
     assert "--threads" in invoke(command, "--help").stdout
     r = invoke(command, "--threads", "0")
