@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 from pathlib import Path
@@ -86,6 +87,10 @@ def chat(
 
     check_cache(ctx, keep)
     system = system_prompt(system, system_file)
+    if session_file:
+        folder = Path(session_file).absolute().parent
+        if not folder.is_dir() or not os.access(folder, os.W_OK):
+            raise click.BadParameter(f"no writable folder {folder} to save it in", param_hint="--session")
     lm, tokenizer = load_with_self_extend(model, dtype, device, group_size, window, weights)
     warn_beyond_reach(lm, ctx, group_size, window)
     out = Output(output, stats_every)
@@ -119,15 +124,17 @@ def chat(
         if not quiet:
             click.echo(f"resumed {session_file}: {_fill(session)}", err=True)
     Repl(session, out, quiet, sys.stdin.isatty()).run()
-    if session_file:
-        try:
-            session.save(session_file)
-        except OSError as e:
-            raise click.ClickException(f"could not save the session to {session_file}: {e}") from None
-        if not quiet:
-            click.echo(f"saved the session to {session_file}", err=True)
-    out.close()
-    click.echo(summary(session), err=True)
+    try:
+        if session_file:
+            try:
+                session.save(session_file)
+            except OSError as e:
+                raise click.ClickException(f"could not save the session to {session_file}: {e}") from None
+            if not quiet:
+                click.echo(f"saved the session to {session_file}", err=True)
+    finally:
+        out.close()
+        click.echo(summary(session), err=True)
 
 
 def _fill(session: ChatSession) -> str:

@@ -268,3 +268,12 @@ def test_chat_on_a_terminal_shifts_and_ctrl_c(tmp_path):
     lines = term.text.replace("\r\n", "\n").split("\n")
     notes = [line for line in lines if "[context shift" in line or '"tokens_per_s"' in line]
     assert notes and all(line.startswith(("[", "{")) for line in notes)  # never inside the streamed text
+
+
+def test_session_file_that_cannot_be_written_refused_before_loading(tmp_path):
+    from click.testing import CliRunner
+
+    from cli.main import main
+
+    r = CliRunner().invoke(main, ["chat", "--session", str(tmp_path / "no" / "such" / "s.pt")])
+    assert r.exit_code == 2 and len(r.stderr.strip().splitlines()) == 1 and "--session" in r.stderr
