@@ -77,7 +77,8 @@ def model_options(f: Callable) -> Callable:
         "--model",
         default="smollm2-135m",
         show_default=True,
-        help="smollm2-135m (embedded), a .gguf file, a model directory or a hub id.",
+        help="smollm2-135m (embedded), gemma3-270m (the gemma extra), a .gguf file, a model directory "
+        "or a hub id.",
     )(f)
     return f
 
@@ -132,13 +133,11 @@ def load_with_self_extend(
 
     from selfextend.models import load_model
     from selfextend.patch import apply_self_extend
-    from selfextend.quantize import apply_weight_format
 
     if (group_size is None) != (window is None):
         raise click.UsageError("Self-Extend needs both --group-size and --window")
     transformers.utils.logging.disable_progress_bar()
-    lm, tokenizer = load_model(model, dtype=dtype, device=device)
-    apply_weight_format(lm, weights)
+    lm, tokenizer = load_model(model, dtype=dtype, device=device, weights=weights)
     if group_size is not None:
         apply_self_extend(lm, group_size, window)
     return lm, tokenizer
