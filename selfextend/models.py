@@ -556,8 +556,12 @@ def load_model(
     dtype: torch.dtype | str = torch.float32,
     device: str | torch.device = "cpu",
     attn_implementation: str = "sdpa",
+    device_map: str | dict[str, Any] | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a causal LM and its tokenizer, on ``device``, inference-ready: eval mode, gradients off.
+
+    ``device_map`` (``"auto"``, ``"balanced"``, ... or an explicit map) places the layers with
+    accelerate's big-model loading instead of moving the whole model to ``device``.
 
     With ``requires_grad`` off on every parameter a forward builds no autograd graph even outside
     ``torch.no_grad()`` (a 2k-token forward otherwise keeps gigabytes of activations alive).
@@ -581,10 +585,13 @@ def load_model(
     kwargs: dict[str, Any] = {"dtype": wanted}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
+    if device_map is not None:
+        kwargs["device_map"] = device_map
     model = _from_pretrained(source, AutoModelForCausalLM.from_pretrained, **kwargs)
     tokenizer = _from_pretrained(source, AutoTokenizer.from_pretrained)
     try:
-        model.to(target)
+        if device_map is None:
+            model.to(target)
     except (RuntimeError, AssertionError) as exc:  # e.g. CUDA asked for on a CPU-only torch
         raise ModelError(f"cannot move the model to {target}: {_first_line(exc)}") from exc
     model.eval()
