@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from cli.options import model_options, weights_option
+from cli.options import COUNT, POSITIVE, integer, model_options, weights_option
 
 
 @click.command()
@@ -19,26 +19,36 @@ from cli.options import model_options, weights_option
     show_default=True,
     help="Cache lengths (tokens) at which decode milliseconds per token are measured.",
 )
-@click.option("-g", "--group-size", type=int, default=4, show_default=True, help="Self-Extend group size G.")
 @click.option(
-    "-w", "--window", type=int, default=1024, show_default=True, help="Self-Extend window W, tokens."
+    "-g", "--group-size", type=POSITIVE, default=4, show_default=True, help="Self-Extend group size G."
 )
 @click.option(
-    "--repeats", type=int, default=2, show_default=True, help="Rounds over all variants (medians reported)."
+    "-w", "--window", type=POSITIVE, default=1024, show_default=True, help="Self-Extend window W, tokens."
+)
+@click.option(
+    "--repeats",
+    type=POSITIVE,
+    default=2,
+    show_default=True,
+    help="Rounds over all variants (medians reported).",
 )
 @click.option(
     "--reference-max",
-    type=int,
+    type=COUNT,
     default=8192,
     show_default=True,
     help="Longest prefill (tokens) for the full-matrix reference (quadratic memory).",
 )
 @click.option(
-    "--ctx", type=int, default=2048, show_default=True, help="Cache size (tokens) for endless generation."
+    "--ctx",
+    type=integer(2),
+    default=2048,
+    show_default=True,
+    help="Cache size (tokens) for endless generation.",
 )
 @click.option(
     "--endless-tokens",
-    type=int,
+    type=COUNT,
     default=1000,
     show_default=True,
     help="Tokens generated through the context-shift cache per repeat (0 = skip).",
@@ -100,14 +110,15 @@ def bench(
     if unknown:
         raise click.BadParameter(f"unknown case {', '.join(sorted(unknown))}", param_hint="--cases")
     cfg = BenchConfig(
-        parse_lengths(lengths),
-        parse_lengths(decode_lengths),
+        parse_lengths(lengths, "--lengths"),
+        parse_lengths(decode_lengths, "--decode-lengths"),
         group_size,
         window,
         repeats,
         reference_max=reference_max,
         endless_ctx=ctx,
         endless_tokens=endless_tokens,
+        endless_keep=min(4, ctx - 2),
     )
     lm, _ = load_with_self_extend(model, dtype, device, None, None, weights)
     from selfextend.patch import trained_window

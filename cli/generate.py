@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import sys
 from typing import TYPE_CHECKING
 
 import click
@@ -66,13 +65,13 @@ def generate(
     from cli.options import check_cache, check_keep, load_with_self_extend, system_prompt
     from cli.stream import Output, prefill_bar
     from selfextend.cache import ContextShiftCache
-    from selfextend.corpus import read_text_file
+    from selfextend.corpus import read_stdin, read_text_file
     from selfextend.generate import Generator, StopMatcher, TextStream, build_prompt, eos_token_ids, run
 
     check_cache(ctx, keep)
     system = system_prompt(system, system_file)
     if prompt is None:
-        prompt = read_text_file(prompt_file) if prompt_file else sys.stdin.read()
+        prompt = read_text_file(prompt_file) if prompt_file else read_stdin()
     if not prompt.strip():
         raise click.UsageError("empty prompt: give --prompt, --prompt-file or text on standard input")
 

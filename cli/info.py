@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import click
 
+from cli.options import POSITIVE
+
 
 def _mib(n: int) -> str:
     return f"{n / 2**20:,.1f} MiB"
@@ -14,7 +16,7 @@ def _mib(n: int) -> str:
 @click.option(
     "-g",
     "--group-size",
-    type=int,
+    type=POSITIVE,
     default=4,
     show_default=True,
     help="Self-Extend group size G (positions beyond the window are divided by G).",
@@ -22,7 +24,7 @@ def _mib(n: int) -> str:
 @click.option(
     "-w",
     "--window",
-    type=int,
+    type=POSITIVE,
     default=1024,
     show_default=True,
     help="Self-Extend neighbor window W, in tokens (exact positions inside it).",
@@ -38,7 +40,7 @@ def info(model: str, group_size: int, window: int) -> None:
 
     facts = model_facts(load_config(model))
     trained = facts.trained_window
-    validate(group_size, window, trained)
+    group_size, window = validate(group_size, window, trained)
     rows = [
         ("model", f"{model} ({facts.model_type})"),
         ("layers", facts.layers),

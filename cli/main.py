@@ -6,7 +6,10 @@ non-zero exit, never a traceback.
 
 from __future__ import annotations
 
+import signal
 import sys
+import threading
+import warnings
 
 import click
 
@@ -21,11 +24,25 @@ def _one_line(e: BaseException) -> str:
     return text.splitlines()[0] if text else type(e).__name__
 
 
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def _warning_line(message, category, filename, lineno, file=None, line=None) -> None:
+    """Warnings as one ``warning: ...`` line on stderr (no source line, no file position)."""
+    click.echo(
+        f"warning: {_one_line(message if isinstance(message, Warning) else Warning(message))}", err=True
+    )
+
+
 class Group(click.Group):
     """A click group whose errors are one line: ``error: ...`` on stderr, exit status 2."""
 
     def main(self, *args, **kwargs):  # noqa: D102
         kwargs["standalone_mode"] = False
+        warnings.showwarning = _warning_line
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM stops like Ctrl-C: summary, output flushed
         try:
             return super().main(*args, **kwargs)
         except click.exceptions.Exit as e:
@@ -39,7 +56,7 @@ class Group(click.Group):
         except click.exceptions.Abort:
             click.echo("aborted", err=True)
             sys.exit(130)
-        except (ValueError, NotImplementedError, OSError, RuntimeError) as e:
+        except (ValueError, NotImplementedError, OSError, RuntimeError, ArithmeticError) as e:
             click.echo(f"error: {_one_line(e)}", err=True)
             sys.exit(2)
 

@@ -6,13 +6,13 @@ from pathlib import Path
 
 import click
 
-from cli.options import device_map_option, model_options, run_name, weights_option
+from cli.options import POSITIVE, SEED, device_map_option, integer, model_options, run_name, weights_option
 
 
 def _methods(specs: tuple[str, ...]):
-    from selfextend.methods import parse_method
+    from selfextend.methods import parse_methods
 
-    return [parse_method(s) for s in (specs or ("plain",))]
+    return parse_methods(specs)
 
 
 def _progress_bar(total: int, desc: str, procs=None):
@@ -92,7 +92,7 @@ METHOD_HELP = (
 @click.option("--split", default=None, help="The dataset split (default: test; train for --data-files).")
 @click.option("--text-column", default="text", show_default=True, help="The dataset column holding the text.")
 @click.option("--data-files", help="Local files for json/parquet/text datasets.")
-@click.option("--max-docs", type=int, default=None, help="Use at most this many documents.")
+@click.option("--max-docs", type=POSITIVE, default=None, help="Use at most this many documents.")
 @click.option(
     "--lengths",
     default="1k,2k,4k,8k,16k",
@@ -130,9 +130,9 @@ def ppl(
     extension methods differ), last_from, tokens, seconds.
     """
     from selfextend.corpus import load_corpus, select
-    from selfextend.sweep import parse_lengths, plan, ppl_sweep, tokenize_docs
+    from selfextend.sweep import dtype_name, parse_lengths, plan, ppl_sweep, tokenize_docs
 
-    parsed_lengths, parsed_methods = parse_lengths(lengths), _methods(methods)
+    parsed_lengths, parsed_methods = parse_lengths(lengths, "--lengths"), _methods(methods)
     texts = load_corpus(
         corpus,
         name=dataset,
@@ -150,7 +150,7 @@ def ppl(
 
     procs, device = _join(out, point_key)
     name = run_name(model, weights)
-    runs = plan(name, list(texts), parsed_methods, parsed_lengths, out)
+    runs = plan(name, list(texts), parsed_methods, parsed_lengths, out, dtype_name(dtype))
     if not runs:
         click.echo(f"all points already in {out}", err=True)
         return
@@ -181,9 +181,11 @@ def ppl(
     show_default=True,
     help="Where the passkey sits, as fractions of the filler (0 = start, 1 = end).",
 )
-@click.option("--trials", type=int, default=2, show_default=True, help="Random passkeys per (length, depth).")
+@click.option(
+    "--trials", type=POSITIVE, default=2, show_default=True, help="Random passkeys per (length, depth)."
+)
 @click.option("--method", "methods", multiple=True, help=METHOD_HELP)
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the passkeys.")
+@click.option("--seed", type=SEED, default=0, show_default=True, help="Seed of the passkeys.")
 @click.option(
     "-o",
     "--out",
@@ -208,9 +210,9 @@ def passkey(
     from selfextend.distributed import forward_cost
     from selfextend.passkey import passkey_plan, passkey_sweep, point_key
     from selfextend.results import read_jsonl
-    from selfextend.sweep import parse_lengths
+    from selfextend.sweep import dtype_name, parse_lengths
 
-    parsed_lengths, parsed_methods = parse_lengths(lengths), _methods(methods)
+    parsed_lengths, parsed_methods = parse_lengths(lengths, "--lengths"), _methods(methods)
     try:
         parsed_depths = sorted({float(d) for d in depths.split(",") if d.strip()})
     except ValueError:
@@ -224,7 +226,9 @@ def passkey(
     procs, device = _join(out, point_key)
     name = run_name(model, weights)
     done = len(read_jsonl(out))
-    points = passkey_plan(name, parsed_methods, parsed_lengths, parsed_depths, trials, out)
+    points = passkey_plan(
+        name, parsed_methods, parsed_lengths, parsed_depths, trials, out, dtype_name(dtype), seed
+    )
     if points:
         with procs.main_first():
             lm, tokenizer = load_with_self_extend(model, dtype, device, None, None, weights)
@@ -243,7 +247,7 @@ def passkey(
     records = read_jsonl(out)
     click.echo(
         f"wrote {out}: {len(records) - done} new, accuracy over the file "
-        f"{sum(r['correct'] for r in records)}/{len(records)}",
+        f"{sum(r.get('correct') is True for r in records)}/{len(records)}",
         err=True,
     )
 
@@ -254,7 +258,7 @@ def summary_options(f):
 
     f = click.option(
         "--reference",
-        type=int,
+        type=integer(2),
         default=None,
         help="With --ratio: the length (tokens) each method is divided by; default: the longest "
         "measured length within the trained window.",
@@ -280,7 +284,7 @@ def summary_options(f):
     )(f)
     f = click.option(
         "--trained-window",
-        type=int,
+        type=integer(2),
         default=None,
         help="The model's trained window in tokens (marked on plots, default reference of --ratio); "
         "default: the model's, when it can be read.",
@@ -288,12 +292,16 @@ def summary_options(f):
     return f
 
 
-def _records(results: str, trained_window: int | None):
-    from selfextend.plot import record_kind
+def _records(results: str, trained_window: int | None, field: str = "ppl_last", command: str = "plot"):
+    """The usable records of RESULTS (bad lines, other kinds, records missing fields: skipped, said)."""
+    from selfextend.plot import records_kind, usable_records
     from selfextend.results import read_jsonl
 
     records = read_jsonl(results)
-    kind = record_kind(records)
+    if command == "table" and records_kind(records, results) not in ("ppl", "passkey"):
+        kind = records_kind(records, results)
+        raise click.UsageError(f"{results} holds {kind} records; table takes ppl or passkey results")
+    kind, records = usable_records(records, field, results)
     if trained_window is None:
         trained_window = _trained_window(records[0].get("model"))
     return records, kind, trained_window
@@ -323,7 +331,7 @@ def plot(
     """
     from selfextend.plot import plot_bench, plot_passkey, plot_ppl
 
-    records, kind, trained_window = _records(results, trained_window)
+    records, kind, trained_window = _records(results, trained_window, field)
     target = Path(out or Path(results).with_suffix(".png"))
     if kind == "ppl":
         plot_ppl(records, target, trained_window, field, stat, per_doc, ratio, reference)
@@ -361,9 +369,7 @@ def table(
     """
     from selfextend.aggregate import format_table, summarize
 
-    records, kind, trained_window = _records(results, trained_window)
-    if kind not in ("ppl", "passkey"):
-        raise click.UsageError(f"{results} holds {kind} records; table takes ppl or passkey results")
+    records, kind, trained_window = _records(results, trained_window, field, "table")
     click.echo(format_table(summarize(records, field, stat, ratio, reference, trained_window), fmt))
 
 

@@ -8,6 +8,38 @@ from collections.abc import Callable
 import click
 
 
+class Checked(click.ParamType):
+    """A click type that parses with a :mod:`selfextend.validate` function (imported when a value comes,
+    so ``--help`` stays light), so the CLI and the library accept and refuse the same numbers; click then
+    names the option in its one-line error."""
+
+    def __init__(self, name: str, parser: str, **bounds: object) -> None:
+        self.name, self.parser, self.bounds = name, parser, bounds
+
+    def convert(self, value: object, param: click.Parameter | None, ctx: click.Context | None) -> object:
+        from selfextend import validate
+
+        try:
+            return getattr(validate, self.parser)(value, param.name if param else self.name, **self.bounds)
+        except validate.ValidationError as e:
+            self.fail(e.requirement, param, ctx)
+
+
+def integer(lo: int | None = None, **bounds: int) -> Checked:
+    """An integer option >= lo (``hi=`` an upper bound; nothing too large to use, no floats or booleans)."""
+    return Checked("integer", "parse_int", lo=lo, **bounds)
+
+
+def number(lo: float | None = None, hi: float | None = None, **open_ends: bool) -> Checked:
+    """A finite number option (``nan``/``inf`` refused) in the range; ``lo_open``/``hi_open`` exclude ends."""
+    return Checked("number", "parse_float", lo=lo, hi=hi, **open_ends)
+
+
+SEED = Checked("seed", "parse_seed")
+POSITIVE = integer(1)
+COUNT = integer(0)
+
+
 def _set_threads(ctx: click.Context, param: click.Parameter, value: int | None) -> None:
     if value is not None:
         import torch
@@ -20,7 +52,7 @@ def threads_option(f: Callable) -> Callable:
     return click.option(
         "-t",
         "--threads",
-        type=click.IntRange(min=1),
+        type=POSITIVE,
         default=None,
         expose_value=False,
         callback=_set_threads,
@@ -72,14 +104,14 @@ def self_extend_options(f: Callable) -> Callable:
     f = click.option(
         "-w",
         "--window",
-        type=int,
+        type=POSITIVE,
         default=None,
         help="Self-Extend neighbor window W in tokens (exact positions inside it).",
     )(f)
     f = click.option(
         "-g",
         "--group-size",
-        type=int,
+        type=POSITIVE,
         default=None,
         help="Self-Extend group size G: positions beyond the window are floor-divided by G.",
     )(f)
@@ -168,7 +200,7 @@ def cache_options(f: Callable) -> Callable:
     """--ctx, --keep: the context-shift cache's size and the tokens every shift keeps."""
     f = click.option(
         "--keep",
-        type=int,
+        type=integer(-1),
         default=None,
         help="Tokens kept at every shift. Default: BOS + the system prompt; -1: the whole prompt "
         "(in chat: the system prompt).",
@@ -176,7 +208,7 @@ def cache_options(f: Callable) -> Callable:
     f = click.option(
         "-c",
         "--ctx",
-        type=int,
+        type=integer(2),
         default=2048,
         show_default=True,
         help="KV cache capacity in tokens; when full, the older half after --keep is dropped.",
@@ -186,8 +218,6 @@ def cache_options(f: Callable) -> Callable:
 
 def check_cache(ctx: int, keep: int | None) -> None:
     """One line for a cache that cannot exist: no room, or more kept than there is."""
-    if ctx < 1:
-        raise click.BadParameter(f"must be a positive number of tokens, got {ctx}", param_hint="--ctx")
     if keep is not None and keep >= ctx:
         raise click.BadParameter(f"--keep ({keep}) must be smaller than --ctx ({ctx})", param_hint="--keep")
 
@@ -208,7 +238,7 @@ def length_options(f: Callable) -> Callable:
     f = click.option(
         "-n",
         "--max-new-tokens",
-        type=int,
+        type=integer(-1),
         default=256,
         show_default=True,
         help="Tokens to generate (in chat: per reply); -1 goes on until end of sequence or Ctrl-C "
@@ -230,43 +260,45 @@ def sampling_options(f: Callable) -> Callable:
 
     for decorator in reversed(
         [
-            click.option("--temperature", type=float, default=0.8, show_default=True, help="0 = greedy."),
+            click.option(
+                "--temperature", type=number(0.0), default=0.8, show_default=True, help="0 = greedy."
+            ),
             click.option(
                 "--top-k",
-                type=int,
+                type=COUNT,
                 default=40,
                 show_default=True,
                 help="Keep the k most likely tokens (0 = off).",
             ),
             click.option(
                 "--top-p",
-                type=float,
+                type=number(0.0, 1.0, lo_open=True),
                 default=0.95,
                 show_default=True,
                 help="Nucleus: smallest set with this mass.",
             ),
             click.option(
                 "--min-p",
-                type=float,
+                type=number(0.0, 1.0, hi_open=True),
                 default=0.05,
                 show_default=True,
                 help="Drop tokens below this fraction of the top token's probability.",
             ),
             click.option(
                 "--repeat-penalty",
-                type=float,
+                type=number(0.0, lo_open=True),
                 default=1.0,
                 show_default=True,
                 help="Penalty for tokens among the last --repeat-last-n (1 = off).",
             ),
             click.option(
                 "--repeat-last-n",
-                type=int,
+                type=integer(-1),
                 default=64,
                 show_default=True,
-                help="Window of the repeat penalty, tokens.",
+                help="Window of the repeat penalty, tokens (0 = no penalty, -1 = the whole context).",
             ),
-            click.option("--seed", type=int, default=None, help="Sampling seed (default: random)."),
+            click.option("--seed", type=SEED, default=None, help="Sampling seed (default: random)."),
         ]
     ):
         wrapper = decorator(wrapper)
@@ -277,7 +309,7 @@ def output_options(f: Callable) -> Callable:
     """-o/--output, --stats-every: where the text goes besides the terminal, and progress lines."""
     f = click.option(
         "--stats-every",
-        type=int,
+        type=COUNT,
         default=0,
         help="Every N tokens, print a JSON line on stderr: tokens, tokens/s over the last N, RSS MiB.",
     )(f)

@@ -1,17 +1,31 @@
-"""selfextend: Self-Extend attention and context shift for Hugging Face RoPE language models."""
+"""selfextend: Self-Extend attention and context shift for Hugging Face RoPE language models.
 
-from selfextend.patch import (
-    apply_self_extend,
-    max_usable_length,
-    remove_self_extend,
-    self_extend,
-)
-from selfextend.positions import max_length
+The public functions are imported on first use (PEP 562), so light modules such as
+:mod:`selfextend.validate` can be imported without torch and transformers (the CLI parses and
+refuses its options before anything heavy loads).
+"""
 
-__all__ = [
-    "apply_self_extend",
-    "max_length",
-    "max_usable_length",
-    "remove_self_extend",
-    "self_extend",
-]
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from selfextend.patch import apply_self_extend, max_usable_length, remove_self_extend, self_extend
+    from selfextend.positions import max_length
+
+_PUBLIC = {
+    "apply_self_extend": "selfextend.patch",
+    "max_length": "selfextend.positions",
+    "max_usable_length": "selfextend.patch",
+    "remove_self_extend": "selfextend.patch",
+    "self_extend": "selfextend.patch",
+}
+
+__all__ = ["apply_self_extend", "max_length", "max_usable_length", "remove_self_extend", "self_extend"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _PUBLIC:
+        return getattr(importlib.import_module(_PUBLIC[name]), name)
+    raise AttributeError(f"module 'selfextend' has no attribute {name!r}")

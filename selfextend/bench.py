@@ -27,6 +27,7 @@ from selfextend.cache import ContextShiftCache
 from selfextend.generate import Generator
 from selfextend.patch import REFERENCE_IMPLEMENTATION, apply_self_extend, remove_self_extend
 from selfextend.quantize import quantize_int8
+from selfextend.validate import check_int
 
 PREFILL_VARIANTS = ("plain", "selfextend", "reference")
 DECODE_VARIANTS = ("plain", "selfextend")
@@ -105,6 +106,23 @@ class BenchConfig:
     endless_tokens: int = 2000
     endless_keep: int = 4
     endless_plain_tokens: int = 256  # plain decoding at the average fill: tokens timed
+
+    def __post_init__(self) -> None:
+        """Every setting checked (:class:`~selfextend.validate.ValidationError`), so no case runs zero
+        times or loops on a nonsense count."""
+        from selfextend.positions import validate
+        from selfextend.sweep import check_lengths
+
+        self.prefill_lengths = check_lengths(self.prefill_lengths, "prefill lengths")
+        self.decode_lengths = check_lengths(self.decode_lengths, "decode lengths")
+        self.group_size, self.window = validate(self.group_size, self.window)
+        self.repeats = check_int(self.repeats, "repeats", 1)
+        self.decode_steps = check_int(self.decode_steps, "decode steps", 1)
+        self.reference_max = check_int(self.reference_max, "reference max", 0)
+        self.endless_ctx = check_int(self.endless_ctx, "endless ctx", 2)
+        self.endless_tokens = check_int(self.endless_tokens, "endless tokens", 0)
+        self.endless_keep = check_int(self.endless_keep, "endless keep", 0, self.endless_ctx - 2)
+        self.endless_plain_tokens = check_int(self.endless_plain_tokens, "endless plain tokens", 1)
 
 
 def _tokens(model: nn.Module, n: int, seed: int = 0) -> torch.Tensor:

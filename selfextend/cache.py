@@ -17,6 +17,7 @@ from torch import nn
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from selfextend.rope import find_rotary_embedding, rotate
+from selfextend.validate import check_int
 
 
 def discard_count(n_past: int, n_keep: int) -> int:
@@ -114,12 +115,9 @@ class ContextShiftCache(Cache):
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> None:
-        if n_ctx < 1:
-            raise ValueError(f"context size must be a positive number of tokens, got {n_ctx}")
-        if not 0 <= n_keep < n_ctx - 1:
-            raise ValueError(
-                f"n_keep ({n_keep}) must be at least 0 and smaller than the context size - 1 ({n_ctx - 1})"
-            )
+        n_ctx = check_int(n_ctx, "context size", 2)
+        n_keep = check_int(n_keep, "n_keep (tokens kept at every shift)", 0, n_ctx - 2)
+        batch_size = check_int(batch_size, "batch size", 1)
         config = model.config.get_text_config()
         heads = config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads

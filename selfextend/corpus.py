@@ -6,6 +6,8 @@ import importlib.resources
 import re
 from pathlib import Path
 
+from selfextend.validate import check_int
+
 _TRAILER = re.compile(r"\n\s*End of (?:the |this )?Project Gutenberg.*\Z", re.I | re.S)
 _MARKER = re.compile(
     r"^\*\*\* ?(START|END) OF (?:THE|THIS) PROJECT GUTENBERG EBOOK,? ?(.*?) ?\*\*\*\s*$", re.M
@@ -68,6 +70,17 @@ def read_text_file(path: str | Path) -> str:
     return text
 
 
+def read_stdin() -> str:
+    """Standard input as UTF-8 text, refusing other bytes with one line (as :func:`read_text_file`)."""
+    import sys
+
+    data = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read().encode()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise CorpusError(f"standard input is not UTF-8 text (bad byte at offset {e.start})") from None
+
+
 def read_folder(path: str | Path) -> dict[str, str]:
     """Every ``*.txt`` file of a folder (sorted by name), keyed by file stem."""
     files = sorted(Path(path).glob("*.txt"))
@@ -88,6 +101,8 @@ def read_dataset(
     with ``data_files``), keyed ``<split>-<index>``; only the first ``max_docs`` are read."""
     import datasets
 
+    if max_docs is not None:
+        max_docs = check_int(max_docs, "max_docs", 1)
     split = split or ("train" if data_files else "test")  # local files load as a "train" split
     try:
         ds = datasets.load_dataset(name, config, split=split, data_files=data_files, streaming=True)

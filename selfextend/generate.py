@@ -16,6 +16,7 @@ from torch import nn
 from selfextend.cache import ContextShiftCache
 from selfextend.decode import decode_step_for
 from selfextend.sampling import SamplingParams, sample
+from selfextend.validate import ValidationError, check_int, check_seed
 
 PREFILL_CHUNK = 512  # prompt pieces in run(): as llama.cpp's default micro-batch; also the progress step
 
@@ -114,7 +115,10 @@ class Generator:
     direct_decode: bool = True  # single tokens through a DecodeStep where the model allows it
 
     def __post_init__(self) -> None:
+        if not isinstance(self.cache, ContextShiftCache):
+            raise ValidationError("cache", f"must be a ContextShiftCache, got {type(self.cache).__name__}")
         self.sampling.validate()
+        self.seed = check_seed(self.seed)
         self.rng = torch.Generator(device="cpu")
         if self.seed is not None:
             self.rng.manual_seed(self.seed)
@@ -163,9 +167,7 @@ class Generator:
         return logits
 
     def next_token(self, logits: torch.Tensor) -> int:
-        recent = torch.tensor(
-            self.tokens[-self.sampling.repeat_last_n :], dtype=torch.long, device=logits.device
-        )
+        recent = torch.tensor(self.sampling.recent(self.tokens), dtype=torch.long, device=logits.device)
         return sample(logits, self.sampling, recent, self.rng if logits.device.type == "cpu" else None)
 
     def decode(
@@ -174,10 +176,12 @@ class Generator:
         max_new_tokens: int = -1,
         eos_token_ids: Sequence[int] = (),
     ) -> Iterator[int]:
-        """Yield new tokens from the prompt's last ``logits``; ``max_new_tokens < 0`` means no limit.
+        """Yield new tokens from the prompt's last ``logits``; ``max_new_tokens == -1`` means no limit.
 
-        Stops after an EOS token (which is yielded last) unless ``eos_token_ids`` is empty.
+        Stops after an EOS token (which is yielded last) unless ``eos_token_ids`` is empty. Any other
+        negative count is refused (it would otherwise run forever).
         """
+        max_new_tokens = check_int(max_new_tokens, "max_new_tokens", -1)
         produced = 0
         while max_new_tokens < 0 or produced < max_new_tokens:
             token = self.next_token(logits)
@@ -202,6 +206,7 @@ def run(
     ``reused_logits``: the last prompt token's logits when the whole prompt is cached with them.
     ``progress``: called with the number of prompt tokens written after each :data:`PREFILL_CHUNK`.
     """
+    max_new_tokens = check_int(max_new_tokens, "max_new_tokens", -1)  # refused before the prefill
     stats = GenerationStats(prompt_tokens=len(prompt_ids), reused_tokens=reused, n_ctx=generator.cache.n_ctx)
     t0 = time.perf_counter()
     if reused == len(prompt_ids) and reused_logits is not None:

@@ -19,6 +19,7 @@ from torch import nn
 
 from selfextend.patch import self_extend, trained_window
 from selfextend.rope import find_rotary_embedding
+from selfextend.validate import ValidationError, check_float, check_int, parse_float, parse_int
 
 KINDS = {
     "plain": {},
@@ -32,15 +33,58 @@ USAGE = "use plain, selfextend:G=..,W=.., ntk:factor=.., yarn:factor=.., shift:c
 
 
 class MethodError(ValueError):
-    """A method spec that cannot be parsed; one line for users."""
+    """A method spec that cannot be parsed or used; one line for users."""
+
+
+def _check_params(kind: str, params: dict[str, float | int], spec: str) -> dict[str, float | int]:
+    """Parameters checked (kind, range, finite) and put in the canonical order of ``KINDS[kind]``."""
+    if kind not in KINDS:
+        raise MethodError(f"unknown method '{spec}': {USAGE}")
+    unknown = set(params) - set(KINDS[kind])
+    if unknown:
+        raise MethodError(
+            f"bad parameter {', '.join(sorted(unknown))} in method '{spec}': "
+            f"{kind} takes {', '.join(KINDS[kind]) or 'none'}"
+        )
+    missing = REQUIRED.get(kind, set()) - params.keys()
+    if missing:
+        raise MethodError(f"method '{spec}' needs {', '.join(sorted(missing))}")
+    checked: dict[str, float | int] = {}
+    try:
+        for key, kind_of in KINDS[kind].items():
+            if key not in params:
+                continue
+            value, label = params[key], f"{key} in method '{spec}'"
+            if kind_of is int:
+                lo = {"keep": 0, "ctx": 2}.get(key, 1)
+                checked[key] = (parse_int if isinstance(value, str) else check_int)(value, label, lo)
+            else:  # ntk/yarn factor
+                checked[key] = (parse_float if isinstance(value, str) else check_float)(
+                    value, label, lo=1.0, lo_open=True
+                )
+    except ValidationError as e:
+        raise MethodError(str(e)) from None
+    if kind == "shift" and ("G" in checked) != ("W" in checked):
+        raise MethodError(f"method '{spec}': Self-Extend inside shift needs both G and W")
+    if kind == "shift" and not checked.get("keep", 0) < checked["ctx"] - 1:
+        raise MethodError(f"method '{spec}': need 0 <= keep < ctx - 1")
+    if checked.get("keep") == 0:
+        del checked["keep"]  # the default: one name for shift:ctx=N and shift:ctx=N,keep=0
+    return checked
 
 
 @dataclass(frozen=True)
 class Method:
-    """A parsed method spec."""
+    """A method spec, checked on construction; parameters kept in one canonical order, so two spellings
+    of the same method (``W=..,G=..`` and ``G=..,W=..``) are one method with one name."""
 
     kind: str
     params: dict[str, float | int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        kind = str(self.kind).strip().lower()
+        object.__setattr__(self, "kind", kind)
+        object.__setattr__(self, "params", _check_params(kind, dict(self.params), kind))
 
     @property
     def name(self) -> str:
@@ -65,32 +109,41 @@ class Method:
 
 def parse_method(spec: str) -> Method:
     """``"selfextend:G=4,W=1024"`` -> Method; malformed specs raise MethodError with one line."""
+    if not isinstance(spec, str):
+        raise MethodError(f"a method spec is text such as 'selfextend:G=4,W=1024', got {type(spec).__name__}")
     kind, _, rest = spec.strip().partition(":")
     kind = kind.strip().lower()
     if kind not in KINDS:
         raise MethodError(f"unknown method '{spec}': {USAGE}")
-    params: dict[str, float | int] = {}
+    params: dict[str, str] = {}
     for part in filter(None, (p.strip() for p in rest.split(","))):
         key, eq, value = part.partition("=")
         key = key.strip()
         if not eq or key not in KINDS[kind]:
             raise MethodError(
-                f"bad parameter '{part}' in method '{spec}': {kind} takes {sorted(KINDS[kind]) or 'none'}"
+                f"bad parameter '{part}' in method '{spec}': {kind} takes {', '.join(KINDS[kind]) or 'none'}"
             )
-        try:
-            params[key] = KINDS[kind][key](value.strip())
-        except ValueError:
-            raise MethodError(f"bad value '{value}' for {key} in method '{spec}'") from None
-    missing = REQUIRED.get(kind, set()) - params.keys()
-    if missing:
-        raise MethodError(f"method '{spec}' needs {', '.join(sorted(missing))}")
-    if kind == "shift" and ("G" in params) != ("W" in params):
-        raise MethodError(f"method '{spec}': Self-Extend inside shift needs both G and W")
-    if kind in ("ntk", "yarn") and params["factor"] <= 1:
-        raise MethodError(f"method '{spec}': factor must be > 1")
-    if kind == "shift" and not 0 <= params.get("keep", 0) < params["ctx"] - 1:
-        raise MethodError(f"method '{spec}': need 0 <= keep < ctx - 1")
-    return Method(kind, params)
+        if key in params:
+            raise MethodError(f"parameter {key} given twice in method '{spec}'")
+        params[key] = value.strip()
+    return Method(kind, _check_params(kind, params, spec))
+
+
+def unique_methods(methods: list[Method]) -> list[Method]:
+    """``methods`` unchanged, or MethodError naming a method given twice (it would be scored twice)."""
+    seen: set[str] = set()
+    for m in methods:
+        if not isinstance(m, Method):
+            raise MethodError(f"methods must be Method objects (see parse_method), got {type(m).__name__}")
+        if m.name in seen:
+            raise MethodError(f"method '{m.name}' given twice (parameters in any order name one method)")
+        seen.add(m.name)
+    return methods
+
+
+def parse_methods(specs: list[str] | tuple[str, ...]) -> list[Method]:
+    """Several specs (``plain`` when none), refusing a method given twice under any spelling."""
+    return unique_methods([parse_method(s) for s in (specs or ("plain",))])
 
 
 def _parent_of(model: nn.Module, child: nn.Module) -> tuple[nn.Module, str]:

@@ -43,6 +43,7 @@ __all__ = [
     "ModelFacts",
     "ModelSource",
     "cache_root",
+    "check_gguf",
     "check_rope",
     "ensure_converted",
     "gguf_cache_dir",
@@ -145,6 +146,7 @@ def resolve_model(name_or_path: str) -> ModelSource:
             if ggufs:
                 hint = f" (to use a GGUF in it, name the file: {path / ggufs[0]})"
             raise ModelError(f"directory '{text}' has no config.json, so it is not a model directory{hint}")
+        _check_config_json(path / "config.json")
         path = path.resolve()
         return ModelSource("dir", str(path), path.name)
     if not path.exists() and _HUB_ID.match(text):
@@ -153,6 +155,22 @@ def resolve_model(name_or_path: str) -> ModelSource:
     raise ModelError(
         f"unknown model '{text}': not an alias ({aliases}), a .gguf file, a model directory or a hub id"
     )
+
+
+def _check_config_json(path: Path) -> None:
+    """A model directory's config.json must be readable UTF-8 JSON holding an object with a model_type."""
+    try:
+        config = json.loads(path.read_bytes().decode("utf-8"))
+    except OSError as exc:
+        raise ModelError(f"cannot read {path}: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError:
+        raise ModelError(f"{path} is not UTF-8 text") from None
+    except json.JSONDecodeError as exc:
+        raise ModelError(f"{path} is not valid JSON (line {exc.lineno}: {exc.msg})") from None
+    if not isinstance(config, dict):
+        raise ModelError(f"{path} holds {type(config).__name__}, not a JSON object")
+    if "model_type" not in config:
+        raise ModelError(f"{path} has no model_type, so transformers cannot tell which model it is")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -291,6 +309,38 @@ def _remove_superseded(entry: Path, gguf: Path) -> None:
             shutil.rmtree(other, ignore_errors=True)
 
 
+def check_gguf(path: str | os.PathLike[str]) -> None:
+    """Refuse a file that is not a complete GGUF (:class:`ModelError` naming the file and the fault).
+
+    The ``gguf`` package's reader parses the header, the metadata and the tensor table and maps every
+    tensor's data, so a truncated or corrupted file fails here, before transformers half-reads it. It
+    costs seconds (it parses the vocabulary), so it runs only before a conversion or a metadata read.
+    """
+    p = Path(path)
+    try:
+        with p.open("rb") as f:
+            magic = f.read(4)
+    except OSError as exc:
+        raise ModelError(f"cannot read {p}: {exc.strerror or exc}") from exc
+    if magic != b"GGUF":
+        raise ModelError(f"{p} is not a GGUF file (it does not start with the GGUF magic bytes)")
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(p)
+    except Exception as exc:  # the reader raises ValueError, IndexError, struct errors... on bad bytes
+        raise ModelError(
+            f"{p} is truncated or corrupted: its GGUF header, metadata or tensor table cannot be read "
+            f"({type(exc).__name__})"
+        ) from exc
+    size = p.stat().st_size
+    for t in reader.tensors:
+        if t.data_offset + t.n_bytes > size:
+            raise ModelError(f"{p} is truncated: tensor {t.name} ends past the end of the file")
+    if not reader.tensors:
+        raise ModelError(f"{p} is a GGUF file without tensors (no weights)")
+
+
 def ensure_converted(source: ModelSource | str | os.PathLike[str]) -> Path:
     """Return the cache folder of a GGUF, converting and saving it first if needed (slow the first time).
 
@@ -302,6 +352,7 @@ def ensure_converted(source: ModelSource | str | os.PathLike[str]) -> Path:
     entry = gguf_cache_dir(gguf)
     if _is_complete(entry):
         return entry
+    check_gguf(gguf)
     log.info("converting %s into %s (only the first time)", gguf, entry)
     model, tokenizer = _convert_gguf(gguf)
     check_rope(model.config, source.name)
@@ -473,7 +524,8 @@ _DTYPES: dict[str, torch.dtype | str] = {
 }
 
 
-def _parse_dtype(dtype: torch.dtype | str) -> torch.dtype | str:
+def parse_dtype(dtype: torch.dtype | str) -> torch.dtype | str:
+    """A torch dtype from a name (``float32``, ``bf16``, ``half``...), or ``"auto"``; ModelError otherwise."""
     if isinstance(dtype, torch.dtype):
         return dtype
     key = str(dtype).strip().lower().removeprefix("torch.")
@@ -504,12 +556,54 @@ def _hub_offline() -> bool:
         return bool(os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE"))
 
 
+def _hub_unreachable(timeout: float = 3.0) -> str | None:
+    """Why the hub cannot be reached, or None when it can (or a proxy is configured, so we cannot tell).
+
+    One connection attempt with a short timeout, so a machine without network gets its one-line error at
+    once instead of after huggingface_hub's retries (about 30 s).
+    """
+    if any(
+        os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY")
+    ):
+        return None
+    import socket
+    import threading
+    from urllib.parse import urlsplit
+
+    try:
+        from huggingface_hub import constants
+
+        endpoint = urlsplit(constants.ENDPOINT)
+    except (ImportError, AttributeError):
+        endpoint = urlsplit("https://huggingface.co")
+    host, port = (
+        endpoint.hostname or "huggingface.co",
+        endpoint.port or (443 if endpoint.scheme == "https" else 80),
+    )
+    why: list[str] = [f"no answer within {timeout:g} s"]
+
+    def probe() -> None:  # in a thread: name resolution itself has no timeout
+        try:
+            socket.create_connection((host, port), timeout=timeout).close()
+            why.clear()
+        except OSError as exc:
+            why[:] = [f"{host}: {_first_line(exc)}"]
+
+    thread = threading.Thread(target=probe, daemon=True)
+    thread.start()
+    thread.join(timeout + 0.5)
+    return why[0] if why else None
+
+
 def _from_pretrained(source: ModelSource, loader: Callable[..., Any], **kwargs: Any) -> Any:
     """Call a transformers ``from_pretrained`` for a directory or hub id, wrapping failures in ModelError.
 
+    A weights file that is cut short or corrupted (safetensors' own error type) is a ModelError too.
     Hub ids are tried from the local Hugging Face cache first: that works offline and skips the network
     round trips (which retry for ~20 s when there is no network); only a miss goes online.
     """
+    from safetensors import SafetensorError
+
     try:
         if source.kind == "hub":
             try:
@@ -517,9 +611,12 @@ def _from_pretrained(source: ModelSource, loader: Callable[..., Any], **kwargs: 
             except OSError:
                 if _hub_offline():
                     raise
+            unreachable = _hub_unreachable()
+            if unreachable:
+                raise OSError(f"not in the local cache, and the hub cannot be reached ({unreachable})")
             return loader(source.location, **kwargs)
         return loader(source.location, **kwargs)
-    except (OSError, ValueError, KeyError) as exc:
+    except (OSError, ValueError, KeyError, SafetensorError) as exc:  # SafetensorError: a cut weights file
         if source.kind == "hub":
             where = f"'{source.name}' from the Hugging Face hub or its local cache"
         else:
@@ -541,6 +638,7 @@ def load_config(name_or_path: str = DEFAULT_MODEL) -> PretrainedConfig:
         if _is_complete(entry):
             config = _from_pretrained(ModelSource("dir", str(entry), source.name), AutoConfig.from_pretrained)
         else:
+            check_gguf(source.gguf_path)
             try:
                 config = AutoConfig.from_pretrained(source.location, gguf_file=source.gguf_file)
             except (OSError, ValueError, KeyError, NotImplementedError) as exc:
@@ -573,7 +671,7 @@ def load_model(
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     source = resolve_model(name_or_path)
-    wanted = _parse_dtype(dtype)
+    wanted = parse_dtype(dtype)
     target = _parse_device(device)
     if source.kind == "gguf":
         # ensure_converted checks RoPE itself, before writing the cache (reading the GGUF's config first

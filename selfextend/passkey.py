@@ -18,8 +18,10 @@ from torch import nn
 
 from selfextend.cache import ContextShiftCache
 from selfextend.generate import Generator
-from selfextend.methods import Method, applied
+from selfextend.methods import Method, applied, unique_methods
 from selfextend.results import append_jsonl, read_jsonl, repair_tail
+from selfextend.sweep import check_lengths, dtype_name
+from selfextend.validate import MAX_SEED, ValidationError, check_float, check_int
 
 TASK = (
     "There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
@@ -59,9 +61,18 @@ def answer(model: nn.Module, ids: list[int], method: Method) -> list[int]:
         return list(gen.decode(logits, ANSWER_TOKENS))
 
 
+LEGACY = {"dtype": "float32", "seed": 0}
+"""Records written before ``dtype`` and ``seed`` were recorded: float32 and seed 0, the defaults then."""
+KEY_FIELDS = ("model", "dtype", "seed", "method", "length", "depth", "trial")
+
+
 def point_key(record: dict) -> tuple:
-    """What identifies a passkey point: a resumed or merged sweep holds each key once."""
-    return (record["model"], record["method"], record["length"], record["depth"], record["trial"])
+    """What identifies a passkey point: a resumed or merged sweep holds each key once.
+
+    Everything that changes the answer (it is greedy): model and weights, dtype, seed (the passkey),
+    method, length, depth, trial. A record missing a field gets None there and matches no real point.
+    """
+    return tuple(record.get(f, LEGACY.get(f)) for f in KEY_FIELDS)
 
 
 @dataclass(frozen=True)
@@ -81,8 +92,19 @@ def passkey_plan(
     depths: list[float],
     trials: int,
     out: str | Path,
+    dtype: str = "float32",
+    seed: int = 0,
 ) -> list[Point]:
-    """Every (method, length, depth, trial) point not yet in ``out``."""
+    """Every (method, length, depth, trial) point not yet in ``out`` for this model, ``dtype`` and ``seed``.
+
+    Every argument is checked first (:class:`~selfextend.validate.ValidationError`, or MethodError for a
+    method given twice).
+    """
+    methods, lengths = unique_methods(list(methods)), check_lengths(lengths)
+    depths = sorted({check_float(d, "depth", 0.0, 1.0) for d in depths})
+    if not depths:
+        raise ValidationError("depths", "needs at least one depth in [0, 1]")
+    trials, seed = check_int(trials, "trials", 1), check_int(seed, "seed", 0, MAX_SEED)
     done = {point_key(r) for r in read_jsonl(out)}
     return [
         Point(method, length, depth, trial)
@@ -90,7 +112,7 @@ def passkey_plan(
         for length in lengths
         for depth in depths
         for trial in range(trials)
-        if (model_name, method.name, length, depth, trial) not in done
+        if (model_name, dtype, seed, method.name, length, depth, trial) not in done
     ]
 
 
@@ -107,6 +129,7 @@ def passkey_sweep(
 
     Passkeys come from ``seed`` and the point's coordinates, so a resumed run asks the same questions.
     """
+    seed, dtype = check_int(seed, "seed", 0, MAX_SEED), dtype_name(model)
     repair_tail(out)
     for p in points:
         key = random.Random(f"{seed}-{p.length}-{p.depth}-{p.trial}").randint(10000, 99999)
@@ -116,6 +139,8 @@ def passkey_sweep(
         found = re.search(r"\d+", text)
         record = {
             "model": model_name,
+            "dtype": dtype,
+            "seed": seed,
             "method": p.method.name,
             "length": p.length,
             "depth": p.depth,

@@ -21,8 +21,10 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, prepare_padding_mask
 
 from selfextend.attention import GroupedKeyMemo, self_extend_attention, self_extend_attention_reference
+from selfextend.models import ModelError
 from selfextend.positions import max_length, validate
 from selfextend.rope import RotationTable, find_rotary_embedding, rotate
+from selfextend.validate import ValidationError
 
 IMPLEMENTATION = "selfextend"
 REFERENCE_IMPLEMENTATION = "selfextend_reference"
@@ -200,6 +202,14 @@ def attention_modules(model: nn.Module) -> list[nn.Module]:
     ]
 
 
+def _check_module(model: Any, what: str) -> None:
+    """Refuse anything that is not a transformers model (None, a plain module) with a ModelError."""
+    if not isinstance(model, nn.Module) or not hasattr(getattr(model, "config", None), "model_type"):
+        raise ModelError(
+            f"{what} needs a transformers model (a PreTrainedModel with a config), got {type(model).__name__}"
+        )
+
+
 def _check_model(model: nn.Module) -> None:
     config = model.config
     layer_types = getattr(config, "layer_types", None) or []
@@ -222,12 +232,20 @@ def apply_self_extend(
     ``group_size`` G >= 1 and ``window`` W >= 1 with W below the trained window; the model then
     reads up to ``max_length(trained, G, W)`` tokens. ``implementation="selfextend_reference"``
     selects the full-matrix reference (quadratic memory). Calling it again changes the settings.
+    Raises :class:`~selfextend.validate.ValidationError` for bad G/W and
+    :class:`~selfextend.models.ModelError` for a model it cannot patch (both ``ValueError``).
     """
-    validate(group_size, window, trained_window(model.config))
+    _check_module(model, "apply_self_extend")
+    if implementation not in (IMPLEMENTATION, REFERENCE_IMPLEMENTATION):
+        raise ValidationError(
+            "implementation",
+            f"must be '{IMPLEMENTATION}' or '{REFERENCE_IMPLEMENTATION}', got {implementation!r}",
+        )
+    group_size, window = validate(group_size, window, trained_window(model.config))
     _check_model(model)
     modules = attention_modules(model)
     if not modules:
-        raise ValueError(f"{type(model).__name__}: no attention modules found")
+        raise ModelError(f"{type(model).__name__}: no attention modules found")
     rotary = find_rotary_embedding(model)
     rotations = RotationTable()  # one table for all layers: a decode step rotates each by the same deltas
     previous = model.config._attn_implementation
@@ -241,6 +259,7 @@ def apply_self_extend(
 
 def remove_self_extend(model: nn.Module) -> nn.Module:
     """Undo ``apply_self_extend``: the previous attention implementation, no leftovers."""
+    _check_module(model, "remove_self_extend")
     modules = [m for m in attention_modules(model) if hasattr(m, "self_extend")]
     if not modules:
         return model
@@ -262,6 +281,14 @@ def self_extend(model: nn.Module, group_size: int, window: int) -> Iterator[nn.M
 
 
 def max_usable_length(model_or_config: Any, group_size: int, window: int) -> int:
-    """Largest length this model reaches with Self-Extend G, W: ``(L - W) * G + W``."""
+    """Largest length this model (or config) reaches with Self-Extend G, W: ``(L - W) * G + W``.
+
+    Refuses (:class:`~selfextend.validate.ValidationError`) a window not smaller than the trained one.
+    """
     config = getattr(model_or_config, "config", model_or_config)
-    return max_length(trained_window(config), group_size, window)
+    if not hasattr(config, "max_position_embeddings"):
+        got = type(model_or_config).__name__
+        raise ModelError(f"max_usable_length needs a model or its config, got {got}")
+    trained = trained_window(config)
+    group_size, window = validate(group_size, window, trained)
+    return max_length(trained, group_size, window)

@@ -5,6 +5,8 @@ matplotlib is imported inside the functions (Agg backend), never when the librar
 
 from __future__ import annotations
 
+import math
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -20,18 +22,79 @@ def _pyplot():
     return plt
 
 
-def record_kind(records: list[dict[str, Any]]) -> str:
-    """``ppl``, ``passkey`` or ``bench``, from the fields of the records."""
+_NEEDS = {
+    "ppl": {"doc": str, "method": str, "length": int},
+    "passkey": {"method": str, "length": int, "depth": float, "correct": bool},
+    "bench": {"case": str, "variant": str},
+}
+
+
+def _fits(record: dict[str, Any], kind: str, field: str) -> bool:
+    """Whether ``record`` has every field a ``kind`` plot reads, of the right type."""
+    needs = dict(_NEEDS[kind], **({field: float} if kind == "ppl" else {}))
+    if kind == "bench" and record.get("case") == "prefill" and not record.get("summary"):
+        needs.update(length=int, seconds=float, peak_mib=float)
+    for name, want in needs.items():
+        value = record.get(name)
+        if want is float:
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        elif want is int:
+            ok = isinstance(value, int) and not isinstance(value, bool)
+        else:
+            ok = isinstance(value, want)
+        if not ok:
+            return False
+    return True
+
+
+def records_kind(records: list[dict[str, Any]], source: str = "results") -> str:
+    """``ppl``, ``passkey`` or ``bench``: the most common kind among ``records`` (ValueError if none)."""
     if not records:
-        raise ValueError("no records to plot")
-    keys = set(records[0])
+        raise ValueError(f"{source}: no records to plot")
+    kinds = [k for r in records for k in [_kind_of(r)] if k]
+    if not kinds:
+        raise ValueError(f"{source}: unknown records (fields: {', '.join(sorted(records[0]))})")
+    return max(_NEEDS, key=kinds.count)
+
+
+def usable_records(
+    records: list[dict[str, Any]], field: str = "ppl_last", source: str = "results"
+) -> tuple[str, list[dict[str, Any]]]:
+    """The records' kind (the most common one) and those of them a plot or table can use.
+
+    Records of another kind, or missing a field the plot reads (or holding a non-finite or mistyped
+    value there), are skipped with one :class:`~selfextend.results.ResultsWarning` saying how many;
+    ValueError when none is left.
+    """
+    from selfextend.results import ResultsWarning
+
+    kind = records_kind(records, source)
+    usable = [r for r in records if _kind_of(r) == kind and _fits(r, kind, field)]
+    other = len(records) - sum(k == kind for k in map(_kind_of, records))
+    broken = len(records) - other - len(usable)
+    if other:
+        warnings.warn(f"{source}: {other} record(s) not of kind {kind} skipped", ResultsWarning, stacklevel=2)
+    if broken:
+        what = f"'{field}' or other fields" if kind == "ppl" else "fields"
+        warnings.warn(
+            f"{source}: {broken} {kind} record(s) missing {what} (or not finite numbers) skipped",
+            ResultsWarning,
+            stacklevel=2,
+        )
+    if not usable:
+        raise ValueError(f"{source}: no {kind} record has every field the plot needs")
+    return kind, usable
+
+
+def _kind_of(record: dict[str, Any]) -> str | None:
+    keys = set(record)
     if {"ppl", "length", "method"} <= keys:
         return "ppl"
     if {"correct", "depth", "method"} <= keys:
         return "passkey"
     if {"case", "variant"} <= keys:
         return "bench"
-    raise ValueError(f"unknown records (fields: {', '.join(sorted(keys))})")
+    return None
 
 
 MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")

@@ -11,6 +11,8 @@ from typing import TypeVar
 
 import torch
 
+from selfextend.validate import ValidationError, check_int
+
 Position = TypeVar("Position", int, torch.Tensor)
 
 
@@ -34,13 +36,15 @@ def max_length(trained_window: int, group_size: int, window: int) -> int:
     return (trained_window - window) * group_size + window
 
 
-def validate(group_size: int, window: int, trained_window: int | None = None) -> None:
-    """Refuse parameters that cannot work, with a one-line message."""
-    if not isinstance(group_size, int) or group_size < 1:
-        raise ValueError(f"group size must be an integer >= 1, got {group_size!r}")
-    if not isinstance(window, int) or window < 1:
-        raise ValueError(f"window must be an integer >= 1, got {window!r}")
+def validate(group_size: int, window: int, trained_window: int | None = None) -> tuple[int, int]:
+    """Refuse parameters that cannot work, with a one-line message; returns them as plain ints.
+
+    Raises :class:`~selfextend.validate.ValidationError` (a ``ValueError``).
+    """
+    group_size = check_int(group_size, "group size", 1)
+    window = check_int(window, "window", 1)
     if trained_window is not None and window >= trained_window:
-        raise ValueError(
-            f"window ({window}) must be smaller than the model's trained window ({trained_window})"
+        raise ValidationError(
+            "window", f"({window}) must be smaller than the model's trained window ({trained_window})"
         )
+    return group_size, window

@@ -65,6 +65,38 @@ def save(
     os.replace(tmp, path)
 
 
+def _check_payload(path: str | Path, payload: dict, cache: ContextShiftCache) -> None:
+    """Every field a prompt cache needs, with types and shapes that fit ``cache``; PromptCacheError if not."""
+
+    def bad(what: str) -> PromptCacheError:
+        return PromptCacheError(f"{path} is a damaged prompt cache: {what}")
+
+    missing = [k for k in ("settings", "tokens", "logits", "keys", "values") if k not in payload]
+    if missing:
+        raise bad(f"no {', '.join(missing)}")
+    try:
+        if not isinstance(json.loads(payload["settings"]), dict):
+            raise ValueError
+    except (TypeError, ValueError):
+        raise bad("its settings are not a JSON object") from None
+    tokens, logits = payload["tokens"], payload["logits"]
+    if not isinstance(tokens, torch.Tensor) or tokens.dim() != 1 or tokens.dtype != torch.long:
+        raise bad("its tokens are not a 1-D integer tensor")
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 1 or not logits.is_floating_point():
+        raise bad("its logits are not a 1-D float tensor")
+    n, layers = tokens.shape[0], cache.layers
+    for name in ("keys", "values"):
+        states = payload[name]
+        if not isinstance(states, list) or len(states) != len(layers):
+            count = len(states) if isinstance(states, list) else "?"
+            raise bad(f"{name} for {count} layers, the model has {len(layers)}")
+        for i, (t, layer) in enumerate(zip(states, layers, strict=True)):
+            want = (*layer.keys.shape[:2], n, layer.keys.shape[-1])
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != want:
+                got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise bad(f"layer {i} {name} have shape {got}, expected {want}")
+
+
 def load(
     path: str | Path, model: nn.Module, cache: ContextShiftCache, prompt: list[int]
 ) -> tuple[list[int], torch.Tensor | None]:
@@ -78,6 +110,7 @@ def load(
         raise PromptCacheError(f"{path} is not a selfextend prompt cache ({type(e).__name__})") from None
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise PromptCacheError(f"{path} is not a {FORMAT} file (another version or another program)")
+    _check_payload(path, payload, cache)
     ours, theirs = settings(model), json.loads(payload["settings"])
     if ours != theirs:
         diff = ", ".join(

@@ -1,40 +1,122 @@
-"""JSON Lines results: appended one record at a time and flushed, read back tolerating a cut-off tail."""
+"""JSON Lines results: appended one record at a time and flushed, read back keeping every complete record.
+
+A record is a line holding one JSON object. Reading never fails on a bad line: a line that is not a
+record (cut off by a kill, not JSON, JSON but not an object, not UTF-8) is reported with its line
+number (a :class:`ResultsWarning`) and skipped. Before a run appends to a file, :func:`repair_tail`
+keeps every record, including a last one that lacks its newline, and moves the lines that are not
+records into a side file ``<name>.rejected``, so nothing is ever deleted.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import warnings
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 
-def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    """Records of a JSONL file (none if it does not exist). A last line cut off by a kill is ignored."""
+class ResultsWarning(UserWarning):
+    """A line of a results file that is not a record and was skipped (or set aside)."""
+
+
+def _parse(line: bytes) -> dict[str, Any] | str:
+    """The record on ``line``, or why it is not one."""
+    try:
+        value = json.loads(line.decode("utf-8"))
+    except UnicodeDecodeError:
+        return "not UTF-8"
+    except json.JSONDecodeError:
+        return "not JSON (cut off?)"
+    if not isinstance(value, dict):
+        return f"JSON but not an object ({type(value).__name__})"
+    return value
+
+
+def _lines(p: Path) -> list[bytes]:
+    try:
+        data = p.read_bytes()
+    except IsADirectoryError:
+        raise ValueError(f"{p} is a directory, not a results file") from None
+    except OSError as e:
+        raise ValueError(f"cannot read {p}: {e.strerror or e}") from None
+    return data.split(b"\n")
+
+
+def read_jsonl(path: str | Path, warn: bool = True) -> list[dict[str, Any]]:
+    """The records of a JSONL file (none if it does not exist); other lines are skipped with a warning."""
     p = Path(path)
     if not p.exists():
         return []
     records = []
-    lines = p.read_text(encoding="utf-8").splitlines()
-    for i, line in enumerate(lines):
+    for i, line in enumerate(_lines(p), 1):
         if not line.strip():
             continue
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            if i == len(lines) - 1:
-                break
-            raise ValueError(f"{p}:{i + 1} is not valid JSON") from None
+        parsed = _parse(line)
+        if isinstance(parsed, dict):
+            records.append(parsed)
+        elif warn:
+            warnings.warn(f"{p}:{i}: {parsed}, skipped", ResultsWarning, stacklevel=2)
     return records
 
 
+def rejected_path(path: str | Path) -> Path:
+    """Where :func:`repair_tail` keeps the lines of ``path`` that are not records."""
+    p = Path(path)
+    return p.with_name(p.name + ".rejected")
+
+
 def repair_tail(path: str | Path) -> None:
-    """Cut an unterminated last line (left by a killed writer) so appends start on a fresh line."""
+    """Make ``path`` ready for appending without losing anything.
+
+    Every record stays, a last one without its newline gets one. Lines that are not records are moved,
+    with their line numbers, to :func:`rejected_path` (appended), and the file is rewritten atomically
+    without them. A file that is all records is left byte for byte as it was (apart from that newline).
+    """
     p = Path(path)
     if not p.exists() or p.stat().st_size == 0:
         return
-    data = p.read_bytes()
-    if not data.endswith(b"\n"):
-        p.write_bytes(data[: data.rfind(b"\n") + 1])
+    lines = _lines(p)
+    if lines and lines[-1] == b"":
+        lines.pop()  # the empty piece after the final newline
+    bad = [(i, x) for i, x in enumerate(lines, 1) if x.strip() and not isinstance(_parse(x), dict)]
+    if not bad:
+        if not p.read_bytes().endswith(b"\n"):
+            with p.open("ab") as f:
+                f.write(b"\n")
+        return
+    with rejected_path(p).open("ab") as f:
+        for i, line in bad:
+            f.write(f"{p.name}:{i}: ".encode() + line + b"\n")
+    bad_numbers = {i for i, _ in bad}
+    kept = [line for i, line in enumerate(lines, 1) if i not in bad_numbers]
+    tmp = p.with_name(p.name + ".tmp")
+    tmp.write_bytes(b"".join(line + b"\n" for line in kept))
+    os.replace(tmp, p)
+    warnings.warn(
+        f"{p}: {len(bad)} line(s) that are not records moved to {rejected_path(p)}",
+        ResultsWarning,
+        stacklevel=2,
+    )
+
+
+def done_keys(
+    records: Iterable[dict[str, Any]], fields: tuple[str, ...], defaults: dict[str, Any] | None = None
+) -> set[tuple]:
+    """The resume keys of ``records``: their values of ``fields``. A field missing from a record takes
+    ``defaults[field]`` (what files written before that field existed used), else the record is skipped:
+    a record that does not say how it was made never stands in for a new one."""
+    defaults = defaults or {}
+    keys = set()
+    for r in records:
+        if all(f in r or f in defaults for f in fields):
+            keys.add(tuple(_hashable(r.get(f, defaults.get(f))) for f in fields))
+    return keys
+
+
+def _hashable(value: Any) -> Any:
+    return json.dumps(value, sort_keys=True) if isinstance(value, (dict, list)) else value
 
 
 def append_jsonl(path: str | Path, record: dict[str, Any]) -> None:

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from selfextend.validate import check_float, check_int
+
 
 @dataclass
 class SamplingParams:
@@ -16,19 +18,24 @@ class SamplingParams:
     top_p: float = 1.0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
-    repeat_last_n: int = 64
+    repeat_last_n: int = 64  # tokens the repeat penalty looks back over; 0 = none, -1 = the whole context
 
     def validate(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top-k must be >= 0 (0 = off), got {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top-p must be in (0, 1], got {self.top_p}")
-        if not 0 <= self.min_p < 1:
-            raise ValueError(f"min-p must be in [0, 1), got {self.min_p}")
-        if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition penalty must be > 0, got {self.repetition_penalty}")
+        """Refuse settings that cannot work (:class:`~selfextend.validate.ValidationError`), and store them
+        as plain Python numbers (NumPy scalars become ``int``/``float``)."""
+        self.temperature = check_float(self.temperature, "temperature", 0.0)
+        self.top_k = check_int(self.top_k, "top-k", 0)
+        self.top_p = check_float(self.top_p, "top-p", 0.0, 1.0, lo_open=True)
+        self.min_p = check_float(self.min_p, "min-p", 0.0, 1.0, hi_open=True)
+        self.repetition_penalty = check_float(self.repetition_penalty, "repeat penalty", 0.0, lo_open=True)
+        self.repeat_last_n = check_int(self.repeat_last_n, "repeat-last-n", -1)
+
+    def recent(self, tokens: list[int]) -> list[int]:
+        """The tokens the repeat penalty looks at: the last ``repeat_last_n`` (llama.cpp: 0 = none,
+        -1 = every token in the context)."""
+        if self.repeat_last_n == 0:
+            return []
+        return tokens if self.repeat_last_n < 0 else tokens[-self.repeat_last_n :]
 
 
 def apply_repetition_penalty(logits: torch.Tensor, recent: torch.Tensor, penalty: float) -> torch.Tensor:

@@ -19,24 +19,51 @@ from torch import nn
 from selfextend.corpus import CorpusError
 from selfextend.distributed import forward_cost
 from selfextend.eval import segment_ppl, shift_nll, token_nll
-from selfextend.methods import Method, applied
+from selfextend.methods import Method, applied, unique_methods
 from selfextend.results import append_jsonl, read_jsonl, repair_tail
+from selfextend.validate import ValidationError, check_int, parse_float, parse_int
+
+MAX_LENGTH = 2**24
+"""Longest context a sweep accepts (16M tokens): far beyond any model, short of absurd allocations."""
 
 
-def parse_lengths(spec: str) -> list[int]:
-    """``"1k,2k,4096"`` -> [1024, 2048, 4096] (k = 1024 tokens)."""
+def parse_lengths(spec: str, name: str = "lengths") -> list[int]:
+    """``"1k,2k,4096"`` -> [1024, 2048, 4096] (k = 1024 tokens), each in [2, MAX_LENGTH]; sorted, unique."""
     lengths = []
-    for part in filter(None, (p.strip().lower() for p in spec.split(","))):
-        try:
-            n = int(float(part[:-1]) * 1024) if part.endswith("k") else int(part)
-        except ValueError:
-            raise ValueError(f"bad length '{part}': use token counts such as 2048 or 2k") from None
-        if n < 2:
-            raise ValueError(f"length {part} is too short: at least 2 tokens")
-        lengths.append(n)
+    for part in filter(None, (p.strip().lower() for p in str(spec).split(","))):
+        if part.endswith("k"):
+            n = parse_float(part[:-1], f"{name} ({part})", lo=0.0) * 1024
+            if n != int(n):
+                raise ValidationError(f"{name} ({part})", "must be a whole number of tokens")
+            n = int(n)
+        else:
+            n = parse_int(part, f"{name} ({part})")
+        lengths.append(check_int(n, f"{name} ({part})", 2, MAX_LENGTH))
     if not lengths:
-        raise ValueError("no lengths given")
+        raise ValidationError(name, "needs at least one length, such as 2048 or 2k")
     return sorted(set(lengths))
+
+
+def check_lengths(lengths: list[int], name: str = "lengths") -> list[int]:
+    """Lengths given as numbers through the API: each an integer in [2, MAX_LENGTH]; sorted, unique."""
+    if isinstance(lengths, (str, bytes)) or not hasattr(lengths, "__iter__"):
+        raise ValidationError(name, f"must be a list of token counts, got {type(lengths).__name__}")
+    checked = [check_int(n, name, 2, MAX_LENGTH) for n in lengths]
+    if not checked:
+        raise ValidationError(name, "needs at least one length")
+    return sorted(set(checked))
+
+
+def dtype_name(model_or_dtype: nn.Module | torch.dtype | str) -> str:
+    """A dtype as records spell it (``float32``, ``bfloat16``...): a model's parameter dtype, a torch dtype,
+    or a ``--dtype`` value (aliases such as ``fp32`` normalised; ``auto`` stays ``auto``)."""
+    if isinstance(model_or_dtype, nn.Module):
+        model_or_dtype = next(model_or_dtype.parameters()).dtype
+    if isinstance(model_or_dtype, str):
+        from selfextend.models import parse_dtype
+
+        model_or_dtype = parse_dtype(model_or_dtype)
+    return str(model_or_dtype).removeprefix("torch.")
 
 
 def tokenize_prefix(tokenizer, text: str, n_tokens: int) -> torch.Tensor:
@@ -68,9 +95,17 @@ class Run:
     covers: list[int]
 
 
+LEGACY = {"dtype": "float32"}
+"""Records written before ``dtype`` was recorded were all float32 (the only dtype the scripts used)."""
+
+
 def point_key(record: dict) -> tuple:
-    """What identifies a perplexity point: a resumed or merged sweep holds each key once."""
-    return (record["model"], record["doc"], record["method"], record["length"])
+    """What identifies a perplexity point: a resumed or merged sweep holds each key once.
+
+    Everything that changes the numbers: model (with its weight format), dtype, text, method, length.
+    A record missing a field gets None there, so it never stands in for a real point.
+    """
+    return tuple(record.get(f, LEGACY.get(f)) for f in ("model", "dtype", "doc", "method", "length"))
 
 
 def run_cost(run: Run, hidden_size: int) -> float:
@@ -80,14 +115,23 @@ def run_cost(run: Run, hidden_size: int) -> float:
 
 
 def plan(
-    model_name: str, docs: list[str], methods: list[Method], lengths: list[int], out: str | Path
+    model_name: str,
+    docs: list[str],
+    methods: list[Method],
+    lengths: list[int],
+    out: str | Path,
+    dtype: str = "float32",
 ) -> list[Run]:
-    """The runs still needed: points already in ``out`` are skipped."""
+    """The runs still needed: points already in ``out`` (same model, ``dtype``...) are skipped.
+
+    A method given twice is refused (:class:`~selfextend.methods.MethodError`).
+    """
+    methods, lengths = unique_methods(list(methods)), check_lengths(lengths)
     done = {point_key(r) for r in read_jsonl(out)}
     runs = []
     for doc in docs:
         for method in methods:
-            missing = [n for n in lengths if (model_name, doc, method.name, n) not in done]
+            missing = [n for n in lengths if (model_name, dtype, doc, method.name, n) not in done]
             if not missing:
                 continue
             if method.length_independent:
@@ -131,6 +175,7 @@ def ppl_sweep(
             last_from = n - n // 4
             record = {
                 "model": model_name,
+                "dtype": dtype_name(model),
                 "doc": run.doc,
                 "method": run.method.name,
                 "length": n,

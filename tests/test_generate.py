@@ -87,7 +87,7 @@ def invoke(*args: str):
         (["--ctx", "-5"], "--ctx"),
         (["--ctx", "0"], "--ctx"),
         (["-g", "4"], "--window"),
-        (["-g", "0", "-w", "16"], "group size"),
+        (["-g", "0", "-w", "16"], "--group-size"),
         (["-g", "2", "-w", "9000"], "trained window"),
     ],
 )

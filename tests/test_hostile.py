@@ -1,0 +1,611 @@
+"""Hostile inputs: every entry point refuses what it cannot use with one clear line, and loses nothing.
+
+Command-line cases assert exit status 2, exactly one ``error:`` line on stderr, no traceback, and every
+file that existed before the command byte for byte unchanged. Options refused while the command line is
+parsed run as real subprocesses (they never load torch, so each costs a fraction of a second); cases that
+get as far as files and models run in-process through click's runner on the tiny model directory (the same
+code path, without paying a torch import per case). API cases assert the documented exception type.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+from cli.main import main
+from selfextend import apply_self_extend, max_usable_length, remove_self_extend
+from selfextend.bench import BenchConfig
+from selfextend.cache import ContextShiftCache
+from selfextend.generate import Generator, run
+from selfextend.methods import Method, MethodError, parse_method, parse_methods
+from selfextend.models import ModelError, check_gguf, load_config, load_model, resolve_model
+from selfextend.passkey import passkey_plan
+from selfextend.promptcache import PromptCacheError
+from selfextend.promptcache import load as load_prompt_cache
+from selfextend.results import ResultsWarning, read_jsonl, rejected_path, repair_tail
+from selfextend.sampling import SamplingParams
+from selfextend.sweep import check_lengths, plan
+from selfextend.validate import ValidationError
+from tests.conftest import make_model
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def snapshot(*roots: Path) -> dict[Path, str]:
+    """sha256 of every file under ``roots``."""
+    out = {}
+    for root in roots:
+        for p in [root] if root.is_file() else root.rglob("*"):
+            if p.is_file():
+                out[p] = hashlib.sha256(p.read_bytes()).hexdigest()
+    return out
+
+
+def assert_one_line_error(code: int, stderr: str, before: dict[Path, str], message: str = "") -> None:
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert code == 2, stderr
+    assert "Traceback" not in stderr, stderr
+    errors = [line for line in lines if line.startswith("error:")]
+    assert len(errors) == 1 and lines[-1] == errors[0], stderr
+    assert message.lower() in errors[0].lower(), (message, stderr)
+    after = {p: h for p, h in snapshot(*{p.parent for p in before}).items() if p in before}
+    assert after == before, "a file that existed before was changed or removed"
+
+
+# --------------------------------------------------------------------------------------------------
+# Options refused at parse time, through a real subprocess (no torch import, ~0.3 s each)
+# --------------------------------------------------------------------------------------------------
+
+BIG = "99999999999999999999999"
+PARSE_CASES = [
+    (["info", "-g", "0"], "--group-size"),
+    (["info", "-g", "true"], "integer"),
+    (["info", "-g", "4.0"], "integer"),
+    (["info", "-w", BIG], "at most"),
+    (["info", "-w", "-5"], "--window"),
+    (["generate", "-p", "x", "-n", "-2"], "--max-new-tokens"),
+    (["generate", "-p", "x", "-n", BIG], "at most"),
+    (["generate", "-p", "x", "--ctx", "1"], "--ctx"),
+    (["generate", "-p", "x", "--ctx", "abc"], "--ctx"),
+    (["generate", "-p", "x", "--keep", "-3"], "--keep"),
+    (["generate", "-p", "x", "--temperature", "nan"], "finite"),
+    (["generate", "-p", "x", "--temperature", "-1"], "--temperature"),
+    (["generate", "-p", "x", "--top-p", "0"], "--top-p"),
+    (["generate", "-p", "x", "--top-p", "1.5"], "--top-p"),
+    (["generate", "-p", "x", "--top-p", "inf"], "finite"),
+    (["generate", "-p", "x", "--min-p", "1"], "--min-p"),
+    (["generate", "-p", "x", "--min-p", "nan"], "finite"),
+    (["generate", "-p", "x", "--repeat-penalty", "0"], "--repeat-penalty"),
+    (["generate", "-p", "x", "--repeat-penalty", "nan"], "finite"),
+    (["generate", "-p", "x", "--repeat-last-n", "-2"], "--repeat-last-n"),
+    (["generate", "-p", "x", "--top-k", "-1"], "--top-k"),
+    (["generate", "-p", "x", "--seed", "-1"], "--seed"),
+    (["generate", "-p", "x", "--seed", str(2**64)], "--seed"),
+    (["generate", "-p", "x", "--stats-every", "-1"], "--stats-every"),
+    (["generate", "-p", "x", "--threads", "0"], "--threads"),
+    (["generate", "-p", "x", "-g", "true", "-w", "16"], "--group-size"),
+    (["bench", "--repeats", "0"], "--repeats"),
+    (["bench", "--ctx", "1"], "--ctx"),
+    (["bench", "--endless-tokens", "-5"], "--endless-tokens"),
+    (["bench", "--reference-max", "-1"], "--reference-max"),
+    (["bench", "-g", "0"], "--group-size"),
+    (["ppl", "--max-docs", "-1", "-o", "out.jsonl"], "--max-docs"),
+    (["ppl", "--max-docs", "0", "-o", "out.jsonl"], "--max-docs"),
+    (["passkey", "--trials", "0", "-o", "out.jsonl"], "--trials"),
+    (["passkey", "--seed", "-5", "-o", "out.jsonl"], "--seed"),
+    (["plot", "results.jsonl", "--trained-window", "0"], "--trained-window"),
+    (["table", "results.jsonl", "--reference", "-4"], "--reference"),
+]
+
+
+@pytest.mark.parametrize("args,message", PARSE_CASES, ids=[" ".join(a) for a, _ in PARSE_CASES])
+def test_parse_time_refusals_subprocess(args, message, tmp_path):
+    (tmp_path / "results.jsonl").write_text('{"model": "m", "doc": "d", "method": "plain", "length": 2}\n')
+    (tmp_path / "out.jsonl").write_text('{"kept": true}\n')
+    before = snapshot(tmp_path)
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    r = subprocess.run(
+        [sys.executable, "-m", "cli", *args],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=120,
+    )
+    assert_one_line_error(r.returncode, r.stderr, before, message)
+
+
+# --------------------------------------------------------------------------------------------------
+# Values refused before any model loads (lengths, methods, depths), in-process
+# --------------------------------------------------------------------------------------------------
+
+METHOD_CASES = [
+    (["ppl", "--lengths", "infk"], "finite"),
+    (["ppl", "--lengths", "nank"], "finite"),
+    (["ppl", "--lengths", "1"], "--lengths"),
+    (["ppl", "--lengths", "0.001k"], "whole number"),
+    (["ppl", "--lengths", "1e30"], "integer"),
+    (["ppl", "--lengths", ","], "at least one"),
+    (["ppl", "--method", "ntk:factor=nan"], "finite"),
+    (["ppl", "--method", "yarn:factor=inf"], "finite"),
+    (["ppl", "--method", "ntk:factor=1"], "> 1"),
+    (["ppl", "--method", "selfextend:G=true,W=8"], "integer"),
+    (["ppl", "--method", "selfextend:G=4.5,W=8"], "integer"),
+    (["ppl", "--method", "selfextend:G=4,G=8,W=8"], "twice"),
+    (["ppl", "--method", "selfextend:G=4,W=8", "--method", "selfextend:W=8,G=4"], "twice"),
+    (["ppl", "--method", "plain", "--method", "PLAIN"], "twice"),
+    (["ppl", "--method", "shift:ctx=1"], "ctx"),
+    (["ppl", "--method", "shift:ctx=10,keep=9"], "keep"),
+    (["ppl", "--method", "shift:ctx=10,keep=-1"], "keep"),
+    (["ppl", "--method", "shift:ctx=2048,G=4"], "both G and W"),
+    (["ppl", "--method", "magic"], "unknown method"),
+    (["passkey", "--depths", "nan"], "--depths"),
+    (["passkey", "--depths", "1.5"], "--depths"),
+    (["passkey", "--depths", "a,b"], "--depths"),
+    (["passkey", "--lengths", "-2k"], "--lengths"),
+    (["bench", "--lengths", "infk"], "--lengths"),
+    (["bench", "--cases", "nope"], "--cases"),
+]
+
+
+def invoke(args: list, cwd: Path) -> tuple[int, str]:
+    old = Path.cwd()
+    os.chdir(cwd)
+    try:
+        r = CliRunner().invoke(main, [str(a) for a in args])
+    finally:
+        os.chdir(old)
+    assert isinstance(r.exception, SystemExit), r.exception  # no exception escaped the command
+    return r.exit_code, r.stderr
+
+
+@pytest.mark.parametrize("args,message", METHOD_CASES, ids=[" ".join(a) for a, _ in METHOD_CASES])
+def test_values_refused_before_loading(args, message, tmp_path):
+    (tmp_path / "out.jsonl").write_text('{"kept": true}\n')
+    before = snapshot(tmp_path)
+    if args[0] in ("ppl", "passkey"):
+        args = [*args, "-o", "out.jsonl"]
+    code, stderr = invoke(args, tmp_path)
+    assert_one_line_error(code, stderr, before, message)
+
+
+# --------------------------------------------------------------------------------------------------
+# Files: models, texts, prompt caches, results
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def real_gguf() -> Path:
+    return resolve_model("smollm2-135m").gguf_path
+
+
+@pytest.fixture()
+def files(tmp_path, tiny_dir, real_gguf, monkeypatch) -> Path:
+    """A folder of bad files, and a private converted-model cache (nothing may be written to the user's)."""
+    monkeypatch.setenv("SELFEXTEND_CACHE", str(tmp_path / "cache"))
+    d = tmp_path / "in"
+    d.mkdir()
+    data = real_gguf.read_bytes()
+    (d / "header.gguf").write_bytes(data[:100])
+    (d / "tensor_table.gguf").write_bytes(data[:50_000])
+    (d / "empty.gguf").write_bytes(b"")
+    (d / "text.gguf").write_text("not a model\n")
+    for name, config in {
+        "badjson": "{not json",
+        "list": "[1, 2]",
+        "notype": '{"hidden_size": 8}',
+        "latin1": '{"model_type": "llama", "x": "\xe9"}',
+    }.items():
+        (d / name).mkdir()
+        (d / name / "config.json").write_bytes(
+            config.encode("latin-1") if name == "latin1" else config.encode()
+        )
+    (d / "noconfig").mkdir()
+    noweights = d / "noweights"
+    noweights.mkdir()
+    for f in tiny_dir.iterdir():
+        if not f.name.endswith(".safetensors"):
+            (noweights / f.name).write_bytes(f.read_bytes())
+    cut = d / "cutweights"
+    cut.mkdir()
+    for f in tiny_dir.iterdir():
+        raw = f.read_bytes()
+        (cut / f.name).write_bytes(raw[: len(raw) // 2] if f.name.endswith(".safetensors") else raw)
+    (d / "latin1.txt").write_bytes("caf\xe9 cr\xe8me\n".encode("latin-1"))
+    (d / "empty.txt").write_text("  \n")
+    (d / "emptydir").mkdir()
+    (d / "out.jsonl").write_text('{"kept": true}\n')
+    return d
+
+
+FILE_CASES = [
+    (["info", "{in}/header.gguf"], "truncated or corrupted"),
+    (["info", "{in}/empty.gguf"], "not a GGUF"),
+    (["info", "{in}/text.gguf"], "not a GGUF"),
+    (["generate", "-m", "{in}/tensor_table.gguf", "-p", "x"], "truncated"),
+    (["ppl", "-m", "{in}/header.gguf", "--lengths", "64", "-o", "{in}/out.jsonl"], "truncated"),
+    (["bench", "-m", "{in}/text.gguf", "--lengths", "64"], "not a GGUF"),
+    (["info", "{in}/missing.gguf"], "no such file"),
+    (["info", "{in}/badjson"], "not valid JSON"),
+    (["info", "{in}/list"], "not a JSON object"),
+    (["info", "{in}/notype"], "model_type"),
+    (["info", "{in}/latin1"], "not UTF-8"),
+    (["info", "{in}/noconfig"], "no config.json"),
+    (["generate", "-m", "{in}/noweights", "-p", "x"], "cannot load"),
+    (["generate", "-m", "{in}/cutweights", "-p", "x"], "cannot load"),
+    (["generate", "-m", "{tiny}", "-f", "{in}/latin1.txt"], "not UTF-8"),
+    (["generate", "-m", "{tiny}", "-f", "{in}/empty.txt"], "empty"),
+    (["generate", "-m", "{tiny}", "-f", "{in}/missing.txt"], "cannot read"),
+    (["generate", "-m", "{tiny}", "--system-file", "{in}/latin1.txt", "-p", "x"], "not UTF-8"),
+    (["ppl", "-m", "{tiny}", "--corpus", "{in}/latin1.txt", "-o", "{in}/out.jsonl"], "not UTF-8"),
+    (["ppl", "-m", "{tiny}", "--corpus", "{in}/emptydir", "-o", "{in}/out.jsonl"], "no .txt files"),
+    (["ppl", "-m", "{tiny}", "--docs", "nosuch", "-o", "{in}/out.jsonl"], "no document named"),
+    (["generate", "-m", "{tiny}", "-p", "x", "-g", "2", "-w", "256"], "trained window"),
+    (["generate", "-m", "{tiny}", "-p", "x", "--ctx", "8", "--keep", "8"], "--keep"),
+    (
+        ["generate", "-m", "{tiny}", "-p", "one two three four five six", "--ctx", "4", "--keep", "-1"],
+        "--keep",
+    ),
+]
+
+
+@pytest.mark.parametrize("args,message", FILE_CASES, ids=[" ".join(a) for a, _ in FILE_CASES])
+def test_bad_files_and_models(args, message, files, tiny_dir):
+    before = snapshot(files)
+    args = [a.format(**{"in": files, "tiny": tiny_dir}) for a in args]
+    code, stderr = invoke(args, files)
+    assert_one_line_error(code, stderr, before, message)
+    assert not any((files.parent / "cache").glob("*/model.safetensors")), "a broken model was cached"
+
+
+def test_non_utf8_stdin_subprocess(tiny_dir, tmp_path):
+    before = snapshot(tmp_path)
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    r = subprocess.run(
+        [sys.executable, "-m", "cli", "generate", "-m", str(tiny_dir), "-n", "2"],
+        input=b"caf\xe9\n",
+        capture_output=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=300,
+    )
+    assert_one_line_error(r.returncode, r.stderr.decode(), before, "standard input is not UTF-8")
+
+
+def test_truncated_gguf_subprocess(real_gguf, tmp_path):
+    bad = tmp_path / "half.gguf"
+    bad.write_bytes(real_gguf.read_bytes()[: real_gguf.stat().st_size // 2])
+    before = snapshot(tmp_path)
+    env = dict(os.environ, PYTHONPATH=str(ROOT), SELFEXTEND_CACHE=str(tmp_path / "cache"))
+    r = subprocess.run(
+        [sys.executable, "-m", "cli", "info", str(bad)], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert_one_line_error(r.returncode, r.stderr, before, "truncated")
+    assert not (tmp_path / "cache").exists()
+
+
+# Prompt-cache files: made by a real run on the tiny model, then damaged.
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_dir):
+    return load_model(str(tiny_dir))
+
+
+def _prompt_cache_cases(good: dict) -> dict[str, object]:
+    """Each damaged variant of a good payload, by name (the names of PROMPT_CACHE_CASES)."""
+    return {
+        "garbage": b"\x00\x01 not a torch file",
+        "other-format": {**good, "format": "selfextend-prompt-cache/1"},
+        "no-keys": {k: v for k, v in good.items() if k != "keys"},
+        "no-settings": {k: v for k, v in good.items() if k != "settings"},
+        "bad-settings": {**good, "settings": "{not json"},
+        "float-tokens": {**good, "tokens": good["tokens"].float()},
+        "2d-logits": {**good, "logits": good["logits"][None]},
+        "layers-missing": {**good, "keys": good["keys"][:1]},
+        "bad-shape": {**good, "values": [v[..., :-1] for v in good["values"]]},
+        "other-model": {**good, "settings": good["settings"].replace('"model": "', '"model": "x')},
+        "not-a-dict": [1, 2, 3],
+    }
+
+
+@pytest.fixture(scope="module")
+def prompt_caches(tiny_dir, tmp_path_factory):
+    d = tmp_path_factory.mktemp("pc")
+    good = d / "good.pc"
+    r = CliRunner().invoke(
+        main, ["generate", "-m", str(tiny_dir), "-p", "hello there", "-n", "2", "--prompt-cache", str(good)]
+    )
+    assert r.exit_code == 0 and good.is_file(), r.stderr
+    payload = torch.load(good, weights_only=True)
+    out = {}
+    for name, content in _prompt_cache_cases(payload).items():
+        p = d / f"{name}.pc"
+        if isinstance(content, bytes):
+            p.write_bytes(content)
+        else:
+            torch.save(content, p)
+        out[name] = p
+    return out
+
+
+PROMPT_CACHE_CASES = [
+    "garbage",
+    "other-format",
+    "no-keys",
+    "no-settings",
+    "bad-settings",
+    "float-tokens",
+    "2d-logits",
+    "layers-missing",
+    "bad-shape",
+    "other-model",
+    "not-a-dict",
+]
+
+
+@pytest.mark.parametrize("name", PROMPT_CACHE_CASES)
+def test_bad_prompt_cache_cli(name, prompt_caches, tiny_dir):
+    path = prompt_caches[name]
+    before = snapshot(path)
+    code, stderr = invoke(
+        ["generate", "-m", tiny_dir, "-p", "hello there", "-n", "2", "--prompt-cache", path], path.parent
+    )
+    assert_one_line_error(code, stderr, before, str(path.name))
+
+
+def test_bad_prompt_cache_api(prompt_caches, tiny):
+    model, _ = tiny
+    for name in ("no-keys", "bad-shape", "garbage"):
+        cache = ContextShiftCache(model, 64)
+        with pytest.raises(PromptCacheError, match=name):
+            load_prompt_cache(prompt_caches[name], model, cache, [1, 2, 3])
+
+
+# Results files: plot over bad records.
+
+RESULTS_CASES = {
+    "only-junk": ("not json\n[1, 2]\n", "no records"),
+    "unknown-kind": ('{"a": 1}\n{"b": 2}\n', "unknown records"),
+    "missing-field": (
+        '{"model": "m", "doc": "d", "method": "plain", "length": 2048, "ppl": 3.0}\n',
+        "no ppl record",
+    ),
+    "nan-field": (
+        '{"model": "m", "doc": "d", "method": "plain", "length": 2048, "ppl": NaN, "ppl_last": NaN}\n',
+        "no ppl record",
+    ),
+    "empty": ("", "no records"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(RESULTS_CASES))
+@pytest.mark.parametrize("command", ["plot", "table"])
+def test_unusable_results(name, command, tmp_path):
+    content, message = RESULTS_CASES[name]
+    path = tmp_path / f"{name}.jsonl"
+    path.write_text(content)
+    before = snapshot(tmp_path)
+    code, stderr = invoke([command, path], tmp_path)
+    assert_one_line_error(code, stderr, before, message)
+    assert not list(tmp_path.glob("*.png"))
+
+
+def test_plot_skips_bad_lines_and_other_kinds(tmp_path):
+    """Usable records are plotted; the rest is reported (with line numbers) and skipped, never a crash."""
+    good = [
+        f'{{"model": "m", "doc": "d", "method": "plain", "length": {n}, "ppl": 3.0, "ppl_last": 2.0}}'
+        for n in (1024, 2048)
+    ]
+    path = tmp_path / "mixed.jsonl"
+    path.write_text(
+        "\n".join(
+            [
+                good[0],
+                "[1, 2]",
+                '{"method": "plain", "length": 2048, "depth": 0.5, "correct": true}',
+                "{cut",
+                good[1],
+            ]
+        )
+    )
+    r = CliRunner().invoke(main, ["plot", str(path), "-o", str(tmp_path / "p.png")])
+    assert r.exit_code == 0, r.stderr
+    assert "mixed.jsonl:2: JSON but not an object" in r.stderr and "mixed.jsonl:4: not JSON" in r.stderr
+    assert "1 record(s) not of kind ppl skipped" in r.stderr and "Traceback" not in r.stderr
+    assert (tmp_path / "p.png").stat().st_size > 0
+
+
+# --------------------------------------------------------------------------------------------------
+# API: documented exception types
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_llama():
+    return make_model("llama")
+
+
+API_CASES = {
+    "apply None": (lambda m: apply_self_extend(None, 4, 16), ModelError),
+    "apply Linear": (lambda m: apply_self_extend(torch.nn.Linear(2, 2), 4, 16), ModelError),
+    "remove None": (lambda m: remove_self_extend(None), ModelError),
+    "apply bool G": (lambda m: apply_self_extend(m, True, 16), ValidationError),
+    "apply float G": (lambda m: apply_self_extend(m, 4.0, 16), ValidationError),
+    "apply window = trained": (lambda m: apply_self_extend(m, 4, 64), ValidationError),
+    "apply G 0": (lambda m: apply_self_extend(m, 0, 16), ValidationError),
+    "apply bad implementation": (lambda m: apply_self_extend(m, 4, 16, "eager"), ValidationError),
+    "reach window = trained": (lambda m: max_usable_length(m, 4, 64), ValidationError),
+    "reach window > trained": (lambda m: max_usable_length(m.config, 4, 1000), ValidationError),
+    "reach None": (lambda m: max_usable_length(None, 4, 16), ModelError),
+    "reach nan G": (lambda m: max_usable_length(m, float("nan"), 16), ValidationError),
+    "sampling nan temperature": (
+        lambda m: SamplingParams(temperature=float("nan")).validate(),
+        ValidationError,
+    ),
+    "sampling nan top-p": (lambda m: SamplingParams(top_p=float("nan")).validate(), ValidationError),
+    "sampling bool top-k": (lambda m: SamplingParams(top_k=True).validate(), ValidationError),
+    "sampling repeat-last-n -2": (lambda m: SamplingParams(repeat_last_n=-2).validate(), ValidationError),
+    "sampling inf penalty": (
+        lambda m: SamplingParams(repetition_penalty=float("inf")).validate(),
+        ValidationError,
+    ),
+    "generator seed -1": (lambda m: Generator(m, ContextShiftCache(m, 16), seed=-1), ValidationError),
+    "generator seed float": (lambda m: Generator(m, ContextShiftCache(m, 16), seed=1.5), ValidationError),
+    "generator no cache": (lambda m: Generator(m, None), ValidationError),
+    "run -5 tokens": (
+        lambda m: next(run(Generator(m, ContextShiftCache(m, 16)), [1, 2], -5)),
+        ValidationError,
+    ),
+    "cache ctx 1": (lambda m: ContextShiftCache(m, 1), ValidationError),
+    "cache keep = ctx - 1": (lambda m: ContextShiftCache(m, 10, 9), ValidationError),
+    "cache float ctx": (lambda m: ContextShiftCache(m, 10.0), ValidationError),
+    "method missing W": (lambda m: Method("selfextend", {"G": 4}), MethodError),
+    "method nan factor": (lambda m: Method("ntk", {"factor": float("nan")}), MethodError),
+    "method bool G": (lambda m: Method("selfextend", {"G": True, "W": 8}), MethodError),
+    "parse None": (lambda m: parse_method(None), MethodError),
+    "methods twice": (lambda m: parse_methods(["ntk:factor=2", "ntk:factor=2.0"]), MethodError),
+    "plan twice": (
+        lambda m: plan("m", ["d"], [Method("plain"), Method("plain")], [64], "/nonexistent/x.jsonl"),
+        MethodError,
+    ),
+    "lengths bool": (lambda m: check_lengths([True]), ValidationError),
+    "lengths string": (lambda m: check_lengths("2k"), ValidationError),
+    "passkey nan depth": (
+        lambda m: passkey_plan("m", [Method("plain")], [64], [float("nan")], 1, "/nonexistent/x.jsonl"),
+        ValidationError,
+    ),
+    "passkey 0 trials": (
+        lambda m: passkey_plan("m", [Method("plain")], [64], [0.5], 0, "/nonexistent/x.jsonl"),
+        ValidationError,
+    ),
+    "bench 0 repeats": (lambda m: BenchConfig([64], [64], repeats=0), ValidationError),
+    "bench keep >= ctx": (lambda m: BenchConfig([64], [64], endless_ctx=8, endless_keep=8), ValidationError),
+    "read_jsonl directory": (lambda m: read_jsonl(ROOT), ValueError),
+}
+
+
+@pytest.mark.parametrize("name", sorted(API_CASES))
+def test_api_refusals(name, tiny_llama):
+    call, error = API_CASES[name]
+    with pytest.raises(error) as info:
+        call(tiny_llama)
+    assert isinstance(info.value, ValueError)  # every documented type is a ValueError
+    assert "\n" not in str(info.value) and str(info.value)
+
+
+def test_api_files(files, real_gguf):
+    with pytest.raises(ModelError, match="truncated or corrupted"):
+        check_gguf(files / "header.gguf")
+    with pytest.raises(ModelError, match="truncated"):
+        load_model(str(files / "tensor_table.gguf"))
+    with pytest.raises(ModelError, match="not valid JSON"):
+        load_config(str(files / "badjson"))
+    check_gguf(real_gguf)  # the real file passes
+
+
+def test_numpy_integers_are_integers(tiny_llama):
+    assert max_usable_length(tiny_llama, np.int64(4), np.int32(16)) == (64 - 16) * 4 + 16
+    apply_self_extend(tiny_llama, np.int64(2), np.int16(8))
+    try:
+        assert type(tiny_llama.model.layers[0].self_attn.self_extend.group_size) is int
+    finally:
+        remove_self_extend(tiny_llama)
+
+
+def test_offline_hub_id_fails_at_once():
+    t0 = time.perf_counter()
+    with pytest.raises(ModelError, match="cannot load 'selfextend-tests/no-such-model'"):
+        load_config("selfextend-tests/no-such-model")
+    assert time.perf_counter() - t0 < 5  # no retries (the hub client alone retries for ~30 s)
+
+
+# --------------------------------------------------------------------------------------------------
+# Behaviour that used to be silently wrong
+# --------------------------------------------------------------------------------------------------
+
+
+def test_repeat_last_n_llama_cpp_semantics():
+    tokens = list(range(10))
+    assert SamplingParams(repeat_last_n=0).recent(tokens) == []
+    assert SamplingParams(repeat_last_n=-1).recent(tokens) == tokens
+    assert SamplingParams(repeat_last_n=3).recent(tokens) == [7, 8, 9]
+
+
+def test_resume_keeps_last_record_without_newline_and_sets_bad_lines_aside(tmp_path):
+    p = tmp_path / "r.jsonl"
+    p.write_text('{"a": 1}\n[1]\n{"a": 2}\n{"cut": \n{"a": 3}')  # last record lacks its newline
+    with pytest.warns(ResultsWarning, match="2 line"):
+        repair_tail(p)
+    assert p.read_text() == '{"a": 1}\n{"a": 2}\n{"a": 3}\n'
+    assert rejected_path(p).read_text() == 'r.jsonl:2: [1]\nr.jsonl:4: {"cut": \n'
+    clean = tmp_path / "clean.jsonl"
+    clean.write_text('{"a": 1}\n{"a": 2}')
+    repair_tail(clean)
+    assert clean.read_text() == '{"a": 1}\n{"a": 2}\n' and not rejected_path(clean).exists()
+
+
+def test_passkey_resume_keys_include_seed_and_dtype(tmp_path):
+    out = tmp_path / "pk.jsonl"
+    out.write_text(
+        '{"model": "m", "dtype": "float32", "seed": 1, "method": "plain", "length": 64, "depth": 0.5, '
+        '"trial": 0, "correct": true}\n'
+        '{"model": "m", "method": "plain", "length": 64, "depth": 0.5, "trial": 1, "correct": true}\n'
+    )
+    args = ("m", [Method("plain")], [64], [0.5], 2, out)
+    assert [p.trial for p in passkey_plan(*args, "float32", 1)] == [1]
+    assert [p.trial for p in passkey_plan(*args, "float32", 0)] == [0]  # the old record: seed 0
+    assert [p.trial for p in passkey_plan(*args, "float32", 2)] == [0, 1]
+    assert [p.trial for p in passkey_plan(*args, "bfloat16", 1)] == [0, 1]
+
+
+def test_max_docs_and_method_spelling(tmp_path):
+    assert parse_method("selfextend:W=1024,G=4").name == "selfextend:G=4,W=1024"
+    assert parse_method("shift:keep=0,ctx=64").name == "shift:ctx=64"
+
+
+def test_sigterm_stops_generate_like_ctrl_c(tiny_dir, tmp_path):
+    out = tmp_path / "gen.txt"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "cli",
+            "generate",
+            "-m",
+            str(tiny_dir),
+            "-p",
+            "hello",
+            "-n",
+            "-1",
+            "--ignore-eos",
+            "--ctx",
+            "32",
+            "-o",
+            str(out),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+    )
+    deadline = time.time() + 240
+    while time.time() < deadline and (not out.exists() or out.stat().st_size < 50):
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 0, stderr
+    assert "Traceback" not in stderr.decode()
+    summary = stderr.decode().strip().splitlines()[-1]
+    assert "stopped: interrupted" in summary and "context shifts" in summary
+    assert out.read_text() and out.read_text() in stdout.decode()  # everything streamed was flushed
