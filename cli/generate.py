@@ -97,8 +97,8 @@ def generate(
     out = Output(output, stats_every)
     stats = None
     try:
-        with prefill_bar(len(ids) - reused) as bar:
-            tokens = run(gen, ids, max_new_tokens, eos, reused, reused_logits, bar.update if bar else None)
+        with prefill_bar(len(ids) - reused) as progress:
+            tokens = run(gen, ids, max_new_tokens, eos, reused, reused_logits, progress)
             first = next(tokens, None)
         out.restart_rate(1 if first else 0)
         for token, stats in itertools.chain([first] if first else [], tokens):

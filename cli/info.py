@@ -30,15 +30,21 @@ def _mib(n: int) -> str:
     help="Self-Extend neighbor window W, in tokens (exact positions inside it).",
 )
 def info(model: str, group_size: int, window: int) -> None:
-    """Print layers, heads, head dim, RoPE, trained window, KV-cache size and the Self-Extend reach.
+    """Print layers, heads, head dim, RoPE, trained window, weights and KV-cache memory, and the
+    Self-Extend reach.
 
-    Reads only the config (no weights). KV bytes are for fp16: 2 (K and V) x 2 bytes x head_dim x
-    kv_heads x layers per token.
+    Reads only the config (no weights). Weights: the bytes of the loaded model in each --weights /
+    --dtype form (int8: 1 byte per linear weight + a bfloat16 scale per row, the rest float32).
+    KV bytes are for fp16: 2 (K and V) x 2 bytes x head_dim x kv_heads x layers per token.
     """
+    import torch
+
     from selfextend.models import load_config, model_facts
     from selfextend.positions import max_length, validate
+    from selfextend.weights import RunForm, form_bytes
 
-    facts = model_facts(load_config(model))
+    config = load_config(model)
+    facts = model_facts(config)
     trained = facts.trained_window
     group_size, window = validate(group_size, window, trained)
     rows = [
@@ -60,7 +66,29 @@ def info(model: str, group_size: int, window: int) -> None:
             f"{facts.kv_bytes_per_token():,} bytes (fp16), {facts.kv_bytes_per_token(4):,} (fp32)",
         ),
         (f"KV cache at {trained} tokens", f"{_mib(facts.kv_bytes(trained))} (fp16)"),
+        (
+            "weights in memory",
+            ", ".join(
+                f"{_mib(form_bytes(config, RunForm(int8, dtype)))} ({label})"
+                for label, int8, dtype in (
+                    ("--weights int8", True, torch.float32),
+                    ("float32", False, torch.float32),
+                    ("bfloat16", False, torch.bfloat16),
+                )
+            ),
+        ),
     ]
+    kinds = list(getattr(config.get_text_config(), "layer_types", None) or [])
+    sliding = kinds.count("sliding_attention")
+    if sliding:
+        window_tokens = config.get_text_config().sliding_window
+        rows.append(
+            (
+                "attention layers",
+                f"{len(kinds) - sliding} full (Self-Extend applies to these), {sliding} sliding over "
+                f"{window_tokens} tokens (keep their own attention)",
+            )
+        )
     if trained:
         reach = max_length(trained, group_size, window)
         rows += [

@@ -14,6 +14,8 @@ import warnings
 import click
 
 from cli.bench import bench
+from cli.cache import cache
+from cli.chat import chat
 from cli.generate import generate
 from cli.info import info
 from cli.measure import passkey, plot, ppl, table
@@ -74,8 +76,10 @@ def main() -> None:
 
 main.add_command(info)
 main.add_command(generate)
+main.add_command(chat)
 main.add_command(ppl)
 main.add_command(passkey)
 main.add_command(plot)
 main.add_command(table)
 main.add_command(bench)
+main.add_command(cache)

@@ -77,7 +77,8 @@ def model_options(f: Callable) -> Callable:
         "--model",
         default="smollm2-135m",
         show_default=True,
-        help="smollm2-135m (embedded), a .gguf file, a model directory or a hub id.",
+        help="smollm2-135m (embedded), gemma3-270m (the gemma extra), a .gguf file, a model directory "
+        "or a hub id.",
     )(f)
     return f
 
@@ -156,7 +157,6 @@ def load_with_self_extend(
 
     from selfextend.models import load_model
     from selfextend.patch import apply_self_extend
-    from selfextend.quantize import apply_weight_format
 
     if (group_size is None) != (window is None):
         raise click.UsageError("Self-Extend needs both --group-size and --window")
@@ -167,8 +167,7 @@ def load_with_self_extend(
             "--device-map needs --weights float (int8 layers are not placed by accelerate)"
         )
     transformers.utils.logging.disable_progress_bar()
-    lm, tokenizer = load_model(model, dtype=dtype, device=device, device_map=device_map)
-    apply_weight_format(lm, weights)
+    lm, tokenizer = load_model(model, dtype=dtype, device=device, weights=weights, device_map=device_map)
     if group_size is not None:
         apply_self_extend(lm, group_size, window)
     return lm, tokenizer

@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 import sys
 import time
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import click
 
@@ -75,13 +76,18 @@ class Output:
             self.file = None
 
 
-def prefill_bar(n_tokens: int, quiet: bool = False):
-    """A tqdm bar (tokens/s, ETA) on stderr for a prompt long enough to make a user wait; else nothing.
+@contextmanager
+def prefill_bar(n_tokens: int, quiet: bool = False) -> Iterator[Callable[[int], object] | None]:
+    """A tqdm bar (tokens/s, ETA) on stderr while a prompt long enough to make a user wait is written.
 
-    Use as a context manager; its ``update`` takes the tokens just written.
+    Yields the bar's ``update`` (call it with the tokens just written), or None for no bar.
     """
     if quiet or n_tokens < PROGRESS_MIN_TOKENS:
-        return nullcontext(None)
+        yield None
+        return
     from tqdm import tqdm
 
-    return tqdm(total=n_tokens, unit="tok", desc="prompt", leave=False, dynamic_ncols=True, file=sys.stderr)
+    with tqdm(
+        total=n_tokens, unit="tok", desc="prompt", leave=False, dynamic_ncols=True, file=sys.stderr
+    ) as bar:
+        yield bar.update

@@ -164,6 +164,20 @@ def _neighbor_pass(
     return out, lse
 
 
+def sliding_window_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, scale: float
+) -> torch.Tensor:
+    """Causal attention over the last ``window`` slots only (``i - j < window``), as the sliding layers of
+    hybrid models attend: q (B, H, Lq, D) at the last Lq slots of k/v (B, Hkv, Lk, D) -> (B, H, Lq, D).
+
+    The neighbor pass, block by block, so neither an (Lq, Lk) mask nor (Lq, Lk) scores exist:
+    transformers' SDPA path builds a dense boolean mask (4 GiB at 64k tokens) and scores every pair.
+    """
+    n_rep = q.shape[1] // k.shape[1]
+    out, _ = _neighbor_pass(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), window, scale)
+    return out
+
+
 def _grouped_pass(
     q_g: torch.Tensor, k_g: torch.Tensor, v: torch.Tensor, window: int, scale: float
 ) -> tuple[int, torch.Tensor, torch.Tensor] | None:

@@ -12,17 +12,25 @@ The storage is allocated once per layer at construction and never reallocated.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from selfextend.rope import find_rotary_embedding, rotate
+from selfextend.rope import layer_frequencies, rotate
 from selfextend.validate import check_int
 
 
 def discard_count(n_past: int, n_keep: int) -> int:
     """Cells one context shift drops: the older half of what is not kept (llama.cpp's rule)."""
     return (n_past - n_keep) // 2
+
+
+DiscardPolicy = Callable[[int, int, int], int]
+"""``(n_past, n_keep, n_need) -> n_discard``: how many cells after the kept ones the next shift drops,
+given that at least ``n_need`` must go for the pending write to fit (fewer means another shift follows).
+The cache shifts by exactly the returned count right after the call."""
 
 
 class ContextShiftLayer(CacheLayerMixin):
@@ -132,10 +140,11 @@ class ContextShiftCache(Cache):
             for _ in range(config.num_hidden_layers)
         ]
         super().__init__(layers=layers)
-        self.rotary = find_rotary_embedding(model)
+        self.frequencies = layer_frequencies(model)  # each layer's own (Gemma 3: local and global bases)
         self.n_ctx, self.n_keep = n_ctx, n_keep
         self.shifts = 0
         self.discarded = 0
+        self.discard_policy: DiscardPolicy | None = None  # None: discard_count (llama.cpp's half)
 
     @property
     def n_past(self) -> int:
@@ -171,13 +180,24 @@ class ContextShiftCache(Cache):
             )
         made = 0
         while self.n_past + n_new > self.n_ctx:
-            n_discard = discard_count(self.n_past, self.n_keep)
-            if n_discard < 1:
-                raise ValueError(f"nothing left to discard: {self.n_past} cached, {self.n_keep} kept")
-            inv_freq = self.rotary.inv_freq
-            for layer in self.layers:
-                layer.shift(self.n_keep, n_discard, inv_freq)
-            self.shifts += 1
-            self.discarded += n_discard
+            if self.discard_policy is None:
+                n_discard = discard_count(self.n_past, self.n_keep)
+            else:
+                n_discard = self.discard_policy(self.n_past, self.n_keep, self.n_past + n_new - self.n_ctx)
+            self.shift(n_discard)
             made += 1
         return made
+
+    def shift(self, n_discard: int) -> None:
+        """One context shift: drop cells ``[n_keep, n_keep + n_discard)``, move the rest down and re-rotate
+        their keys by ``-n_discard``."""
+        if not 1 <= n_discard <= self.n_past - self.n_keep:
+            raise ValueError(
+                f"cannot discard {n_discard} cells: {self.n_past} cached, {self.n_keep} kept"
+                if n_discard
+                else f"nothing left to discard: {self.n_past} cached, {self.n_keep} kept"
+            )
+        for layer, freq in zip(self.layers, self.frequencies, strict=True):
+            layer.shift(self.n_keep, n_discard, freq.inv_freq)
+        self.shifts += 1
+        self.discarded += n_discard

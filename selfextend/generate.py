@@ -111,7 +111,7 @@ class Generator:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     seed: int | None = None
     tokens: list[int] = field(default_factory=list)  # the tokens whose K/V are in the cache, in order
-    last_logits: torch.Tensor | None = None  # the prompt's last-token logits, once prefilled
+    last_logits: torch.Tensor | None = None  # the logits after the last token written to the cache
     direct_decode: bool = True  # single tokens through a DecodeStep where the model allows it
 
     def __post_init__(self) -> None:
@@ -142,6 +142,7 @@ class Generator:
             out = self.model(x, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
             logits = out.logits[0, -1]
         self.tokens.extend(ids)
+        self.last_logits = logits
         return logits
 
     def feed(

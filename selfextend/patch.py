@@ -6,6 +6,12 @@ We register an attention function (``AttentionInterface``) and a matching mask f
 follows transformers releases instead of breaking on them. The Self-Extend parameters live
 on each attention module as ``module.self_extend``; removing the patch deletes them and
 restores the previous attention implementation.
+
+Models whose ``config.layer_types`` mix ``sliding_attention`` and ``full_attention`` (Gemma 3,
+Qwen2 with ``use_sliding_window``): a sliding layer never sees a distance beyond its window, so it
+needs no extension and keeps its own attention: the band ``i - j < sliding_window``, computed
+block by block without the dense mask transformers would build (SDPA with that mask when there is
+padding); only the full-attention layers get Self-Extend, each with its own rotary frequencies.
 """
 
 from __future__ import annotations
@@ -18,12 +24,23 @@ from typing import Any
 import torch
 from torch import nn
 from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, prepare_padding_mask
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import (
+    AttentionMaskInterface,
+    causal_mask_function,
+    prepare_padding_mask,
+    sdpa_mask,
+)
 
-from selfextend.attention import GroupedKeyMemo, self_extend_attention, self_extend_attention_reference
+from selfextend.attention import (
+    GroupedKeyMemo,
+    self_extend_attention,
+    self_extend_attention_reference,
+    sliding_window_attention,
+)
 from selfextend.models import ModelError
 from selfextend.positions import max_length, validate
-from selfextend.rope import RotationTable, find_rotary_embedding, rotate
+from selfextend.rope import Frequencies, RotationTable, layer_frequencies, rotate
 from selfextend.validate import ValidationError
 
 IMPLEMENTATION = "selfextend"
@@ -31,12 +48,19 @@ REFERENCE_IMPLEMENTATION = "selfextend_reference"
 
 
 @dataclass
+class OwnAttention:
+    """Marks a layer that keeps its own attention under the patch (a sliding-window layer)."""
+
+    previous_implementation: str
+
+
+@dataclass
 class SelfExtendParams:
-    """What one attention layer needs: group size, window and the model's rotary embedding."""
+    """What one attention layer needs: group size, window and where its rotary frequencies live."""
 
     group_size: int
     window: int
-    rotary: nn.Module
+    rotary: Frequencies
     previous_implementation: str
     memo: GroupedKeyMemo = field(default_factory=GroupedKeyMemo)  # this layer's grouped keys while decoding
 
@@ -56,11 +80,20 @@ def padding_mask(
     """Mask function for ``selfextend``: only the (B, Lk) key padding, or None when there is none.
 
     Causality and the neighbor/grouped split are computed inside the attention function from
-    slot arithmetic, so no (Lq, Lk) mask is ever built.
+    slot arithmetic, so no (Lq, Lk) mask is ever built. Any other mask (the sliding-window mask of
+    hybrid models' sliding layers, which keep their own attention) is SDPA's usual one.
     """
     if mask_function is not causal_mask_function:
-        raise NotImplementedError(
-            "selfextend supports plain causal attention only (no sliding-window, chunked or packed masks)"
+        plain_sliding = kwargs.get("local_size") is not None and not kwargs.get("use_vmap")
+        if plain_sliding and (attention_mask is None or bool(attention_mask.all())):
+            return None  # the sliding layer's band is cut from slot arithmetic (sliding_window_attention)
+        return sdpa_mask(
+            batch_size=batch_size,
+            kv_length=kv_length,
+            kv_offset=kv_offset,
+            mask_function=mask_function,
+            attention_mask=attention_mask,
+            **kwargs,
         )
     if attention_mask is None:
         return None
@@ -96,7 +129,34 @@ def _check_supported(kwargs: dict[str, Any]) -> None:
     if kwargs.get("softcap") is not None:
         raise NotImplementedError("selfextend does not support attention logit soft-capping")
     if kwargs.get("sliding_window") is not None:
-        raise NotImplementedError("selfextend does not support sliding-window attention layers")
+        raise NotImplementedError("selfextend does not extend sliding-window attention layers")
+
+
+def _own_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None,
+    dropout: float,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None] | None:
+    """A sliding layer's own attention, or None for a layer Self-Extend serves.
+
+    Without padding the mask function returned no mask, and the band ``i - j < sliding_window`` is
+    attended block by block (:func:`sliding_window_attention`); with padding, SDPA with transformers' mask.
+    """
+    if not isinstance(module.self_extend, OwnAttention):
+        return None
+    window = kwargs.get("sliding_window")
+    if attention_mask is None and window is not None:
+        scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+        out = sliding_window_attention(query, key, value, int(window), scale)
+        return out.transpose(1, 2).contiguous(), None
+    return sdpa_attention_forward(
+        module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
+    )
 
 
 def self_extend_attention_forward(
@@ -110,6 +170,9 @@ def self_extend_attention_forward(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """The registered ``selfextend`` attention: query (B, H, Lq, D) -> output (B, Lq, H, D)."""
+    own = _own_attention(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
+    if own is not None:
+        return own
     _check_supported(kwargs)
     params: SelfExtendParams = module.self_extend
     b, _, lq, _ = query.shape
@@ -152,8 +215,12 @@ def reference_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """The registered ``selfextend_reference`` attention: un-rotate q/k, then the full-matrix math.
 
-    Quadratic memory; for tests and for benchmarks against the official approach.
+    Quadratic memory; for tests and for benchmarks against the official approach. Sliding layers keep
+    their own attention, as with ``selfextend``.
     """
+    own = _own_attention(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
+    if own is not None:
+        return own
     _check_supported(kwargs)
     params: SelfExtendParams = module.self_extend
     b, _, lq, _ = query.shape
@@ -210,24 +277,43 @@ def _check_module(model: Any, what: str) -> None:
         )
 
 
-def _check_model(model: nn.Module) -> None:
+def layer_kinds(model: nn.Module) -> list[str]:
+    """Each decoder layer's attention kind: ``full_attention`` unless ``config.layer_types`` says otherwise
+    (a model-wide ``sliding_window`` without layer types makes every layer slide)."""
+    config = model.config.get_text_config()
+    kinds = list(getattr(config, "layer_types", None) or [])
+    if kinds:
+        return kinds
+    kind = "sliding_attention" if getattr(config, "sliding_window", None) else "full_attention"
+    return [kind] * int(config.num_hidden_layers)
+
+
+def _check_model(model: nn.Module) -> list[str]:
+    """The layer kinds, after refusing what Self-Extend cannot serve (one-line ``ValueError``)."""
     config = model.config
-    layer_types = getattr(config, "layer_types", None) or []
-    if getattr(config, "sliding_window", None) or any(t != "full_attention" for t in layer_types):
+    kinds = layer_kinds(model)
+    unknown = sorted(set(kinds) - {"full_attention", "sliding_attention"})
+    if unknown:
         raise ValueError(
-            f"{config.model_type} uses sliding-window attention; Self-Extend needs full attention "
-            "(set config.sliding_window = None if the model allows it)"
+            f"{config.model_type} has {', '.join(unknown)} layers; selfextend does not support them"
+        )
+    if "full_attention" not in kinds:
+        raise ValueError(
+            f"{config.model_type} uses sliding-window attention in every layer, so nothing attends far "
+            "enough to extend (set config.sliding_window = None if the model allows it)"
         )
     if getattr(config, "attn_logit_softcapping", None):
         raise ValueError(
             f"{config.model_type} uses attention logit soft-capping; not supported by selfextend"
         )
+    return kinds
 
 
 def apply_self_extend(
     model: nn.Module, group_size: int, window: int, implementation: str = IMPLEMENTATION
 ) -> nn.Module:
-    """Switch ``model`` to Self-Extend attention in place and return it.
+    """Switch ``model`` to Self-Extend attention in place and return it (its full-attention layers;
+    sliding-window layers of hybrid models keep their own attention).
 
     ``group_size`` G >= 1 and ``window`` W >= 1 with W below the trained window; the model then
     reads up to ``max_length(trained, G, W)`` tokens. ``implementation="selfextend_reference"``
@@ -242,17 +328,21 @@ def apply_self_extend(
             f"must be '{IMPLEMENTATION}' or '{REFERENCE_IMPLEMENTATION}', got {implementation!r}",
         )
     group_size, window = validate(group_size, window, trained_window(model.config))
-    _check_model(model)
+    kinds = _check_model(model)
     modules = attention_modules(model)
     if not modules:
         raise ModelError(f"{type(model).__name__}: no attention modules found")
-    rotary = find_rotary_embedding(model)
+    frequencies = layer_frequencies(model)
     rotations = RotationTable()  # one table for all layers: a decode step rotates each by the same deltas
     previous = model.config._attn_implementation
     if previous in (IMPLEMENTATION, REFERENCE_IMPLEMENTATION):
         previous = modules[0].self_extend.previous_implementation
     for m in modules:
-        m.self_extend = SelfExtendParams(group_size, window, rotary, previous, GroupedKeyMemo(rotations))
+        if kinds[m.layer_idx] == "full_attention":
+            freq = frequencies[m.layer_idx]
+            m.self_extend = SelfExtendParams(group_size, window, freq, previous, GroupedKeyMemo(rotations))
+        else:
+            m.self_extend = OwnAttention(previous)
     model.set_attn_implementation(implementation)
     return model
 

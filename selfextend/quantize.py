@@ -21,11 +21,20 @@ WEIGHT_FORMATS = ("float", "int8")
 FUSED_MAX_ROWS = 16  # up to this many input rows the fused int8 kernel beats dequantise + GEMM
 
 
-def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(N, K) float weight -> (N, K) int8 and (N,) float32 scales, symmetric per row."""
-    w = weight.detach().float()
-    scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127
-    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+def quantize_rows(weight: torch.Tensor, block: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, K) float weight -> (N, K) int8 and (N,) float32 scales, symmetric per row.
+
+    ``block`` rows at a time, so the float32 temporaries stay small next to a large weight (Gemma 3's
+    262k-row output head would otherwise need three float32 copies of 671 MB at once).
+    """
+    w = weight.detach()
+    q = torch.empty(w.shape, dtype=torch.int8, device=w.device)
+    scale = torch.empty(w.shape[0], dtype=torch.float32, device=w.device)
+    for a in range(0, w.shape[0], block):
+        rows = w[a : a + block].float()  # (block, K)
+        s = rows.abs().amax(dim=1).clamp(min=1e-12) / 127
+        q[a : a + block] = torch.round(rows / s[:, None]).clamp(-127, 127)
+        scale[a : a + block] = s
     return q, scale
 
 

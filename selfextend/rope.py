@@ -103,6 +103,36 @@ class RotationTable:
         return torch.matmul(x.float(), self.matrix(delta, inv_freq, x.shape[-1], x.device)).to(x.dtype)
 
 
+class Frequencies:
+    """Where one layer's inverse frequencies live (a rotary module and a buffer name), read at each use
+    so that a rotary embedding that updates them (dynamic RoPE) is followed."""
+
+    def __init__(self, module: nn.Module, attr: str = "inv_freq") -> None:
+        self.module, self.attr = module, attr
+
+    @property
+    def inv_freq(self) -> torch.Tensor:
+        return getattr(self.module, self.attr)
+
+
+def layer_frequencies(model: nn.Module) -> list[Frequencies]:
+    """The inverse frequencies each decoder layer rotates with, read from the model's rotary modules.
+
+    One rotary embedding (``inv_freq``) serves every layer of most models; models with several
+    attention kinds (Gemma 3: ``sliding_attention_inv_freq`` with base 10k, ``full_attention_inv_freq``
+    with base 1M) hold one buffer per kind, and layer ``i`` uses the one of ``config.layer_types[i]``.
+    """
+    config = model.config.get_text_config()
+    layers = int(config.num_hidden_layers)
+    if any(isinstance(getattr(m, "inv_freq", None), torch.Tensor) for m in model.modules()):
+        return [Frequencies(find_rotary_embedding(model))] * layers
+    kinds = list(getattr(config, "layer_types", None) or [])
+    for m in model.modules():
+        if kinds and all(isinstance(getattr(m, f"{k}_inv_freq", None), torch.Tensor) for k in kinds):
+            return [Frequencies(m, f"{k}_inv_freq") for k in kinds[:layers]]
+    raise ValueError(f"{type(model).__name__} has no rotary embedding (no module with inv_freq)")
+
+
 def find_rotary_embedding(model: nn.Module) -> nn.Module:
     """The model's rotary embedding module (the one holding ``inv_freq``)."""
     found = [m for m in model.modules() if isinstance(getattr(m, "inv_freq", None), torch.Tensor)]

@@ -93,16 +93,10 @@ def family(request: pytest.FixtureRequest) -> str:
     return request.param
 
 
-@pytest.fixture(scope="session")
-def tiny_dir(tmp_path_factory) -> Path:
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    from selfextend.models import ensure_converted, resolve_model
-
-    tokenizer = AutoTokenizer.from_pretrained(ensure_converted(resolve_model("smollm2-135m")))
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
+def real_vocab_config(vocab_size: int, **overrides) -> LlamaConfig:
+    """A tiny Llama for the default model's tokenizer (its vocabulary and chat template)."""
+    config = dict(
+        vocab_size=vocab_size,
         hidden_size=32,
         intermediate_size=64,
         num_hidden_layers=2,
@@ -111,7 +105,18 @@ def tiny_dir(tmp_path_factory) -> Path:
         max_position_embeddings=256,
         tie_word_embeddings=True,
     )
+    return LlamaConfig(**{**config, **overrides})
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory) -> Path:
+    from transformers import AutoTokenizer
+
+    from selfextend.models import ensure_converted, resolve_model
+
+    tokenizer = AutoTokenizer.from_pretrained(ensure_converted(resolve_model("smollm2-135m")))
+    torch.manual_seed(0)
     d = tmp_path_factory.mktemp("tiny")
-    LlamaForCausalLM(config).save_pretrained(d)
+    LlamaForCausalLM(real_vocab_config(len(tokenizer))).save_pretrained(d)
     tokenizer.save_pretrained(d)
     return d

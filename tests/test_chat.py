@@ -1,0 +1,279 @@
+"""Chat: turn pieces, turn-aware shifts (tiny model, against fresh forwards), sessions, and
+``selfextend chat`` on the real default model through a pipe and through a pseudo-terminal."""
+
+from __future__ import annotations
+
+import os
+import pty
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import real_vocab_config
+from transformers import AutoTokenizer, LlamaForCausalLM
+
+from selfextend import promptcache
+from selfextend.chat import ChatError, ChatSession, Exchange, TurnLedger
+from selfextend.sampling import SamplingParams
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_dir):
+    """One layer, so that after a shift a fresh forward over the kept tokens must give the same logits
+    (a deeper layer's cells also carry what the dropped tokens said), and the real tokenizer with its
+    chat template."""
+    tok = AutoTokenizer.from_pretrained(tiny_dir)
+    torch.manual_seed(0)
+    config = real_vocab_config(len(tok), num_hidden_layers=1, initializer_range=0.15)
+    return LlamaForCausalLM(config).eval(), tok
+
+
+def fresh_logits(model, tokens: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([tokens])).logits[0, -1]
+
+
+def test_ledger_prefers_whole_exchanges():
+    ex = [Exchange("u", start=s) for s in (10, 30, 50, 70)]
+    ledger = TurnLedger(ex)
+    assert ledger.choose(90, 10, 5) == 40  # the fewest whole exchanges freeing llama.cpp's half (40)
+    assert ledger.choose(90, 10, 45) == 60  # more must go: three exchanges
+    assert ledger.choose(90, 10, 70) == 40  # no boundary frees 70: token-level half, another shift follows
+    reports = []
+    ledger.on_shift = reports.append
+    assert ledger.discard(90, 10, 5) == 40
+    assert [e.start for e in ex] == [None, None, 10, 30]
+    assert reports[0].exchanges == 2 and reports[0].whole and reports[0].n_past == 50
+
+
+def test_shifts_drop_whole_turns_and_match_fresh_forward(tiny):
+    model, tok = tiny
+    reports = []
+    s = ChatSession(
+        model, tok, n_ctx=120, system="Keep me.", max_new_tokens=10, ignore_eos=True, on_shift=reports.append
+    )
+    kept = list(s.gen.tokens)
+    kept_cells = [
+        (layer.keys[..., : s.n_keep, :].clone(), layer.values[..., : s.n_keep, :].clone())
+        for layer in s.cache.layers
+    ]
+    header = s.template.ids("<|im_start|>user\n")
+    assert kept == s.template.ids(s.template.system_text) and len(kept) == s.n_keep
+    for i in range(8):
+        "".join(s.reply(f"turn {i}: tell me something"))
+        assert s.gen.tokens[: s.n_keep] == kept
+        live = [e for e in s.exchanges if e.start is not None]
+        assert live and s.gen.tokens[s.n_keep : s.n_keep + len(header)] == header  # a whole turn follows
+        for e in live:
+            assert s.gen.tokens[e.start : e.start + len(header)] == header
+        torch.testing.assert_close(s.gen.last_logits, fresh_logits(model, s.gen.tokens), atol=1e-4, rtol=0)
+    assert reports and all(r.whole and r.exchanges >= 1 for r in reports)
+    assert s.cache.shifts == len(reports) and s.ledger.dropped_exchanges == sum(r.exchanges for r in reports)
+    for layer, (k, v) in zip(s.cache.layers, kept_cells, strict=True):
+        assert torch.equal(layer.keys[..., : s.n_keep, :], k) and torch.equal(
+            layer.values[..., : s.n_keep, :], v
+        )
+
+
+def test_turn_longer_than_cache_falls_back_to_token_shift(tiny):
+    model, tok = tiny
+    reports = []
+    s = ChatSession(
+        model, tok, n_ctx=100, system="Keep me.", max_new_tokens=6, ignore_eos=True, on_shift=reports.append
+    )
+    "".join(s.reply("hello"))
+    "".join(s.reply(" ".join(f"w{i}" for i in range(150))))
+    assert any(not r.whole for r in reports)
+    assert s.exchanges[-1].start is None  # its start was cut
+    torch.testing.assert_close(s.gen.last_logits, fresh_logits(model, s.gen.tokens), atol=1e-4, rtol=0)
+    "".join(s.reply("and now?"))  # the chat goes on
+    torch.testing.assert_close(s.gen.last_logits, fresh_logits(model, s.gen.tokens), atol=1e-4, rtol=0)
+
+
+def test_undo_retry_and_plain_template(tiny):
+    model, tok = tiny
+    s = ChatSession(model, tok, n_ctx=200, max_new_tokens=5, ignore_eos=True)
+    first = "".join(s.reply("one"))
+    before = list(s.gen.tokens)
+    "".join(s.reply("two"))
+    s.undo()
+    assert s.gen.tokens == before + s.template.ids("<|im_end|>\n") and len(s.exchanges) == 1
+    assert "".join(s.retry()) == first  # greedy: the same reply from the same cells
+    with pytest.raises(ChatError):
+        ChatSession(model, tok, n_ctx=200).undo()
+    tok_plain = AutoTokenizer.from_pretrained(tok.name_or_path)
+    tok_plain.chat_template = None
+    p = ChatSession(model, tok_plain, n_ctx=200, system="Be brief.", max_new_tokens=4, ignore_eos=True)
+    "".join(p.reply("hi"))
+    assert tok_plain.decode(p.gen.tokens).startswith("Be brief.\n\nUser: hi\nAssistant:")
+
+
+def test_session_file_round_trip_and_refusals(tiny, tmp_path):
+    model, tok = tiny
+    sampling = SamplingParams(temperature=0.8, top_k=40)
+    a = ChatSession(
+        model, tok, n_ctx=90, system="S", sampling=sampling, seed=3, max_new_tokens=8, ignore_eos=True
+    )
+    for q in ("a", "b", "c"):
+        "".join(a.reply(q))
+    a.save(tmp_path / "s.pt")
+    b = ChatSession(model, tok, n_ctx=90, sampling=sampling, seed=99, max_new_tokens=8, ignore_eos=True)
+    b.load(tmp_path / "s.pt")
+    assert b.system == "S" and b.gen.tokens == a.gen.tokens and b.cache.shifts == a.cache.shifts
+    assert "".join(a.reply("d")) == "".join(b.reply("d"))  # sampled: the random state travels too
+    torch.testing.assert_close(a.gen.last_logits, b.gen.last_logits, atol=1e-5, rtol=0)
+    with pytest.raises(ChatError, match="--ctx 90"):
+        ChatSession(model, tok, n_ctx=91).load(tmp_path / "s.pt")
+    promptcache.save(tmp_path / "p.pt", model, a.cache, a.gen.tokens, a.gen.last_logits)
+    with pytest.raises(ChatError, match="not a chat session"):
+        b.load(tmp_path / "p.pt")
+    (tmp_path / "junk.pt").write_bytes(b"not a file of ours")
+    with pytest.raises(ChatError, match="not a selfextend"):
+        b.load(tmp_path / "junk.pt")
+    assert b.gen.tokens == a.gen.tokens  # a refused file changes nothing
+
+
+# --- selfextend chat on the real default model --------------------------------------------------
+
+CHAT = [
+    sys.executable,
+    "-m",
+    "cli",
+    "chat",
+    "--temperature",
+    "0",
+    "--system",
+    "You are a pirate named Blackbeard.",
+]
+
+
+def chat_env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200"}
+
+
+def test_chat_through_a_pipe_shifts_saves_and_resumes(tiny, tmp_path):
+    model, tok = tiny
+    foreign = tmp_path / "foreign.pt"
+    ChatSession(model, tok, n_ctx=128, system="x").save(foreign)
+    args = [*CHAT, "--ctx", "128", "-n", "12"]
+    turns = ["Who are you?", "Where is your ship?", "What do you eat?", "Do you like gold?", "Sing a song."]
+    script = [f"/save {tmp_path / 's0.pt'}", *turns[:2], f"/save {tmp_path / 's1.pt'}", *turns[2:]]
+    script += [f"/save {tmp_path / 'a.pt'}", f"/load {foreign}"]
+    a = subprocess.run(
+        args, input="\n".join(script) + "\n", capture_output=True, text=True, env=chat_env(), cwd=tmp_path
+    )
+    assert a.returncode == 0, a.stderr
+    replies = a.stdout.split("\n\n")
+    assert len(replies) >= 6 and replies[-1] == "" and all(r.strip() for r in replies[:5])  # one per turn
+    assert "[context shift: dropped" in a.stderr
+    errors = [line for line in a.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "another model" in errors[0]  # the foreign file, refused in one line
+    s0 = torch.load(tmp_path / "s0.pt", weights_only=True)
+    saved = torch.load(tmp_path / "a.pt", weights_only=True)
+    import json
+
+    state = json.loads(saved["extra"])
+    n_keep = state["n_keep"]
+    assert state["shifts"] >= 1 and state["dropped_exchanges"] >= 1 and len(state["exchanges"]) == 5
+    assert n_keep == len(s0["tokens"]) and saved["tokens"][:n_keep].tolist() == s0["tokens"].tolist()
+    for k0, k in zip(s0["keys"] + s0["values"], saved["keys"] + saved["values"], strict=True):
+        assert torch.equal(k[..., :n_keep, :], k0)  # the system prompt's cells, bit for bit, after the shifts
+
+    # a new process resumes from s1.pt, is stopped by SIGTERM at the prompt, and saves on the way out
+    b = subprocess.Popen(
+        [*args, "--session", str(tmp_path / "s1.pt")],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=chat_env(),
+        cwd=tmp_path,
+    )
+    b.stdin.write("\n".join(turns[2:]) + "\n/stats\n")
+    b.stdin.flush()
+    err = ""
+    deadline = time.time() + 240
+    while "replies," not in err and time.time() < deadline and b.poll() is None:
+        ready, _, _ = select.select([b.stderr], [], [], 1)
+        if ready:
+            err += os.read(b.stderr.fileno(), 65536).decode()
+    b.send_signal(signal.SIGTERM)
+    out, rest = b.communicate(timeout=60)
+    err += rest
+    assert b.returncode == 0, err
+    assert "saved the session" in err and err.strip().splitlines()[-1].count("replies,") == 1
+    assert a.stdout.endswith(out) and out.count("\n\n") >= 3  # the same replies as the uninterrupted run
+    resumed = torch.load(tmp_path / "s1.pt", weights_only=True)
+    assert resumed["tokens"].tolist() == saved["tokens"].tolist()
+    torch.testing.assert_close(resumed["logits"], saved["logits"], atol=1e-5, rtol=0)
+    for x, y in zip(resumed["keys"] + resumed["values"], saved["keys"] + saved["values"], strict=True):
+        torch.testing.assert_close(x, y, atol=1e-5, rtol=0)
+
+
+class Terminal:
+    """A child process on a pseudo-terminal (stdlib pty): what it prints, and keys sent to it."""
+
+    def __init__(self, args: list[str], cwd: Path) -> None:
+        self.pid, self.fd = pty.fork()
+        if self.pid == 0:  # the child: the pty is its controlling terminal, so Ctrl-C is SIGINT
+            os.chdir(cwd)
+            os.execvpe(args[0], args, chat_env())
+        self.text = ""
+
+    def expect(self, what: str, timeout: float = 240, after: int = 0) -> int:
+        deadline = time.time() + timeout
+        while (i := self.text.find(what, after)) < 0:
+            assert time.time() < deadline, f"no {what!r} in:\n{self.text[-2000:]}"
+            ready, _, _ = select.select([self.fd], [], [], 1)
+            if ready:
+                try:
+                    self.text += os.read(self.fd, 65536).decode(errors="replace")
+                except OSError:  # the child has gone
+                    assert what in self.text, f"no {what!r} in:\n{self.text[-2000:]}"
+        return i + len(what)
+
+    def send(self, keys: str) -> None:
+        os.write(self.fd, keys.encode())
+
+    def wait(self) -> int:
+        _, status = os.waitpid(self.pid, 0)
+        return os.waitstatus_to_exitcode(status)
+
+
+def test_chat_on_a_terminal_shifts_and_ctrl_c(tmp_path):
+    term = Terminal([*CHAT, "--ctx", "100", "-n", "24", "--ignore-eos", "--stats-every", "8"], tmp_path)
+    at = term.expect("> ")
+    for turn in ("Who are you?", "Where is your ship?", "What do you eat?"):
+        term.send(turn + "\r")
+        at = term.expect("\n> ", after=at)
+    assert "[context shift: dropped" in term.text
+    term.send("Tell me a long story about the sea.\r")
+    at = term.expect('{"tokens": 8', after=at)  # the reply is streaming
+    term.send("\x03")  # Ctrl-C: stops the reply, back at the prompt
+    at = term.expect("[stopped]", after=at)
+    at = term.expect("\n> ", after=at)
+    term.send("/stats\r")
+    at = term.expect("context shifts", after=at)
+    at = term.expect("\n> ", after=at)
+    term.send("\x04")  # Ctrl-D at an empty prompt ends the session with the summary line
+    term.expect("replies,", after=at)
+    assert term.wait() == 0
+    lines = term.text.replace("\r\n", "\n").split("\n")
+    notes = [line for line in lines if "[context shift" in line or '"tokens_per_s"' in line]
+    assert notes and all(line.startswith(("[", "{")) for line in notes)  # never inside the streamed text
+
+
+def test_session_file_that_cannot_be_written_refused_before_loading(tmp_path):
+    from click.testing import CliRunner
+
+    from cli.main import main
+
+    r = CliRunner().invoke(main, ["chat", "--session", str(tmp_path / "no" / "such" / "s.pt")])
+    assert r.exit_code == 2 and len(r.stderr.strip().splitlines()) == 1 and "--session" in r.stderr
