@@ -81,25 +81,33 @@ class RotationTable:
 
     def __init__(self, max_entries: int = 64) -> None:
         self.max_entries = max_entries
-        self.entries: dict[tuple[int, int], torch.Tensor] = {}
+        self.entries: dict[tuple[int, int, torch.device], torch.Tensor] = {}
         self.inv_freq: torch.Tensor | None = None
         self.version = -1
 
-    def matrix(self, delta: int, inv_freq: torch.Tensor, dim: int) -> torch.Tensor:
-        """(dim, dim) float32 matrix of the rotation by ``delta``: ``rotate(x, delta) == x @ matrix``."""
+    def matrix(
+        self, delta: int, inv_freq: torch.Tensor, dim: int, device: torch.device | None = None
+    ) -> torch.Tensor:
+        """(dim, dim) float32 matrix of the rotation by ``delta``: ``rotate(x, delta) == x @ matrix``.
+
+        Kept per ``device`` (default: ``inv_freq``'s), so layers that a device map placed on other
+        devices each find theirs there.
+        """
+        device = inv_freq.device if device is None else device
         changed = inv_freq is not self.inv_freq or inv_freq._version != self.version
         if changed or len(self.entries) >= self.max_entries:
             self.entries.clear()
             self.inv_freq, self.version = inv_freq, inv_freq._version
-        found = self.entries.get((delta, dim))
+        found = self.entries.get((delta, dim, device))
         if found is None:
-            eye = torch.eye(dim, device=inv_freq.device)[None, None]  # (1, 1, dim, dim)
-            found = self.entries[delta, dim] = Rotation.of(torch.tensor([delta]), inv_freq).apply(eye)[0, 0]
+            eye = torch.eye(dim, device=device)[None, None]  # (1, 1, dim, dim)
+            rotation = Rotation.of(torch.tensor([delta]), inv_freq.to(device))
+            found = self.entries[delta, dim, device] = rotation.apply(eye)[0, 0]
         return found
 
     def rotate(self, x: torch.Tensor, delta: int, inv_freq: torch.Tensor) -> torch.Tensor:
         """``rotate(x, delta, inv_freq)`` for one whole-number delta, in float32, returned in ``x.dtype``."""
-        return torch.matmul(x.float(), self.matrix(delta, inv_freq, x.shape[-1])).to(x.dtype)
+        return torch.matmul(x.float(), self.matrix(delta, inv_freq, x.shape[-1], x.device)).to(x.dtype)
 
 
 class Frequencies:
