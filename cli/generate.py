@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from cli.options import generation_options
+from cli.options import device_map_option, generation_options
 
 if TYPE_CHECKING:
     from selfextend.sampling import SamplingParams
@@ -15,6 +15,7 @@ if TYPE_CHECKING:
 
 @click.command()
 @generation_options("int8")
+@device_map_option
 @click.option("-p", "--prompt", help="Prompt text. Default: --prompt-file, else standard input.")
 @click.option(
     "-f", "--prompt-file", type=click.Path(dir_okay=False), help="Read the prompt from this UTF-8 file."

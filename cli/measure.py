@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from cli.options import POSITIVE, SEED, integer, model_options, run_name, weights_option
+from cli.options import POSITIVE, SEED, device_map_option, integer, model_options, run_name, weights_option
 
 
 def _methods(specs: tuple[str, ...]):
@@ -39,12 +39,14 @@ def _join(out: str, key):
     from selfextend.distributed import merge, processes
 
     procs = processes()
+    ctx = click.get_current_context()
+    if procs.world > 1 and ctx.meta.get("device_map"):
+        raise click.UsageError("--device-map places one model over several devices: run one process")
     if procs.main:
         added = merge(out, key)
         if added:
             click.echo(f"merged {added} records left by an earlier run into {out}", err=True)
     procs.wait()
-    ctx = click.get_current_context()
     asked = (
         None
         if ctx.get_parameter_source("device") == click.core.ParameterSource.DEFAULT
@@ -70,6 +72,7 @@ METHOD_HELP = (
 
 @click.command()
 @model_options
+@device_map_option
 @weights_option("float")
 @click.option(
     "--corpus",
@@ -169,6 +172,7 @@ def ppl(
 
 @click.command()
 @model_options
+@device_map_option
 @weights_option("float")
 @click.option("--lengths", default="2k,4k,8k", show_default=True, help="Prompt lengths in tokens (k = 1024).")
 @click.option(

@@ -119,6 +119,30 @@ def self_extend_options(f: Callable) -> Callable:
     return f
 
 
+DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
+
+
+def device_map_option(f: Callable) -> Callable:
+    """--device-map: accelerate's big-model placement, layers spread over the GPUs (then CPU, then disk).
+
+    The value goes to ``ctx.meta["device_map"]``, where :func:`load_with_self_extend` finds it, so the
+    commands' signatures stay as they are.
+    """
+
+    def remember(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
+        ctx.meta["device_map"] = value
+
+    return click.option(
+        "--device-map",
+        type=click.Choice(DEVICE_MAPS),
+        default=None,
+        expose_value=False,
+        callback=remember,
+        help="Place the layers of a model too big for one device over several (accelerate's device_map; "
+        "auto: GPUs first, then CPU memory, then disk). Replaces --device. Multi-GPU placement is untested.",
+    )(f)
+
+
 def load_with_self_extend(
     model: str,
     dtype: str,
@@ -136,8 +160,14 @@ def load_with_self_extend(
 
     if (group_size is None) != (window is None):
         raise click.UsageError("Self-Extend needs both --group-size and --window")
+    ctx = click.get_current_context(silent=True)
+    device_map = ctx.meta.get("device_map") if ctx else None
+    if device_map and weights != "float":
+        raise click.UsageError(
+            "--device-map needs --weights float (int8 layers are not placed by accelerate)"
+        )
     transformers.utils.logging.disable_progress_bar()
-    lm, tokenizer = load_model(model, dtype=dtype, device=device, weights=weights)
+    lm, tokenizer = load_model(model, dtype=dtype, device=device, weights=weights, device_map=device_map)
     if group_size is not None:
         apply_self_extend(lm, group_size, window)
     return lm, tokenizer

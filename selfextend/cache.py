@@ -57,6 +57,8 @@ class ContextShiftLayer(CacheLayerMixin):
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Append (B, Hkv, n, D) states and return views of all cached states; never truncates."""
+        if key_states.device != self.device:  # a layer placed on another device by a device map
+            self._move(key_states.device)
         n = key_states.shape[-2]
         end = self.n_past + n
         if end > self.capacity:
@@ -67,6 +69,16 @@ class ContextShiftLayer(CacheLayerMixin):
         self.values[..., self.n_past : end, :] = value_states
         self.n_past = end
         return self.keys[..., :end, :], self.values[..., :end, :]
+
+    def _move(self, device: torch.device) -> None:
+        """Put the buffers on ``device``, keeping what is cached (fresh buffers when empty: the first
+        allocation may sit on the meta device of an offloaded model)."""
+        if self.n_past == 0:
+            self.keys = torch.zeros_like(self.keys, device=device)
+            self.values = torch.zeros_like(self.values, device=device)
+        else:
+            self.keys, self.values = self.keys.to(device), self.values.to(device)
+        self.device = device
 
     def shift(self, n_keep: int, n_discard: int, inv_freq: torch.Tensor) -> None:
         """Drop cells [n_keep, n_keep + n_discard) and move the rest down, keys re-rotated by -n_discard."""

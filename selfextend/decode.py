@@ -40,6 +40,8 @@ def _why_not(model: nn.Module) -> str | None:
         return "sliding-window attention"
     if config.hidden_act != "silu" or getattr(config, "pretraining_tp", 1) > 1:
         return "activation or tensor-parallel layout"
+    if len(set((getattr(model, "hf_device_map", None) or {}).values())) > 1:
+        return "layers placed by a device map (accelerate's hooks run only through the modules' forwards)"
     inner = getattr(model, "model", None)
     if inner is None or not all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")):
         return "module layout"

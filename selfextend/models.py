@@ -766,14 +766,37 @@ def _load_gguf_model(source: ModelSource, form: RunForm) -> tuple[PreTrainedMode
     return model, _from_pretrained(cached, AutoTokenizer.from_pretrained)
 
 
+def _place(model: PreTrainedModel, device_map: str | dict[str, Any]) -> None:
+    """Spread a model read whole into CPU memory (a GGUF's cached run form) over the devices, with
+    accelerate's hooks moving activations between them; a named map is inferred as accelerate does."""
+    from accelerate import dispatch_model, infer_auto_device_map
+    from accelerate.utils import get_balanced_memory
+
+    if isinstance(device_map, str):
+        no_split = list(getattr(model, "_no_split_modules", None) or [])
+        memory = (
+            None
+            if device_map == "sequential"
+            else get_balanced_memory(model, no_split_module_classes=no_split)
+        )
+        device_map = infer_auto_device_map(model, max_memory=memory, no_split_module_classes=no_split)
+    if "disk" in device_map.values():
+        raise ModelError("the model does not fit in GPU and CPU memory together")
+    dispatch_model(model, device_map)
+
+
 def load_model(
     name_or_path: str = DEFAULT_MODEL,
     dtype: torch.dtype | str = torch.float32,
     device: str | torch.device = "cpu",
     attn_implementation: str = "sdpa",
     weights: str = "float",
+    device_map: str | dict[str, Any] | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a causal LM and its tokenizer, on ``device``, inference-ready: eval mode, gradients off.
+
+    ``device_map`` (``"auto"``, ``"balanced"``, ... or an explicit map) places the layers with
+    accelerate's big-model loading instead of moving the whole model to ``device``.
 
     With ``requires_grad`` off on every parameter a forward builds no autograd graph even outside
     ``torch.no_grad()`` (a 2k-token forward otherwise keeps gigabytes of activations alive).
@@ -790,6 +813,8 @@ def load_model(
     source = resolve_model(name_or_path)
     form = run_form(weights, dtype)
     target = _parse_device(device)
+    if device_map is not None and form.int8:
+        raise ModelError("a device map needs float weights: int8 layers are not placed by accelerate")
     if source.kind == "gguf":
         model, tokenizer = _load_gguf_model(source, form)
     else:
@@ -798,6 +823,8 @@ def load_model(
         kwargs: dict[str, Any] = {"dtype": "auto" if form.int8 else wanted}
         if attn_implementation:
             kwargs["attn_implementation"] = attn_implementation
+        if device_map is not None:
+            kwargs["device_map"] = device_map
         model = _from_pretrained(source, AutoModelForCausalLM.from_pretrained, **kwargs)
         tokenizer = _from_pretrained(source, AutoTokenizer.from_pretrained)
         if form.int8:
@@ -806,8 +833,11 @@ def load_model(
                 _cast_float_weights(model, wanted)
     if attn_implementation and source.kind == "gguf":
         model.set_attn_implementation(attn_implementation)
+    if device_map is not None and source.kind == "gguf":
+        _place(model, device_map)
     try:
-        model.to(target)
+        if device_map is None:
+            model.to(target)
     except (RuntimeError, AssertionError) as exc:  # e.g. CUDA asked for on a CPU-only torch
         raise ModelError(f"cannot move the model to {target}: {_first_line(exc)}") from exc
     model.eval()

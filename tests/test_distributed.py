@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from selfextend.distributed import Processes, balance, forward_cost, merge, rank_file, rank_files
-from selfextend.results import read_jsonl
+from selfextend.results import ResultsWarning, read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -61,7 +61,8 @@ def test_rank_files_and_merge(tmp_path):
     rank_file(out, 10).write_text(json.dumps({"k": 2}) + "\n")
     (tmp_path / "other.rank1.jsonl").write_text("{}\n")
     assert [f.name for f in rank_files(out)] == ["res.rank0.jsonl", "res.rank1.jsonl", "res.rank10.jsonl"]
-    assert merge(out, key) == 2
+    with pytest.warns(ResultsWarning, match="cut off"):
+        assert merge(out, key) == 2
     assert [r["k"] for r in read_jsonl(out)] == [1, 2, 3]
     assert read_jsonl(out)[0]["v"] == "a"
     assert rank_files(out) == [] and (tmp_path / "other.rank1.jsonl").exists()
