@@ -1,16 +1,21 @@
 #!/usr/bin/env bash
-# Endless generation on the default model: 20,000 tokens through a context-shift cache.
+# Endless generation on the default model: TOKENS tokens (default 20,000) through a context-shift cache.
 # Every 1000 tokens a JSON line (tokens/s over those 1000, resident MiB, shifts) goes to the results.
 #   CTX=1024 WEIGHTS=float bash experiments/endless_generation.sh   # ~15 minutes on a 2-core CPU
 #   CTX=2048 WEIGHTS=int8  bash experiments/endless_generation.sh   # the default weights, ~8 minutes
+#   TOKENS=100000 bash experiments/endless_generation.sh            # the 100k-token run (~30-40 minutes):
+#       prints RSS at 5k and at the end, and tokens/s of tokens 5k-10k against the last 5k
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ctx=${CTX:-2048}
 weights=${WEIGHTS:-int8}
+tokens=${TOKENS:-20000}
 name=experiments/results/endless_generation_ctx${ctx}_${weights}
+if [ "$tokens" != 20000 ]; then name=${name}_${tokens}; fi
 selfextend generate -p "Tell me a long story about a lighthouse keeper and the sea." --ctx "$ctx" \
-    --weights "$weights" --max-new-tokens 20000 --ignore-eos --seed 1 --stats-every 1000 \
+    --weights "$weights" --max-new-tokens "$tokens" --ignore-eos --seed 1 --stats-every 1000 \
     2> >(tee "$name.log" >&2) > /dev/null
 grep '^{' "$name.log" > "$name.jsonl"
 tail -n 1 "$name.log" | tee "${name}_summary.txt"
 rm "$name.log"
+python experiments/endless_summary.py "$name.jsonl" | tee -a "${name}_summary.txt"

@@ -569,7 +569,7 @@ def test_passkey_resume_keys_include_seed_and_dtype(tmp_path):
     assert [p.trial for p in passkey_plan(*args, "bfloat16", 1)] == [0, 1]
 
 
-def test_max_docs_and_method_spelling(tmp_path):
+def test_method_spelling_is_canonical():
     assert parse_method("selfextend:W=1024,G=4").name == "selfextend:G=4,W=1024"
     assert parse_method("shift:keep=0,ctx=64").name == "shift:ctx=64"
 
