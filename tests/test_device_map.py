@@ -12,6 +12,7 @@ import pytest
 import torch
 from accelerate import dispatch_model
 from click.testing import CliRunner
+from conftest import make_model
 
 from cli.main import main
 from selfextend.cache import ContextShiftCache
@@ -20,7 +21,6 @@ from selfextend.generate import Generator
 from selfextend.patch import self_extend
 from selfextend.results import read_jsonl
 from selfextend.rope import RotationTable, rotate
-from tests.conftest import make_model
 
 MAP = {
     "model.embed_tokens": "cpu",

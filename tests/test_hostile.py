@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
+from conftest import make_model
 
 from cli.main import main
 from selfextend import apply_self_extend, max_usable_length, remove_self_extend
@@ -36,7 +37,6 @@ from selfextend.results import ResultsWarning, read_jsonl, rejected_path, repair
 from selfextend.sampling import SamplingParams
 from selfextend.sweep import check_lengths, plan
 from selfextend.validate import ValidationError
-from tests.conftest import make_model
 
 ROOT = Path(__file__).resolve().parents[1]
 
