@@ -1,7 +1,7 @@
 """Checkpoint tensors into the weights a run uses, one tensor at a time.
 
-A GGUF is read with the ``gguf`` package (``GGUFReader`` memory-maps the file, ``gguf.dequantize``
-turns one tensor's blocks into float32) and named with transformers' GGUF tables
+A GGUF is read with the ``gguf`` package (``GGUFReader`` parses the tensor table, ``gguf.dequantize``
+turns blocks of a tensor into float32) and named with transformers' GGUF tables
 (``get_gguf_hf_weights_map`` and the per-architecture ``TENSOR_PROCESSORS``, which undo llama.cpp's
 q/k permutation and Gemma's "+1" norms), so no block format or name table is re-implemented here.
 Each tensor goes into its run form before the next one is read: per-row int8 plus scales
@@ -10,15 +10,25 @@ everything else. The model skeleton is built on the meta device (accelerate's
 ``init_empty_weights``) and filled in place, so neither a float32 copy of the whole model nor a
 second copy of any kind exists while loading. A saved run form (one safetensors file of the
 model's own state) is read back through the same filling.
+
+What a load holds at its peak, and why: the reader's parsed metadata (for Gemma 3's 262k-entry
+vocabulary about 0.65 GB of Python objects) is dropped once the tensor table is copied out, before
+any weight is read; a tensor's bytes are read from the file a block of rows at a time (not through
+the reader's memory map, whose touched pages would stay resident), and a tensor that the
+architecture's processor leaves as it is goes into its run form block by block, so even Gemma 3's
+262k x 640 embedding never exists in float32 unless float32 is its run form.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import json
-from collections.abc import Iterable, Iterator
+import math
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, BinaryIO
 
 import numpy as np
 import torch
@@ -27,9 +37,12 @@ from torch import nn
 from selfextend.quantize import Int8Linear, quantize_rows
 
 if TYPE_CHECKING:
+    from gguf import GGUFReader
     from transformers import PretrainedConfig, PreTrainedModel
 
 __all__ = [
+    "GGUFTable",
+    "RowBlocks",
     "RunForm",
     "empty_model",
     "fill",
@@ -37,6 +50,7 @@ __all__ = [
     "gguf_tensors",
     "load_gguf",
     "load_run_form",
+    "release_free_memory",
     "run_form_bytes",
     "save_run_form",
 ]
@@ -81,20 +95,53 @@ def _int8_placeholders(model: nn.Module, dtype: torch.dtype) -> None:
                 setattr(parent, name, placeholder)
 
 
-def _assign(model: nn.Module, name: str, tensor: torch.Tensor, dtype: torch.dtype) -> None:
+class RowBlocks:
+    """A float32 tensor of ``shape`` handed over as ``(first row, block of rows)`` pairs along its first
+    axis, so that it never exists whole: :func:`fill` puts each block into the run form as it comes."""
+
+    def __init__(self, shape: tuple[int, ...], blocks: Iterator[tuple[int, torch.Tensor]]) -> None:
+        self.shape = shape
+        self._blocks = blocks
+
+    def __iter__(self) -> Iterator[tuple[int, torch.Tensor]]:
+        return self._blocks
+
+
+def _materialise(value: torch.Tensor | RowBlocks, dtype: torch.dtype | None) -> torch.Tensor:
+    """``value`` as one tensor, floating values cast to ``dtype`` (None: kept as they are)."""
+    if isinstance(value, torch.Tensor):
+        return value if dtype is None or not value.is_floating_point() else value.to(dtype)
+    out = torch.empty(value.shape, dtype=dtype or torch.float32)
+    for a, rows in value:
+        out[a : a + rows.shape[0]] = rows  # the same rounding as .to(dtype)
+    return out
+
+
+def _quantize(value: torch.Tensor | RowBlocks) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`~selfextend.quantize.quantize_rows` of a weight, block by block for :class:`RowBlocks`
+    (rows are quantised independently, so the result is the same)."""
+    if isinstance(value, torch.Tensor):
+        return quantize_rows(value)
+    q = torch.empty(value.shape, dtype=torch.int8)
+    scale = torch.empty(value.shape[0], dtype=torch.float32)
+    for a, rows in value:
+        q[a : a + rows.shape[0]], scale[a : a + rows.shape[0]] = quantize_rows(rows)
+    return q, scale
+
+
+def _assign(model: nn.Module, name: str, tensor: torch.Tensor | RowBlocks, dtype: torch.dtype) -> None:
     """Put one checkpoint tensor into ``model`` in its run form (a float weight of an int8 layer is
     quantised here; an int8 layer's own ``weight_int8``/``scale`` go in as they are)."""
     path, _, attr = name.rpartition(".")
     module = model.get_submodule(path)
     if isinstance(module, Int8Linear) and attr == "weight":
-        q, scale = quantize_rows(tensor)
+        q, scale = _quantize(tensor)
         module.weight_int8, module.scale = q, scale.to(torch.bfloat16)
     elif attr in module._parameters:
-        value = tensor if not tensor.is_floating_point() else tensor.to(dtype)
-        module._parameters[attr] = nn.Parameter(value, requires_grad=False)
+        module._parameters[attr] = nn.Parameter(_materialise(tensor, dtype), requires_grad=False)
     elif attr in module._buffers:
         keep = isinstance(module, Int8Linear) and attr in ("weight_int8", "scale")
-        module._buffers[attr] = tensor if keep or not tensor.is_floating_point() else tensor.to(dtype)
+        module._buffers[attr] = _materialise(tensor, None if keep else dtype)
     else:
         raise KeyError(f"checkpoint tensor {name} has no place in {type(model).__name__}")
 
@@ -112,7 +159,7 @@ def _tie_head(model: nn.Module) -> None:
 
 
 def fill(
-    model: PreTrainedModel, tensors: Iterable[tuple[str, torch.Tensor]], form: RunForm
+    model: PreTrainedModel, tensors: Iterable[tuple[str, torch.Tensor | RowBlocks]], form: RunForm
 ) -> PreTrainedModel:
     """Fill a model from :func:`empty_model` with ``(name, tensor)`` pairs, each turned into its run form
     as it arrives; a tied output head is then tied (float) or quantised from the embedding (int8).
@@ -121,7 +168,10 @@ def fill(
     """
     for name, tensor in tensors:
         _assign(model, name, tensor, form.dtype)
+        del tensor
+        release_free_memory()
     _tie_head(model)
+    release_free_memory()
     missing = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if missing:
         raise KeyError(f"{len(missing)} weights missing from the checkpoint, e.g. {', '.join(missing[:3])}")
@@ -129,48 +179,175 @@ def fill(
     return model
 
 
-def gguf_tensors(path: str | Path, model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """The tensors of a GGUF as ``(transformers name, float32 tensor)``, dequantised one at a time.
+_BLOCK_BYTES = 16 << 20  # float32 bytes of one block of rows read from a GGUF
+
+
+@dataclass(frozen=True)
+class _Stored:
+    """One tensor of a GGUF's table: its name, type, where its bytes are and how they are laid out."""
+
+    name: str
+    kind: int  # gguf.GGMLQuantizationType
+    raw_shape: tuple[int, ...]  # of the stored data, rows first (block formats: bytes per row last)
+    raw_dtype: np.dtype
+    offset: int  # in the file
+
+    def read(self, f: BinaryIO, a: int, b: int) -> np.ndarray:
+        """Rows ``a:b`` of the stored data, read into a fresh array (a 1-D tensor: all of it)."""
+        rows = self.raw_shape[1:] if len(self.raw_shape) > 1 else ()
+        shape = (b - a, *rows) if rows else self.raw_shape
+        buf = np.empty(shape, dtype=self.raw_dtype)
+        f.seek(self.offset + a * math.prod(rows) * self.raw_dtype.itemsize)
+        if f.readinto(memoryview(buf.reshape(-1).view(np.uint8))) != buf.nbytes:
+            raise OSError(f"tensor {self.name} ends past the end of the file")
+        return buf
+
+
+@dataclass(frozen=True)
+class GGUFTable:
+    """What :func:`gguf_tensors` needs of a GGUF's metadata: its architecture and tensor table.
+
+    Made from a ``gguf.GGUFReader`` (:meth:`of`), which can then be dropped: its parsed metadata is,
+    for a large vocabulary, hundreds of MB of Python objects (Gemma 3's 262k entries: 0.65 GB).
+    """
+
+    architecture: str
+    tensors: tuple[_Stored, ...]
+
+    @classmethod
+    def of(cls, reader: GGUFReader) -> GGUFTable:
+        """The table of an open reader."""
+        from transformers.modeling_gguf_pytorch_utils import read_field
+
+        tensors = tuple(
+            _Stored(t.name, t.tensor_type, tuple(t.data.shape), t.data.dtype, t.data_offset)
+            for t in reader.tensors
+        )
+        return cls(read_field(reader, "general.architecture")[0], tensors)
+
+    @classmethod
+    def read(cls, path: str | Path) -> GGUFTable:
+        """The table of the GGUF at ``path`` (parsing its metadata: seconds for a large vocabulary)."""
+        from gguf import GGUFReader
+
+        return cls.of(GGUFReader(str(path)))
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    try:
+        return ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return None
+
+
+def release_free_memory() -> None:
+    """Hand the C heap's free pages back to the system (glibc's ``malloc_trim``; nothing elsewhere).
+
+    Why: converting a tensor frees its float32 temporaries and keeps its smaller run form, in between;
+    parsing a GGUF's metadata frees hundreds of MB of small objects.
+    glibc keeps freed heap memory resident, spread over the arenas of torch's worker threads, and the
+    kept tensors pin it: without this, peak RSS while converting SmolLM2-135M to int8 varied from run
+    to run between 0.77 and 1.07 GB for a 0.24 GB run form (0.61 GB with it).
+    """
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+def gguf_tensors(
+    path: str | Path, model: nn.Module, table: GGUFTable | None = None
+) -> Iterator[tuple[str, torch.Tensor | RowBlocks]]:
+    """The tensors of a GGUF as ``(transformers name, float32 tensor or RowBlocks)``, one at a time.
 
     ``model`` is the (meta) skeleton with plain ``nn.Linear`` layers, whose state names give the map
-    (made at once, so the skeleton may be changed before the tensors are read).
-    Tensors the model has no place for (e.g. llama.cpp's precomputed ``rope_freqs``) are skipped,
-    as transformers does.
+    (made at once, so the skeleton may be changed before the tensors are read); ``table`` is the
+    GGUF's :class:`GGUFTable` if it was read already (else it is read here). A tensor bigger than
+    one block of rows (16 MB in float32) has its first block put through the architecture's
+    processor; if the processor hands back the very array it got (it leaves that tensor as it is:
+    every processor in transformers changes a tensor by making a new array), the tensor comes as
+    :class:`RowBlocks`, each block dequantised when it is consumed. Otherwise it is dequantised whole
+    (block by block into one float32 array, so the dequantiser's temporaries stay small) and
+    processed whole, as transformers does. Each yielded item must be consumed before the next is
+    asked for. Tensors the model has no place for (e.g. llama.cpp's precomputed ``rope_freqs``) are
+    skipped, as transformers does.
     """
-    from gguf import GGUFReader, dequantize
+    from gguf import dequantize
     from transformers.modeling_gguf_pytorch_utils import (
         TENSOR_PROCESSORS,
         TensorProcessor,
         get_gguf_hf_weights_map,
-        read_field,
     )
 
-    reader = GGUFReader(str(path))
-    architecture = read_field(reader, "general.architecture")[0]
-    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=model.config.to_dict())
+    table = table or GGUFTable.read(path)
+    processor = TENSOR_PROCESSORS.get(table.architecture, TensorProcessor)(config=model.config.to_dict())
     mapping = get_gguf_hf_weights_map(model, processor)
     parsed: dict[str, dict] = {"config": model.config.to_dict(), "tensors": {}}
 
-    def stream() -> Iterator[tuple[str, torch.Tensor]]:
-        for tensor in reader.tensors:
-            weights = dequantize(tensor.data, tensor.tensor_type)
-            result = processor.process(
-                weights=weights, name=tensor.name, tensor_key_mapping=mapping, parsed_parameters=parsed
-            )
-            if result.name not in mapping:
-                continue
-            array = result.weights
-            if not (array.flags.owndata and array.flags.writeable):  # a view of the memory-mapped file
-                array = np.array(array, dtype=np.float32)
-            yield mapping[result.name], torch.from_numpy(array)
+    def process(weights: np.ndarray, name: str) -> tuple[np.ndarray, str]:
+        result = processor.process(
+            weights=weights, name=name, tensor_key_mapping=mapping, parsed_parameters=parsed
+        )
+        return result.weights, result.name
+
+    def blocks(f: BinaryIO, t: _Stored, step: int, start: int = 0) -> Iterator[tuple[int, np.ndarray]]:
+        for a in range(start, t.raw_shape[0], step):
+            yield a, dequantize(t.read(f, a, min(a + step, t.raw_shape[0])), t.kind)
+
+    def stream() -> Iterator[tuple[str, torch.Tensor | RowBlocks]]:
+        with open(path, "rb") as f:
+            for t in table.tensors:
+                rows = t.raw_shape[0]
+                # a 1-D tensor is read whole (a block format's bytes cannot be cut between values)
+                step = max(1, _BLOCK_BYTES // (4 * math.prod(_value_shape(t)))) if t.raw_shape[1:] else rows
+                if step >= rows:  # one block: the whole tensor
+                    array, name = process(dequantize(t.read(f, 0, rows), t.kind), t.name)
+                else:
+                    _, first = next(blocks(f, t, step))
+                    try:
+                        probe, name = process(first, t.name)
+                    except (ValueError, IndexError):  # a reshape that needs the whole tensor
+                        probe, name = None, t.name
+                    if probe is first:
+                        if name in mapping:
+                            shape = (rows, *first.shape[1:])
+                            pairs = [(0, first)], blocks(f, t, step, step)
+                            yield mapping[name], RowBlocks(shape, _to_torch(*pairs))
+                        continue
+                    del first, probe
+                    whole = np.empty((rows, *_value_shape(t)), dtype=np.float32)
+                    for a, x in blocks(f, t, step):
+                        whole[a : a + x.shape[0]] = x
+                    array, name = process(whole, t.name)
+                    del whole
+                if name in mapping:
+                    yield mapping[name], torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
 
     return stream()
 
 
-def load_gguf(path: str | Path, config: PretrainedConfig, form: RunForm) -> PreTrainedModel:
-    """A GGUF's model in ``form``, tensor by tensor (see the module docstring)."""
+def _to_torch(*parts: Iterable[tuple[int, np.ndarray]]) -> Iterator[tuple[int, torch.Tensor]]:
+    for part in parts:
+        for a, x in part:
+            yield a, torch.from_numpy(x)
+
+
+def _value_shape(t: _Stored) -> tuple[int, ...]:
+    """The dequantised shape of one row of a tensor of two or more axes (block formats store bytes last)."""
+    from gguf import GGML_QUANT_SIZES
+
+    block_values, block_bytes = GGML_QUANT_SIZES[t.kind]
+    last = t.raw_shape[-1] * t.raw_dtype.itemsize // block_bytes * block_values
+    return (*t.raw_shape[1:-1], last)
+
+
+def load_gguf(
+    path: str | Path, config: PretrainedConfig, form: RunForm, table: GGUFTable | None = None
+) -> PreTrainedModel:
+    """A GGUF's model in ``form``, tensor by tensor (see the module docstring); ``table`` as in
+    :func:`gguf_tensors`."""
     model = empty_model(config, RunForm(False, form.dtype))
-    tensors = gguf_tensors(path, model)  # the name map needs the plain linear layers
+    tensors = gguf_tensors(path, model, table)  # the name map needs the plain linear layers
     if form.int8:
         _int8_placeholders(model, form.dtype)
     return fill(model, tensors, form)

@@ -55,7 +55,11 @@ def _bytes_to_unicode() -> list[str]:
     return [chr(c) for _, c in sorted(zip(bs, cs, strict=True))]
 
 
-def write_tiny_gguf(path: Path, layers: int = 2, hidden: int = 32, heads: int = 4, kv_heads: int = 2) -> Path:
+def write_tiny_gguf(
+    path: Path, layers: int = 2, hidden: int = 32, heads: int = 4, kv_heads: int = 2, quant: str | None = None
+) -> Path:
+    """A tiny Llama GGUF; with ``quant`` (e.g. ``"Q8_0"``) its matrices in that block format
+    (written with gguf's own quantiser)."""
     import gguf
 
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -86,7 +90,12 @@ def write_tiny_gguf(path: Path, layers: int = 2, hidden: int = 32, heads: int = 
     rng = np.random.default_rng(0)
 
     def add(name: str, *shape: int) -> None:
-        writer.add_tensor(name, (rng.standard_normal(shape) * 0.02).astype(np.float32))
+        values = (rng.standard_normal(shape) * 0.02).astype(np.float32)
+        if quant is None:
+            writer.add_tensor(name, values)
+        else:
+            kind = gguf.GGMLQuantizationType[quant]
+            writer.add_tensor(name, gguf.quants.quantize(values, kind), raw_dtype=kind)
 
     add("token_embd.weight", vocab, hidden)
     writer.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
@@ -292,7 +301,7 @@ def test_gguf_is_converted_once_then_read_from_cache(
     assert {"config.json", "model.safetensors", "tokenizer.json", "selfextend-cache.json"} <= {
         p.name for p in entry.iterdir()
     }
-    assert [p.name for p in cache.iterdir()] == [entry.name]  # no temporary folder left behind
+    assert sorted(p.name for p in cache.iterdir()) == sorted([entry.name, "tokenizer"])  # no temporary folder
     assert json.loads((entry / "selfextend-cache.json").read_text())["source"] == str(tiny_gguf.resolve())
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16} and not model.training
     assert getattr(model, "hf_quantizer", None) is None
@@ -300,7 +309,7 @@ def test_gguf_is_converted_once_then_read_from_cache(
     # the cache holds the weights as they run: bfloat16, the tied head stored once
     assert (entry / "model.safetensors").stat().st_size < 1.3 * run_form_bytes(model)
 
-    def no_conversion(gguf: Path, form) -> None:  # type: ignore[no-untyped-def]
+    def no_conversion(*args) -> None:  # type: ignore[no-untyped-def]
         raise AssertionError("converted again although cached")
 
     with monkeypatch.context() as m:
@@ -310,7 +319,7 @@ def test_gguf_is_converted_once_then_read_from_cache(
             load_model(str(tiny_gguf), dtype="auto")  # "auto" is float32: another form
     again, _ = load_model(str(tiny_gguf), dtype="auto")
     assert next(again.parameters()).dtype == torch.float32
-    assert len(list(cache.iterdir())) == 2  # both forms kept
+    assert len(list(cache.iterdir())) == 3  # both forms kept, and the one tokenizer they share
     ids = tokenizer("the the", return_tensors="pt")
     logits = again(**ids).logits
     assert logits.shape == (1, ids["input_ids"].shape[1], config.vocab_size)
@@ -329,25 +338,21 @@ def test_changed_gguf_is_reconverted_and_old_entry_removed(tiny_gguf: Path, cach
 def test_interrupted_conversion_leaves_nothing_trusted(
     tiny_gguf: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real_convert = models._convert_gguf
+    real_save = models.save_run_form
 
-    def convert_then_fail_on_save(gguf: Path, form):  # type: ignore[no-untyped-def]
-        model, tokenizer = real_convert(gguf, form)
+    def broken_save(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise KeyboardInterrupt
 
-        def broken_save(*args, **kwargs):  # type: ignore[no-untyped-def]
-            raise KeyboardInterrupt
-
-        monkeypatch.setattr(tokenizer, "save_pretrained", broken_save)
-        return model, tokenizer
-
-    monkeypatch.setattr(models, "_convert_gguf", convert_then_fail_on_save)
+    monkeypatch.setattr(models, "save_run_form", broken_save)
     with pytest.raises(KeyboardInterrupt):
         load_model(str(tiny_gguf))
     assert not is_cached(str(tiny_gguf))
-    assert list(cache.iterdir()) == []  # the half-written temporary folder was removed
+    # the half-written temporary folder was removed; the tokenizer, converted first, stays for next time
+    assert [p.name for p in cache.iterdir()] == ["tokenizer"]
+    assert [p.name for p in (cache / "tokenizer").iterdir() if p.name.startswith(".")] == []
 
     # An entry without its completion marker (e.g. copied in by hand, half done) is not trusted.
-    monkeypatch.setattr(models, "_convert_gguf", real_convert)
+    monkeypatch.setattr(models, "save_run_form", real_save)
     entry = models.ensure_converted(str(tiny_gguf))
     (entry / "selfextend-cache.json").unlink()
     assert not is_cached(str(tiny_gguf))
@@ -416,6 +421,52 @@ def test_gguf_run_forms_equal_whole_model_conversion(tiny_gguf: Path, cache: Pat
     assert torch.equal(ours, theirs)
 
 
+def test_gguf_row_blocks_equal_whole_tensors(
+    tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Block formats read a few rows at a time (a tiny block size forces several blocks per matrix, and
+    blocks that cut Llama's q/k heads, which go the whole-tensor way) give exactly transformers'
+    whole-tensor dequantisation, then a cast or quantize_int8; the tied int8 head too."""
+    from transformers import AutoModelForCausalLM, GgufConfig
+
+    from selfextend import weights
+
+    path = write_tiny_gguf(tmp_path / "q8.gguf", quant="Q8_0")
+    ref = AutoModelForCausalLM.from_pretrained(
+        str(path.parent),
+        gguf_file=path.name,
+        dtype=torch.float32,
+        quantization_config=GgufConfig(gguf_file=path.name, dequantize=True),
+    ).eval()
+    assert not torch.equal(ref.model.embed_tokens.weight, ref.model.embed_tokens.weight.bfloat16().float())
+    # blocks of eight rows: transformers' Llama processor un-permutes a q/k block without an error, but
+    # not as it does the whole tensor, so q and k must go the whole-tensor way
+    monkeypatch.setattr(weights, "_BLOCK_BYTES", 8 * 32 * 4)
+    bf16, _ = load_model(str(path), dtype="bfloat16")
+    assert all(torch.equal(v, ref.state_dict()[k].bfloat16()) for k, v in bf16.state_dict().items())
+    monkeypatch.setattr(weights, "_BLOCK_BYTES", 3 * 32 * 4)  # three rows of 32 float32 values
+
+    blocks_seen: list[int] = []
+    real = weights._quantize
+
+    def counting(value):  # type: ignore[no-untyped-def]
+        if isinstance(value, weights.RowBlocks):
+            blocks = list(value)
+            blocks_seen.append(len(blocks))
+            value = weights.RowBlocks(value.shape, iter(blocks))
+        else:
+            blocks_seen.append(1)
+        return real(value)
+
+    monkeypatch.setattr(weights, "_quantize", counting)
+    int8, _ = load_model(str(path), weights="int8")
+    quantize_int8(ref)
+    assert _same_state(int8, ref)
+    # per layer: q (32 rows) and k (16) whole (a block of 3 rows cannot even be reshaped into heads);
+    # v (16 rows), o (32), gate and up (64) in blocks of 3 rows, down (32 x 64) in rows of one
+    assert sorted(blocks_seen) == sorted([1, 1, 6, 11, 22, 22, 32] * 2)
+
+
 def test_directory_int8_quantises_the_checkpoint_dtype(tiny_gguf: Path, cache: Path, tmp_path: Path) -> None:
     """A bfloat16 checkpoint with --weights int8: each linear quantised from its bfloat16 weight, the rest
     cast to the asked dtype."""
@@ -436,7 +487,7 @@ def test_cache_entries_and_clear(tiny_gguf: Path, cache: Path) -> None:
     load_model(str(tiny_gguf), weights="int8")
     load_model(str(tiny_gguf))
     entries = models.cache_entries()
-    assert sorted(e.form for e in entries) == ["float-float32", "int8-float32"]
+    assert sorted(e.form for e in entries) == ["float-float32", "int8-float32", "tokenizer"]
     assert all(e.usable and e.bytes > 0 and e.source == str(tiny_gguf.resolve()) for e in entries)
     assert models.clear_cache() == sum(e.bytes for e in entries)
     assert models.cache_entries() == [] and not is_cached(str(tiny_gguf))
@@ -497,7 +548,7 @@ def test_real_default_model(monkeypatch: pytest.MonkeyPatch) -> None:
     assert tokenizer.eos_token == "<|im_end|>" and tokenizer.chat_template
 
     # A second load must come from the cache.
-    def no_conversion(gguf: Path, form) -> None:  # type: ignore[no-untyped-def]
+    def no_conversion(*args) -> None:  # type: ignore[no-untyped-def]
         raise AssertionError("converted again although cached")
 
     monkeypatch.setattr(models, "_convert_gguf", no_conversion)
