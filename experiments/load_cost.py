@@ -79,7 +79,16 @@ def worker(model: str, form: str) -> None:
 
 
 def _du(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and not p.is_symlink())
+    """Bytes of the files under ``path``, a file with several names (a hard link) counted once."""
+    seen: set[tuple[int, int]] = set()
+    total = 0
+    for p in path.rglob("*"):
+        if p.is_file() and not p.is_symlink():
+            st = p.stat()
+            if (st.st_dev, st.st_ino) not in seen:
+                seen.add((st.st_dev, st.st_ino))
+                total += st.st_size
+    return total
 
 
 def run_one(model: str, form: str, cache: Path) -> dict:
