@@ -19,6 +19,7 @@ is one line meant to be printed as-is.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import importlib.util
 import json
@@ -336,6 +337,8 @@ def _converted_tokenizer(gguf: Path) -> Path:
         _write_folder(folder, tokenizer.save_pretrained, gguf, "tokenizer", _has_marker)
     except OSError as exc:
         raise ModelError(f"cannot write the tokenizer cache {folder}: {_first_line(exc)}") from exc
+    del tokenizer
+    gc.collect()  # the converted tokenizer's reference cycles: ~40 MB for Gemma 3's
     return folder
 
 
@@ -490,8 +493,10 @@ def _convert_into(entry: Path, gguf: Path, form: RunForm) -> tuple[PreTrainedMod
     from transformers import AutoTokenizer
 
     table = check_gguf(gguf)
+    release_free_memory()
     config = _gguf_config(gguf)
     check_rope(config, gguf.name)
+    release_free_memory()
     log.info("converting %s into %s (only the first time)", gguf, entry)
     tokenizer_dir = _converted_tokenizer(gguf)
     release_free_memory()

@@ -179,7 +179,7 @@ def fill(
     return model
 
 
-_BLOCK_BYTES = 16 << 20  # float32 bytes of one block of rows read from a GGUF
+_BLOCK_BYTES = 4 << 20  # float32 bytes of one block of rows read from a GGUF
 
 
 @dataclass(frozen=True)
@@ -244,11 +244,11 @@ def _malloc_trim() -> Callable[[int], int] | None:
 def release_free_memory() -> None:
     """Hand the C heap's free pages back to the system (glibc's ``malloc_trim``; nothing elsewhere).
 
-    Why: converting a tensor frees its float32 temporaries and keeps its smaller run form, in between;
-    parsing a GGUF's metadata frees hundreds of MB of small objects.
-    glibc keeps freed heap memory resident, spread over the arenas of torch's worker threads, and the
-    kept tensors pin it: without this, peak RSS while converting SmolLM2-135M to int8 varied from run
-    to run between 0.77 and 1.07 GB for a 0.24 GB run form (0.61 GB with it).
+    Why: converting a tensor frees its float32 temporaries and keeps its smaller run form in between,
+    and parsing a GGUF's metadata frees hundreds of MB of small objects. glibc keeps freed heap memory
+    resident (spread over the arenas of torch's worker threads, pinned by the tensors kept): without
+    this, peak RSS while converting SmolLM2-135M to int8 varied from run to run between 0.77 and
+    1.07 GB for a 0.24 GB run form (0.67 GB with it).
     """
     trim = _malloc_trim()
     if trim is not None:
@@ -263,7 +263,7 @@ def gguf_tensors(
     ``model`` is the (meta) skeleton with plain ``nn.Linear`` layers, whose state names give the map
     (made at once, so the skeleton may be changed before the tensors are read); ``table`` is the
     GGUF's :class:`GGUFTable` if it was read already (else it is read here). A tensor bigger than
-    one block of rows (16 MB in float32) has its first block put through the architecture's
+    one block of rows (4 MB in float32) has its first block put through the architecture's
     processor; if the processor hands back the very array it got (it leaves that tensor as it is:
     every processor in transformers changes a tensor by making a new array), the tensor comes as
     :class:`RowBlocks`, each block dequantised when it is consumed. Otherwise it is dequantised whole
