@@ -531,7 +531,9 @@ def cache_entries() -> list[CacheEntry]:
     for path in sorted(root.iterdir()):
         if path.name.startswith("."):
             continue
-        size = sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else 0
+        # a tokenizer file hard-linked into the entry is counted once, in the tokenizer's folder
+        files = [p.stat() for p in path.rglob("*") if p.is_file()] if path.is_dir() else []
+        size = sum(st.st_size for st in files if st.st_nlink == 1)
         if path.is_dir() and path.name == _ASSEMBLED:
             found += [CacheEntry(p, p.name, None, p.stat().st_size, True) for p in path.glob("*.gguf")]
             continue

@@ -359,7 +359,10 @@ def test_tokenizer_is_converted_once_per_gguf(
     shared = (folder / "tokenizer.json").read_bytes()
     for form in (run_form("int8"), run_form("float", "bfloat16")):
         assert (gguf_cache_dir(str(tiny_gguf), form) / "tokenizer.json").read_bytes() == shared
-    assert [e.form for e in models.cache_entries()].count("tokenizer") == 1
+    entries = models.cache_entries()
+    assert [e.form for e in entries].count("tokenizer") == 1
+    files = {(p.stat().st_ino, p.stat().st_size) for p in cache.rglob("*") if p.is_file()}
+    assert sum(e.bytes for e in entries) == sum(size for _, size in files)  # linked files counted once
 
 
 def test_interrupted_conversion_leaves_nothing_trusted(
