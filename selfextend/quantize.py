@@ -21,11 +21,11 @@ WEIGHT_FORMATS = ("float", "int8")
 FUSED_MAX_ROWS = 16  # up to this many input rows the fused int8 kernel beats dequantise + GEMM
 
 
-def quantize_rows(weight: torch.Tensor, block: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(weight: torch.Tensor, block: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
     """(N, K) float weight -> (N, K) int8 and (N,) float32 scales, symmetric per row.
 
-    ``block`` rows at a time, so the float32 temporaries stay small next to a large weight (Gemma 3's
-    262k-row output head would otherwise need three float32 copies of 671 MB at once).
+    ``block`` rows at a time, rounded in place, so the float32 temporaries stay small next to a large
+    weight (Gemma 3's 262k-row output head would otherwise need three float32 copies of 671 MB at once).
     """
     w = weight.detach()
     q = torch.empty(w.shape, dtype=torch.int8, device=w.device)
@@ -33,7 +33,7 @@ def quantize_rows(weight: torch.Tensor, block: int = 4096) -> tuple[torch.Tensor
     for a in range(0, w.shape[0], block):
         rows = w[a : a + block].float()  # (block, K)
         s = rows.abs().amax(dim=1).clamp(min=1e-12) / 127
-        q[a : a + block] = torch.round(rows / s[:, None]).clamp(-127, 127)
+        q[a : a + block] = (rows / s[:, None]).round_().clamp_(-127, 127)
         scale[a : a + block] = s
     return q, scale
 
