@@ -19,20 +19,44 @@ def _head_nll(model: nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> 
 
 
 @torch.no_grad()
-def token_nll(model: nn.Module, ids: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
-    """NLL (nats) of tokens 1..L-1 of ``ids`` (1, L) given their prefix, from one forward.
+def token_nll(
+    model: nn.Module, ids: torch.Tensor, chunk: int = 1024, prefill_chunk: int | None = None
+) -> torch.Tensor:
+    """NLL (nats) of tokens 1..L-1 of ``ids`` (1, L) given their prefix.
 
-    The decoder runs once over the whole sequence; the output head and the cross-entropy run
-    ``chunk`` positions at a time, so memory holds (chunk, vocab) logits, never (L, vocab).
+    The decoder runs once over the whole sequence, or with ``prefill_chunk``, over chunks of that
+    many tokens through transformers' own ``DynamicCache`` (built from the config, so sliding-window
+    layers keep only their window), as a chunked prefill does: the same math, but no (L, L) mask.
+    The output head and the cross-entropy run ``chunk`` positions at a time, so memory holds
+    (chunk, vocab) logits, never (L, vocab).
     """
+    from transformers import DynamicCache
+
     decoder = getattr(model, model.base_model_prefix)
-    hidden = decoder(input_ids=ids.to(model.device)).last_hidden_state[0]  # (L, hidden)
     targets = ids[0, 1:]
     nll = torch.empty(targets.shape[0], dtype=torch.float32)
-    for a in range(0, targets.shape[0], chunk):
-        b = min(a + chunk, targets.shape[0])
-        nll[a:b] = _head_nll(model, hidden[a:b], targets[a:b])
+    step = prefill_chunk or ids.shape[1]
+    cache = DynamicCache(config=model.config) if prefill_chunk else None
+    for s in range(0, ids.shape[1], step):
+        part = ids[:, s : s + step].to(model.device)
+        hidden = decoder(
+            input_ids=part, past_key_values=cache, use_cache=cache is not None
+        ).last_hidden_state[0]
+        end = min(s + step, targets.shape[0])  # hidden[i] scores token s + i + 1
+        for a in range(s, end, chunk):
+            b = min(a + chunk, end)
+            nll[a:b] = _head_nll(model, hidden[a - s : b - s], targets[a:b])
     return nll
+
+
+def dense_sliding_mask(model: nn.Module) -> bool:
+    """Whether a plain forward of ``model`` builds an (L, L) mask: sliding-window layers under transformers'
+    SDPA (a Gemma 3 forward of 64k tokens would hold a 4 GiB boolean mask and score every pair). Such
+    models are scored with a chunked prefill (:func:`token_nll`'s ``prefill_chunk``)."""
+    from selfextend.patch import IMPLEMENTATION, layer_kinds
+
+    config = model.config.get_text_config()
+    return config._attn_implementation != IMPLEMENTATION and "sliding_attention" in layer_kinds(model)
 
 
 @torch.no_grad()

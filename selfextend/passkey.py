@@ -17,10 +17,11 @@ import torch
 from torch import nn
 
 from selfextend.cache import ContextShiftCache
+from selfextend.eval import dense_sliding_mask
 from selfextend.generate import Generator
 from selfextend.methods import Method, applied, unique_methods
 from selfextend.results import append_jsonl, read_jsonl, repair_tail
-from selfextend.sweep import check_lengths, dtype_name
+from selfextend.sweep import PREFILL_CHUNK, check_lengths, dtype_name
 from selfextend.validate import MAX_SEED, ValidationError, check_float, check_int
 
 TASK = (
@@ -57,7 +58,7 @@ def answer(model: nn.Module, ids: list[int], method: Method) -> list[int]:
             logits = gen.feed(ids)
         else:
             gen = Generator(model, ContextShiftCache(model, len(ids) + ANSWER_TOKENS + 1))
-            logits = gen.feed(ids, chunk=len(ids))
+            logits = gen.feed(ids, chunk=PREFILL_CHUNK if dense_sliding_mask(model) else len(ids))
         return list(gen.decode(logits, ANSWER_TOKENS))
 
 

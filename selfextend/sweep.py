@@ -18,7 +18,7 @@ from torch import nn
 
 from selfextend.corpus import CorpusError
 from selfextend.distributed import forward_cost
-from selfextend.eval import segment_ppl, shift_nll, token_nll
+from selfextend.eval import dense_sliding_mask, segment_ppl, shift_nll, token_nll
 from selfextend.methods import Method, applied, unique_methods
 from selfextend.results import append_jsonl, read_jsonl, repair_tail
 from selfextend.validate import ValidationError, check_int, parse_float, parse_int
@@ -76,13 +76,19 @@ def tokenize_prefix(tokenizer, text: str, n_tokens: int) -> torch.Tensor:
         chars *= 2
 
 
+PREFILL_CHUNK = 4096
+"""Tokens per forward when a model is scored by chunked prefill (see ``eval.dense_sliding_mask``)."""
+
+
 @torch.no_grad()
 def score(model: nn.Module, ids: torch.Tensor, method: Method) -> torch.Tensor:
     """Per-token NLL of ``ids`` under ``method``."""
     with applied(model, method):
         if method.kind == "shift":
             return shift_nll(model, ids, int(method.params["ctx"]), int(method.params.get("keep", 0)))
-        return token_nll(model, ids)
+        # Dynamic NTK rescales by the length seen so far, so a chunked prefill would change its numbers.
+        chunked = method.kind != "ntk" and dense_sliding_mask(model)
+        return token_nll(model, ids, prefill_chunk=PREFILL_CHUNK if chunked else None)
 
 
 @dataclass

@@ -41,6 +41,26 @@ def test_shift_nll_without_shift_equals_one_forward():
     assert not torch.allclose(shift_nll(model, ids, n_ctx=64, chunk=16), token_nll(model, ids), atol=1e-3)
 
 
+def test_chunked_prefill_scores_a_hybrid_model_as_one_forward():
+    """Models with sliding layers are scored by chunked prefill (no (L, L) mask): same NLL as one forward,
+    for chunks shorter and longer than the sliding window; a plain Llama needs no chunking."""
+    from test_hybrid import gemma3
+
+    from selfextend.eval import dense_sliding_mask
+    from selfextend.patch import self_extend
+    from selfextend.sweep import score
+
+    model = gemma3()
+    ids = torch.randint(3, 97, (1, 150))
+    whole = token_nll(model, ids, chunk=64)
+    for prefill in (7, 16, 40):
+        assert torch.allclose(token_nll(model, ids, chunk=64, prefill_chunk=prefill), whole, atol=1e-5)
+    assert dense_sliding_mask(model) and not dense_sliding_mask(make_model("llama"))
+    assert torch.allclose(score(model, ids, parse_method("plain")), whole, atol=1e-5)
+    with self_extend(model, 2, 8):
+        assert not dense_sliding_mask(model)
+
+
 def test_default_corpus_books():
     books = default_books()
     assert list(books) == ["sherlock-holmes", "us-history", "surgery", "war-and-peace"]
