@@ -154,9 +154,8 @@ def load(
     """Load the longest cached prefix of ``prompt`` into the empty ``cache``.
 
     Returns the reused tokens, and the saved last-token logits when the prompt is exactly the saved one.
-    A prompt that is a shorter prefix of the saved tokens reuses all but its last token, whose logits the
-    file does not have. The prefix is shortened further where a sliding-window layer of the file lacks cells
-    its last tokens attend (:meth:`~selfextend.cache.ContextShiftCache.loadable`).
+    The prefix is shortened where a sliding-window layer of the file lacks cells its last tokens attend
+    (:meth:`~selfextend.cache.ContextShiftCache.loadable`).
     """
     payload = read(path, model, cache)
     saved = payload["tokens"].tolist()
@@ -165,8 +164,6 @@ def load(
     while n < limit and saved[n] == prompt[n]:
         n += 1
     whole = n == len(saved) == len(prompt)
-    if n == len(prompt) and not whole:
-        n -= 1
     layers_held = held(payload)
     n = cache.loadable(layers_held, n)
     if n:

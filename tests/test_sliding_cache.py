@@ -15,7 +15,7 @@ import torch
 from conftest import tiny_gemma3
 
 import selfextend
-from selfextend import promptcache
+from selfextend import generate, promptcache
 from selfextend.cache import ContextShiftCache, SlidingShiftLayer, cache_bytes, layer_cells
 from selfextend.generate import Generator
 
@@ -200,7 +200,7 @@ def test_prompt_cache_round_trip(tmp_path):
     assert reused == other[:4] and saved is None
     fresh = continued(ContextShiftCache(m, n_ctx=64, n_keep=4), [], None, other)
     assert (continued(cache, reused, None, other) - fresh).abs().max() < TOL
-    # a shorter prompt likewise; a longer one reuses all the file has; a version-2 file (all cells) loads
+    # a shorter prompt likewise; a longer one reuses all the file has
     assert promptcache.load(tmp_path / "p.pt", m, ContextShiftCache(m, 64, 4), prompt[:36])[0] == prompt[:4]
     longer = prompt + [9, 9]
     cache = ContextShiftCache(m, n_ctx=64, n_keep=4)
@@ -208,6 +208,19 @@ def test_prompt_cache_round_trip(tmp_path):
     assert reused == prompt and saved is None
     fresh = continued(ContextShiftCache(m, n_ctx=64, n_keep=4), [], None, longer)
     assert (continued(cache, reused, None, longer) - fresh).abs().max() < TOL
+    # the file holds more than one window after decoding in place: a prompt ending inside it loads whole,
+    # and generate.run's rewind by one token (to recompute its logits, which the file lacks) recomputes
+    g = Generator(m, ContextShiftCache(m, n_ctx=64, n_keep=4))
+    g.feed(prompt)
+    last = [g.feed([t]) for t in (5, 7, 11, 13)][-1]
+    promptcache.save(tmp_path / "q.pt", m, g.cache, g.tokens, last)
+    cache = ContextShiftCache(m, n_ctx=64, n_keep=4)
+    reused, saved = promptcache.load(tmp_path / "q.pt", m, cache, g.tokens[:42])
+    assert reused == g.tokens[:42] and saved is None and not cache.can_truncate(41)
+    g2 = Generator(m, cache, tokens=list(reused))
+    next(generate.run(g2, reused, 1, (), len(reused), None))
+    assert (g2.last_logits - expected[2]).abs().max() < TOL  # after prompt + [5, 7], as computed fresh
+    # a version-2 file (every cell of every layer, no "held") still loads
     full = ContextShiftCache(m, n_ctx=64, n_keep=4, sliding=False)
     Generator(m, full).feed(prompt)
     promptcache.save(tmp_path / "full.pt", m, full, prompt, logits)
