@@ -11,6 +11,14 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:,.1f} MiB"
 
 
+def _kv(config, tokens: int) -> str:
+    """A context-shift cache's bytes at ``tokens`` cells (fp16), and the all-layers size where smaller."""
+    from selfextend.cache import cache_bytes
+
+    now, every = cache_bytes(config, tokens), cache_bytes(config, tokens, sliding=False)
+    return f"{_mib(now)} (fp16)" + (f"; {_mib(every)} if every layer held them all" if now < every else "")
+
+
 @click.command()
 @click.argument("model", default="smollm2-135m")
 @click.option(
@@ -35,7 +43,9 @@ def info(model: str, group_size: int, window: int) -> None:
 
     Reads only the config (no weights). Weights: the bytes of the loaded model in each --weights /
     --dtype form (int8: 1 byte per linear weight + a bfloat16 scale per row, the rest float32).
-    KV bytes are for fp16: 2 (K and V) x 2 bytes x head_dim x kv_heads x layers per token.
+    KV bytes are for fp16: 2 (K and V) x 2 bytes x head_dim x kv_heads x layers per token; at N tokens,
+    those of a context-shift cache of N cells (--ctx N), whose sliding-window layers hold 2 x (window - 1)
+    cells (plus the --keep ones) instead of N.
     """
     import torch
 
@@ -65,7 +75,7 @@ def info(model: str, group_size: int, window: int) -> None:
             "KV cache per token",
             f"{facts.kv_bytes_per_token():,} bytes (fp16), {facts.kv_bytes_per_token(4):,} (fp32)",
         ),
-        (f"KV cache at {trained} tokens", f"{_mib(facts.kv_bytes(trained))} (fp16)"),
+        (f"KV cache at {trained} tokens", _kv(config, trained)),
         (
             "weights in memory",
             ", ".join(
@@ -86,7 +96,8 @@ def info(model: str, group_size: int, window: int) -> None:
             (
                 "attention layers",
                 f"{len(kinds) - sliding} full (Self-Extend applies to these), {sliding} sliding over "
-                f"{window_tokens} tokens (keep their own attention)",
+                f"{window_tokens} tokens (keep their own attention; the KV cache holds at most "
+                f"{2 * (window_tokens - 1):,} cells of each)",
             )
         )
     if trained:
@@ -96,7 +107,7 @@ def info(model: str, group_size: int, window: int) -> None:
                 f"Self-Extend G={group_size} W={window}",
                 f"up to {reach:,} tokens ({reach / trained:.1f}x the window)",
             ),
-            (f"KV cache at {reach:,} tokens", f"{_mib(facts.kv_bytes(reach))} (fp16)"),
+            (f"KV cache at {reach:,} tokens", _kv(config, reach)),
         ]
     width = max(len(k) for k, _ in rows)
     for k, v in rows:

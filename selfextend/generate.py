@@ -145,6 +145,24 @@ class Generator:
         self.last_logits = logits
         return logits
 
+    def rewind(self, n_past: int) -> None:
+        """Forget the cached tokens from ``n_past`` on.
+
+        Exact where every layer still holds the cells the tokens before ``n_past`` attend. A sliding-window
+        layer keeps only its window, so going back further than that is not: then the cells after the kept
+        ones are recomputed from the tokens (the kept cells stay), which is what a fresh forward over the
+        kept tokens gives, as after a context shift, and sets :attr:`last_logits`.
+        """
+        tokens = self.tokens[:n_past]
+        if self.cache.can_truncate(n_past):
+            self.cache.truncate(n_past)
+            self.tokens = tokens
+            return
+        keep = min(n_past, self.cache.n_keep)
+        self.cache.truncate(keep)
+        self.tokens = tokens[:keep]
+        self.feed(tokens[keep:])
+
     def feed(
         self,
         ids: Sequence[int],
@@ -215,8 +233,7 @@ def run(
     else:
         if reused == len(prompt_ids):
             # the whole prompt is cached without its logits: re-feed its last token to get them
-            generator.tokens.pop()
-            generator.cache.truncate(len(generator.tokens))
+            generator.rewind(len(generator.tokens) - 1)
             reused -= 1
         chunk = min(PREFILL_CHUNK, generator.cache.max_chunk())
         logits = generator.feed(prompt_ids[reused:], chunk, progress)

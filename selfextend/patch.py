@@ -277,10 +277,11 @@ def _check_module(model: Any, what: str) -> None:
         )
 
 
-def layer_kinds(model: nn.Module) -> list[str]:
-    """Each decoder layer's attention kind: ``full_attention`` unless ``config.layer_types`` says otherwise
-    (a model-wide ``sliding_window`` without layer types makes every layer slide)."""
-    config = model.config.get_text_config()
+def layer_kinds(model: Any) -> list[str]:
+    """Each decoder layer's attention kind (of a model or its config): ``full_attention`` unless
+    ``config.layer_types`` says otherwise (a model-wide ``sliding_window`` without layer types makes every
+    layer slide)."""
+    config = getattr(model, "config", model).get_text_config()
     kinds = list(getattr(config, "layer_types", None) or [])
     if kinds:
         return kinds

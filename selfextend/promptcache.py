@@ -15,10 +15,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from selfextend.cache import ContextShiftCache
+from selfextend.cache import ContextShiftCache, Range, gather, merge
 from selfextend.quantize import weight_format
 
-FORMAT = "selfextend-prompt-cache/2"
+FORMAT = "selfextend-prompt-cache/3"
+READABLE = (FORMAT, "selfextend-prompt-cache/2")  # /2: no "held", every layer holds every position
 
 
 class PromptCacheError(ValueError):
@@ -52,18 +53,28 @@ def save(
     logits: torch.Tensor,
     extra: dict[str, Any] | None = None,
 ) -> None:
-    """Write the first ``len(tokens)`` cells of every layer and the last token's ``logits`` (atomically:
-    temp file, then rename). With the logits, a run whose prompt is exactly ``tokens`` starts from the
-    same numbers as the run that saved it, instead of recomputing the last token another way.
-    ``extra``: JSON-able state of whoever owns the cache (a chat session), stored with it."""
+    """Write each layer's cells of the first ``len(tokens)`` positions and the last token's ``logits``
+    (atomically: temp file, then rename). A sliding-window layer has only its window and the kept cells;
+    ``held`` records which positions each layer's cells are. With the logits, a run whose prompt is exactly
+    ``tokens`` starts from the same numbers as the run that saved it, instead of recomputing the last token
+    another way. ``extra``: JSON-able state of whoever owns the cache (a chat session), stored with it."""
     n = len(tokens)
+    held, keys, values = [], [], []
+    for layer in cache.layers:
+        have = layer.held()
+        kept = merge([(lo, min(hi, n)) for lo, hi in have])
+        k, v = layer.states()
+        held.append([list(r) for r in kept])
+        keys.append(gather(have, k, kept).clone().cpu())
+        values.append(gather(have, v, kept).clone().cpu())
     payload = {
         "format": FORMAT,
         "settings": json.dumps(settings(model), sort_keys=True),
         "tokens": torch.tensor(tokens, dtype=torch.long),
         "logits": logits.detach().cpu().clone(),
-        "keys": [layer.keys[..., :n, :].clone().cpu() for layer in cache.layers],
-        "values": [layer.values[..., :n, :].clone().cpu() for layer in cache.layers],
+        "held": held,
+        "keys": keys,
+        "values": values,
     }
     if extra is not None:
         payload["extra"] = json.dumps(extra)
@@ -92,18 +103,46 @@ def _check_payload(path: str | Path, payload: dict) -> None:
         raise _bad(path, "its tokens are not a 1-D integer tensor")
     if not isinstance(logits, torch.Tensor) or logits.dim() != 1 or not logits.is_floating_point():
         raise _bad(path, "its logits are not a 1-D float tensor")
+    held = payload.get("held")
+    if held is not None and not (isinstance(held, list) and all(_is_ranges(h, len(tokens)) for h in held)):
+        raise _bad(path, "its held positions are not increasing [lo, hi) ranges within its tokens")
+
+
+def _is_ranges(ranges: object, n: int) -> bool:
+    """Whether ``ranges`` is a list of [lo, hi] integer pairs, increasing, apart and within [0, n]."""
+    if not isinstance(ranges, list):
+        return False
+    end = -1
+    for r in ranges:
+        if not (isinstance(r, list) and len(r) == 2 and all(type(x) is int for x in r)):
+            return False
+        if not end < r[0] < r[1] <= n:
+            return False
+        end = r[1]
+    return True
+
+
+def held(payload: dict[str, Any]) -> list[list[Range]]:
+    """Per layer, the positions whose cells a (checked) payload holds, in order."""
+    n = payload["tokens"].shape[0]
+    if "held" not in payload:
+        return [merge([(0, n)]) for _ in payload["keys"]]
+    return [[(lo, hi) for lo, hi in h] for h in payload["held"]]
 
 
 def _check_shapes(path: str | Path, payload: dict, cache: ContextShiftCache) -> None:
-    """One (B, Hkv, n, D) tensor per layer of ``cache`` for each of keys and values."""
-    n, layers = payload["tokens"].shape[0], cache.layers
+    """One (B, Hkv, n, D) tensor per layer of ``cache`` for each of keys and values, n the positions held."""
+    layers = cache.layers
     for name in ("keys", "values"):
         states = payload[name]
         if not isinstance(states, list) or len(states) != len(layers):
             count = len(states) if isinstance(states, list) else "?"
             raise _bad(path, f"{name} for {count} layers, the model has {len(layers)}")
-        for i, (t, layer) in enumerate(zip(states, layers, strict=True)):
-            want = (*layer.keys.shape[:2], n, layer.keys.shape[-1])
+    if len(held(payload)) != len(layers):
+        raise _bad(path, f"held positions for {len(held(payload))} layers, the model has {len(layers)}")
+    for name in ("keys", "values"):
+        for i, (t, layer, h) in enumerate(zip(payload[name], layers, held(payload), strict=True)):
+            want = (*layer.keys.shape[:2], sum(hi - lo for lo, hi in h), layer.keys.shape[-1])
             if not isinstance(t, torch.Tensor) or tuple(t.shape) != want:
                 got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
                 raise _bad(path, f"layer {i} {name} have shape {got}, expected {want}")
@@ -115,6 +154,8 @@ def load(
     """Load the longest cached prefix of ``prompt`` into the empty ``cache``.
 
     Returns the reused tokens, and the saved last-token logits when the prompt is exactly the saved one.
+    The prefix is shortened where a sliding-window layer of the file lacks cells its last tokens attend
+    (:meth:`~selfextend.cache.ContextShiftCache.loadable`).
     """
     payload = read(path, model, cache)
     saved = payload["tokens"].tolist()
@@ -122,12 +163,12 @@ def load(
     limit = min(len(saved), len(prompt), cache.n_ctx - 1)
     while n < limit and saved[n] == prompt[n]:
         n += 1
-    if n:
-        cache.load_prefix(
-            [k[..., :n, :] for k in payload["keys"]], [v[..., :n, :] for v in payload["values"]]
-        )
     whole = n == len(saved) == len(prompt)
-    return prompt[:n], payload["logits"] if whole else None
+    layers_held = held(payload)
+    n = cache.loadable(layers_held, n)
+    if n:
+        cache.load_prefix(payload["keys"], payload["values"], n, layers_held)
+    return prompt[:n], payload["logits"] if whole and n == len(prompt) else None
 
 
 def read(path: str | Path, model: nn.Module, cache: ContextShiftCache) -> dict[str, Any]:
@@ -138,7 +179,7 @@ def read(path: str | Path, model: nn.Module, cache: ContextShiftCache) -> dict[s
     except Exception as e:  # torch raises many types for a file that is not its own
         kind = type(e).__name__
         raise PromptCacheError(f"{path} is not a selfextend prompt cache or chat session ({kind})") from None
-    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
+    if not isinstance(payload, dict) or payload.get("format") not in READABLE:
         raise PromptCacheError(f"{path} is not a {FORMAT} file (another version or another program)")
     _check_payload(path, payload)
     ours, theirs = settings(model), json.loads(payload["settings"])

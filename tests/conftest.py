@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     GemmaConfig,
     GemmaForCausalLM,
     LlamaConfig,
@@ -77,6 +79,26 @@ ROPE_TYPES = {
         }
     },
 }
+
+
+GEMMA3_ROPE = {
+    "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+    "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+}
+
+
+def tiny_gemma3(layer_types: list[str], sliding_window: int, seed: int = 0, **overrides) -> torch.nn.Module:
+    """A tiny random Gemma 3: sliding layers with RoPE base 10k, full ones with base 1M, as the real model."""
+    torch.manual_seed(seed)
+    config = Gemma3TextConfig(
+        **{**COMMON, "num_hidden_layers": len(layer_types), **overrides},
+        head_dim=16,
+        layer_types=layer_types,
+        sliding_window=sliding_window,
+        rope_parameters=GEMMA3_ROPE,
+        query_pre_attn_scalar=16,
+    )
+    return Gemma3ForCausalLM(config).eval()
 
 
 def make_model(family: str = "llama", seed: int = 0, rope: str = "default") -> torch.nn.Module:

@@ -102,3 +102,27 @@ def test_int8_perplexity_within_one_percent_of_float(gemma, text):
     int8 = perplexity(token_nll(model, ids))
     assert abs(int8 / reference - 1) < 0.01, (int8, reference)
     assert reference < 40  # a sane model on plain English
+
+
+def test_bounded_sliding_layers_equal_full_buffer(gemma, text):
+    """The 15 sliding layers' cache bounded to the kept cells and 2 x 511 more, against every layer holding
+    the whole context: the same logits through a prefill longer than the window, decoding, and a shift
+    after which the kept cells are inside the window again."""
+    from selfextend.cache import ContextShiftCache, SlidingShiftLayer
+    from selfextend.generate import Generator
+
+    model, tokenizer = gemma
+    ids = tokenizer(text[:5000]).input_ids[:550]
+    runs = []
+    with selfextend.self_extend(model, G, W):
+        for sliding in (True, False):
+            cache = ContextShiftCache(model, n_ctx=1030, n_keep=4, sliding=sliding)
+            assert sum(isinstance(x, SlidingShiftLayer) for x in cache.layers) == (15 if sliding else 0)
+            gen = Generator(model, cache)
+            steps = [gen.feed(ids[:540], chunk=270)] + [gen.feed([t]) for t in ids[540:544]]
+            cache.shift(200)
+            gen.tokens = gen.tokens[:4] + gen.tokens[204:]
+            steps += [gen.feed([t]) for t in ids[544:]]
+            runs.append(torch.stack(steps))
+    bounded, full = runs
+    assert (bounded - full).abs().max() / full.abs().max() < 1e-4

@@ -314,6 +314,7 @@ def _prompt_cache_cases(good: dict) -> dict[str, object]:
         "2d-logits": {**good, "logits": good["logits"][None]},
         "layers-missing": {**good, "keys": good["keys"][:1]},
         "bad-shape": {**good, "values": [v[..., :-1] for v in good["values"]]},
+        "bad-held": {**good, "held": [[[0, 999]] for _ in good["keys"]]},
         "other-model": {**good, "settings": good["settings"].replace('"model": "', '"model": "x')},
         "not-a-dict": [1, 2, 3],
     }
@@ -349,6 +350,7 @@ PROMPT_CACHE_CASES = [
     "2d-logits",
     "layers-missing",
     "bad-shape",
+    "bad-held",
     "other-model",
     "not-a-dict",
 ]
@@ -366,7 +368,7 @@ def test_bad_prompt_cache_cli(name, prompt_caches, tiny_dir):
 
 def test_bad_prompt_cache_api(prompt_caches, tiny):
     model, _ = tiny
-    for name in ("no-keys", "bad-shape", "garbage"):
+    for name in ("no-keys", "bad-shape", "bad-held", "garbage"):
         cache = ContextShiftCache(model, 64)
         with pytest.raises(PromptCacheError, match=name):
             load_prompt_cache(prompt_caches[name], model, cache, [1, 2, 3])

@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import COMMON, TRAINED
+from conftest import COMMON, TRAINED, tiny_gemma3
 from transformers import (
     DynamicCache,
     Gemma2Config,
     Gemma2ForCausalLM,
-    Gemma3ForCausalLM,
-    Gemma3TextConfig,
     Qwen2Config,
     Qwen2ForCausalLM,
 )
@@ -29,23 +27,10 @@ from selfextend.rope import layer_frequencies
 TOL = 1e-4
 SLIDING = 16
 KINDS = ["sliding_attention", "full_attention", "sliding_attention"]
-GEMMA3_ROPE = {
-    "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
-    "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
-}
 
 
 def gemma3(layer_types=KINDS, sliding_window=SLIDING, seed=0):
-    torch.manual_seed(seed)
-    config = Gemma3TextConfig(
-        **{**COMMON, "num_hidden_layers": len(layer_types)},
-        head_dim=16,
-        layer_types=layer_types,
-        sliding_window=sliding_window,
-        rope_parameters=GEMMA3_ROPE,
-        query_pre_attn_scalar=16,
-    )
-    return Gemma3ForCausalLM(config).eval()
+    return tiny_gemma3(layer_types, sliding_window, seed)
 
 
 def qwen2_hybrid():

@@ -100,12 +100,12 @@ class ChatSession:
                 f"keeping {n_keep} tokens (the system prompt) leaves no room in a cache of {self.n_ctx}; "
                 "raise --ctx or shorten the system prompt"
             )
-        self._build(n_keep)
+        self._build(ContextShiftCache(self.model, n_ctx=self.n_ctx, n_keep=n_keep))
         if system_ids:
             self._prefill(system_ids)
 
-    def _build(self, n_keep: int) -> None:
-        self.cache = ContextShiftCache(self.model, n_ctx=self.n_ctx, n_keep=n_keep)
+    def _build(self, cache: ContextShiftCache) -> None:
+        self.cache = cache
         self.exchanges: list[Exchange] = []
         self.ledger = TurnLedger(self.exchanges, self.on_shift)
         self.cache.discard_policy = self.ledger.discard
@@ -130,9 +130,9 @@ class ChatSession:
         return logits
 
     def _truncate(self, n_past: int) -> None:
-        """Forget cells from ``n_past`` on, and every recorded position there."""
-        self.cache.truncate(n_past)
-        del self.gen.tokens[n_past:]
+        """Forget cells from ``n_past`` on, and every recorded position there (a sliding-window layer that
+        has dropped cells still needed has the cells after the kept ones recomputed: ``Generator.rewind``)."""
+        self.gen.rewind(n_past)
         for e in self.exchanges:
             e.start = e.start if e.start is not None and e.start < n_past else None
             e.reply_start = e.reply_start if e.reply_start is not None and e.reply_start < n_past else None
@@ -267,11 +267,14 @@ class ChatSession:
             torch.Generator().set_state(rng)
         except (TypeError, ValueError, RuntimeError):
             raise ChatError(f"{path}: damaged session state") from None
+        cache = ContextShiftCache(self.model, n_ctx=self.n_ctx, n_keep=state["n_keep"])
+        try:
+            cache.load_prefix(payload["keys"], payload["values"], len(tokens), promptcache.held(payload))
+        except ValueError as e:
+            raise ChatError(f"{path}: {e}") from None
         self.keep = state["keep"]
         self.template = ChatTemplate(self.tokenizer, state["system"])
-        self._build(state["n_keep"])
-        if tokens:
-            self.cache.load_prefix(payload["keys"], payload["values"])
+        self._build(cache)
         self.gen.tokens = tokens
         self.gen.last_logits = payload["logits"] if payload["logits"].numel() else None
         self.gen.rng.set_state(rng)
