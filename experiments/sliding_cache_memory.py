@@ -3,14 +3,20 @@ bounded to their window (and the kept cells).
 
 Counts the buffers a ContextShiftCache really allocates (float32, batch 1, as generate/ppl run) for a
 model built on the meta device from the config (no weights are read), and checks them against
-``cache_bytes``, the formula ``selfextend info`` prints.
+``cache_bytes``, the formula ``selfextend info`` prints. With ``--rss``, also the peak RSS (VmHWM) of a
+fresh process per layout that loads the model (int8 weights, as ``generate``), writes a 600-token
+prompt in 512-token pieces and decodes 16 tokens.
 
-    python experiments/sliding_cache_memory.py [--model gemma3-270m] [--keep 0]
+    python experiments/sliding_cache_memory.py [--model gemma3-270m] [--keep 0] [--rss]
 """
 
 from __future__ import annotations
 
 import argparse
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -24,13 +30,20 @@ def main() -> None:
     parser.add_argument("--model", default="gemma3-270m")
     parser.add_argument("--keep", type=int, default=0)
     parser.add_argument("--ctx", type=int, nargs="+", default=[2048, 32768])
+    parser.add_argument(
+        "--rss", action="store_true", help="also the peak RSS of a short generation per layout"
+    )
+    parser.add_argument("--child", nargs=2, type=int, help=argparse.SUPPRESS)  # (ctx, sliding): one run
     args = parser.parse_args()
+    if args.child:
+        return child(args.model, args.child[0], args.keep, bool(args.child[1]))
     config = load_config(args.model)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     print(f"{args.model}, float32, batch 1")
-    print("| --ctx | --keep | every layer n_ctx cells | sliding layers bounded | ratio |")
-    print("|---:|---:|---:|---:|---:|")
+    rss = " peak RSS, all cells | peak RSS, bounded |" if args.rss else ""
+    print(f"| --ctx | --keep | every layer n_ctx cells | sliding layers bounded |{rss} buffers ratio |")
+    print("|---:|---:|---:|---:|" + "---:|" * (3 if args.rss else 1))
     for ctx in args.ctx:
         sizes = []
         for sliding in (False, True):
@@ -42,7 +55,34 @@ def main() -> None:
             del cache
         before, after = sizes
         mib = [f"{b / 2**20:,.1f} MiB" for b in sizes]
-        print(f"| {ctx:,} | {args.keep} | {mib[0]} | {mib[1]} | {before / after:.2f}x |")
+        if args.rss:
+            mib += [f"{peak_rss(args.model, ctx, args.keep, sliding):,.0f} MiB" for sliding in (False, True)]
+        print(f"| {ctx:,} | {args.keep} | {' | '.join(mib)} | {before / after:.2f}x |")
+
+
+def peak_rss(model: str, ctx: int, keep: int, sliding: bool) -> float:
+    """VmHWM (MiB) of a fresh process running :func:`child`."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--model", model, "--keep", str(keep)]
+    out = subprocess.run(
+        [*cmd, "--child", str(ctx), str(int(sliding))], capture_output=True, text=True, check=True
+    )
+    return float(re.search(r"peak_rss_mib=([\d.]+)", out.stdout).group(1))
+
+
+def child(model_name: str, ctx: int, keep: int, sliding: bool) -> None:
+    from selfextend.corpus import default_books
+    from selfextend.generate import Generator
+    from selfextend.models import load_model
+
+    model, tokenizer = load_model(model_name, weights="int8")
+    ids = tokenizer(default_books()["sherlock-holmes"][:8000]).input_ids[:600]
+    with torch.inference_mode():
+        gen = Generator(model, ContextShiftCache(model, ctx, keep, sliding=sliding))
+        logits = gen.feed(ids, chunk=512)
+        for _ in range(16):
+            logits = gen.feed([int(logits.argmax())])
+    kib = int(re.search(r"VmHWM:\s+(\d+)", Path("/proc/self/status").read_text()).group(1))
+    print(f"peak_rss_mib={kib / 1024:.1f}")
 
 
 if __name__ == "__main__":

@@ -63,11 +63,11 @@ def covers(held: Sequence[Range], needed: Sequence[Range]) -> bool:
 def gather(held: Sequence[Range], states: torch.Tensor, needed: Sequence[Range]) -> torch.Tensor:
     """The cells of the ``needed`` positions, in order, from (B, Hkv, n, D) ``states`` that hold the
     ``held`` positions one cell each, in order. ``needed`` must be covered (:func:`covers`)."""
-    parts, slot = [], 0
-    starts = []
+    starts, slot = [], 0  # (lo, hi, first slot) of each held range
     for a, b in held:
         starts.append((a, b, slot))
         slot += b - a
+    parts = []
     for lo, hi in needed:
         a, _, s = next(r for r in starts if r[0] <= lo and hi <= r[1])
         parts.append(states[..., s + lo - a : s + hi - a, :])
@@ -107,11 +107,17 @@ def cache_bytes(
     config: Any, n_ctx: int, n_keep: int = 0, bytes_per_value: int = 2, sliding: bool = True
 ) -> int:
     """Bytes of a :class:`ContextShiftCache`'s buffers (K and V, batch 1) for a model's config."""
+    kv_heads, head_dim = kv_shape(config)
+    return 2 * bytes_per_value * kv_heads * head_dim * sum(layer_cells(config, n_ctx, n_keep, sliding))
+
+
+def kv_shape(config: Any) -> tuple[int, int]:
+    """(K/V heads, head dim) of a model or its config."""
     text = getattr(config, "config", config).get_text_config()
     heads = text.num_attention_heads
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    return 2 * bytes_per_value * kv_heads * head_dim * sum(layer_cells(text, n_ctx, n_keep, sliding))
+    return getattr(text, "num_key_value_heads", None) or heads, getattr(
+        text, "head_dim", None
+    ) or text.hidden_size // heads
 
 
 class ContextShiftLayer(CacheLayerMixin):
@@ -356,9 +362,7 @@ class ContextShiftCache(Cache):
         n_keep = check_int(n_keep, "n_keep (tokens kept at every shift)", 0, n_ctx - 2)
         batch_size = check_int(batch_size, "batch size", 1)
         config = model.config.get_text_config()
-        heads = config.num_attention_heads
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        kv_heads, head_dim = kv_shape(config)
         param = next(model.parameters())
         dtype, device = dtype or param.dtype, device or param.device
         layers: list[ContextShiftLayer] = []

@@ -4,7 +4,8 @@ Tiny random Gemma 3 (window 8, contexts of 40-64 cells): logits through the boun
 through the full-buffer layout (``sliding=False``, every layer ``n_ctx`` cells) at every step, through
 prefill chunks smaller and larger than the window, decoding and shifts (llama.cpp's half, and shifts that
 drop almost everything so the kept cells come back inside the window), with and without Self-Extend on
-the full layers, in a left-padded batch; a one-layer model against a fresh forward; truncation exact
+the full layers, in a left-padded batch; Qwen2 with sliding layers, Gemma 2 and an all-sliding Mistral
+likewise; a one-layer model against a fresh forward; truncation exact
 or refused, and recomputed by ``Generator.rewind``; prompt caches and chat sessions.
 """
 
@@ -12,7 +13,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_gemma3
+from conftest import COMMON, tiny_gemma3
+from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 import selfextend
 from selfextend import generate, promptcache
@@ -87,6 +96,41 @@ def test_logits_equal_full_buffer_layout(n_keep, self_extend, policy):
     assert [(x.keys.data_ptr(), x.values.data_ptr()) for x in bounded.layers] == ptrs  # allocated once
     sliding = bounded.layers[0]
     assert isinstance(sliding, SlidingShiftLayer) and sliding.used <= sliding.capacity
+
+
+def _other(family: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if family == "qwen2":  # layer 0 full, 1 and 2 sliding
+        config = Qwen2Config(
+            **{**COMMON, "num_hidden_layers": 3},
+            use_sliding_window=True,
+            sliding_window=WINDOW,
+            max_window_layers=1,
+        )
+        return Qwen2ForCausalLM(config).eval()
+    if family == "gemma2":  # alternating, no soft-capping
+        return Gemma2ForCausalLM(
+            Gemma2Config(
+                **COMMON,
+                head_dim=16,
+                sliding_window=WINDOW,
+                attn_logit_softcapping=None,
+                final_logit_softcapping=None,
+                query_pre_attn_scalar=16,
+            )
+        ).eval()
+    return MistralForCausalLM(MistralConfig(**COMMON, sliding_window=WINDOW)).eval()  # every layer slides
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gemma2", "mistral"])
+def test_other_sliding_families_equal_full_buffer_layout(family):
+    m = _other(family)
+    ids = torch.randint(3, 97, (150,)).tolist()
+    bounded = ContextShiftCache(m, n_ctx=48, n_keep=4)
+    assert any(isinstance(x, SlidingShiftLayer) for x in bounded.layers)
+    got, _ = run(m, bounded, ids)
+    want, _ = run(m, ContextShiftCache(m, n_ctx=48, n_keep=4, sliding=False), ids)
+    assert bounded.shifts >= 3 and (got - want).abs().max() < TOL
 
 
 @pytest.mark.parametrize("policy", [None, most], ids=["half", "most"])
