@@ -26,9 +26,15 @@ class PromptCacheError(ValueError):
     """A prompt-cache file that cannot be used here; one line for users."""
 
 
+UNHASHED_CONFIG = ("_name_or_path", "transformers_version", "_commit_hash")
+"""Config entries that say where or by what a model was loaded, not what it computes: the same GGUF loaded
+right after its conversion or later from the cache (or from another cache folder) is one model."""
+
+
 def fingerprint(model: nn.Module) -> str:
-    """A short hash of the model's config and a slice of its embedding weights."""
-    h = hashlib.sha256(model.config.to_json_string(use_diff=False).encode())
+    """A short hash of the model's config (without :data:`UNHASHED_CONFIG`) and a slice of its embedding."""
+    config = {k: v for k, v in model.config.to_dict().items() if k not in UNHASHED_CONFIG}
+    h = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
     emb = model.get_input_embeddings().weight
     h.update(emb[:64].detach().float().cpu().numpy().tobytes())
     return h.hexdigest()[:16]

@@ -135,6 +135,23 @@ def test_prompt_cache_gives_same_greedy_output(tmp_path):
     assert len(plain.stdout.split()) > 5
 
 
+def test_fingerprint_ignores_where_the_model_was_loaded_from():
+    """A GGUF used right after its conversion and later from the cache (or another cache folder) is one
+    model: prompt caches and chat sessions saved by the first run load in the next. Not so another model."""
+    from conftest import make_model
+
+    from selfextend.promptcache import fingerprint
+
+    model = make_model("llama")
+    before = fingerprint(model)
+    model.config._name_or_path = "/somewhere/else/SmolLM2-int8-float32-0123"
+    model.config.transformers_version = "0.0.0"
+    assert fingerprint(model) == before
+    model.config.num_attention_heads += 1
+    assert fingerprint(model) != before
+    assert fingerprint(make_model("qwen2")) != before
+
+
 @pytest.mark.real
 def test_mismatched_prompt_cache_refused(tmp_path):
     garbage = tmp_path / "garbage.cache"
