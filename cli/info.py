@@ -49,6 +49,7 @@ def info(model: str, group_size: int, window: int) -> None:
     """
     import torch
 
+    from selfextend.cache import sliding_cells
     from selfextend.models import load_config, model_facts
     from selfextend.positions import max_length, validate
     from selfextend.weights import RunForm, form_bytes
@@ -97,7 +98,7 @@ def info(model: str, group_size: int, window: int) -> None:
                 "attention layers",
                 f"{len(kinds) - sliding} full (Self-Extend applies to these), {sliding} sliding over "
                 f"{window_tokens} tokens (keep their own attention; the KV cache holds at most "
-                f"{2 * (window_tokens - 1):,} cells of each)",
+                f"{sliding_cells(window_tokens, 0):,} cells of each)",
             )
         )
     if trained:

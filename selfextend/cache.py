@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from selfextend.models import kv_shape
 from selfextend.patch import layer_kinds
 from selfextend.rope import layer_frequencies, rotate
 from selfextend.validate import check_int
@@ -109,15 +110,6 @@ def cache_bytes(
     """Bytes of a :class:`ContextShiftCache`'s buffers (K and V, batch 1) for a model's config."""
     kv_heads, head_dim = kv_shape(config)
     return 2 * bytes_per_value * kv_heads * head_dim * sum(layer_cells(config, n_ctx, n_keep, sliding))
-
-
-def kv_shape(config: Any) -> tuple[int, int]:
-    """(K/V heads, head dim) of a model or its config."""
-    text = getattr(config, "config", config).get_text_config()
-    heads = text.num_attention_heads
-    return getattr(text, "num_key_value_heads", None) or heads, getattr(
-        text, "head_dim", None
-    ) or text.hidden_size // heads
 
 
 class ContextShiftLayer(CacheLayerMixin):

@@ -682,14 +682,20 @@ def _kv_heads(config: PretrainedConfig) -> int | None:
     return None
 
 
+def kv_shape(config: Any) -> tuple[int, int]:
+    """(K/V heads, head dim) of a model or its config (the text part of composite configs)."""
+    text = _text_config(getattr(config, "config", config))
+    heads = int(text.num_attention_heads)
+    return int(_kv_heads(text) or heads), int(getattr(text, "head_dim", None) or text.hidden_size // heads)
+
+
 def model_facts(config: PretrainedConfig) -> ModelFacts:
     """Read a :class:`ModelFacts` from a config (the text part of composite configs)."""
     check_rope(config)
     text = _text_config(config)
     rope = _rope_parameters(text) or {}
     heads = int(text.num_attention_heads)
-    kv_heads = int(_kv_heads(text) or heads)
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    kv_heads, head_dim = kv_shape(text)
     partial = rope.get("partial_rotary_factor", getattr(text, "partial_rotary_factor", None)) or 1.0
     rotary_dim = getattr(text, "rotary_dim", None) or int(head_dim * float(partial))
     theta = rope.get("rope_theta", getattr(text, "rope_theta", None))

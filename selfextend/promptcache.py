@@ -144,10 +144,11 @@ def _check_shapes(path: str | Path, payload: dict, cache: ContextShiftCache) -> 
         if not isinstance(states, list) or len(states) != len(layers):
             count = len(states) if isinstance(states, list) else "?"
             raise _bad(path, f"{name} for {count} layers, the model has {len(layers)}")
-    if len(held(payload)) != len(layers):
-        raise _bad(path, f"held positions for {len(held(payload))} layers, the model has {len(layers)}")
+    layers_held = held(payload)
+    if len(layers_held) != len(layers):
+        raise _bad(path, f"held positions for {len(layers_held)} layers, the model has {len(layers)}")
     for name in ("keys", "values"):
-        for i, (t, layer, h) in enumerate(zip(payload[name], layers, held(payload), strict=True)):
+        for i, (t, layer, h) in enumerate(zip(payload[name], layers, layers_held, strict=True)):
             want = (*layer.keys.shape[:2], sum(hi - lo for lo, hi in h), layer.keys.shape[-1])
             if not isinstance(t, torch.Tensor) or tuple(t.shape) != want:
                 got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__

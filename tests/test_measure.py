@@ -44,13 +44,13 @@ def test_shift_nll_without_shift_equals_one_forward():
 def test_chunked_prefill_scores_a_hybrid_model_as_one_forward():
     """Models with sliding layers are scored by chunked prefill (no (L, L) mask): same NLL as one forward,
     for chunks shorter and longer than the sliding window; a plain Llama needs no chunking."""
-    from test_hybrid import gemma3
+    from conftest import tiny_gemma3
 
     from selfextend.eval import dense_sliding_mask
     from selfextend.patch import self_extend
     from selfextend.sweep import score
 
-    model = gemma3()
+    model = tiny_gemma3(["sliding_attention", "full_attention", "sliding_attention"], 16)
     ids = torch.randint(3, 97, (1, 150))
     whole = token_nll(model, ids, chunk=64)
     for prefill in (7, 16, 40):
