@@ -93,7 +93,7 @@ def _drain(fd: int) -> str:
 
 def main() -> None:
     OUT.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "cli", "chat", "--system", SYSTEM, *ARGS]
+    cmd = [sys.executable, "-m", "selfextend", "chat", "--system", SYSTEM, *ARGS]
     proc = subprocess.Popen(
         cmd, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
     )

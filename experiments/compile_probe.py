@@ -18,7 +18,7 @@ import torch
 from transformers import StaticCache
 
 from selfextend.models import load_model
-from selfextend.quantize import quantize_int8
+from selfextend.models.quantize import quantize_int8
 
 PROMPT = 1024
 OUT = Path(__file__).parent / "results" / "compile_probe.json"

@@ -29,11 +29,11 @@ SWEEP += ["--method", "plain", "--method", "selfextend:G=4,W=1024"]
 def run(processes: int, out: Path) -> dict:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     if processes == 1:
-        cmd = [sys.executable, "-m", "cli", *SWEEP, "-o", str(out)]
+        cmd = [sys.executable, "-m", "selfextend", *SWEEP, "-o", str(out)]
     else:
         env["OMP_NUM_THREADS"] = "1"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(processes)]
-        cmd += ["-m", "cli", *SWEEP, "-o", str(out)]
+        cmd += ["-m", "selfextend", *SWEEP, "-o", str(out)]
     load = os.getloadavg()[0]
     t0 = time.perf_counter()
     subprocess.run(cmd, check=True, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -19,11 +19,11 @@ from pathlib import Path
 
 import torch
 
-from selfextend.cache import ContextShiftCache
-from selfextend.generate import Generator
+from selfextend.generation.generator import Generator
+from selfextend.hf.patch import apply_self_extend
+from selfextend.kv.cache import ContextShiftCache
 from selfextend.models import load_model
-from selfextend.patch import apply_self_extend
-from selfextend.quantize import quantize_int8
+from selfextend.models.quantize import quantize_int8
 
 BLOCK = 50
 OUT = Path(__file__).parent / "results" / "direct_decode.json"

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import sys
 
-from selfextend.results import read_jsonl
+from selfextend.evaluation.results import read_jsonl
 
 
 def span_rate(lines: list[dict], first: int, last: int) -> float:

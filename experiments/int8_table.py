@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import sys
 
-from selfextend.results import read_jsonl
+from selfextend.evaluation.results import read_jsonl
 
 
 def main(path: str) -> None:

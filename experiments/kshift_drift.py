@@ -1,7 +1,7 @@
 """K-shift drift: what repeated re-rotation does to cached keys, and how often a key is re-rotated.
 
-A context shift re-rotates every surviving key by ``-n_discard`` (selfextend.cache, through
-selfextend.rope.rotate) and stores it back in the cache's dtype. A key that survives many shifts is
+A context shift re-rotates every surviving key by ``-n_discard`` (selfextend.kv.cache, through
+selfextend.core.rope.rotate) and stores it back in the cache's dtype. A key that survives many shifts is
 rotated many times, each adding rounding error. This script, on the real default model (SmolLM2-135M,
 float32 weights; bfloat16 weights for the bfloat16 cache):
 
@@ -24,10 +24,10 @@ from pathlib import Path
 
 import torch
 
-from selfextend.cache import ContextShiftCache, discard_count
-from selfextend.corpus import default_books
+from selfextend.core.rope import find_rotary_embedding, rotate
+from selfextend.evaluation.corpus import default_books
+from selfextend.kv.cache import ContextShiftCache, discard_count
 from selfextend.models import load_model
-from selfextend.rope import find_rotary_embedding, rotate
 
 COUNTS = (1, 10, 100, 1000)
 N_TOKENS = 64

@@ -15,7 +15,7 @@ still give the same tokens.
     python experiments/load_cost.py --table     # the README's before/after table
 
 A model may also be a .gguf path (``--name`` then labels it). Loads go through
-``cli.options.load_with_self_extend``, the path every command takes.
+``selfextend.cli.options.load_with_self_extend``, the path every command takes.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def worker(model: str, form: str) -> None:
     """One load in this process; prints a JSON line."""
     import torch
 
-    from cli.options import load_with_self_extend
+    from selfextend.cli.options import load_with_self_extend
 
     rss_imports = _vm("VmRSS")
     weights, dtype = ("int8", "float32") if form == "int8" else ("float", form)

@@ -79,11 +79,12 @@ def main() -> None:
     Path("/proc/self/clear_refs").write_text("5")
     import torch  # noqa: F401
 
-    from selfextend import models, weights
-    from selfextend.patch import apply_self_extend  # noqa: F401  (what every command imports)
+    from selfextend import models
+    from selfextend.hf.patch import apply_self_extend  # noqa: F401  (what every command imports)
+    from selfextend.models import weights
 
     stages.report("imports")
-    for name in ("check_gguf", "_gguf_config", "_converted_tokenizer", "_convert_gguf", "_write_entry"):
+    for name in ("check_gguf", "gguf_config", "_converted_tokenizer", "_convert_gguf", "_write_entry"):
         stages.wrap(models, name)
     for name in ("load_run_form", "_tie_head"):
         stages.wrap(weights if name == "_tie_head" else models, name)

@@ -28,8 +28,8 @@ def worker(variant: str, tokens: int, group_size: int, window: int) -> None:
     import torch
 
     import selfextend
-    from selfextend.bench import status_kib
-    from selfextend.corpus import default_books
+    from selfextend.bench.runner import status_kib
+    from selfextend.evaluation.corpus import default_books
     from selfextend.models import load_model
 
     model, tokenizer = load_model("smollm2-135m", dtype=torch.float32)

@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 
 import selfextend
-from selfextend.corpus import default_books
-from selfextend.eval import segment_ppl, token_nll
+from selfextend.evaluation.corpus import default_books
+from selfextend.evaluation.nll import segment_ppl, token_nll
 from selfextend.models import load_model
 
 RESULTS = Path(__file__).parent / "results"

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from selfextend.cache import ContextShiftCache, cache_bytes
+from selfextend.kv.cache import ContextShiftCache, cache_bytes
 from selfextend.models import load_config
 
 
@@ -70,8 +70,8 @@ def peak_rss(model: str, ctx: int, keep: int, sliding: bool) -> float:
 
 
 def child(model_name: str, ctx: int, keep: int, sliding: bool) -> None:
-    from selfextend.corpus import default_books
-    from selfextend.generate import Generator
+    from selfextend.evaluation.corpus import default_books
+    from selfextend.generation.generator import Generator
     from selfextend.models import load_model
 
     model, tokenizer = load_model(model_name, weights="int8")

@@ -17,10 +17,10 @@ from pathlib import Path
 import torch
 import transformers
 
-from selfextend.cache import ContextShiftCache
-from selfextend.generate import Generator, build_prompt
+from selfextend.generation.generator import Generator, build_prompt
+from selfextend.generation.sampling import SamplingParams
+from selfextend.kv.cache import ContextShiftCache
 from selfextend.models import load_model
-from selfextend.sampling import SamplingParams
 
 RESULTS = Path(__file__).parent / "results"
 SYSTEM = "You are Captain Redbeard, a pirate. Always talk like a pirate: say 'Arr' and call the user 'matey'."

@@ -1,7 +1,7 @@
 """selfextend: Self-Extend attention and context shift for Hugging Face RoPE language models.
 
 The public functions are imported on first use (PEP 562), so light modules such as
-:mod:`selfextend.validate` can be imported without torch and transformers (the CLI parses and
+:mod:`selfextend.core.validate` can be imported without torch and transformers (the CLI parses and
 refuses its options before anything heavy loads).
 """
 
@@ -11,15 +11,15 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from selfextend.patch import apply_self_extend, max_usable_length, remove_self_extend, self_extend
-    from selfextend.positions import max_length
+    from selfextend.core.positions import max_length
+    from selfextend.hf.patch import apply_self_extend, max_usable_length, remove_self_extend, self_extend
 
 _PUBLIC = {
-    "apply_self_extend": "selfextend.patch",
-    "max_length": "selfextend.positions",
-    "max_usable_length": "selfextend.patch",
-    "remove_self_extend": "selfextend.patch",
-    "self_extend": "selfextend.patch",
+    "apply_self_extend": "selfextend.hf.patch",
+    "max_length": "selfextend.core.positions",
+    "max_usable_length": "selfextend.hf.patch",
+    "remove_self_extend": "selfextend.hf.patch",
+    "self_extend": "selfextend.hf.patch",
 }
 
 __all__ = ["apply_self_extend", "max_length", "max_usable_length", "remove_self_extend", "self_extend"]

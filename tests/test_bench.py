@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from click.testing import CliRunner
 
-from cli.main import main
-from selfextend.results import read_jsonl
+from selfextend.cli.main import main
+from selfextend.evaluation.results import read_jsonl
 
 
 def test_bench_records_and_plot(tiny_dir, tmp_path):
@@ -61,7 +61,7 @@ def test_bench_bad_case(tiny_dir):
 @pytest.mark.real
 def test_llama_cpp_yardstick_shifts_and_decodes():
     pytest.importorskip("llama_cpp")
-    from selfextend.llamacpp import LlamaCppGenerator
+    from selfextend.bench.llamacpp import LlamaCppGenerator
     from selfextend.models import resolve_model
 
     llama = LlamaCppGenerator(resolve_model("smollm2-135m").gguf_path, n_ctx=64, n_keep=4, threads=1)

@@ -8,9 +8,9 @@ from conftest import COMMON, ROPE_TYPES, TRAINED
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import selfextend
-from selfextend.cache import ContextShiftCache
-from selfextend.generate import Generator
-from selfextend.rope import rotate
+from selfextend.core.rope import rotate
+from selfextend.generation.generator import Generator
+from selfextend.kv.cache import ContextShiftCache
 
 TOL = 1e-4
 
@@ -102,7 +102,7 @@ def test_grouped_key_memo_matches_recomputation_across_shifts():
     """Self-Extend decoding memoises grouped keys; across context shifts it must equal recomputing them."""
     from conftest import make_model
 
-    from selfextend.patch import attention_modules
+    from selfextend.hf.patch import attention_modules
 
     ids = torch.randint(3, 97, (160,)).tolist()
     runs = []

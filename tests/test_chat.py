@@ -17,9 +17,9 @@ import torch
 from conftest import real_vocab_config
 from transformers import AutoTokenizer, LlamaForCausalLM
 
-from selfextend import promptcache
 from selfextend.chat import ChatError, ChatSession, Exchange, TurnLedger
-from selfextend.sampling import SamplingParams
+from selfextend.generation.sampling import SamplingParams
+from selfextend.kv import promptcache
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -145,7 +145,7 @@ def test_session_file_round_trip_and_refusals(tiny, tmp_path):
 CHAT = [
     sys.executable,
     "-m",
-    "cli",
+    "selfextend",
     "chat",
     "--temperature",
     "0",
@@ -273,7 +273,7 @@ def test_chat_on_a_terminal_shifts_and_ctrl_c(tmp_path):
 def test_session_file_that_cannot_be_written_refused_before_loading(tmp_path):
     from click.testing import CliRunner
 
-    from cli.main import main
+    from selfextend.cli.main import main
 
     r = CliRunner().invoke(main, ["chat", "--session", str(tmp_path / "no" / "such" / "s.pt")])
     assert r.exit_code == 2 and len(r.stderr.strip().splitlines()) == 1 and "--session" in r.stderr

@@ -6,7 +6,7 @@ import pytest
 from click.testing import CliRunner
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from cli.main import main
+from selfextend.cli.main import main
 
 
 def invoke(*args):
@@ -78,7 +78,7 @@ def test_window_beyond_trained_window_refused(tiny_dir):
 
 def test_info_weights_equal_loaded_bytes(tiny_dir):
     from selfextend.models import load_model
-    from selfextend.weights import run_form_bytes
+    from selfextend.models.weights import run_form_bytes
 
     r = invoke("info", tiny_dir, "-g", "4", "-w", "64")
     assert r.exit_code == 0, r.stderr

@@ -8,11 +8,11 @@ from conftest import ROPE_TYPES, make_model
 from torch import nn
 
 import selfextend
-from selfextend.cache import ContextShiftCache
-from selfextend.decode import DecodeStep, decode_step_for
-from selfextend.generate import Generator
-from selfextend.patch import REFERENCE_IMPLEMENTATION
-from selfextend.quantize import Int8Linear, fuse_int8, quantize_int8
+from selfextend.generation.decode import DecodeStep, decode_step_for
+from selfextend.generation.generator import Generator
+from selfextend.hf.patch import REFERENCE_IMPLEMENTATION
+from selfextend.kv.cache import ContextShiftCache
+from selfextend.models.quantize import Int8Linear, fuse_int8, quantize_int8
 
 TOL = 1e-4
 
@@ -98,7 +98,7 @@ def test_fusing_needs_one_input_size():
 @pytest.mark.parametrize("weights", ["float", "int8"])
 def test_direct_decode_on_the_default_model(weights):
     """SmolLM2 with Self-Extend (the grouped part in use) and a shift: direct decode tracks the forward."""
-    from selfextend.corpus import default_books
+    from selfextend.evaluation.corpus import default_books
     from selfextend.models import load_model
 
     model, tokenizer = load_model()

@@ -14,13 +14,13 @@ from accelerate import dispatch_model
 from click.testing import CliRunner
 from conftest import make_model
 
-from cli.main import main
-from selfextend.cache import ContextShiftCache
-from selfextend.eval import shift_nll, token_nll
-from selfextend.generate import Generator
-from selfextend.patch import self_extend
-from selfextend.results import read_jsonl
-from selfextend.rope import RotationTable, rotate
+from selfextend.cli.main import main
+from selfextend.core.rope import RotationTable, rotate
+from selfextend.evaluation.nll import shift_nll, token_nll
+from selfextend.evaluation.results import read_jsonl
+from selfextend.generation.generator import Generator
+from selfextend.hf.patch import self_extend
+from selfextend.kv.cache import ContextShiftCache
 
 MAP = {
     "model.embed_tokens": "cpu",

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from selfextend.distributed import Processes, balance, forward_cost, merge, rank_file, rank_files
-from selfextend.results import ResultsWarning, read_jsonl
+from selfextend.evaluation.distributed import Processes, balance, forward_cost, merge, rank_file, rank_files
+from selfextend.evaluation.results import ResultsWarning, read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -75,7 +75,7 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "TOKENIZER
 
 
 def _torchrun(n: int) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n), "-m", "cli"]
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n), "-m", "selfextend"]
 
 
 def _run(cmd: list[str]) -> subprocess.CompletedProcess:
@@ -109,7 +109,7 @@ PASSKEY += ["--method", "plain", "--method", "selfextend:G=4,W=64"]
 )
 def test_two_processes_equal_one(tmp_path, args, fields, n_points):
     one, two = tmp_path / "one.jsonl", tmp_path / "two.jsonl"
-    _run([sys.executable, "-m", "cli", *args, "-o", str(one)])
+    _run([sys.executable, "-m", "selfextend", *args, "-o", str(one)])
     r = _run([*_torchrun(2), *args, "-o", str(two)])
     assert "rank 0/2" in r.stderr
     assert rank_files(two) == []
@@ -148,7 +148,7 @@ def test_killed_two_process_sweep_resumes_on_one(tmp_path):
     keys = [{(r["doc"], r["method"], r["length"]) for r in p} for p in parts]
     assert not keys[0] & keys[1], "the two ranks scored disjoint points"
 
-    r = _run([sys.executable, "-m", "cli", *args])
+    r = _run([sys.executable, "-m", "selfextend", *args])
     assert "merged" in r.stderr
     after = read_jsonl(out)
     assert rank_files(out) == []

@@ -16,7 +16,7 @@ import torch
 from transformers import DynamicCache
 
 import selfextend
-from selfextend.patch import REFERENCE_IMPLEMENTATION, SelfExtendParams, attention_modules
+from selfextend.hf.patch import REFERENCE_IMPLEMENTATION, SelfExtendParams, attention_modules
 
 pytestmark = [
     pytest.mark.real,
@@ -40,7 +40,7 @@ def gemma():
 
 @pytest.fixture(scope="module")
 def text():
-    from selfextend.corpus import default_books
+    from selfextend.evaluation.corpus import default_books
 
     return default_books()["sherlock-holmes"]
 
@@ -74,8 +74,8 @@ def test_self_extend_on_global_layers_equals_reference(gemma, text):
 
 def test_generation_through_shifts_keeps_counting(gemma):
     """Counting continues correctly across several shifts of a small cache, with Self-Extend on."""
-    from selfextend.cache import ContextShiftCache
-    from selfextend.generate import Generator
+    from selfextend.generation.generator import Generator
+    from selfextend.kv.cache import ContextShiftCache
 
     model, tokenizer = gemma
     prompt = tokenizer("Counting: " + ", ".join(str(i) for i in range(1, 21)) + ",").input_ids
@@ -91,7 +91,7 @@ def test_generation_through_shifts_keeps_counting(gemma):
 
 
 def test_int8_perplexity_within_one_percent_of_float(gemma, text):
-    from selfextend.eval import perplexity, token_nll
+    from selfextend.evaluation.nll import perplexity, token_nll
     from selfextend.models import load_model
 
     float32, tokenizer = gemma
@@ -108,8 +108,9 @@ def test_bounded_sliding_layers_equal_full_buffer(gemma, text):
     """The 15 sliding layers' cache bounded to the kept cells and 2 x 511 more, against every layer holding
     the whole context: the same logits through a prefill longer than the window, decoding, and a shift
     after which the kept cells are inside the window again."""
-    from selfextend.cache import ContextShiftCache, SlidingShiftLayer
-    from selfextend.generate import Generator
+    from selfextend.generation.generator import Generator
+    from selfextend.kv.cache import ContextShiftCache
+    from selfextend.kv.layers import SlidingShiftLayer
 
     model, tokenizer = gemma
     ids = tokenizer(text[:5000]).input_ids[:550]

@@ -6,9 +6,9 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from cli.main import main
-from selfextend.generate import StopMatcher, TextStream
-from selfextend.sampling import SamplingParams, apply_repetition_penalty, sample
+from selfextend.cli.main import main
+from selfextend.generation.generator import StopMatcher, TextStream
+from selfextend.generation.sampling import SamplingParams, apply_repetition_penalty, sample
 
 
 def test_greedy_and_filters():
@@ -140,7 +140,7 @@ def test_fingerprint_ignores_where_the_model_was_loaded_from():
     model: prompt caches and chat sessions saved by the first run load in the next. Not so another model."""
     from conftest import make_model
 
-    from selfextend.promptcache import fingerprint
+    from selfextend.kv.promptcache import fingerprint
 
     model = make_model("llama")
     before = fingerprint(model)

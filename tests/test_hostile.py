@@ -23,20 +23,20 @@ import torch
 from click.testing import CliRunner
 from conftest import make_model
 
-from cli.main import main
 from selfextend import apply_self_extend, max_usable_length, remove_self_extend
-from selfextend.bench import BenchConfig
-from selfextend.cache import ContextShiftCache
-from selfextend.generate import Generator, run
-from selfextend.methods import Method, MethodError, parse_method, parse_methods
+from selfextend.bench.runner import BenchConfig
+from selfextend.cli.main import main
+from selfextend.core.validate import ValidationError
+from selfextend.evaluation.methods import Method, MethodError, parse_method, parse_methods
+from selfextend.evaluation.passkey import passkey_plan
+from selfextend.evaluation.results import ResultsWarning, read_jsonl, rejected_path, repair_tail
+from selfextend.evaluation.sweep import check_lengths, plan
+from selfextend.generation.generator import Generator, run
+from selfextend.generation.sampling import SamplingParams
+from selfextend.kv.cache import ContextShiftCache
+from selfextend.kv.promptcache import PromptCacheError
+from selfextend.kv.promptcache import load as load_prompt_cache
 from selfextend.models import ModelError, check_gguf, load_config, load_model, resolve_model
-from selfextend.passkey import passkey_plan
-from selfextend.promptcache import PromptCacheError
-from selfextend.promptcache import load as load_prompt_cache
-from selfextend.results import ResultsWarning, read_jsonl, rejected_path, repair_tail
-from selfextend.sampling import SamplingParams
-from selfextend.sweep import check_lengths, plan
-from selfextend.validate import ValidationError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -115,7 +115,7 @@ def test_parse_time_refusals_subprocess(args, message, tmp_path):
     before = snapshot(tmp_path)
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     r = subprocess.run(
-        [sys.executable, "-m", "cli", *args],
+        [sys.executable, "-m", "selfextend", *args],
         capture_output=True,
         text=True,
         cwd=tmp_path,
@@ -272,7 +272,7 @@ def test_non_utf8_stdin_subprocess(tiny_dir, tmp_path):
     before = snapshot(tmp_path)
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     r = subprocess.run(
-        [sys.executable, "-m", "cli", "generate", "-m", str(tiny_dir), "-n", "2"],
+        [sys.executable, "-m", "selfextend", "generate", "-m", str(tiny_dir), "-n", "2"],
         input=b"caf\xe9\n",
         capture_output=True,
         cwd=tmp_path,
@@ -288,7 +288,11 @@ def test_truncated_gguf_subprocess(real_gguf, tmp_path):
     before = snapshot(tmp_path)
     env = dict(os.environ, PYTHONPATH=str(ROOT), SELFEXTEND_CACHE=str(tmp_path / "cache"))
     r = subprocess.run(
-        [sys.executable, "-m", "cli", "info", str(bad)], capture_output=True, text=True, env=env, timeout=300
+        [sys.executable, "-m", "selfextend", "info", str(bad)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
     )
     assert_one_line_error(r.returncode, r.stderr, before, "truncated")
     assert not (tmp_path / "cache").exists()
@@ -583,7 +587,7 @@ def test_sigterm_stops_generate_like_ctrl_c(tiny_dir, tmp_path):
         [
             sys.executable,
             "-m",
-            "cli",
+            "selfextend",
             "generate",
             "-m",
             str(tiny_dir),

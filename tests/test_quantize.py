@@ -7,9 +7,15 @@ import torch
 from conftest import make_model
 from torch import nn
 
-from selfextend.cache import ContextShiftCache
-from selfextend.generate import Generator
-from selfextend.quantize import FUSED_MAX_ROWS, Int8Linear, apply_weight_format, quantize_int8, quantize_rows
+from selfextend.generation.generator import Generator
+from selfextend.kv.cache import ContextShiftCache
+from selfextend.models.quantize import (
+    FUSED_MAX_ROWS,
+    Int8Linear,
+    apply_weight_format,
+    quantize_int8,
+    quantize_rows,
+)
 
 
 def test_quantize_rows_roundtrip_error_is_half_a_step():

@@ -18,7 +18,7 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 # own address space: getrusage's ru_maxrss would carry over the parent's (pytest's) peak across fork+exec.
 RUNNER = """
 import json, runpy, sys
-from selfextend.bench import status_kib
+from selfextend.bench.runner import status_kib
 ns = runpy.run_path(sys.argv[1], run_name="__main__")
 n_tokens = len(ns["tokenizer"](ns["long_text"]).input_ids)
 peak_kib = status_kib("VmHWM")

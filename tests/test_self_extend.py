@@ -8,9 +8,9 @@ from conftest import TRAINED, make_model
 from transformers import DynamicCache
 
 import selfextend
-from selfextend.attention import self_extend_attention, self_extend_attention_reference
-from selfextend.patch import REFERENCE_IMPLEMENTATION
-from selfextend.rope import rotate
+from selfextend.core.attention import self_extend_attention, self_extend_attention_reference
+from selfextend.core.rope import rotate
+from selfextend.hf.patch import REFERENCE_IMPLEMENTATION
 
 TOL = 1e-4
 
@@ -178,7 +178,7 @@ def test_max_usable_length():
 
 def test_portable_kernel_equals_cpu_flash_kernel(monkeypatch):
     """The matmul fallback used off-CPU computes the same attention and log-sum-exp as the fused kernel."""
-    import selfextend.attention as attention
+    import selfextend.core.attention as attention
 
     torch.manual_seed(0)
     q, k, v = torch.randn(1, 4, 300, 16), torch.randn(1, 4, 300, 16), torch.randn(1, 4, 300, 16)
@@ -201,7 +201,7 @@ def test_portable_kernel_equals_cpu_flash_kernel(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_fused_kernels_equal_portable(dtype):
     """Flash / memory-efficient attention with log-sum-exp against the portable kernel, on a GPU."""
-    import selfextend.attention as attention
+    import selfextend.core.attention as attention
 
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, 4, 300, 64, device="cuda", dtype=dtype) for _ in range(3))
@@ -217,7 +217,7 @@ def test_cuda_fused_kernels_equal_portable(dtype):
 
 @pytest.mark.real
 def test_real_model_efficient_equals_reference_and_plain_at_g1():
-    from selfextend.corpus import default_books
+    from selfextend.evaluation.corpus import default_books
     from selfextend.models import load_model
 
     model, tokenizer = load_model("smollm2-135m")

@@ -24,9 +24,11 @@ from transformers import (
 )
 
 import selfextend
-from selfextend import generate, promptcache
-from selfextend.cache import ContextShiftCache, SlidingShiftLayer, cache_bytes, layer_cells
-from selfextend.generate import Generator
+from selfextend.generation import generator as generate
+from selfextend.generation.generator import Generator
+from selfextend.kv import promptcache
+from selfextend.kv.cache import ContextShiftCache, cache_bytes, layer_cells
+from selfextend.kv.layers import SlidingShiftLayer
 
 TOL = 1e-4
 WINDOW = 8

@@ -9,8 +9,8 @@ import matplotlib
 import pytest
 from click.testing import CliRunner
 
-from cli.main import main
-from selfextend.aggregate import AggregateError, format_table, summarize
+from selfextend.cli.main import main
+from selfextend.evaluation.aggregate import AggregateError, format_table, summarize
 
 matplotlib.use("Agg")
 
@@ -108,7 +108,7 @@ def test_passkey_accuracy_over_depths():
 def test_plot_draws_the_table_numbers_with_plain_tick_labels(tmp_path, monkeypatch, kwargs):
     from matplotlib.figure import Figure
 
-    from selfextend.plot import plot_ppl
+    from selfextend.evaluation.plot import plot_ppl
 
     saved = []
     monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: saved.append(fig))
@@ -136,7 +136,7 @@ def test_plot_draws_the_table_numbers_with_plain_tick_labels(tmp_path, monkeypat
 def test_heatmap_counts_contrast_with_cells():
     import matplotlib.pyplot as plt
 
-    from selfextend.plot import _text_colour
+    from selfextend.evaluation.plot import _text_colour
 
     cmap = plt.get_cmap("RdYlGn")
     assert _text_colour(cmap(0.0)) == "white" and _text_colour(cmap(1.0)) == "white"

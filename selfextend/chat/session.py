@@ -20,12 +20,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from selfextend import promptcache
-from selfextend.cache import ContextShiftCache
 from selfextend.chat.template import ChatTemplate
 from selfextend.chat.turns import Exchange, ShiftReport, TurnLedger
-from selfextend.generate import PREFILL_CHUNK, Generator, StopMatcher, TextStream, eos_token_ids
-from selfextend.sampling import SamplingParams
+from selfextend.generation.generator import PREFILL_CHUNK, Generator, StopMatcher, TextStream, eos_token_ids
+from selfextend.generation.sampling import SamplingParams
+from selfextend.kv import promptcache
+from selfextend.kv.cache import ContextShiftCache
 
 SESSION_KIND = "selfextend-chat/1"
 

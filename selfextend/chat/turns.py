@@ -3,7 +3,7 @@
 A shift that cuts through a turn leaves the model a turn without its header, or a reply without
 its end marker. So, when the cache is full, the chat drops the oldest whole exchanges (a user
 turn and its reply) after the kept part: the fewest that free at least llama.cpp's half
-(:func:`selfextend.cache.discard_count`), else as many as there are, provided that frees enough
+(:func:`selfextend.kv.cache.discard_count`), else as many as there are, provided that frees enough
 for the write. Only when no exchange boundary frees enough (one turn larger than the cache)
 does it fall back to the token-level half. The cache itself moves and re-rotates the cells.
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from selfextend.cache import discard_count
+from selfextend.kv.cache import discard_count
 
 
 @dataclass

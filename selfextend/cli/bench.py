@@ -1,0 +1,205 @@
+"""``selfextend bench``: prefill, decode and endless-generation cost, side by side in one process."""
+
+from __future__ import annotations
+
+import click
+
+from selfextend.cli.options import COUNT, POSITIVE, integer, model_options, weights_option
+
+
+@click.command()
+@model_options
+@weights_option("float")
+@click.option(
+    "--lengths", default="2k,4k,8k", show_default=True, help="Prefill lengths in tokens (k = 1024)."
+)
+@click.option(
+    "--decode-lengths",
+    default="4k",
+    show_default=True,
+    help="Cache lengths (tokens) at which decode milliseconds per token are measured.",
+)
+@click.option(
+    "-g", "--group-size", type=POSITIVE, default=4, show_default=True, help="Self-Extend group size G."
+)
+@click.option(
+    "-w", "--window", type=POSITIVE, default=1024, show_default=True, help="Self-Extend window W, tokens."
+)
+@click.option(
+    "--repeats",
+    type=POSITIVE,
+    default=2,
+    show_default=True,
+    help="Rounds over all variants (medians reported).",
+)
+@click.option(
+    "--reference-max",
+    type=COUNT,
+    default=8192,
+    show_default=True,
+    help="Longest prefill (tokens) for the full-matrix reference (quadratic memory).",
+)
+@click.option(
+    "--ctx",
+    type=integer(2),
+    default=2048,
+    show_default=True,
+    help="Cache size (tokens) for endless generation.",
+)
+@click.option(
+    "--endless-tokens",
+    type=COUNT,
+    default=1000,
+    show_default=True,
+    help="Tokens generated through the context-shift cache per repeat (0 = skip).",
+)
+@click.option(
+    "--cases",
+    default="prefill,decode,endless,generate",
+    show_default=True,
+    help="Which measurements to run: prefill, decode, endless (shift cache against plain decoding), "
+    "generate (float against int8 weights and llama.cpp, when llama-cpp-python is installed).",
+)
+@click.option(
+    "-o", "--out", type=click.Path(dir_okay=False), help="Also write every run and the summary as JSON Lines."
+)
+def bench(
+    model: str,
+    dtype: str,
+    device: str,
+    weights: str,
+    lengths: str,
+    decode_lengths: str,
+    group_size: int,
+    window: int,
+    repeats: int,
+    reference_max: int,
+    ctx: int,
+    endless_tokens: int,
+    cases: str,
+    out: str | None,
+) -> None:
+    """Time and memory of Self-Extend against plain SDPA attention and the full-matrix reference.
+
+    Prefill: seconds and peak memory the forward adds (MiB). Decode: milliseconds per token at
+    a cache length. Endless: tokens/s through a context-shift cache of --ctx tokens against
+    plain decoding at the same average fill, resident memory at start and end, and the cost of
+    one shift. Generate: tokens/s of greedy generation through the shift cache with float weights,
+    int8 weights and int8 + Self-Extend, against llama.cpp on the same GGUF (ratio column: to
+    llama.cpp). Other ratios compare each variant with plain at the same length, in the same run.
+    """
+    import psutil
+    import torch
+
+    from selfextend.bench.llamacpp import available as llamacpp_available
+    from selfextend.bench.runner import (
+        BenchConfig,
+        MemoryMeter,
+        bench_decode,
+        bench_endless,
+        bench_generate,
+        bench_prefill,
+        summarize,
+    )
+    from selfextend.cli.options import load_with_self_extend
+    from selfextend.evaluation.results import append_jsonl
+    from selfextend.evaluation.sweep import parse_lengths
+
+    wanted = {c.strip() for c in cases.split(",") if c.strip()}
+    unknown = wanted - {"prefill", "decode", "endless", "generate"}
+    if unknown:
+        raise click.BadParameter(f"unknown case {', '.join(sorted(unknown))}", param_hint="--cases")
+    cfg = BenchConfig(
+        parse_lengths(lengths, "--lengths"),
+        parse_lengths(decode_lengths, "--decode-lengths"),
+        group_size,
+        window,
+        repeats,
+        reference_max=reference_max,
+        endless_ctx=ctx,
+        endless_tokens=endless_tokens,
+        endless_keep=min(4, ctx - 2),
+    )
+    lm, _ = load_with_self_extend(model, dtype, device, None, None, weights)
+    from selfextend.core.positions import validate
+    from selfextend.hf.facts import trained_window
+
+    validate(group_size, window, trained_window(lm.config))
+    proc = psutil.Process()
+    device_name = (
+        torch.cuda.get_device_name() if lm.device.type == "cuda" else f"cpu x{torch.get_num_threads()}"
+    )
+    runs: list[dict] = []
+
+    def record(r: dict) -> None:
+        r.update(model=model, dtype=dtype, weights=weights, device=device_name)
+        runs.append(r)
+        click.echo(
+            "  "
+            + " ".join(
+                f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                for k, v in r.items()
+                if k not in ("model", "dtype", "weights", "device")
+            ),
+            err=True,
+        )
+        if out:
+            append_jsonl(out, r)
+
+    if "prefill" in wanted:
+        for r in bench_prefill(lm, cfg, MemoryMeter(lm.device)):
+            record(r)
+    if "decode" in wanted:
+        for r in bench_decode(lm, cfg):
+            record(r)
+    if "endless" in wanted and endless_tokens > 0:
+        for r in bench_endless(lm, cfg, lambda: proc.memory_info().rss / 2**20):
+            record(r)
+    if "generate" in wanted and endless_tokens > 0:
+        from selfextend.models import resolve_model
+
+        gguf = resolve_model(model).gguf_path
+        if gguf is None or not llamacpp_available():
+            click.echo("llama.cpp: skipped (needs a GGUF model and llama-cpp-python installed)", err=True)
+        for r in bench_generate(lm, cfg, gguf, torch.get_num_threads()):
+            record(r)
+    click.echo(
+        f"\n{model}, {dtype}, {weights} weights, {device_name}, G={group_size}, W={window}, "
+        f"{repeats} repeats (medians)"
+    )
+    click.echo(
+        f"{'case':8} {'variant':15} {'length':>7} {'value':>12} {'ratio':>9} "
+        f"{'peak MiB':>9} {'mem vs plain':>12}"
+    )
+    units = {
+        "prefill": ("seconds", "s"),
+        "decode": ("ms_per_token", "ms/tok"),
+        "endless": ("tokens_per_s", "tok/s"),
+        "shift": ("ms_per_shift", "ms/shift"),
+        "generate": ("tokens_per_s", "tok/s"),
+    }
+    for row in summarize(runs):
+        key, unit = units[row["case"]]
+        ratio = f"{row['ratio']:.2f}x" if "ratio" in row else ""
+        peak = f"{row['peak_mib']:.0f}" if "peak_mib" in row else ""
+        mem = f"{row['memory_ratio']:.2f}x" if "memory_ratio" in row else ""
+        click.echo(
+            f"{row['case']:8} {row['variant']:15} {row['length']:>7} {row[key]:>8.3g} {unit:<6}"
+            f"{ratio:>7} {peak:>9} {mem:>12}"
+        )
+        if out:
+            append_jsonl(
+                out,
+                {
+                    "summary": True,
+                    "model": model,
+                    "dtype": dtype,
+                    "weights": weights,
+                    "device": device_name,
+                    **row,
+                },
+            )
+    click.echo(
+        "ratio: to plain at the same length (endless: to plain decoding at the average fill; "
+        "generate: to llama.cpp)"
+    )

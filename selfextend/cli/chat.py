@@ -1,0 +1,293 @@
+"""``selfextend chat``: a conversation that goes on through context shifts, like llama-cli's -cnv."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import click
+
+from selfextend.cli.options import generation_options
+
+if TYPE_CHECKING:
+    from selfextend.chat import ChatSession
+    from selfextend.generation.sampling import SamplingParams
+
+HELP = """commands:
+  /help          this list
+  /save FILE     save the whole session (cache, history, settings) to FILE
+  /load FILE     continue the session saved in FILE (same model and settings only)
+  /reset         start over (same system prompt)
+  /system TEXT   start over with a new system prompt
+  /stats         tokens, shifts, cache fill, tokens/s
+  /undo          drop the last exchange (your turn and the reply)
+  /retry         generate the last reply again
+  /quit          end the session (as Ctrl-D)
+A line ending in \\ continues on the next line. Ctrl-C stops a reply; at an empty prompt it ends."""
+
+
+class _Terminate(Exception):
+    """SIGTERM at the prompt: end the session as Ctrl-D would."""
+
+
+@click.command()
+@generation_options("int8")
+@click.option(
+    "--session",
+    "session_file",
+    type=click.Path(dir_okay=False),
+    help="Session file: loaded at the start if it exists, written at the end (also on SIGTERM).",
+)
+@click.option(
+    "-q", "--quiet", is_flag=True, help="No context-shift notes, no prompt progress bar, no banner."
+)
+def chat(
+    model: str,
+    dtype: str,
+    device: str,
+    weights: str,
+    group_size: int | None,
+    window: int | None,
+    system: str | None,
+    system_file: str | None,
+    ctx: int,
+    keep: int | None,
+    max_new_tokens: int,
+    ignore_eos: bool,
+    stop: tuple[str, ...],
+    sampling: SamplingParams,
+    seed: int | None,
+    output: str | None,
+    stats_every: int,
+    session_file: str | None,
+    quiet: bool,
+) -> None:
+    """Chat with the model: each line you type is a user turn; the reply streams as it is generated.
+
+    The conversation runs in one fixed-size cache: when it is full, the oldest whole exchanges after
+    the system prompt are dropped (the system prompt stays), so a chat never ends for lack of room.
+    Type /help at the prompt for the commands. When standard input is not a terminal, every line
+    is one turn and every reply is followed by a blank line.
+
+    Examples:
+
+      selfextend chat --system "You are a pirate." --ctx 1024
+
+      printf 'Hi\\nWhat did I say?\\n' | selfextend chat -n 64 --temperature 0
+
+      selfextend chat --session talk.pt    # resumes where the last run ended
+    """
+    from selfextend.chat import ChatSession, ShiftReport
+    from selfextend.cli.generate import warn_beyond_reach
+    from selfextend.cli.options import check_cache, load_with_self_extend, system_prompt
+    from selfextend.cli.stream import Output, prefill_bar
+
+    check_cache(ctx, keep)
+    system = system_prompt(system, system_file)
+    if session_file:
+        folder = Path(session_file).absolute().parent
+        if not folder.is_dir() or not os.access(folder, os.W_OK):
+            raise click.BadParameter(f"no writable folder {folder} to save it in", param_hint="--session")
+    lm, tokenizer = load_with_self_extend(model, dtype, device, group_size, window, weights)
+    warn_beyond_reach(lm, ctx, group_size, window)
+    out = Output(output, stats_every)
+
+    def on_shift(r: ShiftReport) -> None:
+        if quiet:
+            return
+        what = (
+            f"dropped {r.exchanges} old exchange{'s' * (r.exchanges != 1)}, {r.tokens} tokens"
+            if r.whole
+            else f"a turn longer than the cache: dropped {r.tokens} tokens mid-turn"
+        )
+        out.note(f"[context shift: {what}; cache {r.n_past}/{ctx}]")
+
+    session = ChatSession(
+        lm,
+        tokenizer,
+        ctx,
+        system=system,
+        keep=keep,
+        sampling=sampling,
+        seed=seed,
+        max_new_tokens=max_new_tokens,
+        ignore_eos=ignore_eos,
+        stops=stop,
+        on_shift=on_shift,
+        progress=lambda n: prefill_bar(n, quiet),
+    )
+    if session_file and Path(session_file).exists():
+        session.load(session_file)
+        if not quiet:
+            click.echo(f"resumed {session_file}: {_fill(session)}", err=True)
+    Repl(session, out, quiet, sys.stdin.isatty()).run()
+    try:
+        if session_file:
+            try:
+                session.save(session_file)
+            except OSError as e:
+                raise click.ClickException(f"could not save the session to {session_file}: {e}") from None
+            if not quiet:
+                click.echo(f"saved the session to {session_file}", err=True)
+    finally:
+        out.close()
+        click.echo(summary(session), err=True)
+
+
+def _fill(session: ChatSession) -> str:
+    return f"{len(session.exchanges)} exchanges, cache {session.cache.n_past}/{session.n_ctx}"
+
+
+def summary(session: ChatSession) -> str:
+    """The closing line (and /stats): replies, tokens, rates, shifts, cache fill."""
+    st, cache = session.stats, session.cache
+    return (
+        f"{st.replies} replies, {st.tokens} tokens in {st.seconds:.1f} s "
+        f"({st.rate(st.tokens, st.seconds):.2f} tokens/s; last reply {st.last_tokens} tokens, "
+        f"{st.rate(st.last_tokens, st.last_seconds):.2f} tokens/s), "
+        f"prompt {st.prompt_tokens} tokens in {st.prompt_seconds:.1f} s, "
+        f"{cache.shifts} context shifts ({session.ledger.dropped_exchanges} exchanges, "
+        f"{cache.discarded} tokens dropped), cache {cache.n_past}/{cache.n_ctx}, {cache.n_keep} kept"
+    )
+
+
+class Repl:
+    """The read-eval-print loop: turns, commands, Ctrl-C and SIGTERM."""
+
+    def __init__(self, session: ChatSession, out, quiet: bool, interactive: bool) -> None:
+        self.session, self.out, self.quiet, self.interactive = session, out, quiet, interactive
+        self.reading = False
+        self.terminated = False
+
+    def run(self) -> None:
+        if self.interactive:
+            try:
+                import readline  # noqa: F401 (line editing and history for input())
+            except ImportError:
+                pass
+            if not self.quiet:
+                click.echo(
+                    f"chatting in a cache of {self.session.n_ctx} tokens, {self.session.n_keep} kept; "
+                    "/help for commands, Ctrl-C stops a reply, Ctrl-D ends",
+                    err=True,
+                )
+        previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+        try:
+            while not self.terminated:
+                try:
+                    line = self._read()
+                except (EOFError, _Terminate):
+                    break
+                if line is None:
+                    break
+                if line.strip() and not self._handle(line):
+                    break
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+
+    def _on_sigterm(self, signum, frame) -> None:
+        self.terminated = True
+        self.session.stop_requested = True  # a reply stops at its next token
+        if self.reading:
+            raise _Terminate
+
+    def _on_sigint(self, signum, frame) -> None:
+        self.session.stop_requested = True
+
+    def _read(self) -> str | None:
+        """One user turn: lines ending in a backslash continue. None: Ctrl-C at an empty prompt."""
+        lines: list[str] = []
+        while True:
+            self.reading = True
+            try:
+                line = input(("... " if lines else "> ") if self.interactive else "")
+            except KeyboardInterrupt:
+                if not lines:
+                    click.echo("", err=True)
+                    return None
+                click.echo("", err=True)
+                lines = []
+                continue
+            except EOFError:
+                if lines:
+                    return "\n".join(lines)
+                if self.interactive:
+                    click.echo("", err=True)  # the summary goes below the prompt, not after it
+                raise
+            finally:
+                self.reading = False
+            if line.endswith("\\"):
+                lines.append(line[:-1])
+                continue
+            lines.append(line)
+            return "\n".join(lines)
+
+    def _handle(self, line: str) -> bool:
+        """Run a command or answer a turn; False ends the session."""
+        from selfextend.chat import ChatError
+        from selfextend.kv.promptcache import PromptCacheError
+
+        s = self.session
+        if not line.startswith("/"):
+            self._stream(s.reply(line))
+            return not self.terminated
+        command, _, arg = line.strip().partition(" ")
+        arg = arg.strip()
+        try:
+            if command in ("/quit", "/exit"):
+                return False
+            if command == "/help":
+                click.echo(HELP, err=True)
+            elif command == "/stats":
+                click.echo(summary(s), err=True)
+            elif command == "/reset":
+                s.start(s.system)
+                self._say("started over")
+            elif command == "/system":
+                if not arg:
+                    raise ChatError("/system needs the new system prompt")
+                s.start(arg)
+                self._say(f"started over with the new system prompt ({s.n_keep} tokens kept)")
+            elif command == "/undo":
+                s.undo()
+                self._say(f"dropped the last exchange; {_fill(s)}")
+            elif command == "/retry":
+                self._stream(s.retry())
+                return not self.terminated
+            elif command in ("/save", "/load"):
+                if not arg:
+                    raise ChatError(f"{command} needs a file name")
+                if command == "/save":
+                    s.save(arg)
+                    self._say(f"saved the session to {arg}")
+                else:
+                    s.load(arg)
+                    self._say(f"loaded {arg}: {_fill(s)}")
+            else:
+                raise ChatError(f"unknown command {command}; /help lists them")
+        except (ChatError, PromptCacheError, OSError) as e:
+            click.echo(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", err=True)
+        return True
+
+    def _say(self, text: str) -> None:
+        if not self.quiet:
+            click.echo(text, err=True)
+
+    def _stream(self, pieces) -> None:
+        """Print a reply as it comes; Ctrl-C stops it at the next token (the cache stays consistent)."""
+        previous = signal.signal(signal.SIGINT, self._on_sigint)
+        self.out.restart_rate()
+        n = 0
+        try:
+            for text in pieces:
+                self.out.text(text)
+                n += 1
+                self.out.tokens(n, self.session.cache.shifts, self.session.cache.n_past)
+        finally:
+            signal.signal(signal.SIGINT, previous)
+        if self.session.stop_requested and not self.terminated and not self.quiet:
+            self.out.note("[stopped]")
+        self.out.text("\n" if self.interactive else "\n\n")

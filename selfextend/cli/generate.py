@@ -1,0 +1,151 @@
+"""``selfextend generate``: stream text from a fixed-size, context-shifting KV cache, forever if asked."""
+
+from __future__ import annotations
+
+import itertools
+from typing import TYPE_CHECKING
+
+import click
+
+from selfextend.cli.options import device_map_option, generation_options
+
+if TYPE_CHECKING:
+    from selfextend.generation.sampling import SamplingParams
+
+
+@click.command()
+@generation_options("int8")
+@device_map_option
+@click.option("-p", "--prompt", help="Prompt text. Default: --prompt-file, else standard input.")
+@click.option(
+    "-f", "--prompt-file", type=click.Path(dir_okay=False), help="Read the prompt from this UTF-8 file."
+)
+@click.option(
+    "--chat/--no-chat",
+    default=True,
+    show_default=True,
+    help="Wrap the prompt in the model's chat template (when it has one).",
+)
+@click.option(
+    "--prompt-cache",
+    type=click.Path(dir_okay=False),
+    help="Save the KV cache after the prompt here; reuse it when a later prompt starts the same.",
+)
+def generate(
+    model: str,
+    dtype: str,
+    device: str,
+    weights: str,
+    group_size: int | None,
+    window: int | None,
+    prompt: str | None,
+    prompt_file: str | None,
+    system: str | None,
+    system_file: str | None,
+    chat: bool,
+    ctx: int,
+    keep: int | None,
+    max_new_tokens: int,
+    ignore_eos: bool,
+    stop: tuple[str, ...],
+    sampling: SamplingParams,
+    seed: int | None,
+    output: str | None,
+    prompt_cache: str | None,
+    stats_every: int,
+) -> None:
+    """Generate text, shifting the context when the cache is full, so it never stops for lack of room.
+
+    Examples:
+
+      selfextend generate -p "Tell me a story." -n -1 --ignore-eos --ctx 1024
+
+      selfextend generate --system "Answer as a pirate." -f question.txt -g 4 -w 1024 --ctx 16384
+    """
+    from selfextend.cli.options import check_cache, check_keep, load_with_self_extend, system_prompt
+    from selfextend.cli.stream import Output, prefill_bar
+    from selfextend.evaluation.corpus import read_stdin, read_text_file
+    from selfextend.generation.generator import (
+        Generator,
+        StopMatcher,
+        TextStream,
+        build_prompt,
+        eos_token_ids,
+        run,
+    )
+    from selfextend.kv.cache import ContextShiftCache
+
+    check_cache(ctx, keep)
+    system = system_prompt(system, system_file)
+    if prompt is None:
+        prompt = read_text_file(prompt_file) if prompt_file else read_stdin()
+    if not prompt.strip():
+        raise click.UsageError("empty prompt: give --prompt, --prompt-file or text on standard input")
+
+    lm, tokenizer = load_with_self_extend(model, dtype, device, group_size, window, weights)
+    warn_beyond_reach(lm, ctx, group_size, window)
+    ids, n_system = build_prompt(tokenizer, prompt, system, chat)
+    n_keep = len(ids) if keep == -1 else (n_system if keep is None else keep)
+    check_keep(n_keep, ctx)
+    cache = ContextShiftCache(lm, n_ctx=ctx, n_keep=n_keep)
+    gen = Generator(lm, cache, sampling, seed)
+    reused, reused_logits = 0, None
+    if prompt_cache:
+        from pathlib import Path
+
+        from selfextend.kv import promptcache
+
+        if Path(prompt_cache).exists():
+            gen.tokens, reused_logits = promptcache.load(prompt_cache, lm, cache, ids)
+            reused = len(gen.tokens)
+
+    eos = () if ignore_eos else eos_token_ids(lm, tokenizer)
+    stream, stops = TextStream(tokenizer), StopMatcher(stop)
+    out = Output(output, stats_every)
+    stats = None
+    try:
+        with prefill_bar(len(ids) - reused) as progress:
+            tokens = run(gen, ids, max_new_tokens, eos, reused, reused_logits, progress)
+            first = next(tokens, None)
+        out.restart_rate(1 if first else 0)
+        for token, stats in itertools.chain([first] if first else [], tokens):
+            if stats.tokens == 1 and prompt_cache and cache.shifts == 0 and reused < len(ids):
+                from selfextend.kv import promptcache
+
+                promptcache.save(prompt_cache, lm, cache, gen.tokens[: len(ids)], gen.last_logits)
+            text, stopped = stops.push(stream.push(token))
+            out.text(text)
+            out.tokens(stats.tokens, stats.shifts, stats.n_past)
+            if stopped:
+                stats.stop_reason = "stop string"
+                break
+        else:
+            if stats is not None and not stats.stop_reason:
+                stats.stop_reason = "max tokens" if stats.tokens == max_new_tokens else "end of sequence"
+        out.text(stops.flush())
+    except KeyboardInterrupt:
+        if stats is not None:
+            stats.stop_reason = "interrupted"
+    finally:
+        out.close()
+    click.echo("", err=False)
+    if stats is not None:
+        click.echo(stats.summary(), err=True)
+
+
+def warn_beyond_reach(model, ctx: int, group_size: int | None, window: int | None) -> None:
+    """A cache larger than what the model can attend over well is allowed, but said."""
+    from selfextend.hf.facts import trained_window
+    from selfextend.hf.patch import max_usable_length
+
+    trained = trained_window(model.config)
+    if group_size is None and ctx > trained:
+        click.echo(
+            f"warning: --ctx {ctx} exceeds the trained window ({trained} tokens); quality drops past it "
+            "unless Self-Extend is on (-g/-w)",
+            err=True,
+        )
+    elif group_size is not None and ctx > (reach := max_usable_length(model, group_size, window)):
+        click.echo(
+            f"warning: --ctx {ctx} exceeds what G={group_size}, W={window} reach ({reach} tokens)", err=True
+        )

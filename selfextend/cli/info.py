@@ -1,0 +1,115 @@
+"""``selfextend info MODEL``: the architecture facts that matter for Self-Extend and the KV cache."""
+
+from __future__ import annotations
+
+import click
+
+from selfextend.cli.options import POSITIVE
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB"
+
+
+def _kv(config, tokens: int) -> str:
+    """A context-shift cache's bytes at ``tokens`` cells (fp16), and the all-layers size where smaller."""
+    from selfextend.kv.cache import cache_bytes
+
+    now, every = cache_bytes(config, tokens), cache_bytes(config, tokens, sliding=False)
+    return f"{_mib(now)} (fp16)" + (f"; {_mib(every)} if every layer held them all" if now < every else "")
+
+
+@click.command()
+@click.argument("model", default="smollm2-135m")
+@click.option(
+    "-g",
+    "--group-size",
+    type=POSITIVE,
+    default=4,
+    show_default=True,
+    help="Self-Extend group size G (positions beyond the window are divided by G).",
+)
+@click.option(
+    "-w",
+    "--window",
+    type=POSITIVE,
+    default=1024,
+    show_default=True,
+    help="Self-Extend neighbor window W, in tokens (exact positions inside it).",
+)
+def info(model: str, group_size: int, window: int) -> None:
+    """Print layers, heads, head dim, RoPE, trained window, weights and KV-cache memory, and the
+    Self-Extend reach.
+
+    Reads only the config (no weights). Weights: the bytes of the loaded model in each --weights /
+    --dtype form (int8: 1 byte per linear weight + a bfloat16 scale per row, the rest float32).
+    KV bytes are for fp16: 2 (K and V) x 2 bytes x head_dim x kv_heads x layers per token; at N tokens,
+    those of a context-shift cache of N cells (--ctx N), whose sliding-window layers hold 2 x (window - 1)
+    cells (plus the --keep ones) instead of N.
+    """
+    import torch
+
+    from selfextend.core.positions import max_length, validate
+    from selfextend.kv.cache import sliding_cells
+    from selfextend.models import load_config, model_facts
+    from selfextend.models.weights import RunForm, form_bytes
+
+    config = load_config(model)
+    facts = model_facts(config)
+    trained = facts.trained_window
+    group_size, window = validate(group_size, window, trained)
+    rows = [
+        ("model", f"{model} ({facts.model_type})"),
+        ("layers", facts.layers),
+        ("attention heads", facts.heads),
+        (
+            "KV heads",
+            f"{facts.kv_heads} (GQA, {facts.heads // facts.kv_heads} query heads per KV head)"
+            if facts.kv_heads != facts.heads
+            else facts.kv_heads,
+        ),
+        ("head dim", f"{facts.head_dim} (rotary dims {facts.rotary_dim})"),
+        ("RoPE", f"{facts.rope_type}, theta {facts.rope_theta:g}" if facts.rope_theta else facts.rope_type),
+        ("trained window", f"{trained} tokens"),
+        ("vocab", facts.vocab_size),
+        (
+            "KV cache per token",
+            f"{facts.kv_bytes_per_token():,} bytes (fp16), {facts.kv_bytes_per_token(4):,} (fp32)",
+        ),
+        (f"KV cache at {trained} tokens", _kv(config, trained)),
+        (
+            "weights in memory",
+            ", ".join(
+                f"{_mib(form_bytes(config, RunForm(int8, dtype)))} ({label})"
+                for label, int8, dtype in (
+                    ("--weights int8", True, torch.float32),
+                    ("float32", False, torch.float32),
+                    ("bfloat16", False, torch.bfloat16),
+                )
+            ),
+        ),
+    ]
+    kinds = list(getattr(config.get_text_config(), "layer_types", None) or [])
+    sliding = kinds.count("sliding_attention")
+    if sliding:
+        window_tokens = config.get_text_config().sliding_window
+        rows.append(
+            (
+                "attention layers",
+                f"{len(kinds) - sliding} full (Self-Extend applies to these), {sliding} sliding over "
+                f"{window_tokens} tokens (keep their own attention; the KV cache holds at most "
+                f"{sliding_cells(window_tokens, 0):,} cells of each)",
+            )
+        )
+    if trained:
+        reach = max_length(trained, group_size, window)
+        rows += [
+            (
+                f"Self-Extend G={group_size} W={window}",
+                f"up to {reach:,} tokens ({reach / trained:.1f}x the window)",
+            ),
+            (f"KV cache at {reach:,} tokens", _kv(config, reach)),
+        ]
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        click.echo(f"{k:<{width}}  {v}")

@@ -1,0 +1,85 @@
+"""``selfextend``: the command group. Each command parses, calls the library, prints.
+
+Bad input of any kind (flags, models, files, parameters) ends as one line on stderr and a
+non-zero exit, never a traceback.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+import warnings
+
+import click
+
+from selfextend.cli.bench import bench
+from selfextend.cli.cache import cache
+from selfextend.cli.chat import chat
+from selfextend.cli.generate import generate
+from selfextend.cli.info import info
+from selfextend.cli.measure import passkey, plot, ppl, table
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def _warning_line(message, category, filename, lineno, file=None, line=None) -> None:
+    """Warnings as one ``warning: ...`` line on stderr (no source line, no file position)."""
+    click.echo(
+        f"warning: {_one_line(message if isinstance(message, Warning) else Warning(message))}", err=True
+    )
+
+
+class Group(click.Group):
+    """A click group whose errors are one line: ``error: ...`` on stderr, exit status 2."""
+
+    def main(self, *args, **kwargs):  # noqa: D102
+        kwargs["standalone_mode"] = False
+        warnings.showwarning = _warning_line
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM stops like Ctrl-C: summary, output flushed
+        try:
+            return super().main(*args, **kwargs)
+        except click.exceptions.Exit as e:
+            sys.exit(e.exit_code)
+        except click.ClickException as e:
+            hint = (
+                f" (see '{e.ctx.command_path} --help')" if isinstance(e, click.UsageError) and e.ctx else ""
+            )
+            click.echo(f"error: {_one_line(click.ClickException(e.format_message()))}{hint}", err=True)
+            sys.exit(e.exit_code)
+        except click.exceptions.Abort:
+            click.echo("aborted", err=True)
+            sys.exit(130)
+        except (ValueError, NotImplementedError, OSError, RuntimeError, ArithmeticError) as e:
+            click.echo(f"error: {_one_line(e)}", err=True)
+            sys.exit(2)
+
+
+@click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(package_name="selfextend")
+def main() -> None:
+    """Self-Extend attention and context shift for Hugging Face RoPE language models.
+
+    Read past the trained context window without fine-tuning, or generate forever in a
+    fixed-size KV cache. MODEL is `smollm2-135m` (the embedded default), a .gguf file, a
+    transformers model directory or a Hugging Face hub id.
+    """
+
+
+main.add_command(info)
+main.add_command(generate)
+main.add_command(chat)
+main.add_command(ppl)
+main.add_command(passkey)
+main.add_command(plot)
+main.add_command(table)
+main.add_command(bench)
+main.add_command(cache)

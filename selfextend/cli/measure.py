@@ -1,0 +1,392 @@
+"""``selfextend ppl``, ``passkey`` and ``plot``: measurements written as JSON Lines, and their plots."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from selfextend.cli.options import (
+    POSITIVE,
+    SEED,
+    device_map_option,
+    integer,
+    model_options,
+    run_name,
+    weights_option,
+)
+
+
+def _methods(specs: tuple[str, ...]):
+    from selfextend.evaluation.methods import parse_methods
+
+    return parse_methods(specs)
+
+
+def _progress_bar(total: int, desc: str, procs=None):
+    """A token progress bar; launched on several processes, only the main one draws it."""
+    from tqdm import tqdm
+
+    if procs is not None and procs.world > 1:
+        desc = f"{desc} rank {procs.rank}/{procs.world}"
+    return tqdm(
+        total=total,
+        unit="tok",
+        unit_scale=True,
+        desc=desc,
+        dynamic_ncols=True,
+        disable=procs is not None and not procs.main,
+    )
+
+
+def _join(out: str, key):
+    """Join the sweep's processes (one, or those a launcher started), merging leftover rank files first.
+
+    Returns the processes and the device this one uses (``--device`` if given, else its own).
+    """
+    from selfextend.evaluation.distributed import merge, processes
+
+    procs = processes()
+    ctx = click.get_current_context()
+    if procs.world > 1 and ctx.meta.get("device_map"):
+        raise click.UsageError("--device-map places one model over several devices: run one process")
+    if procs.main:
+        added = merge(out, key)
+        if added:
+            click.echo(f"merged {added} records left by an earlier run into {out}", err=True)
+    procs.wait()
+    asked = (
+        None
+        if ctx.get_parameter_source("device") == click.core.ParameterSource.DEFAULT
+        else ctx.params["device"]
+    )
+    return procs, procs.device(asked)
+
+
+def _finish(procs, out: str, key) -> None:
+    """Wait for every process, then merge their rank files into ``out``."""
+    from selfextend.evaluation.distributed import merge
+
+    procs.wait()
+    if procs.main and procs.world > 1:
+        merge(out, key)
+
+
+METHOD_HELP = (
+    "Repeatable: plain, selfextend:G=4,W=1024, ntk:factor=4, yarn:factor=4, "
+    "shift:ctx=2048,keep=4 (shift may add G=..,W=..). Default: plain."
+)
+
+
+@click.command()
+@model_options
+@device_map_option
+@weights_option("float")
+@click.option(
+    "--corpus",
+    default="default",
+    show_default=True,
+    help="'default' (four Gutenberg books), a UTF-8 text file, or a folder of .txt files.",
+)
+@click.option(
+    "--docs",
+    help="Comma-separated document names to use (default: all). "
+    "Default corpus: sherlock-holmes, us-history, surgery, war-and-peace.",
+)
+@click.option(
+    "--dataset", help="A `datasets` dataset instead of --corpus: a hub name (pg19) or json/parquet/text."
+)
+@click.option("--dataset-config", help="The dataset's configuration name.")
+@click.option("--split", default=None, help="The dataset split (default: test; train for --data-files).")
+@click.option("--text-column", default="text", show_default=True, help="The dataset column holding the text.")
+@click.option("--data-files", help="Local files for json/parquet/text datasets.")
+@click.option("--max-docs", type=POSITIVE, default=None, help="Use at most this many documents.")
+@click.option(
+    "--lengths",
+    default="1k,2k,4k,8k,16k",
+    show_default=True,
+    help="Context lengths in tokens (k = 1024); each document's first LENGTH tokens are scored.",
+)
+@click.option("--method", "methods", multiple=True, help=METHOD_HELP)
+@click.option(
+    "-o",
+    "--out",
+    type=click.Path(dir_okay=False),
+    required=True,
+    help="JSON Lines file; records are appended as points finish, finished points are skipped.",
+)
+def ppl(
+    model: str,
+    dtype: str,
+    device: str,
+    weights: str,
+    corpus: str,
+    docs: str | None,
+    dataset: str | None,
+    dataset_config: str | None,
+    split: str | None,
+    text_column: str,
+    data_files: str | None,
+    max_docs: int | None,
+    lengths: str,
+    methods: tuple[str, ...],
+    out: str,
+) -> None:
+    """Perplexity against length for each document and method.
+
+    Records: model, doc, method, length, ppl (all tokens), ppl_last (the last quarter, where
+    extension methods differ), last_from, tokens, seconds.
+    """
+    from selfextend.evaluation.corpus import load_corpus, select
+    from selfextend.evaluation.sweep import dtype_name, parse_lengths, plan, ppl_sweep, tokenize_docs
+
+    parsed_lengths, parsed_methods = parse_lengths(lengths, "--lengths"), _methods(methods)
+    texts = load_corpus(
+        corpus,
+        name=dataset,
+        config=dataset_config,
+        split=split,
+        text_column=text_column,
+        data_files=data_files,
+        max_docs=max_docs,
+    )
+    texts = select(texts, docs.split(",") if docs else None)
+    if max_docs:
+        texts = dict(list(texts.items())[:max_docs])
+    from selfextend.cli.options import load_with_self_extend
+    from selfextend.evaluation.sweep import point_key, run_cost
+
+    procs, device = _join(out, point_key)
+    name = run_name(model, weights)
+    runs = plan(name, list(texts), parsed_methods, parsed_lengths, out, dtype_name(dtype))
+    if not runs:
+        click.echo(f"all points already in {out}", err=True)
+        return
+    with procs.main_first():
+        lm, tokenizer = load_with_self_extend(model, dtype, device, None, None, weights)
+    ids = tokenize_docs(tokenizer, texts, runs)
+    mine = procs.share(runs, lambda r: run_cost(r, lm.config.get_text_config().hidden_size))
+    bar = _progress_bar(sum(r.length for r in mine), "ppl", procs)
+    with bar:
+        for r in ppl_sweep(lm, name, ids, mine, procs.output(out), progress=bar.update):
+            bar.write(
+                f"{r['doc']:>16} {r['method']:>24} {r['length']:>7}  ppl {r['ppl']:9.2f}"
+                f"  last quarter {r['ppl_last']:9.2f}"
+            )
+    _finish(procs, out, point_key)
+    if procs.main:
+        click.echo(f"wrote {out}", err=True)
+
+
+@click.command()
+@model_options
+@device_map_option
+@weights_option("float")
+@click.option("--lengths", default="2k,4k,8k", show_default=True, help="Prompt lengths in tokens (k = 1024).")
+@click.option(
+    "--depths",
+    default="0,0.25,0.5,0.75,1",
+    show_default=True,
+    help="Where the passkey sits, as fractions of the filler (0 = start, 1 = end).",
+)
+@click.option(
+    "--trials", type=POSITIVE, default=2, show_default=True, help="Random passkeys per (length, depth)."
+)
+@click.option("--method", "methods", multiple=True, help=METHOD_HELP)
+@click.option("--seed", type=SEED, default=0, show_default=True, help="Seed of the passkeys.")
+@click.option(
+    "-o",
+    "--out",
+    type=click.Path(dir_okay=False),
+    required=True,
+    help="JSON Lines file; one record per trial, appended as it finishes; finished trials are skipped.",
+)
+def passkey(
+    model: str,
+    dtype: str,
+    device: str,
+    weights: str,
+    lengths: str,
+    depths: str,
+    trials: int,
+    methods: tuple[str, ...],
+    seed: int,
+    out: str,
+) -> None:
+    """Passkey retrieval: a 5-digit key hidden in filler, asked for at the end, answered greedily."""
+    from selfextend.cli.options import load_with_self_extend
+    from selfextend.evaluation.distributed import forward_cost
+    from selfextend.evaluation.passkey import passkey_plan, passkey_sweep, point_key
+    from selfextend.evaluation.results import read_jsonl
+    from selfextend.evaluation.sweep import dtype_name, parse_lengths
+
+    parsed_lengths, parsed_methods = parse_lengths(lengths, "--lengths"), _methods(methods)
+    try:
+        parsed_depths = sorted({float(d) for d in depths.split(",") if d.strip()})
+    except ValueError:
+        raise click.BadParameter(
+            f"'{depths}': use fractions such as 0,0.5,1", param_hint="--depths"
+        ) from None
+    if not parsed_depths or not all(0 <= d <= 1 for d in parsed_depths):
+        raise click.BadParameter("depths must lie in [0, 1]", param_hint="--depths")
+    if trials < 1:
+        raise click.BadParameter("at least 1", param_hint="--trials")
+    procs, device = _join(out, point_key)
+    name = run_name(model, weights)
+    done = len(read_jsonl(out))
+    points = passkey_plan(
+        name, parsed_methods, parsed_lengths, parsed_depths, trials, out, dtype_name(dtype), seed
+    )
+    if points:
+        with procs.main_first():
+            lm, tokenizer = load_with_self_extend(model, dtype, device, None, None, weights)
+        hidden = lm.config.get_text_config().hidden_size
+        mine = procs.share(points, lambda p: forward_cost(p.length, hidden))
+        bar = _progress_bar(sum(p.length for p in mine), "passkey", procs)
+        with bar:
+            for r in passkey_sweep(lm, tokenizer, name, mine, procs.output(out), seed, progress=bar.update):
+                bar.write(
+                    f"{r['method']:>24} {r['length']:>7} depth {r['depth']:.2f} #{r['trial']}: "
+                    f"{'ok ' if r['correct'] else 'MISS'} {r['passkey']} -> {r['answer'][:20]!r}"
+                )
+        _finish(procs, out, point_key)
+    if not procs.main:
+        return
+    records = read_jsonl(out)
+    click.echo(
+        f"wrote {out}: {len(records) - done} new, accuracy over the file "
+        f"{sum(r.get('correct') is True for r in records)}/{len(records)}",
+        err=True,
+    )
+
+
+def summary_options(f):
+    """--field, --stat, --ratio, --reference: how ``plot`` and ``table`` aggregate over documents."""
+    from selfextend.evaluation.aggregate import STATS
+
+    f = click.option(
+        "--reference",
+        type=integer(2),
+        default=None,
+        help="With --ratio: the length (tokens) each method is divided by; default: the longest "
+        "measured length within the trained window.",
+    )(f)
+    f = click.option(
+        "--ratio",
+        is_flag=True,
+        help="Each method's PPL over its own PPL at --reference (per document, then aggregated).",
+    )(f)
+    f = click.option(
+        "--stat",
+        type=click.Choice(list(STATS)),
+        default="mean",
+        show_default=True,
+        help="How PPL is aggregated over documents (the spread shown is their min-max range).",
+    )(f)
+    f = click.option(
+        "--field",
+        type=click.Choice(["ppl_last", "ppl"]),
+        default="ppl_last",
+        show_default=True,
+        help="For perplexity results: the last quarter of each context, or all of it.",
+    )(f)
+    f = click.option(
+        "--trained-window",
+        type=integer(2),
+        default=None,
+        help="The model's trained window in tokens (marked on plots, default reference of --ratio); "
+        "default: the model's, when it can be read.",
+    )(f)
+    return f
+
+
+def _records(results: str, trained_window: int | None, field: str = "ppl_last", command: str = "plot"):
+    """The usable records of RESULTS (bad lines, other kinds, records missing fields: skipped, said)."""
+    from selfextend.evaluation.plot import records_kind, usable_records
+    from selfextend.evaluation.results import read_jsonl
+
+    records = read_jsonl(results)
+    if command == "table" and records_kind(records, results) not in ("ppl", "passkey"):
+        kind = records_kind(records, results)
+        raise click.UsageError(f"{results} holds {kind} records; table takes ppl or passkey results")
+    kind, records = usable_records(records, field, results)
+    if trained_window is None:
+        trained_window = _trained_window(records[0].get("model"))
+    return records, kind, trained_window
+
+
+@click.command()
+@click.argument("results", type=click.Path(exists=True, dir_okay=False))
+@click.option(
+    "-o", "--out", type=click.Path(dir_okay=False), help="PNG to write (default: RESULTS with .png)."
+)
+@summary_options
+@click.option("--per-doc", is_flag=True, help="Perplexity: one panel per document instead of the aggregate.")
+def plot(
+    results: str,
+    out: str | None,
+    trained_window: int | None,
+    field: str,
+    stat: str,
+    ratio: bool,
+    reference: int | None,
+    per_doc: bool,
+) -> None:
+    """Draw a JSONL results file as a PNG: PPL against length, passkey heatmaps, or bench time and memory.
+
+    Perplexity is aggregated over documents (STAT, with the documents' range as a band), the same
+    numbers `selfextend table` prints.
+    """
+    from selfextend.evaluation.plot import plot_bench, plot_passkey, plot_ppl
+
+    records, kind, trained_window = _records(results, trained_window, field)
+    target = Path(out or Path(results).with_suffix(".png"))
+    if kind == "ppl":
+        plot_ppl(records, target, trained_window, field, stat, per_doc, ratio, reference)
+    elif kind == "passkey":
+        plot_passkey(records, target, trained_window)
+    else:
+        plot_bench(records, target, trained_window)
+    click.echo(f"wrote {target}")
+
+
+@click.command()
+@click.argument("results", type=click.Path(exists=True, dir_okay=False))
+@click.option(
+    "-f",
+    "--format",
+    "fmt",
+    type=click.Choice(["markdown", "csv", "latex"]),
+    default="markdown",
+    show_default=True,
+    help="Table format.",
+)
+@summary_options
+def table(
+    results: str,
+    fmt: str,
+    trained_window: int | None,
+    field: str,
+    stat: str,
+    ratio: bool,
+    reference: int | None,
+) -> None:
+    """Print a ppl or passkey JSONL file as a table: methods by lengths, aggregated over documents.
+
+    PPL cells read `value (min-max over documents)`; passkey cells hits/trials over all depths.
+    """
+    from selfextend.evaluation.aggregate import format_table, summarize
+
+    records, kind, trained_window = _records(results, trained_window, field, "table")
+    click.echo(format_table(summarize(records, field, stat, ratio, reference, trained_window), fmt))
+
+
+def _trained_window(model: str | None) -> int | None:
+    from selfextend.models import ModelError, load_config, model_facts
+
+    if not model:
+        return None
+    try:
+        return model_facts(load_config(model)).trained_window
+    except ModelError:
+        return None

@@ -1,0 +1,381 @@
+"""Self-Extend attention kernels: a memory-efficient one and a plain full-matrix reference.
+
+Both compute, for each query row, one softmax over the merged scores: the neighbor score
+(normal positions) where ``i - j < W`` and the grouped score (positions from
+``selfextend.core.positions``) elsewhere.
+
+A decode step (one query row) needs no mask: it scores the query at its grouped position
+against the keys before the window (kept at grouped positions between steps by a
+``GroupedKeyMemo``) and at its own position against the window, and takes one softmax over
+the concatenated row, with the query heads that share a KV head as rows of one product.
+
+For prefill, the efficient kernel never builds a (Lq, Lk) score matrix. It runs two attention passes
+with a fused kernel that also returns the log-sum-exp of each row, and merges them exactly:
+
+- neighbor pass: query blocks against only the keys of their band ``(i - W, i]``;
+- grouped pass: in slot space, query row ``r`` (at slot ``off + r``) sees keys
+  ``s <= off + r - W``, which is a plain causal pattern after an offset, so it runs as one
+  causal call (plus one unmasked call for keys every row sees).
+
+Queries are assumed to sit at the last ``Lq`` slots of the key sequence (as with every
+transformers cache), and a key at slot ``s`` to have position ``last_query_pos - (Lk-1-s)``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from selfextend.core.positions import grouped_key_positions, grouped_query_positions, is_neighbor
+from selfextend.core.rope import RotationTable, rotate
+
+NEIGHBOR_BLOCK = 256
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    is_causal: bool = False,
+    mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention that also returns the natural log-sum-exp of each row's scaled scores.
+
+    q (B, H, Lq, D), k/v (B, H, Lk, D) -> out (B, H, Lq, D), lse (B, H, Lq) in float32.
+    ``is_causal`` is top-left aligned (row r sees keys 0..r); ``mask`` is additive, in q's dtype.
+    """
+    if q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, is_causal, attn_mask=mask, scale=scale
+        )
+        return out, lse
+    if q.device.type == "cuda":
+        try:
+            return attend_cuda(q, k, v, scale, is_causal, mask)
+        except torch.OutOfMemoryError:
+            raise
+        except RuntimeError:  # a head size, dtype or GPU the fused kernels do not take
+            pass
+    return attend_math(q, k, v, scale, is_causal, mask)
+
+
+def attend_cuda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    is_causal: bool = False,
+    mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``attend`` through torch's fused CUDA kernels that return the log-sum-exp.
+
+    Flash attention for half-precision inputs without a mask; memory-efficient attention (which
+    takes an additive bias and float32) otherwise. Raises RuntimeError where neither applies, and
+    ``attend`` then falls back to the portable kernel. Causal calls here are always square
+    (Lq == Lk), where top-left and bottom-right alignment agree. Not yet run on a GPU: no GPU was
+    available while it was written, so only its CPU fallback is tested.
+    """
+    lq, lk = q.shape[-2], k.shape[-2]
+    if mask is None and q.dtype in (torch.float16, torch.bfloat16):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, scale=scale)[
+            :2
+        ]
+        return out, lse.float()
+    bias = None
+    if mask is not None:
+        # The kernel wants the bias rows 16-element aligned: pad the storage, keep the view Lk wide.
+        padded = mask.new_empty(*mask.shape[:-1], -(-lk // 16) * 16)
+        padded[..., :lk] = mask
+        bias = padded[..., :lk].expand(q.shape[0], q.shape[1], lq, lk)  # (B, H, Lq, Lk)
+    out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
+        q, k, v, bias, True, 0.0, is_causal, scale=scale
+    )[:2]
+    return out, lse[..., :lq].float()  # the kernel pads the lse rows to a multiple of 32
+
+
+def attend_math(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    is_causal: bool = False,
+    mask: torch.Tensor | None = None,
+    chunk: int = 1024,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Portable ``attend``: explicit matmuls over query chunks, so memory stays (chunk, Lk)."""
+    lq, lk = q.shape[-2], k.shape[-2]
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+    for r0 in range(0, lq, chunk):
+        r1 = min(r0 + chunk, lq)
+        s = torch.matmul(q[..., r0:r1, :].float(), k.float().transpose(-1, -2)) * scale  # (B, H, c, Lk)
+        if mask is not None:
+            s = s + mask[..., r0:r1, :].float()
+        if is_causal:
+            rows = torch.arange(r0, r1, device=q.device)[:, None]
+            s = s.masked_fill(torch.arange(lk, device=q.device)[None] > rows, float("-inf"))
+        lse[..., r0:r1] = torch.logsumexp(s, dim=-1)
+        p = torch.exp(s - lse[..., r0:r1, None])
+        out[..., r0:r1, :] = torch.matmul(p, v.float()).to(q.dtype)
+    return out, lse
+
+
+def merge_into(
+    out: torch.Tensor, lse: torch.Tensor, other: torch.Tensor, other_lse: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact softmax merge of two attention results over disjoint key sets, via their log-sum-exp."""
+    new_lse = torch.logaddexp(lse, other_lse)
+    w_self = torch.exp(lse - new_lse)[..., None]
+    w_other = torch.exp(other_lse - new_lse)[..., None]
+    merged = out.float() * w_self + other.float() * w_other
+    return merged.to(out.dtype), new_lse
+
+
+def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """(B, Hkv, L, D) -> (B, Hkv * n_rep, L, D), each KV head repeated for its query heads."""
+    if n_rep == 1:
+        return x
+    b, h, seq, d = x.shape
+    return x[:, :, None].expand(b, h, n_rep, seq, d).reshape(b, h * n_rep, seq, d)
+
+
+def _neighbor_pass(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each query row against the keys of its band (i - W, i], block by block."""
+    lq, lk = q.shape[-2], k.shape[-2]
+    off = lk - lq
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+    block = NEIGHBOR_BLOCK
+    for r0 in range(0, lq, block):
+        r1 = min(r0 + block, lq)
+        s0, s1 = max(0, off + r0 - window + 1), off + r1
+        rows = torch.arange(off + r0, off + r1, device=q.device)[:, None]
+        cols = torch.arange(s0, s1, device=q.device)[None, :]
+        distance = rows - cols
+        allowed = (distance >= 0) & is_neighbor(distance, window)
+        mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill_(
+            ~allowed, float("-inf")
+        )
+        out[..., r0:r1, :], lse[..., r0:r1] = attend(
+            q[..., r0:r1, :], k[..., s0:s1, :], v[..., s0:s1, :], scale, mask=mask
+        )
+    return out, lse
+
+
+def sliding_window_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, scale: float
+) -> torch.Tensor:
+    """Causal attention over the last ``window`` slots only (``i - j < window``), as the sliding layers of
+    hybrid models attend: q (B, H, Lq, D) at the last Lq slots of k/v (B, Hkv, Lk, D) -> (B, H, Lq, D).
+
+    The neighbor pass, block by block, so neither an (Lq, Lk) mask nor (Lq, Lk) scores exist:
+    transformers' SDPA path builds a dense boolean mask (4 GiB at 64k tokens) and scores every pair.
+    """
+    n_rep = q.shape[1] // k.shape[1]
+    out, _ = _neighbor_pass(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), window, scale)
+    return out
+
+
+def _grouped_pass(
+    q_g: torch.Tensor, k_g: torch.Tensor, v: torch.Tensor, window: int, scale: float
+) -> tuple[int, torch.Tensor, torch.Tensor] | None:
+    """Query rows against keys at distance >= W, at grouped positions.
+
+    ``k_g`` holds only the first ``Lk - W`` keys (the ones any row can see grouped).
+    Returns (first row that has grouped keys, out, lse for rows from it on), or None.
+    """
+    lq = q_g.shape[-2]
+    n_grouped = k_g.shape[-2]  # = Lk - W
+    c = n_grouped - lq  # row r sees grouped keys 0 .. r + c
+    if c < 0:
+        first = -c
+        if first >= lq:
+            return None
+        out, lse = attend(q_g[..., first:, :], k_g, v[..., :n_grouped, :], scale, is_causal=True)
+        return first, out, lse
+    out, lse = attend(q_g, k_g[..., c:, :], v[..., c:n_grouped, :], scale, is_causal=True)
+    if c > 0:
+        out_a, lse_a = attend(q_g, k_g[..., :c, :], v[..., :c, :], scale)
+        out, lse = merge_into(out, lse, out_a, lse_a)
+    return 0, out, lse
+
+
+def grouped_keys(
+    k: torch.Tensor, k_pos: torch.Tensor, group_size: int, inv_freq: torch.Tensor
+) -> torch.Tensor:
+    """Keys (B, Hkv, n, D) rotated at positions ``k_pos`` (B, n) moved to their grouped positions."""
+    return rotate(k, grouped_key_positions(k_pos, group_size) - k_pos, inv_freq)
+
+
+class GroupedKeyMemo:
+    """One layer's keys at grouped positions, kept between decode steps.
+
+    A key's grouped position ``j // G`` does not depend on the query, so while decoding only the
+    key that just left the neighbor window needs rotating. The memo is trusted only along an
+    unbroken chain of decode steps: one key more than at the last step, slot 0 at the same
+    position, the same raw key in the last memoised slot. A prefill, a context shift, a
+    truncation or a new sequence breaks the chain, and the memo starts over.
+    """
+
+    def __init__(self, rotations: RotationTable | None = None) -> None:
+        self.rotations = rotations if rotations is not None else RotationTable()
+        self.buf: torch.Tensor | None = None  # (B, Hkv, capacity, D)
+        self.last_raw: torch.Tensor | None = None  # (B, Hkv, D): the raw key of slot n - 1
+        self.n = 0
+        self.lk = -1
+        self.first_pos = 0
+
+    def reset(self) -> None:
+        self.n, self.lk = 0, -1
+
+    def get(
+        self, k: torch.Tensor, first_pos: int, n_grouped: int, group_size: int, inv_freq: torch.Tensor
+    ) -> torch.Tensor:
+        """Grouped keys of slots [0, n_grouped) of ``k`` (B, Hkv, Lk, D), whose slot 0 is at ``first_pos``."""
+        n, buf = self.n, self.buf
+        continues = (
+            n > 0
+            and n_grouped == n + 1
+            and k.shape[-2] == self.lk + 1
+            and first_pos == self.first_pos
+            and buf.shape[-2] > n
+            and torch.equal(k[..., n - 1, :], self.last_raw)
+        )
+        if not continues:
+            return self._rebuild(k, first_pos, n_grouped, group_size, inv_freq)
+        j = first_pos + n  # the one key that left the window since the last step
+        delta = grouped_key_positions(j, group_size) - j
+        buf[..., n, :] = self.rotations.rotate(k[..., n, :], delta, inv_freq)
+        self.last_raw = k[..., n, :].clone()
+        self.n, self.lk = n_grouped, k.shape[-2]
+        return buf[..., :n_grouped, :]
+
+    def _rebuild(
+        self, k: torch.Tensor, first_pos: int, n_grouped: int, group_size: int, inv_freq: torch.Tensor
+    ) -> torch.Tensor:
+        """All grouped keys anew, in a buffer with room to grow (amortised doubling)."""
+        b = self.buf
+        fits = b is not None and b.shape[:2] == k.shape[:2] and b.dtype == k.dtype and b.device == k.device
+        if not fits or b.shape[-2] <= n_grouped:
+            capacity = max(n_grouped + 1, 2 * b.shape[-2] if fits else 256)
+            self.buf = k.new_empty(*k.shape[:2], capacity, k.shape[-1])
+        pos = first_pos + torch.arange(n_grouped, device=k.device)  # (n_grouped,)
+        self.buf[..., :n_grouped, :] = grouped_keys(k[..., :n_grouped, :], pos, group_size, inv_freq)
+        self.last_raw = k[..., n_grouped - 1, :].clone()
+        self.n, self.lk, self.first_pos = n_grouped, k.shape[-2], first_pos
+        return self.buf[..., :n_grouped, :]
+
+
+def self_extend_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    pos: int,
+    group_size: int,
+    window: int,
+    inv_freq: torch.Tensor,
+    scale: float,
+    memo: GroupedKeyMemo,
+) -> torch.Tensor:
+    """One query row per sequence, all at position ``pos``: grouped scores for slots before the
+    window, neighbor scores inside it, one softmax over both. q (B, H, 1, D) -> (B, H, 1, D)."""
+    b, h, _, d = q.shape
+    hkv, lk = k.shape[1], k.shape[2]
+    n_grouped = lk - window
+    q = (q * scale).reshape(b, hkv, h // hkv, d)  # (B, Hkv, n_rep, D): the heads sharing a KV head as rows
+    if n_grouped <= 0 or group_size == 1:  # every key at its own position
+        memo.reset()
+        scores = torch.matmul(q, k.transpose(-1, -2))  # (B, Hkv, n_rep, Lk)
+    else:
+        k_g = memo.get(k, pos - (lk - 1), n_grouped, group_size, inv_freq)
+        q_g = memo.rotations.rotate(q, grouped_query_positions(pos, group_size, window) - pos, inv_freq)
+        grouped = torch.matmul(q_g, k_g.transpose(-1, -2))  # (B, Hkv, n_rep, Lk - W)
+        neighbors = torch.matmul(q, k[..., n_grouped:, :].transpose(-1, -2))  # (B, Hkv, n_rep, W)
+        scores = torch.cat((grouped, neighbors), dim=-1)  # (B, Hkv, n_rep, Lk)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
+    return torch.matmul(probs, v).reshape(b, h, 1, d)
+
+
+def self_extend_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_pos: torch.Tensor,
+    group_size: int,
+    window: int,
+    inv_freq: torch.Tensor,
+    scale: float | None = None,
+    memo: GroupedKeyMemo | None = None,
+) -> torch.Tensor:
+    """Self-Extend attention for one unpadded problem, queries at the last ``Lq`` key slots.
+
+    q (B, H, Lq, D) rotated at ``q_pos`` (B or 1, Lq); k/v (B, Hkv, Lk, D), keys rotated at their
+    positions ``q_pos[:, -1] - (Lk - 1 - s)``. Returns (B, H, Lq, D). Decode steps (Lq = 1) take
+    a direct path; with a ``memo`` kept across steps, they rotate only the newly grouped key.
+    """
+    b, h, lq, d = q.shape
+    hkv, lk = k.shape[1], k.shape[2]
+    scale = d**-0.5 if scale is None else scale
+    q_pos = q_pos.to(q.device).long()
+    last = q_pos[:, -1]
+    if lq == 1 and (last.shape[0] == 1 or bool((last == last[0]).all())):
+        memo = memo if memo is not None else GroupedKeyMemo()
+        return self_extend_decode(q, k, v, int(last[0]), group_size, window, inv_freq, scale, memo)
+    if memo is not None:
+        memo.reset()
+
+    n_rep, n_grouped = h // hkv, lk - window
+    v = repeat_kv(v, n_rep)
+    out, lse = _neighbor_pass(q, repeat_kv(k, n_rep), v, window, scale)
+    if n_grouped <= 0:
+        return out
+    if group_size == 1:  # grouped positions are the normal ones
+        q_g, k_g = q, k[..., :n_grouped, :]
+    else:
+        k_pos = q_pos[:, -1:] - (lk - 1) + torch.arange(n_grouped, device=q.device)  # (B, Lk - W)
+        k_g = grouped_keys(k[..., :n_grouped, :], k_pos, group_size, inv_freq)
+        q_g = rotate(q, grouped_query_positions(q_pos, group_size, window) - q_pos, inv_freq)
+    grouped = _grouped_pass(q_g, repeat_kv(k_g, n_rep), v, window, scale)
+    if grouped is not None:
+        first, out_g, lse_g = grouped
+        out[..., first:, :], _ = merge_into(out[..., first:, :], lse[..., first:], out_g, lse_g)
+    return out
+
+
+def self_extend_attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    group_size: int,
+    window: int,
+    inv_freq: torch.Tensor,
+    scale: float | None = None,
+    key_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The plain math, for tests and benchmarks: full score matrices from UN-rotated q and k.
+
+    q (B, H, Lq, D) and k (B, Hkv, Lk, D) carry no rotation; positions q_pos (B, Lq), k_pos (B, Lk);
+    ``key_mask`` (B, Lk) is False for padding. Rows with no visible key come out as zeros.
+    """
+    h, d = q.shape[1], q.shape[-1]
+    scale = d**-0.5 if scale is None else scale
+    q_pos, k_pos = q_pos.to(q.device).long(), k_pos.to(q.device).long()
+    n_rep = h // k.shape[1]
+    q_n, k_n = rotate(q, q_pos, inv_freq).float(), rotate(k, k_pos, inv_freq).float()
+    q_g = rotate(q, grouped_query_positions(q_pos, group_size, window), inv_freq).float()
+    k_g = rotate(k, grouped_key_positions(k_pos, group_size), inv_freq).float()
+    k_n, k_g, v_f = repeat_kv(k_n, n_rep), repeat_kv(k_g, n_rep), repeat_kv(v, n_rep).float()
+    s_n = q_n @ k_n.transpose(-1, -2) * scale  # (B, H, Lq, Lk)
+    s_g = q_g @ k_g.transpose(-1, -2) * scale  # (B, H, Lq, Lk)
+    distance = (q_pos[:, :, None] - k_pos[:, None, :])[:, None]  # (B, 1, Lq, Lk)
+    scores = torch.where(is_neighbor(distance, window), s_n, s_g)
+    visible = distance >= 0
+    if key_mask is not None:
+        visible = visible & key_mask[:, None, None, :].bool()
+    scores = scores.masked_fill(~visible, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    return (probs @ v_f).to(v.dtype)

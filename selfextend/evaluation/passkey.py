@@ -1,0 +1,158 @@
+"""Passkey retrieval (the Self-Extend paper's synthetic task): find a 5-digit number hidden in filler.
+
+A random passkey sits at a relative depth inside repeated filler text; the model is then
+asked for it and answers greedily. Correct when the first number it writes is the passkey.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from selfextend.core.validate import MAX_SEED, ValidationError, check_float, check_int
+from selfextend.evaluation.methods import Method, applied, unique_methods
+from selfextend.evaluation.nll import dense_sliding_mask
+from selfextend.evaluation.results import append_jsonl, read_jsonl, repair_tail
+from selfextend.evaluation.sweep import PREFILL_CHUNK, check_lengths, dtype_name
+from selfextend.generation.generator import Generator
+from selfextend.kv.cache import ContextShiftCache
+
+TASK = (
+    "There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
+    "I will quiz you about the important information there.\n"
+)
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+KEY = "The pass key is {key}. Remember it. {key} is the pass key. "
+QUESTION = "What is the pass key? The pass key is"
+ANSWER_TOKENS = 8
+
+
+def build_passkey_prompt(tokenizer, length: int, depth: float, key: int) -> list[int]:
+    """Token ids of about ``length`` tokens, ``key`` at relative ``depth`` of the filler (0 start, 1 end)."""
+
+    def count(text: str) -> int:
+        return len(tokenizer(text).input_ids)
+
+    fixed = count(TASK + KEY.format(key=key) + QUESTION)
+    per_filler = count(FILLER * 20) / 20
+    n_filler = max(1, int((length - fixed) / per_filler))
+    before = round(n_filler * depth)
+    text = TASK + FILLER * before + KEY.format(key=key) + FILLER * (n_filler - before) + QUESTION
+    return list(tokenizer(text).input_ids)
+
+
+@torch.no_grad()
+def answer(model: nn.Module, ids: list[int], method: Method) -> list[int]:
+    """Greedy answer tokens after the prompt, under ``method`` (a shift method streams the prompt)."""
+    with applied(model, method):
+        if method.kind == "shift":
+            cache = ContextShiftCache(model, int(method.params["ctx"]), int(method.params.get("keep", 0)))
+            gen = Generator(model, cache)
+            logits = gen.feed(ids)
+        else:
+            gen = Generator(model, ContextShiftCache(model, len(ids) + ANSWER_TOKENS + 1))
+            logits = gen.feed(ids, chunk=PREFILL_CHUNK if dense_sliding_mask(model) else len(ids))
+        return list(gen.decode(logits, ANSWER_TOKENS))
+
+
+LEGACY = {"dtype": "float32", "seed": 0}
+"""Records written before ``dtype`` and ``seed`` were recorded: float32 and seed 0, the defaults then."""
+KEY_FIELDS = ("model", "dtype", "seed", "method", "length", "depth", "trial")
+
+
+def point_key(record: dict) -> tuple:
+    """What identifies a passkey point: a resumed or merged sweep holds each key once.
+
+    Everything that changes the answer (it is greedy): model and weights, dtype, seed (the passkey),
+    method, length, depth, trial. A record missing a field gets None there and matches no real point.
+    """
+    return tuple(record.get(f, LEGACY.get(f)) for f in KEY_FIELDS)
+
+
+@dataclass(frozen=True)
+class Point:
+    """One question: ``trial`` at ``depth`` in a prompt of about ``length`` tokens, under ``method``."""
+
+    method: Method
+    length: int
+    depth: float
+    trial: int
+
+
+def passkey_plan(
+    model_name: str,
+    methods: list[Method],
+    lengths: list[int],
+    depths: list[float],
+    trials: int,
+    out: str | Path,
+    dtype: str = "float32",
+    seed: int = 0,
+) -> list[Point]:
+    """Every (method, length, depth, trial) point not yet in ``out`` for this model, ``dtype`` and ``seed``.
+
+    Every argument is checked first (:class:`~selfextend.core.validate.ValidationError`, or MethodError for a
+    method given twice).
+    """
+    methods, lengths = unique_methods(list(methods)), check_lengths(lengths)
+    depths = sorted({check_float(d, "depth", 0.0, 1.0) for d in depths})
+    if not depths:
+        raise ValidationError("depths", "needs at least one depth in [0, 1]")
+    trials, seed = check_int(trials, "trials", 1), check_int(seed, "seed", 0, MAX_SEED)
+    done = {point_key(r) for r in read_jsonl(out)}
+    return [
+        Point(method, length, depth, trial)
+        for method in methods
+        for length in lengths
+        for depth in depths
+        for trial in range(trials)
+        if (model_name, dtype, seed, method.name, length, depth, trial) not in done
+    ]
+
+
+def passkey_sweep(
+    model: nn.Module,
+    tokenizer,
+    model_name: str,
+    points: list[Point],
+    out: str | Path,
+    seed: int = 0,
+    progress: Callable[[int], None] | None = None,
+) -> Iterator[dict]:
+    """Ask each of ``points``, appending one JSONL record to ``out`` as each finishes.
+
+    Passkeys come from ``seed`` and the point's coordinates, so a resumed run asks the same questions.
+    """
+    seed, dtype = check_int(seed, "seed", 0, MAX_SEED), dtype_name(model)
+    repair_tail(out)
+    for p in points:
+        key = random.Random(f"{seed}-{p.length}-{p.depth}-{p.trial}").randint(10000, 99999)
+        ids = build_passkey_prompt(tokenizer, p.length, p.depth, key)
+        t0 = time.perf_counter()
+        text = tokenizer.decode(answer(model, ids, p.method), skip_special_tokens=True)
+        found = re.search(r"\d+", text)
+        record = {
+            "model": model_name,
+            "dtype": dtype,
+            "seed": seed,
+            "method": p.method.name,
+            "length": p.length,
+            "depth": p.depth,
+            "trial": p.trial,
+            "passkey": key,
+            "answer": text.strip(),
+            "correct": bool(found and found.group(0) == str(key)),
+            "tokens": len(ids),
+            "seconds": round(time.perf_counter() - t0, 2),
+        }
+        append_jsonl(out, record)
+        if progress:
+            progress(p.length)
+        yield record

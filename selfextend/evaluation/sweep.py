@@ -1,0 +1,196 @@
+"""Perplexity against length: documents x methods x lengths, one JSONL record per finished point.
+
+Rerunning with the same output file skips the points already there. For methods where a
+token's score does not depend on what follows it (all but dynamic NTK), one forward over the
+longest missing length scores every shorter prefix too, so the sweep costs one long forward
+per (document, method).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from selfextend.core.validate import ValidationError, check_int, parse_float, parse_int
+from selfextend.evaluation.corpus import CorpusError
+from selfextend.evaluation.distributed import forward_cost
+from selfextend.evaluation.methods import Method, applied, unique_methods
+from selfextend.evaluation.nll import dense_sliding_mask, segment_ppl, shift_nll, token_nll
+from selfextend.evaluation.results import append_jsonl, read_jsonl, repair_tail
+
+MAX_LENGTH = 2**24
+"""Longest context a sweep accepts (16M tokens): far beyond any model, short of absurd allocations."""
+
+
+def parse_lengths(spec: str, name: str = "lengths") -> list[int]:
+    """``"1k,2k,4096"`` -> [1024, 2048, 4096] (k = 1024 tokens), each in [2, MAX_LENGTH]; sorted, unique."""
+    lengths = []
+    for part in filter(None, (p.strip().lower() for p in str(spec).split(","))):
+        if part.endswith("k"):
+            n = parse_float(part[:-1], f"{name} ({part})", lo=0.0) * 1024
+            if n != int(n):
+                raise ValidationError(f"{name} ({part})", "must be a whole number of tokens")
+            n = int(n)
+        else:
+            n = parse_int(part, f"{name} ({part})")
+        lengths.append(check_int(n, f"{name} ({part})", 2, MAX_LENGTH))
+    if not lengths:
+        raise ValidationError(name, "needs at least one length, such as 2048 or 2k")
+    return sorted(set(lengths))
+
+
+def check_lengths(lengths: list[int], name: str = "lengths") -> list[int]:
+    """Lengths given as numbers through the API: each an integer in [2, MAX_LENGTH]; sorted, unique."""
+    if isinstance(lengths, (str, bytes)) or not hasattr(lengths, "__iter__"):
+        raise ValidationError(name, f"must be a list of token counts, got {type(lengths).__name__}")
+    checked = [check_int(n, name, 2, MAX_LENGTH) for n in lengths]
+    if not checked:
+        raise ValidationError(name, "needs at least one length")
+    return sorted(set(checked))
+
+
+def dtype_name(model_or_dtype: nn.Module | torch.dtype | str) -> str:
+    """A dtype as records spell it (``float32``, ``bfloat16``...): a model's parameter dtype, a torch dtype,
+    or a ``--dtype`` value (aliases such as ``fp32`` normalised; ``auto`` stays ``auto``)."""
+    if isinstance(model_or_dtype, nn.Module):
+        model_or_dtype = next(model_or_dtype.parameters()).dtype
+    if isinstance(model_or_dtype, str):
+        from selfextend.models import parse_dtype
+
+        model_or_dtype = parse_dtype(model_or_dtype)
+    return str(model_or_dtype).removeprefix("torch.")
+
+
+def tokenize_prefix(tokenizer, text: str, n_tokens: int) -> torch.Tensor:
+    """The first ``n_tokens`` tokens of ``text`` (1, n) or fewer if it is shorter; tokenizes only a prefix."""
+    chars = n_tokens * 8
+    while True:
+        ids = tokenizer(text[:chars], return_tensors="pt").input_ids
+        if ids.shape[1] >= n_tokens or chars >= len(text):
+            return ids[:, :n_tokens]
+        chars *= 2
+
+
+PREFILL_CHUNK = 4096
+"""Tokens per forward when a model is scored by chunked prefill (see ``eval.dense_sliding_mask``)."""
+
+
+@torch.no_grad()
+def score(model: nn.Module, ids: torch.Tensor, method: Method) -> torch.Tensor:
+    """Per-token NLL of ``ids`` under ``method``."""
+    with applied(model, method):
+        if method.kind == "shift":
+            return shift_nll(model, ids, int(method.params["ctx"]), int(method.params.get("keep", 0)))
+        # Dynamic NTK rescales by the length seen so far, so a chunked prefill would change its numbers.
+        chunked = method.kind != "ntk" and dense_sliding_mask(model)
+        return token_nll(model, ids, prefill_chunk=PREFILL_CHUNK if chunked else None)
+
+
+@dataclass
+class Run:
+    """One forward (or stream) of ``length`` tokens of ``doc`` under ``method``, scoring ``covers``."""
+
+    doc: str
+    method: Method
+    length: int
+    covers: list[int]
+
+
+LEGACY = {"dtype": "float32"}
+"""Records written before ``dtype`` was recorded were all float32 (the only dtype the scripts used)."""
+
+
+def point_key(record: dict) -> tuple:
+    """What identifies a perplexity point: a resumed or merged sweep holds each key once.
+
+    Everything that changes the numbers: model (with its weight format), dtype, text, method, length.
+    A record missing a field gets None there, so it never stands in for a real point.
+    """
+    return tuple(record.get(f, LEGACY.get(f)) for f in ("model", "dtype", "doc", "method", "length"))
+
+
+def run_cost(run: Run, hidden_size: int) -> float:
+    """Relative compute of ``run``, for sharing runs among processes (a shift streams through ``ctx``)."""
+    span = int(run.method.params["ctx"]) if run.method.kind == "shift" else None
+    return forward_cost(run.length, hidden_size, span)
+
+
+def plan(
+    model_name: str,
+    docs: list[str],
+    methods: list[Method],
+    lengths: list[int],
+    out: str | Path,
+    dtype: str = "float32",
+) -> list[Run]:
+    """The runs still needed: points already in ``out`` (same model, ``dtype``...) are skipped.
+
+    A method given twice is refused (:class:`~selfextend.evaluation.methods.MethodError`).
+    """
+    methods, lengths = unique_methods(list(methods)), check_lengths(lengths)
+    done = {point_key(r) for r in read_jsonl(out)}
+    runs = []
+    for doc in docs:
+        for method in methods:
+            missing = [n for n in lengths if (model_name, dtype, doc, method.name, n) not in done]
+            if not missing:
+                continue
+            if method.length_independent:
+                runs.append(Run(doc, method, max(missing), missing))
+            else:
+                runs += [Run(doc, method, n, [n]) for n in missing]
+    return runs
+
+
+def tokenize_docs(tokenizer, docs: dict[str, str], runs: list[Run]) -> dict[str, torch.Tensor]:
+    """The token ids each document needs for ``runs``; refuses documents shorter than their longest run."""
+    ids = {}
+    for name in sorted({r.doc for r in runs}):
+        need = max(r.length for r in runs if r.doc == name)
+        ids[name] = tokenize_prefix(tokenizer, docs[name], need)
+        if ids[name].shape[1] < need:
+            raise CorpusError(f"document '{name}' has {ids[name].shape[1]} tokens, fewer than length {need}")
+    return ids
+
+
+def ppl_sweep(
+    model: nn.Module,
+    model_name: str,
+    ids: dict[str, torch.Tensor],
+    runs: list[Run],
+    out: str | Path,
+    progress: Callable[[int], None] | None = None,
+) -> Iterator[dict]:
+    """Do ``runs`` on the documents' token ``ids``, appending each point's record to ``out`` once known.
+
+    ``progress`` is told how many tokens each run processed (for a progress bar).
+    """
+    repair_tail(out)
+    for run in runs:
+        t0 = time.perf_counter()
+        nll = score(model, ids[run.doc][:, : run.length], run.method)
+        seconds = time.perf_counter() - t0
+        if progress:
+            progress(run.length)
+        for n in run.covers:
+            last_from = n - n // 4
+            record = {
+                "model": model_name,
+                "dtype": dtype_name(model),
+                "doc": run.doc,
+                "method": run.method.name,
+                "length": n,
+                "ppl": segment_ppl(nll, 0, n),
+                "ppl_last": segment_ppl(nll, last_from, n),
+                "last_from": last_from,
+                "tokens": n,
+                "seconds": round(seconds, 2),
+                "forward_length": run.length,
+            }
+            append_jsonl(out, record)
+            yield record

@@ -1,0 +1,1 @@
+"""Generation: sampling, the decode step and the generation loop."""

@@ -1,0 +1,123 @@
+"""One generated token through a Llama-family model, directly: the decode step of endless generation.
+
+transformers' forward is general: per layer a token passes through a dozen module calls,
+mask and position plumbing and an attention dispatch by name. For a single token on a CPU
+that glue costs about as much as the attention itself. :class:`DecodeStep` reads the same
+weights and writes the same :class:`~selfextend.kv.cache.ContextShiftCache`, and computes the same
+math as the model's forward (tests hold it to the model's own logits) with fewer operations:
+the query/key/value and gate/up projections of int8 models run as one fused product each, and
+attention is the model's choice, plain SDPA or Self-Extend, called directly.
+
+It serves models whose layers are plain Llama blocks (Llama, Mistral and Qwen2 without
+sliding windows); :func:`decode_step_for` returns None for anything else, and callers then
+use the model's forward. Forward hooks on the submodules are not run.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from selfextend.core.attention import self_extend_decode
+from selfextend.core.rope import Rotation
+from selfextend.hf.patch import IMPLEMENTATION
+from selfextend.kv.cache import ContextShiftCache
+from selfextend.models.quantize import Int8Linear, fuse_int8
+
+FAMILIES = ("llama", "mistral", "qwen2")
+ATTENTION = ("sdpa", IMPLEMENTATION)
+
+
+def _why_not(model: nn.Module) -> str | None:
+    """Why :class:`DecodeStep` cannot run ``model``, or None when it can."""
+    config = model.config
+    if config.model_type not in FAMILIES:
+        return f"model type {config.model_type}"
+    if getattr(config, "sliding_window", None) or any(
+        t != "full_attention" for t in getattr(config, "layer_types", None) or []
+    ):
+        return "sliding-window attention"
+    if config.hidden_act != "silu" or getattr(config, "pretraining_tp", 1) > 1:
+        return "activation or tensor-parallel layout"
+    if len(set((getattr(model, "hf_device_map", None) or {}).values())) > 1:
+        return "layers placed by a device map (accelerate's hooks run only through the modules' forwards)"
+    inner = getattr(model, "model", None)
+    if inner is None or not all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")):
+        return "module layout"
+    return None
+
+
+def decode_step_for(model: nn.Module) -> DecodeStep | None:
+    """A :class:`DecodeStep` for ``model``, or None when its architecture is not a plain Llama block."""
+    return None if _why_not(model) else DecodeStep(model)
+
+
+class DecodeStep:
+    """``step(token, cache) -> logits``: one token at the next position of a context-shift cache.
+
+    The cache must have room for it (``cache.make_room(1)`` first). Works with the model's
+    attention implementation at call time: ``sdpa`` or ``selfextend``; :meth:`supported` says
+    whether the current one is served.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        reason = _why_not(model)
+        if reason:
+            raise ValueError(f"DecodeStep does not support this model ({reason})")
+        self.model = model
+        inner = model.model
+        self.embed, self.norm, self.rotary = inner.embed_tokens, inner.norm, inner.rotary_emb
+        self.layers = list(inner.layers)
+        self.head = model.lm_head
+        attn = self.layers[0].self_attn
+        self.head_dim = d = attn.head_dim
+        self.heads = [p.out_features // d for p in (attn.q_proj, attn.k_proj, attn.v_proj)]
+        self.qkv, self.gate_up = [], []
+        for layer in self.layers:
+            a, mlp = layer.self_attn, layer.mlp
+            self.qkv.append(self._fused([a.q_proj, a.k_proj, a.v_proj]))
+            self.gate_up.append(self._fused([mlp.gate_proj, mlp.up_proj]))
+
+    @staticmethod
+    def _fused(projections: list[nn.Module]) -> tuple[nn.Module, ...]:
+        """One fused int8 projection when all are int8 (no second copy of the weights), else all of them."""
+        if all(isinstance(p, Int8Linear) for p in projections):
+            return (fuse_int8(projections),)
+        return tuple(projections)
+
+    def supported(self) -> bool:
+        """Whether the model's current attention implementation is one this step computes."""
+        return self.model.config._attn_implementation in ATTENTION
+
+    @staticmethod
+    def _project(parts: tuple[nn.Module, ...], x: torch.Tensor) -> torch.Tensor:
+        return parts[0].forward(x) if len(parts) == 1 else torch.cat([p.forward(x) for p in parts], dim=-1)
+
+    @torch.no_grad()
+    def __call__(self, token: int, cache: ContextShiftCache) -> torch.Tensor:
+        """Logits (vocab,) of the next token after ``token``, written at position ``cache.n_past``."""
+        pos = cache.n_past
+        self_extend = self.model.config._attn_implementation == IMPLEMENTATION
+        x = self.embed.weight[token].view(1, 1, -1)  # (B=1, L=1, hidden)
+        position_ids = torch.tensor([[pos]], device=x.device)
+        rot = Rotation.from_cos_sin(*(t[:, None] for t in self.rotary(x, position_ids)))  # (1, 1, 1, D)
+        d, n_qk = self.head_dim, self.heads[0] + self.heads[1]
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            h = layer.input_layernorm.forward(x)
+            qkv = self._project(self.qkv[i], h).view(1, 1, -1, d).transpose(1, 2)  # (1, H + 2 Hkv, 1, D)
+            q, k = rot.apply(qkv[:, :n_qk]).split(self.heads[:2], dim=1)  # one rotation for both
+            k, v = cache.layers[i].update(k, qkv[:, n_qk:])  # (1, Hkv, n_past + 1, D)
+            if self_extend:
+                p = attn.self_extend
+                out = self_extend_decode(
+                    q, k, v, pos, p.group_size, p.window, p.inv_freq, attn.scaling, p.memo
+                )
+            else:
+                out = F.scaled_dot_product_attention(q, k, v, scale=attn.scaling, enable_gqa=True)
+            x = x + attn.o_proj.forward(out.transpose(1, 2).reshape(1, 1, -1))
+            h = layer.post_attention_layernorm.forward(x)
+            gate, up = self._project(self.gate_up[i], h).chunk(2, dim=-1)
+            x = x + layer.mlp.down_proj.forward(F.silu(gate) * up)
+        return self.head.forward(self.norm.forward(x))[0, -1]

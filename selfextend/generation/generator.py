@@ -1,0 +1,291 @@
+"""Our own generation loop over a context-shift cache: prefill, then decode token by token, forever if asked.
+
+transformers' ``generate()`` assumes a cache only grows; ours shrinks at every context shift, so
+the loop is ours: make room, forward, pick a token, stream its text.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from selfextend.core.validate import ValidationError, check_int, check_seed
+from selfextend.generation.decode import decode_step_for
+from selfextend.generation.sampling import SamplingParams, sample
+from selfextend.kv.cache import ContextShiftCache
+
+PREFILL_CHUNK = 512  # prompt pieces in run(): as llama.cpp's default micro-batch; also the progress step
+
+
+@dataclass
+class GenerationStats:
+    """What a run did: tokens, time, shifts and cache fill."""
+
+    prompt_tokens: int = 0
+    reused_tokens: int = 0
+    prompt_seconds: float = 0.0
+    tokens: int = 0
+    seconds: float = 0.0
+    shifts: int = 0
+    n_past: int = 0
+    n_ctx: int = 0
+    stop_reason: str = ""
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def summary(self) -> str:
+        return (
+            f"{self.tokens} tokens in {self.seconds:.1f} s ({self.tokens_per_second:.2f} tokens/s), "
+            f"prompt {self.prompt_tokens} tokens in {self.prompt_seconds:.1f} s"
+            + (f" ({self.reused_tokens} from the prompt cache)" if self.reused_tokens else "")
+            + f", {self.shifts} context shifts, cache {self.n_past}/{self.n_ctx}"
+            + (f", stopped: {self.stop_reason}" if self.stop_reason else "")
+        )
+
+
+class TextStream:
+    """Incremental detokenizer: emits text only once it is complete (no split multi-byte characters)."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.prefix_offset = 0
+        self.read_offset = 0
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def push(self, token: int) -> str:
+        self.ids.append(token)
+        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        text = self._decode(self.ids[self.prefix_offset :])
+        if len(text) > len(prefix) and not text.endswith("\ufffd"):
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            # keep the windows short: the prefix is only context for the tokenizer's spacing rules
+            return text[len(prefix) :]
+        return ""
+
+
+class StopMatcher:
+    """Holds back text that may be the start of a stop string; reports when one is complete."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = [s for s in stops if s]
+        self.pending = ""
+
+    def push(self, text: str) -> tuple[str, bool]:
+        """Returns (text safe to emit, stopped)."""
+        self.pending += text
+        for s in self.stops:
+            i = self.pending.find(s)
+            if i >= 0:
+                out, self.pending = self.pending[:i], ""
+                return out, True
+        hold = 0
+        for s in self.stops:
+            for n in range(min(len(s) - 1, len(self.pending)), 0, -1):
+                if self.pending.endswith(s[:n]):
+                    hold = max(hold, n)
+                    break
+        out = self.pending[: len(self.pending) - hold]
+        self.pending = self.pending[len(out) :]
+        return out, False
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out
+
+
+@dataclass
+class Generator:
+    """Prefill and decode through a :class:`ContextShiftCache`; tracks which tokens the cache holds."""
+
+    model: nn.Module
+    cache: ContextShiftCache
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    seed: int | None = None
+    tokens: list[int] = field(default_factory=list)  # the tokens whose K/V are in the cache, in order
+    last_logits: torch.Tensor | None = None  # the logits after the last token written to the cache
+    direct_decode: bool = True  # single tokens through a DecodeStep where the model allows it
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.cache, ContextShiftCache):
+            raise ValidationError("cache", f"must be a ContextShiftCache, got {type(self.cache).__name__}")
+        self.sampling.validate()
+        self.seed = check_seed(self.seed)
+        self.rng = torch.Generator(device="cpu")
+        if self.seed is not None:
+            self.rng.manual_seed(self.seed)
+        else:
+            self.rng.seed()
+        self.device = next(self.model.parameters()).device
+        single = self.cache.layers[0].keys.shape[0] == 1
+        self.step = decode_step_for(self.model) if self.direct_decode and single else None
+
+    @torch.no_grad()
+    def _forward(self, ids: list[int]) -> torch.Tensor:
+        before = self.cache.n_past
+        if self.cache.make_room(len(ids)):
+            discarded = before - self.cache.n_past
+            keep = self.cache.n_keep
+            self.tokens = self.tokens[:keep] + self.tokens[keep + discarded :]
+        if len(ids) == 1 and self.step is not None and self.step.supported():
+            logits = self.step(ids[0], self.cache)
+        else:
+            x = torch.tensor([ids], device=self.device)
+            out = self.model(x, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+            logits = out.logits[0, -1]
+        self.tokens.extend(ids)
+        self.last_logits = logits
+        return logits
+
+    def rewind(self, n_past: int) -> None:
+        """Forget the cached tokens from ``n_past`` on.
+
+        Exact where every layer still holds the cells the tokens before ``n_past`` attend. A sliding-window
+        layer keeps only its window, so going back further than that is not: then the cells after the kept
+        ones are recomputed from the tokens (the kept cells stay), which is what a fresh forward over the
+        kept tokens gives, as after a context shift, and sets :attr:`last_logits`.
+        """
+        tokens = self.tokens[:n_past]
+        if self.cache.can_truncate(n_past):
+            self.cache.truncate(n_past)
+            self.tokens = tokens
+            return
+        keep = min(n_past, self.cache.n_keep)
+        self.cache.truncate(keep)
+        self.tokens = tokens[:keep]
+        self.feed(tokens[keep:])
+
+    def feed(
+        self,
+        ids: Sequence[int],
+        chunk: int | None = None,
+        progress: Callable[[int], object] | None = None,
+    ) -> torch.Tensor:
+        """Write ``ids`` into the cache and return the last token's logits.
+
+        Pieces are at most ``chunk`` tokens, by default the largest write one shift always makes room for;
+        ``progress`` is called with each piece's length once it is written.
+        """
+        if not ids:
+            raise ValueError("nothing to feed: empty prompt")
+        step = chunk or self.cache.max_chunk()
+        logits = None
+        for a in range(0, len(ids), step):
+            piece = list(ids[a : a + step])
+            logits = self._forward(piece)
+            if progress is not None:
+                progress(len(piece))
+        return logits
+
+    def next_token(self, logits: torch.Tensor) -> int:
+        recent = torch.tensor(self.sampling.recent(self.tokens), dtype=torch.long, device=logits.device)
+        return sample(logits, self.sampling, recent, self.rng if logits.device.type == "cpu" else None)
+
+    def decode(
+        self,
+        logits: torch.Tensor,
+        max_new_tokens: int = -1,
+        eos_token_ids: Sequence[int] = (),
+    ) -> Iterator[int]:
+        """Yield new tokens from the prompt's last ``logits``; ``max_new_tokens == -1`` means no limit.
+
+        Stops after an EOS token (which is yielded last) unless ``eos_token_ids`` is empty. Any other
+        negative count is refused (it would otherwise run forever).
+        """
+        max_new_tokens = check_int(max_new_tokens, "max_new_tokens", -1)
+        produced = 0
+        while max_new_tokens < 0 or produced < max_new_tokens:
+            token = self.next_token(logits)
+            produced += 1
+            yield token
+            if token in eos_token_ids:
+                return
+            logits = self._forward([token])
+
+
+def run(
+    generator: Generator,
+    prompt_ids: Sequence[int],
+    max_new_tokens: int = -1,
+    eos_token_ids: Sequence[int] = (),
+    reused: int = 0,
+    reused_logits: torch.Tensor | None = None,
+    progress: Callable[[int], object] | None = None,
+) -> Iterator[tuple[int, GenerationStats]]:
+    """Prefill ``prompt_ids`` past the ``reused`` tokens cached, then decode; yields (token, stats).
+
+    ``reused_logits``: the last prompt token's logits when the whole prompt is cached with them.
+    ``progress``: called with the number of prompt tokens written after each :data:`PREFILL_CHUNK`.
+    """
+    max_new_tokens = check_int(max_new_tokens, "max_new_tokens", -1)  # refused before the prefill
+    stats = GenerationStats(prompt_tokens=len(prompt_ids), reused_tokens=reused, n_ctx=generator.cache.n_ctx)
+    t0 = time.perf_counter()
+    if reused == len(prompt_ids) and reused_logits is not None:
+        logits = reused_logits.to(generator.device)
+    else:
+        if reused == len(prompt_ids):
+            # the whole prompt is cached without its logits: re-feed its last token to get them
+            generator.rewind(len(generator.tokens) - 1)
+            reused -= 1
+        chunk = min(PREFILL_CHUNK, generator.cache.max_chunk())
+        logits = generator.feed(prompt_ids[reused:], chunk, progress)
+    generator.last_logits = logits
+    stats.prompt_seconds = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for token in generator.decode(logits, max_new_tokens, eos_token_ids):
+        stats.tokens += 1
+        stats.seconds = time.perf_counter() - t0
+        stats.shifts, stats.n_past = generator.cache.shifts, generator.cache.n_past
+        yield token, stats
+
+
+def eos_token_ids(model: nn.Module, tokenizer) -> tuple[int, ...]:
+    """The tokens that end a reply: the generation config's end-of-sequence ids and the tokenizer's."""
+    ids = model.generation_config.eos_token_id
+    ids = [ids] if isinstance(ids, int) else list(ids or [])
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids.append(tokenizer.eos_token_id)
+    return tuple(ids)
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def build_prompt(
+    tokenizer, prompt: str, system: str | None = None, chat: bool = True
+) -> tuple[list[int], int]:
+    """Token ids of the prompt and how many leading ones are the system part (BOS, system prompt).
+
+    With a chat template, the system part is what two renders with different user texts share
+    (the template's system block and the user header); without, it is the BOS and ``system``.
+    """
+    if chat and getattr(tokenizer, "chat_template", None):
+
+        def render(user: str) -> list[int]:
+            msgs = ([{"role": "system", "content": system}] if system else []) + [
+                {"role": "user", "content": user}
+            ]
+            return list(
+                tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)["input_ids"]
+            )
+
+        ids = render(prompt)
+        return ids, _common_prefix(render("A"), render("B"))
+    text = f"{system}\n\n{prompt}" if system else prompt
+    ids = list(tokenizer(text).input_ids)
+    if system:
+        return ids, _common_prefix(ids, tokenizer(f"{system}\n\n").input_ids)
+    bos = tokenizer.bos_token_id
+    return ids, int(bool(ids) and bos is not None and ids[0] == bos)

@@ -1,0 +1,366 @@
+"""Plug Self-Extend into a transformers model through its own extension points.
+
+We register an attention function (``AttentionInterface``) and a matching mask function
+(``AttentionMaskInterface``) under the name ``selfextend`` and switch the model's
+``_attn_implementation`` to it. No model class or ``forward`` is replaced, so the patch
+follows transformers releases instead of breaking on them. The Self-Extend parameters live
+on each attention module as ``module.self_extend``; removing the patch deletes them and
+restores the previous attention implementation.
+
+Models whose ``config.layer_types`` mix ``sliding_attention`` and ``full_attention`` (Gemma 3,
+Qwen2 with ``use_sliding_window``): a sliding layer never sees a distance beyond its window, so it
+needs no extension and keeps its own attention: the band ``i - j < sliding_window``, computed
+block by block without the dense mask transformers would build (SDPA with that mask when there is
+padding); only the full-attention layers get Self-Extend, each with its own rotary frequencies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import (
+    AttentionMaskInterface,
+    causal_mask_function,
+    prepare_padding_mask,
+    sdpa_mask,
+)
+
+from selfextend.core.attention import (
+    GroupedKeyMemo,
+    self_extend_attention,
+    self_extend_attention_reference,
+    sliding_window_attention,
+)
+from selfextend.core.positions import max_length, validate
+from selfextend.core.rope import Frequencies, RotationTable, layer_frequencies, rotate
+from selfextend.core.validate import ValidationError
+from selfextend.hf.facts import ModelError, layer_kinds, trained_window
+
+IMPLEMENTATION = "selfextend"
+REFERENCE_IMPLEMENTATION = "selfextend_reference"
+
+
+@dataclass
+class OwnAttention:
+    """Marks a layer that keeps its own attention under the patch (a sliding-window layer)."""
+
+    previous_implementation: str
+
+
+@dataclass
+class SelfExtendParams:
+    """What one attention layer needs: group size, window and where its rotary frequencies live."""
+
+    group_size: int
+    window: int
+    rotary: Frequencies
+    previous_implementation: str
+    memo: GroupedKeyMemo = field(default_factory=GroupedKeyMemo)  # this layer's grouped keys while decoding
+
+    @property
+    def inv_freq(self) -> torch.Tensor:
+        return self.rotary.inv_freq
+
+
+def padding_mask(
+    batch_size: int,
+    kv_length: int,
+    kv_offset: int = 0,
+    mask_function: Any = causal_mask_function,
+    attention_mask: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> torch.Tensor | None:
+    """Mask function for ``selfextend``: only the (B, Lk) key padding, or None when there is none.
+
+    Causality and the neighbor/grouped split are computed inside the attention function from
+    slot arithmetic, so no (Lq, Lk) mask is ever built. Any other mask (the sliding-window mask of
+    hybrid models' sliding layers, which keep their own attention) is SDPA's usual one.
+    """
+    if mask_function is not causal_mask_function:
+        plain_sliding = kwargs.get("local_size") is not None and not kwargs.get("use_vmap")
+        if plain_sliding and (attention_mask is None or bool(attention_mask.all())):
+            return None  # the sliding layer's band is cut from slot arithmetic (sliding_window_attention)
+        return sdpa_mask(
+            batch_size=batch_size,
+            kv_length=kv_length,
+            kv_offset=kv_offset,
+            mask_function=mask_function,
+            attention_mask=attention_mask,
+            **kwargs,
+        )
+    if attention_mask is None:
+        return None
+    mask = prepare_padding_mask(attention_mask, kv_length, kv_offset)[:, kv_offset : kv_offset + kv_length]
+    return None if bool(mask.all()) else mask
+
+
+def _split_padding(attention_mask: torch.Tensor | None, kv_length: int) -> torch.Tensor | None:
+    """Per-row count of left-padding slots, or None without padding. Refuses other padding shapes."""
+    if attention_mask is None:
+        return None
+    if attention_mask.dim() != 2:
+        raise NotImplementedError("selfextend takes a 2D padding mask, not a prepared 4D attention mask")
+    mask = attention_mask[:, -kv_length:].bool()
+    if bool(mask.all()):
+        return None
+    if bool((mask[:, 1:] < mask[:, :-1]).any()):
+        raise NotImplementedError("selfextend supports left padding only (padding must precede the tokens)")
+    return (~mask).sum(dim=-1)
+
+
+def _query_positions(
+    kwargs: dict[str, Any], batch: int, q_len: int, kv_len: int, device: torch.device
+) -> torch.Tensor:
+    """(B, Lq) positions of the queries: the model's position_ids, else the cache slots."""
+    position_ids = kwargs.get("position_ids")
+    if position_ids is None:
+        position_ids = torch.arange(kv_len - q_len, kv_len, device=device)[None]
+    return position_ids.expand(batch, -1)
+
+
+def _check_supported(kwargs: dict[str, Any]) -> None:
+    if kwargs.get("softcap") is not None:
+        raise NotImplementedError("selfextend does not support attention logit soft-capping")
+    if kwargs.get("sliding_window") is not None:
+        raise NotImplementedError("selfextend does not extend sliding-window attention layers")
+
+
+def _own_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None,
+    dropout: float,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None] | None:
+    """A sliding layer's own attention, or None for a layer Self-Extend serves.
+
+    Without padding the mask function returned no mask, and the band ``i - j < sliding_window`` is
+    attended block by block (:func:`sliding_window_attention`); with padding, SDPA with transformers' mask.
+    """
+    if not isinstance(module.self_extend, OwnAttention):
+        return None
+    window = kwargs.get("sliding_window")
+    if attention_mask is None and window is not None:
+        scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+        out = sliding_window_attention(query, key, value, int(window), scale)
+        return out.transpose(1, 2).contiguous(), None
+    return sdpa_attention_forward(
+        module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
+    )
+
+
+def self_extend_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """The registered ``selfextend`` attention: query (B, H, Lq, D) -> output (B, Lq, H, D)."""
+    own = _own_attention(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
+    if own is not None:
+        return own
+    _check_supported(kwargs)
+    params: SelfExtendParams = module.self_extend
+    b, _, lq, _ = query.shape
+    lk = key.shape[2]
+    q_pos = _query_positions(kwargs, b, lq, lk, query.device)
+    pads = _split_padding(attention_mask, lk)
+
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, memo=None) -> torch.Tensor:
+        return self_extend_attention(
+            q, k, v, pos, params.group_size, params.window, params.inv_freq, scale=scaling, memo=memo
+        )
+
+    if pads is None:
+        out = run(query, key, value, q_pos, params.memo)
+    else:
+        # Each row on its own, without its padding slots: left padding means "these slots don't exist".
+        out = torch.zeros_like(query)
+        off = lk - lq
+        for row in range(b):
+            pad = int(pads[row])
+            first_q = max(0, pad - off)
+            if first_q >= lq:
+                continue
+            sl = slice(row, row + 1)
+            out[sl, :, first_q:] = run(
+                query[sl, :, first_q:], key[sl, :, pad:], value[sl, :, pad:], q_pos[sl, first_q:]
+            )
+    return out.transpose(1, 2).contiguous(), None
+
+
+def reference_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """The registered ``selfextend_reference`` attention: un-rotate q/k, then the full-matrix math.
+
+    Quadratic memory; for tests and for benchmarks against the official approach. Sliding layers keep
+    their own attention, as with ``selfextend``.
+    """
+    own = _own_attention(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
+    if own is not None:
+        return own
+    _check_supported(kwargs)
+    params: SelfExtendParams = module.self_extend
+    b, _, lq, _ = query.shape
+    lk = key.shape[2]
+    q_pos = _query_positions(kwargs, b, lq, lk, query.device)
+    k_pos = q_pos[:, -1:] - (lk - 1) + torch.arange(lk, device=query.device)  # (B, Lk)
+    key_mask = None
+    if attention_mask is not None:
+        key_mask = attention_mask[:, -lk:].bool()
+    q_raw = rotate(query, -q_pos, params.inv_freq)
+    k_raw = rotate(key, -k_pos, params.inv_freq)
+    out = self_extend_attention_reference(
+        q_raw,
+        k_raw,
+        value,
+        q_pos,
+        k_pos,
+        params.group_size,
+        params.window,
+        params.inv_freq,
+        scale=scaling,
+        key_mask=key_mask,
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(IMPLEMENTATION, self_extend_attention_forward)
+AttentionInterface.register(REFERENCE_IMPLEMENTATION, reference_attention_forward)
+AttentionMaskInterface.register(IMPLEMENTATION, padding_mask)
+AttentionMaskInterface.register(REFERENCE_IMPLEMENTATION, padding_mask)
+
+
+def attention_modules(model: nn.Module) -> list[nn.Module]:
+    """The self-attention modules of a decoder (the ones that call the attention interface)."""
+    return [
+        m
+        for m in model.modules()
+        if type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx") and hasattr(m, "config")
+    ]
+
+
+def _check_module(model: Any, what: str) -> None:
+    """Refuse anything that is not a transformers model (None, a plain module) with a ModelError."""
+    if not isinstance(model, nn.Module) or not hasattr(getattr(model, "config", None), "model_type"):
+        raise ModelError(
+            f"{what} needs a transformers model (a PreTrainedModel with a config), got {type(model).__name__}"
+        )
+
+
+def _check_model(model: nn.Module) -> list[str]:
+    """The layer kinds, after refusing what Self-Extend cannot serve (one-line ``ValueError``)."""
+    config = model.config
+    kinds = layer_kinds(model)
+    unknown = sorted(set(kinds) - {"full_attention", "sliding_attention"})
+    if unknown:
+        raise ValueError(
+            f"{config.model_type} has {', '.join(unknown)} layers; selfextend does not support them"
+        )
+    if "full_attention" not in kinds:
+        raise ValueError(
+            f"{config.model_type} uses sliding-window attention in every layer, so nothing attends far "
+            "enough to extend (set config.sliding_window = None if the model allows it)"
+        )
+    if getattr(config, "attn_logit_softcapping", None):
+        raise ValueError(
+            f"{config.model_type} uses attention logit soft-capping; not supported by selfextend"
+        )
+    return kinds
+
+
+def apply_self_extend(
+    model: nn.Module, group_size: int, window: int, implementation: str = IMPLEMENTATION
+) -> nn.Module:
+    """Switch ``model`` to Self-Extend attention in place and return it (its full-attention layers;
+    sliding-window layers of hybrid models keep their own attention).
+
+    ``group_size`` G >= 1 and ``window`` W >= 1 with W below the trained window; the model then
+    reads up to ``max_length(trained, G, W)`` tokens. ``implementation="selfextend_reference"``
+    selects the full-matrix reference (quadratic memory). Calling it again changes the settings.
+    Raises :class:`~selfextend.core.validate.ValidationError` for bad G/W and
+    :class:`~selfextend.models.ModelError` for a model it cannot patch (both ``ValueError``).
+    """
+    _check_module(model, "apply_self_extend")
+    if implementation not in (IMPLEMENTATION, REFERENCE_IMPLEMENTATION):
+        raise ValidationError(
+            "implementation",
+            f"must be '{IMPLEMENTATION}' or '{REFERENCE_IMPLEMENTATION}', got {implementation!r}",
+        )
+    group_size, window = validate(group_size, window, trained_window(model.config))
+    kinds = _check_model(model)
+    modules = attention_modules(model)
+    if not modules:
+        raise ModelError(f"{type(model).__name__}: no attention modules found")
+    frequencies = layer_frequencies(model)
+    rotations = RotationTable()  # one table for all layers: a decode step rotates each by the same deltas
+    previous = model.config._attn_implementation
+    if previous in (IMPLEMENTATION, REFERENCE_IMPLEMENTATION):
+        previous = modules[0].self_extend.previous_implementation
+    for m in modules:
+        if kinds[m.layer_idx] == "full_attention":
+            freq = frequencies[m.layer_idx]
+            m.self_extend = SelfExtendParams(group_size, window, freq, previous, GroupedKeyMemo(rotations))
+        else:
+            m.self_extend = OwnAttention(previous)
+    model.set_attn_implementation(implementation)
+    return model
+
+
+def remove_self_extend(model: nn.Module) -> nn.Module:
+    """Undo ``apply_self_extend``: the previous attention implementation, no leftovers."""
+    _check_module(model, "remove_self_extend")
+    modules = [m for m in attention_modules(model) if hasattr(m, "self_extend")]
+    if not modules:
+        return model
+    previous = modules[0].self_extend.previous_implementation
+    for m in modules:
+        del m.self_extend
+    model.set_attn_implementation(previous)
+    return model
+
+
+@contextmanager
+def self_extend(model: nn.Module, group_size: int, window: int) -> Iterator[nn.Module]:
+    """``with self_extend(model, G, W):`` Self-Extend inside the block, the plain model after it."""
+    apply_self_extend(model, group_size, window)
+    try:
+        yield model
+    finally:
+        remove_self_extend(model)
+
+
+def max_usable_length(model_or_config: Any, group_size: int, window: int) -> int:
+    """Largest length this model (or config) reaches with Self-Extend G, W: ``(L - W) * G + W``.
+
+    Refuses (:class:`~selfextend.core.validate.ValidationError`) a window not smaller than the trained one.
+    """
+    config = getattr(model_or_config, "config", model_or_config)
+    if not hasattr(config, "max_position_embeddings"):
+        got = type(model_or_config).__name__
+        raise ModelError(f"max_usable_length needs a model or its config, got {got}")
+    trained = trained_window(config)
+    group_size, window = validate(group_size, window, trained)
+    return max_length(trained, group_size, window)

@@ -1,0 +1,1 @@
+"""KV cache: context-shift cache layers and prompt-cache files."""

@@ -1,0 +1,209 @@
+"""A fixed-size KV cache that shifts its context instead of growing: generation runs forever.
+
+As llama.cpp does when ``n_past + n_new > n_ctx``: keep the first ``n_keep`` cells (the system
+prompt), discard the older half of the rest, ``n_discard = (n_past - n_keep) // 2``, move the
+newer half down by ``n_discard`` and re-rotate its keys by ``-n_discard`` (K-shift: keys are
+cached after RoPE, and rotations compose), each layer with its own rotary frequencies. Values are
+not rotated. Positions stay contiguous, so after a shift the next token is exactly what a fresh
+forward over the kept tokens at their compacted positions would give, and Self-Extend's grouped
+positions follow the shifted ones.
+
+A sliding-window layer of a hybrid model (Gemma 3: 15 of 18 layers attend the last 512 tokens)
+holds only what a query can still attend: the kept cells, which come back inside the window after
+a shift, and the last ``window - 1`` cells (:class:`SlidingShiftLayer`). The storage is allocated
+once per layer at construction and never reallocated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from transformers.cache_utils import Cache
+
+from selfextend.core.rope import layer_frequencies
+from selfextend.core.validate import check_int
+from selfextend.hf.facts import kv_shape, sliding_windows
+from selfextend.kv.layers import ContextShiftLayer, Range, SlidingShiftLayer, covers, gather, merge
+
+
+def discard_count(n_past: int, n_keep: int) -> int:
+    """Cells one context shift drops: the older half of what is not kept (llama.cpp's rule)."""
+    return (n_past - n_keep) // 2
+
+
+DiscardPolicy = Callable[[int, int, int], int]
+"""``(n_past, n_keep, n_need) -> n_discard``: how many cells after the kept ones the next shift drops,
+given that at least ``n_need`` must go for the pending write to fit (fewer means another shift follows).
+The cache shifts by exactly the returned count right after the call."""
+
+
+def sliding_cells(window: int, n_keep: int) -> int:
+    """Cells a sliding layer allocates: the kept ones and ``2 * (window - 1)`` for the rest, so that decoding
+    writes in place for ``window - 1`` steps between two moves of the last ``window - 1`` cells to the front
+    (one cell copied per step on average, instead of the whole window at each step)."""
+    return n_keep + 2 * (window - 1)
+
+
+def layer_cells(config: Any, n_ctx: int, n_keep: int = 0, sliding: bool = True) -> list[int]:
+    """Cells each layer of a :class:`ContextShiftCache` of ``n_ctx`` keeping ``n_keep`` allocates: ``n_ctx``,
+    or less for a sliding layer (:func:`sliding_cells`) where that is smaller. ``sliding=False``: every
+    layer ``n_ctx`` (the layout before sliding layers were bounded)."""
+    return [
+        n_ctx if w is None or not sliding else min(n_ctx, sliding_cells(w, n_keep))
+        for w in sliding_windows(config)
+    ]
+
+
+def cache_bytes(
+    config: Any, n_ctx: int, n_keep: int = 0, bytes_per_value: int = 2, sliding: bool = True
+) -> int:
+    """Bytes of a :class:`ContextShiftCache`'s buffers (K and V, batch 1) for a model's config."""
+    kv_heads, head_dim = kv_shape(config)
+    return 2 * bytes_per_value * kv_heads * head_dim * sum(layer_cells(config, n_ctx, n_keep, sliding))
+
+
+class ContextShiftCache(Cache):
+    """A transformers ``Cache`` of fixed capacity ``n_ctx`` that keeps ``n_keep`` tokens and shifts the rest.
+
+    Call :meth:`make_room` before each forward with the number of tokens about to be written;
+    it shifts as often as needed and returns how many shifts it made. Positions for the next
+    tokens are ``get_seq_length()`` onwards, which transformers uses by default. Sliding-window
+    layers hold only their window and the kept cells (``sliding=False``: all ``n_ctx`` cells, as
+    full layers do; for comparisons).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        n_ctx: int,
+        n_keep: int = 0,
+        batch_size: int = 1,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        sliding: bool = True,
+    ) -> None:
+        n_ctx = check_int(n_ctx, "context size", 2)
+        n_keep = check_int(n_keep, "n_keep (tokens kept at every shift)", 0, n_ctx - 2)
+        batch_size = check_int(batch_size, "batch size", 1)
+        config = model.config.get_text_config()
+        kv_heads, head_dim = kv_shape(config)
+        param = next(model.parameters())
+        dtype, device = dtype or param.dtype, device or param.device
+        layers: list[ContextShiftLayer] = []
+        windows = sliding_windows(config)
+        for cells, window in zip(layer_cells(config, n_ctx, n_keep, sliding), windows, strict=True):
+            shape = (batch_size, kv_heads, cells, head_dim)
+            k, v = (
+                torch.zeros(shape, dtype=dtype, device=device),
+                torch.zeros(shape, dtype=dtype, device=device),
+            )
+            layers.append(
+                ContextShiftLayer(k, v) if cells == n_ctx else SlidingShiftLayer(k, v, window, n_keep)
+            )
+        super().__init__(layers=layers)
+        self.frequencies = layer_frequencies(model)  # each layer's own (Gemma 3: local and global bases)
+        self.n_ctx, self.n_keep = n_ctx, n_keep
+        self.shifts = 0
+        self.discarded = 0
+        self.discard_policy: DiscardPolicy | None = None  # None: discard_count (llama.cpp's half)
+
+    @property
+    def n_past(self) -> int:
+        return self.layers[0].n_past
+
+    def nbytes(self) -> int:
+        """Bytes of the allocated key and value buffers."""
+        return sum(t.numel() * t.element_size() for layer in self.layers for t in (layer.keys, layer.values))
+
+    def free(self) -> int:
+        """Cells left before the next shift."""
+        return self.n_ctx - self.n_past
+
+    def max_chunk(self) -> int:
+        """The largest write that one shift can always make room for (half of the shiftable part)."""
+        return max(1, (self.n_ctx - self.n_keep) // 2)
+
+    def can_truncate(self, n_past: int) -> bool:
+        """Whether :meth:`truncate` to ``n_past`` is exact: no sliding layer has dropped a cell the tokens
+        before ``n_past`` attend (always true back to ``n_keep``)."""
+        n_past = min(n_past, self.n_past)
+        return all(covers(layer.held(), layer.needs(n_past)) for layer in self.layers)
+
+    def truncate(self, n_past: int) -> None:
+        """Forget every cell from ``n_past`` on (no shift, no rotation); ValueError, with nothing changed,
+        unless :meth:`can_truncate` (see
+        :meth:`selfextend.generation.generator.Generator.rewind` for what to do then)."""
+        if not self.can_truncate(n_past):
+            raise ValueError(
+                f"cannot go back to {n_past} of {self.n_past} cells exactly: the sliding layers have dropped "
+                "cells the last of those tokens attend; recompute them from the tokens instead"
+            )
+        for layer in self.layers:
+            layer.truncate(n_past)
+
+    def loadable(self, held: Sequence[Sequence[Range]], n_past: int) -> int:
+        """The longest prefix, at most ``n_past``, that :meth:`load_prefix` can load from states that hold
+        positions ``held[i]`` for layer ``i``: each layer must find every cell it needs."""
+        ends = {n_past, min(n_past, self.n_keep), 0} | {hi for h in held for _, hi in h if hi < n_past}
+        for n in sorted(ends, reverse=True):
+            if all(covers(h, layer.needs(n)) for layer, h in zip(self.layers, held, strict=True)):
+                return n
+        return 0
+
+    def load_prefix(
+        self,
+        keys: list[torch.Tensor],
+        values: list[torch.Tensor],
+        n_past: int | None = None,
+        held: Sequence[Sequence[Range]] | None = None,
+    ) -> None:
+        """Fill the cache with per-layer (B, Hkv, n, D) states (from a prompt-cache file): the cells of the
+        positions ``held[i]`` for layer ``i`` (default: ``[0, n)``), of which the first ``n_past`` positions
+        are loaded (default: all). ValueError if a layer lacks a cell it needs."""
+        if len(keys) != len(self.layers):
+            raise ValueError(f"{len(keys)} layers of states for a cache of {len(self.layers)} layers")
+        held = held or [merge([(0, k.shape[-2])]) for k in keys]
+        if n_past is None:
+            n_past = max((h[-1][1] for h in held if h), default=0)
+        for i, (layer, h) in enumerate(zip(self.layers, held, strict=True)):
+            if not covers(h, layer.needs(n_past)):
+                raise ValueError(
+                    f"layer {i} holds positions {list(h)}, not the {layer.needs(n_past)} it needs"
+                )
+        for layer, h, k, v in zip(self.layers, held, keys, values, strict=True):
+            needed = layer.needs(n_past)
+            layer.place(n_past, gather(h, k, needed), gather(h, v, needed))
+
+    def make_room(self, n_new: int) -> int:
+        """Shift until ``n_new`` more tokens fit; returns the number of shifts made."""
+        if n_new > self.n_ctx - self.n_keep - 1:
+            raise ValueError(
+                f"cannot write {n_new} tokens at once into a cache of {self.n_ctx} keeping {self.n_keep}; "
+                f"feed at most {self.max_chunk()} at a time"
+            )
+        made = 0
+        while self.n_past + n_new > self.n_ctx:
+            if self.discard_policy is None:
+                n_discard = discard_count(self.n_past, self.n_keep)
+            else:
+                n_discard = self.discard_policy(self.n_past, self.n_keep, self.n_past + n_new - self.n_ctx)
+            self.shift(n_discard)
+            made += 1
+        return made
+
+    def shift(self, n_discard: int) -> None:
+        """One context shift: drop cells ``[n_keep, n_keep + n_discard)``, move the rest down and re-rotate
+        their keys by ``-n_discard``."""
+        if not 1 <= n_discard <= self.n_past - self.n_keep:
+            raise ValueError(
+                f"cannot discard {n_discard} cells: {self.n_past} cached, {self.n_keep} kept"
+                if n_discard
+                else f"nothing left to discard: {self.n_past} cached, {self.n_keep} kept"
+            )
+        for layer, freq in zip(self.layers, self.frequencies, strict=True):
+            layer.shift(self.n_keep, n_discard, freq.inv_freq)
+        self.shifts += 1
+        self.discarded += n_discard

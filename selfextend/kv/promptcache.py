@@ -1,0 +1,200 @@
+"""Prompt-cache files: the KV cache after a prompt, saved so that a later run with the same start skips it.
+
+Like llama.cpp's session files. A file records the model's fingerprint and the settings that
+change the cached states (dtype, weight format, Self-Extend); a file made under others is refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from selfextend.kv.cache import ContextShiftCache
+from selfextend.kv.layers import Range, gather, merge
+from selfextend.models.quantize import weight_format
+
+FORMAT = "selfextend-prompt-cache/3"
+READABLE = (FORMAT, "selfextend-prompt-cache/2")  # /2: no "held", every layer holds every position
+
+
+class PromptCacheError(ValueError):
+    """A prompt-cache file that cannot be used here; one line for users."""
+
+
+UNHASHED_CONFIG = ("_name_or_path", "transformers_version", "_commit_hash")
+"""Config entries that say where or by what a model was loaded, not what it computes: the same GGUF loaded
+right after its conversion or later from the cache (or from another cache folder) is one model."""
+
+
+def fingerprint(model: nn.Module) -> str:
+    """A short hash of the model's config (without :data:`UNHASHED_CONFIG`) and a slice of its embedding."""
+    config = {k: v for k, v in model.config.to_dict().items() if k not in UNHASHED_CONFIG}
+    h = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
+    emb = model.get_input_embeddings().weight
+    h.update(emb[:64].detach().float().cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def settings(model: nn.Module) -> dict[str, Any]:
+    """What the cached states depend on besides the tokens."""
+    se = [m.self_extend for m in model.modules() if hasattr(m, "self_extend")]
+    return {
+        "model": fingerprint(model),
+        "dtype": str(next(model.parameters()).dtype),
+        "self_extend": [se[0].group_size, se[0].window] if se else None,
+        "weights": weight_format(model),
+    }
+
+
+def save(
+    path: str | Path,
+    model: nn.Module,
+    cache: ContextShiftCache,
+    tokens: list[int],
+    logits: torch.Tensor,
+    extra: dict[str, Any] | None = None,
+) -> None:
+    """Write each layer's cells of the first ``len(tokens)`` positions and the last token's ``logits``
+    (atomically: temp file, then rename). A sliding-window layer has only its window and the kept cells;
+    ``held`` records which positions each layer's cells are. With the logits, a run whose prompt is exactly
+    ``tokens`` starts from the same numbers as the run that saved it, instead of recomputing the last token
+    another way. ``extra``: JSON-able state of whoever owns the cache (a chat session), stored with it."""
+    n = len(tokens)
+    held, keys, values = [], [], []
+    for layer in cache.layers:
+        have = layer.held()
+        kept = merge([(lo, min(hi, n)) for lo, hi in have])
+        k, v = layer.states()
+        held.append([list(r) for r in kept])
+        keys.append(gather(have, k, kept).clone().cpu())
+        values.append(gather(have, v, kept).clone().cpu())
+    payload = {
+        "format": FORMAT,
+        "settings": json.dumps(settings(model), sort_keys=True),
+        "tokens": torch.tensor(tokens, dtype=torch.long),
+        "logits": logits.detach().cpu().clone(),
+        "held": held,
+        "keys": keys,
+        "values": values,
+    }
+    if extra is not None:
+        payload["extra"] = json.dumps(extra)
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(payload, tmp)
+    os.replace(tmp, path)
+
+
+def _bad(path: str | Path, what: str) -> PromptCacheError:
+    return PromptCacheError(f"{path} is a damaged prompt cache: {what}")
+
+
+def _check_payload(path: str | Path, payload: dict) -> None:
+    """Every field a prompt cache needs, with the types it needs; PromptCacheError if not."""
+    missing = [k for k in ("settings", "tokens", "logits", "keys", "values") if k not in payload]
+    if missing:
+        raise _bad(path, f"no {', '.join(missing)}")
+    try:
+        if not isinstance(json.loads(payload["settings"]), dict):
+            raise ValueError
+    except (TypeError, ValueError):
+        raise _bad(path, "its settings are not a JSON object") from None
+    tokens, logits = payload["tokens"], payload["logits"]
+    if not isinstance(tokens, torch.Tensor) or tokens.dim() != 1 or tokens.dtype != torch.long:
+        raise _bad(path, "its tokens are not a 1-D integer tensor")
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 1 or not logits.is_floating_point():
+        raise _bad(path, "its logits are not a 1-D float tensor")
+    held = payload.get("held")
+    if held is not None and not (isinstance(held, list) and all(_is_ranges(h, len(tokens)) for h in held)):
+        raise _bad(path, "its held positions are not increasing [lo, hi) ranges within its tokens")
+
+
+def _is_ranges(ranges: object, n: int) -> bool:
+    """Whether ``ranges`` is a list of [lo, hi] integer pairs, increasing, apart and within [0, n]."""
+    if not isinstance(ranges, list):
+        return False
+    end = -1
+    for r in ranges:
+        if not (isinstance(r, list) and len(r) == 2 and all(type(x) is int for x in r)):
+            return False
+        if not end < r[0] < r[1] <= n:
+            return False
+        end = r[1]
+    return True
+
+
+def held(payload: dict[str, Any]) -> list[list[Range]]:
+    """Per layer, the positions whose cells a (checked) payload holds, in order."""
+    n = payload["tokens"].shape[0]
+    if "held" not in payload:
+        return [merge([(0, n)]) for _ in payload["keys"]]
+    return [[(lo, hi) for lo, hi in h] for h in payload["held"]]
+
+
+def _check_shapes(path: str | Path, payload: dict, cache: ContextShiftCache) -> None:
+    """One (B, Hkv, n, D) tensor per layer of ``cache`` for each of keys and values, n the positions held."""
+    layers = cache.layers
+    for name in ("keys", "values"):
+        states = payload[name]
+        if not isinstance(states, list) or len(states) != len(layers):
+            count = len(states) if isinstance(states, list) else "?"
+            raise _bad(path, f"{name} for {count} layers, the model has {len(layers)}")
+    layers_held = held(payload)
+    if len(layers_held) != len(layers):
+        raise _bad(path, f"held positions for {len(layers_held)} layers, the model has {len(layers)}")
+    for name in ("keys", "values"):
+        for i, (t, layer, h) in enumerate(zip(payload[name], layers, layers_held, strict=True)):
+            want = (*layer.keys.shape[:2], sum(hi - lo for lo, hi in h), layer.keys.shape[-1])
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != want:
+                got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise _bad(path, f"layer {i} {name} have shape {got}, expected {want}")
+
+
+def load(
+    path: str | Path, model: nn.Module, cache: ContextShiftCache, prompt: list[int]
+) -> tuple[list[int], torch.Tensor | None]:
+    """Load the longest cached prefix of ``prompt`` into the empty ``cache``.
+
+    Returns the reused tokens, and the saved last-token logits when the prompt is exactly the saved one.
+    The prefix is shortened where a sliding-window layer of the file lacks cells its last tokens attend
+    (:meth:`~selfextend.kv.cache.ContextShiftCache.loadable`).
+    """
+    payload = read(path, model, cache)
+    saved = payload["tokens"].tolist()
+    n = 0
+    limit = min(len(saved), len(prompt), cache.n_ctx - 1)
+    while n < limit and saved[n] == prompt[n]:
+        n += 1
+    whole = n == len(saved) == len(prompt)
+    layers_held = held(payload)
+    n = cache.loadable(layers_held, n)
+    if n:
+        cache.load_prefix(payload["keys"], payload["values"], n, layers_held)
+    return prompt[:n], payload["logits"] if whole and n == len(prompt) else None
+
+
+def read(path: str | Path, model: nn.Module, cache: ContextShiftCache) -> dict[str, Any]:
+    """The file's contents, once it is known to be ours, intact, shaped for ``cache``'s layers and made
+    with this model and these settings; PromptCacheError if not."""
+    try:
+        payload = torch.load(Path(path), map_location="cpu", weights_only=True)
+    except Exception as e:  # torch raises many types for a file that is not its own
+        kind = type(e).__name__
+        raise PromptCacheError(f"{path} is not a selfextend prompt cache or chat session ({kind})") from None
+    if not isinstance(payload, dict) or payload.get("format") not in READABLE:
+        raise PromptCacheError(f"{path} is not a {FORMAT} file (another version or another program)")
+    _check_payload(path, payload)
+    ours, theirs = settings(model), json.loads(payload["settings"])
+    if ours != theirs:
+        diff = ", ".join(
+            f"{k}: file {theirs.get(k)} != now {v}" for k, v in ours.items() if theirs.get(k) != v
+        )
+        raise PromptCacheError(f"{path} was made with another model or settings ({diff})")
+    _check_shapes(path, payload, cache)
+    return payload

@@ -1,0 +1,179 @@
+"""Reading a GGUF's tensors into a model's run form, one tensor at a time, a block of rows at a time.
+
+The ``gguf`` package parses the tensor table and dequantises blocks (``gguf.dequantize``), and
+transformers' GGUF tables name each tensor (``get_gguf_hf_weights_map`` and the per-architecture
+``TENSOR_PROCESSORS``, which undo llama.cpp's q/k permutation and Gemma's "+1" norms), so no block
+format or name table is re-implemented here. The reader's parsed metadata is dropped once the tensor
+table is copied out, before any weight is read; a tensor's bytes are read from the file a block of
+rows at a time (not through the reader's memory map, whose touched pages would stay resident), and a
+tensor the architecture's processor leaves as it is goes into its run form block by block.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, BinaryIO
+
+import numpy as np
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from gguf import GGUFReader
+    from transformers import PretrainedConfig, PreTrainedModel
+
+from selfextend.models.weights import RowBlocks, RunForm, empty_model, fill, int8_placeholders
+
+_BLOCK_BYTES = 4 << 20  # float32 bytes of one block of rows read from a GGUF
+
+
+@dataclass(frozen=True)
+class _Stored:
+    """One tensor of a GGUF's table: its name, type, where its bytes are and how they are laid out."""
+
+    name: str
+    kind: int  # gguf.GGMLQuantizationType
+    raw_shape: tuple[int, ...]  # of the stored data, rows first (block formats: bytes per row last)
+    raw_dtype: np.dtype
+    offset: int  # in the file
+
+    def read(self, f: BinaryIO, a: int, b: int) -> np.ndarray:
+        """Rows ``a:b`` of the stored data, read into a fresh array (a 1-D tensor: all of it)."""
+        rows = self.raw_shape[1:] if len(self.raw_shape) > 1 else ()
+        shape = (b - a, *rows) if rows else self.raw_shape
+        buf = np.empty(shape, dtype=self.raw_dtype)
+        f.seek(self.offset + a * math.prod(rows) * self.raw_dtype.itemsize)
+        if f.readinto(memoryview(buf.reshape(-1).view(np.uint8))) != buf.nbytes:
+            raise OSError(f"tensor {self.name} ends past the end of the file")
+        return buf
+
+
+@dataclass(frozen=True)
+class GGUFTable:
+    """What :func:`gguf_tensors` needs of a GGUF's metadata: its architecture and tensor table.
+
+    Made from a ``gguf.GGUFReader`` (:meth:`of`), which can then be dropped: its parsed metadata is,
+    for a large vocabulary, hundreds of MB of Python objects (Gemma 3's 262k entries: 0.65 GB).
+    """
+
+    architecture: str
+    tensors: tuple[_Stored, ...]
+
+    @classmethod
+    def of(cls, reader: GGUFReader) -> GGUFTable:
+        """The table of an open reader."""
+        from transformers.modeling_gguf_pytorch_utils import read_field
+
+        tensors = tuple(
+            _Stored(t.name, t.tensor_type, tuple(t.data.shape), t.data.dtype, t.data_offset)
+            for t in reader.tensors
+        )
+        return cls(read_field(reader, "general.architecture")[0], tensors)
+
+    @classmethod
+    def read(cls, path: str | Path) -> GGUFTable:
+        """The table of the GGUF at ``path`` (parsing its metadata: seconds for a large vocabulary)."""
+        from gguf import GGUFReader
+
+        return cls.of(GGUFReader(str(path)))
+
+
+def gguf_tensors(
+    path: str | Path, model: nn.Module, table: GGUFTable | None = None
+) -> Iterator[tuple[str, torch.Tensor | RowBlocks]]:
+    """The tensors of a GGUF as ``(transformers name, float32 tensor or RowBlocks)``, one at a time.
+
+    ``model`` is the (meta) skeleton with plain ``nn.Linear`` layers, whose state names give the map
+    (made at once, so the skeleton may be changed before the tensors are read); ``table`` is the
+    GGUF's :class:`GGUFTable` if it was read already (else it is read here). A tensor bigger than
+    one block of rows (4 MB in float32) has its first block put through the architecture's
+    processor; if the processor hands back the very array it got (it leaves that tensor as it is:
+    every processor in transformers changes a tensor by making a new array), the tensor comes as
+    :class:`RowBlocks`, each block dequantised when it is consumed. Otherwise it is dequantised whole
+    (block by block into one float32 array, so the dequantiser's temporaries stay small) and
+    processed whole, as transformers does. Each yielded item must be consumed before the next is
+    asked for. Tensors the model has no place for (e.g. llama.cpp's precomputed ``rope_freqs``) are
+    skipped, as transformers does.
+    """
+    from gguf import dequantize
+    from transformers.modeling_gguf_pytorch_utils import (
+        TENSOR_PROCESSORS,
+        TensorProcessor,
+        get_gguf_hf_weights_map,
+    )
+
+    table = table or GGUFTable.read(path)
+    processor = TENSOR_PROCESSORS.get(table.architecture, TensorProcessor)(config=model.config.to_dict())
+    mapping = get_gguf_hf_weights_map(model, processor)
+    parsed: dict[str, dict] = {"config": model.config.to_dict(), "tensors": {}}
+
+    def process(weights: np.ndarray, name: str) -> tuple[np.ndarray, str]:
+        result = processor.process(
+            weights=weights, name=name, tensor_key_mapping=mapping, parsed_parameters=parsed
+        )
+        return result.weights, result.name
+
+    def blocks(f: BinaryIO, t: _Stored, step: int, start: int = 0) -> Iterator[tuple[int, np.ndarray]]:
+        for a in range(start, t.raw_shape[0], step):
+            yield a, dequantize(t.read(f, a, min(a + step, t.raw_shape[0])), t.kind)
+
+    def stream() -> Iterator[tuple[str, torch.Tensor | RowBlocks]]:
+        with open(path, "rb") as f:
+            for t in table.tensors:
+                rows = t.raw_shape[0]
+                # a 1-D tensor is read whole (a block format's bytes cannot be cut between values)
+                step = max(1, _BLOCK_BYTES // (4 * math.prod(_value_shape(t)))) if t.raw_shape[1:] else rows
+                if step >= rows:  # one block: the whole tensor
+                    array, name = process(dequantize(t.read(f, 0, rows), t.kind), t.name)
+                else:
+                    _, first = next(blocks(f, t, step))
+                    try:
+                        probe, name = process(first, t.name)
+                    except (ValueError, IndexError):  # a reshape that needs the whole tensor
+                        probe, name = None, t.name
+                    if probe is first:
+                        if name in mapping:
+                            shape = (rows, *first.shape[1:])
+                            pairs = [(0, first)], blocks(f, t, step, step)
+                            yield mapping[name], RowBlocks(shape, _to_torch(*pairs))
+                        continue
+                    del first, probe
+                    whole = np.empty((rows, *_value_shape(t)), dtype=np.float32)
+                    for a, x in blocks(f, t, step):
+                        whole[a : a + x.shape[0]] = x
+                    array, name = process(whole, t.name)
+                    del whole
+                if name in mapping:
+                    yield mapping[name], torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
+
+    return stream()
+
+
+def _to_torch(*parts: Iterable[tuple[int, np.ndarray]]) -> Iterator[tuple[int, torch.Tensor]]:
+    for part in parts:
+        for a, x in part:
+            yield a, torch.from_numpy(x)
+
+
+def _value_shape(t: _Stored) -> tuple[int, ...]:
+    """The dequantised shape of one row of a tensor of two or more axes (block formats store bytes last)."""
+    from gguf import GGML_QUANT_SIZES
+
+    block_values, block_bytes = GGML_QUANT_SIZES[t.kind]
+    last = t.raw_shape[-1] * t.raw_dtype.itemsize // block_bytes * block_values
+    return (*t.raw_shape[1:-1], last)
+
+
+def load_gguf(
+    path: str | Path, config: PretrainedConfig, form: RunForm, table: GGUFTable | None = None
+) -> PreTrainedModel:
+    """A GGUF's model in ``form``, tensor by tensor (see the module docstring); ``table`` as in
+    :func:`gguf_tensors`."""
+    model = empty_model(config, RunForm(False, form.dtype))
+    tensors = gguf_tensors(path, model, table)  # the name map needs the plain linear layers
+    if form.int8:
+        int8_placeholders(model, form.dtype)
+    return fill(model, tensors, form)

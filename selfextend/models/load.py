@@ -1,0 +1,175 @@
+"""Loading a model and its tokenizer inference-ready: from a converted GGUF, a directory or the hub."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from selfextend.core.validate import first_line
+from selfextend.hf.facts import ModelError, check_rope
+from selfextend.models.diskcache import (
+    RUN_FORM_FILE,
+    check_gguf,
+    convert_into,
+    gguf_cache_dir,
+    gguf_config,
+    gguf_of,
+    is_complete,
+    parse_dtype,
+    run_form,
+)
+from selfextend.models.quantize import Int8Linear, quantize_int8
+from selfextend.models.sources import DEFAULT_MODEL, ModelSource, hub_load, resolve_model
+from selfextend.models.weights import (
+    RunForm,
+    load_run_form,
+)
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
+
+
+def _parse_device(device: str | torch.device) -> torch.device:
+    """Parse a device and check it is there, before anything slow (a GGUF conversion) starts."""
+    try:
+        target = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ModelError(f"unknown device '{device}': {first_line(exc)}") from exc
+    if target.type == "cuda" and not torch.cuda.is_available():
+        raise ModelError(f"device '{device}' asked for, but this torch sees no CUDA GPU")
+    if target.type == "mps" and not torch.backends.mps.is_available():
+        raise ModelError(f"device '{device}' asked for, but MPS is not available here")
+    return target
+
+
+def load_config(name_or_path: str = DEFAULT_MODEL) -> PretrainedConfig:
+    """Read a model's config without loading weights (for ``info``), and check that it uses RoPE.
+
+    A GGUF's config comes from the GGUF's metadata (no dequantising).
+    """
+    from transformers import AutoConfig
+
+    source = resolve_model(name_or_path)
+    if source.kind == "gguf":
+        check_gguf(source.gguf_path)
+        config = gguf_config(source.gguf_path)
+    else:
+        config = hub_load(source, AutoConfig.from_pretrained)
+    check_rope(config, source.name)
+    return config
+
+
+def _load_gguf_model(source: ModelSource, form: RunForm) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """A GGUF in its run form: from the cache, or converted into it first (and then used as converted,
+    not read back). The tokenizer is loaded before the weights, so its transient peak (Gemma 3's
+    262k-entry vocabulary: about 0.15 GB over the 0.3 GB it keeps) does not add to theirs."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    entry = gguf_cache_dir(source, form)
+    if not is_complete(entry):
+        return convert_into(entry, gguf_of(source), form)
+    cached = ModelSource("dir", str(entry), source.name)
+    tokenizer = hub_load(cached, AutoTokenizer.from_pretrained)
+    config = hub_load(cached, AutoConfig.from_pretrained)
+    check_rope(config, source.name)
+    try:
+        model = load_run_form(entry / RUN_FORM_FILE, config, form)
+    except (OSError, KeyError, RuntimeError) as exc:
+        raise ModelError(
+            f"cannot read the model cache {entry} (try: selfextend cache clear): {first_line(exc)}"
+        ) from exc
+    return model, tokenizer
+
+
+def _place(model: PreTrainedModel, device_map: str | dict[str, Any]) -> None:
+    """Spread a model read whole into CPU memory (a GGUF's cached run form) over the devices, with
+    accelerate's hooks moving activations between them; a named map is inferred as accelerate does."""
+    from accelerate import dispatch_model, infer_auto_device_map
+    from accelerate.utils import get_balanced_memory
+
+    if isinstance(device_map, str):
+        no_split = list(getattr(model, "_no_split_modules", None) or [])
+        memory = (
+            None
+            if device_map == "sequential"
+            else get_balanced_memory(model, no_split_module_classes=no_split)
+        )
+        device_map = infer_auto_device_map(model, max_memory=memory, no_split_module_classes=no_split)
+    if "disk" in device_map.values():
+        raise ModelError("the model does not fit in GPU and CPU memory together")
+    dispatch_model(model, device_map)
+
+
+def load_model(
+    name_or_path: str = DEFAULT_MODEL,
+    dtype: torch.dtype | str = torch.float32,
+    device: str | torch.device = "cpu",
+    attn_implementation: str = "sdpa",
+    weights: str = "float",
+    device_map: str | dict[str, Any] | None = None,
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a causal LM and its tokenizer, on ``device``, inference-ready: eval mode, gradients off.
+
+    ``device_map`` (``"auto"``, ``"balanced"``, ... or an explicit map) places the layers with
+    accelerate's big-model loading instead of moving the whole model to ``device``.
+
+    With ``requires_grad`` off on every parameter a forward builds no autograd graph even outside
+    ``torch.no_grad()`` (a 2k-token forward otherwise keeps gigabytes of activations alive).
+
+    ``weights="int8"`` holds every linear layer as per-row int8
+    (:mod:`selfextend.models.quantize`), the rest in
+    ``dtype``. A GGUF goes tensor by tensor into that form once and is cached in it (see
+    :func:`ensure_converted`; ``"auto"`` means float32). A model directory or hub id loads in ``dtype``;
+    with int8 it loads in its checkpoint's own dtype, each linear layer is quantised in place (its float
+    weight freed as it goes) and only the rest is cast to ``dtype``, so a bfloat16 checkpoint never
+    exists in float32. Raises :class:`ModelError` for non-RoPE models and anything that cannot be read.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    source = resolve_model(name_or_path)
+    form = run_form(weights, dtype)
+    target = _parse_device(device)
+    if device_map is not None and form.int8:
+        raise ModelError("a device map needs float weights: int8 layers are not placed by accelerate")
+    if source.kind == "gguf":
+        model, tokenizer = _load_gguf_model(source, form)
+    else:
+        check_rope(hub_load(source, AutoConfig.from_pretrained), source.name)
+        wanted = parse_dtype(dtype)
+        kwargs: dict[str, Any] = {"dtype": "auto" if form.int8 else wanted}
+        if attn_implementation:
+            kwargs["attn_implementation"] = attn_implementation
+        if device_map is not None:
+            kwargs["device_map"] = device_map
+        model = hub_load(source, AutoModelForCausalLM.from_pretrained, **kwargs)
+        tokenizer = hub_load(source, AutoTokenizer.from_pretrained)
+        if form.int8:
+            quantize_int8(model)
+            if wanted != "auto":
+                _cast_float_weights(model, wanted)
+    if attn_implementation and source.kind == "gguf":
+        model.set_attn_implementation(attn_implementation)
+    if device_map is not None and source.kind == "gguf":
+        _place(model, device_map)
+    try:
+        if device_map is None:
+            model.to(target)
+    except (RuntimeError, AssertionError) as exc:  # e.g. CUDA asked for on a CPU-only torch
+        raise ModelError(f"cannot move the model to {target}: {first_line(exc)}") from exc
+    model.eval()
+    model.requires_grad_(False)
+    return model, tokenizer
+
+
+def _cast_float_weights(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Cast the floating parameters and buffers outside int8 layers to ``dtype`` (their scales stay)."""
+    for module in model.modules():
+        if isinstance(module, Int8Linear):
+            continue
+        for name, p in module._parameters.items():
+            if p is not None and p.is_floating_point() and p.dtype != dtype:
+                module._parameters[name] = torch.nn.Parameter(p.detach().to(dtype), requires_grad=False)
+        for name, b in module._buffers.items():
+            if b is not None and b.is_floating_point() and b.dtype != dtype and "inv_freq" not in name:
+                module._buffers[name] = b.to(dtype)

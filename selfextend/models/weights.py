@@ -1,0 +1,283 @@
+"""A model's run form: the skeleton built on the meta device and filled tensor by tensor, and its file.
+
+Each tensor goes into its run form before the next one is read: per-row int8 plus scales
+(:mod:`selfextend.models.quantize`) for linear weights when the form is int8, the asked dtype for
+everything else. The skeleton is built with accelerate's ``init_empty_weights`` and filled in place,
+so neither a float32 copy of the whole model nor a second copy of any kind exists while loading
+(:mod:`selfextend.models.gguf` feeds it from a GGUF). A saved run form (one safetensors file of the
+model's own state) is read back through the same filling.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import json
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from selfextend.models.quantize import Int8Linear, quantize_rows
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel
+
+__all__ = [
+    "RowBlocks",
+    "RunForm",
+    "empty_model",
+    "fill",
+    "int8_placeholders",
+    "release_free_memory",
+    "form_bytes",
+    "load_run_form",
+    "run_form_bytes",
+    "save_run_form",
+]
+
+
+@dataclass(frozen=True)
+class RunForm:
+    """How a model's weights are held while it runs: linear layers int8 or not, and the dtype of the rest."""
+
+    int8: bool
+    dtype: torch.dtype
+
+    @property
+    def name(self) -> str:
+        """``int8-float32``, ``float-bfloat16``...: the cache key's form part."""
+        return f"{'int8' if self.int8 else 'float'}-{str(self.dtype).removeprefix('torch.')}"
+
+
+def empty_model(config: PretrainedConfig, form: RunForm) -> PreTrainedModel:
+    """The model for ``config`` with every weight on the meta device (no memory), linear layers as
+    int8 placeholders when ``form.int8``. Buffers computed from the config (rotary frequencies) are real."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(config, dtype=form.dtype)
+    if form.int8:
+        int8_placeholders(model, form.dtype)
+    return model
+
+
+def int8_placeholders(model: nn.Module, dtype: torch.dtype) -> None:
+    """Every ``nn.Linear`` of a meta skeleton replaced by an empty (meta) :class:`Int8Linear`."""
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear):
+                n, k = child.weight.shape
+                bias = None if child.bias is None else torch.empty(n, dtype=dtype, device="meta")
+                placeholder = Int8Linear(
+                    torch.empty(n, k, dtype=torch.int8, device="meta"), torch.empty(n, device="meta"), bias
+                )
+                setattr(parent, name, placeholder)
+
+
+class RowBlocks:
+    """A float32 tensor of ``shape`` handed over as ``(first row, block of rows)`` pairs along its first
+    axis, so that it never exists whole: :func:`fill` puts each block into the run form as it comes."""
+
+    def __init__(self, shape: tuple[int, ...], blocks: Iterator[tuple[int, torch.Tensor]]) -> None:
+        self.shape = shape
+        self._blocks = blocks
+
+    def __iter__(self) -> Iterator[tuple[int, torch.Tensor]]:
+        return self._blocks
+
+
+def _materialise(value: torch.Tensor | RowBlocks, dtype: torch.dtype | None) -> torch.Tensor:
+    """``value`` as one tensor, floating values cast to ``dtype`` (None: kept as they are)."""
+    if isinstance(value, torch.Tensor):
+        return value if dtype is None or not value.is_floating_point() else value.to(dtype)
+    out = torch.empty(value.shape, dtype=dtype or torch.float32)
+    for a, rows in value:
+        out[a : a + rows.shape[0]] = rows  # the same rounding as .to(dtype)
+    return out
+
+
+def _quantize(value: torch.Tensor | RowBlocks) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`~selfextend.models.quantize.quantize_rows` of a weight, block by block for :class:`RowBlocks`
+    (rows are quantised independently, so the result is the same)."""
+    if isinstance(value, torch.Tensor):
+        return quantize_rows(value)
+    q = torch.empty(value.shape, dtype=torch.int8)
+    scale = torch.empty(value.shape[0], dtype=torch.float32)
+    for a, rows in value:
+        q[a : a + rows.shape[0]], scale[a : a + rows.shape[0]] = quantize_rows(rows)
+    return q, scale
+
+
+def _assign(model: nn.Module, name: str, tensor: torch.Tensor | RowBlocks, dtype: torch.dtype) -> None:
+    """Put one checkpoint tensor into ``model`` in its run form (a float weight of an int8 layer is
+    quantised here; an int8 layer's own ``weight_int8``/``scale`` go in as they are)."""
+    path, _, attr = name.rpartition(".")
+    module = model.get_submodule(path)
+    if isinstance(module, Int8Linear) and attr == "weight":
+        q, scale = _quantize(tensor)
+        module.weight_int8, module.scale = q, scale.to(torch.bfloat16)
+    elif attr in module._parameters:
+        module._parameters[attr] = nn.Parameter(_materialise(tensor, dtype), requires_grad=False)
+    elif attr in module._buffers:
+        keep = isinstance(module, Int8Linear) and attr in ("weight_int8", "scale")
+        module._buffers[attr] = _materialise(tensor, None if keep else dtype)
+    else:
+        raise KeyError(f"checkpoint tensor {name} has no place in {type(model).__name__}")
+
+
+def _tie_head(model: nn.Module) -> None:
+    """A tied output head shares the embedding (float) or is quantised from it (int8, if still empty)."""
+    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    if not getattr(model.config.get_text_config(), "tie_word_embeddings", False) or head is None:
+        return
+    if not isinstance(head, Int8Linear):
+        head.weight = embed.weight
+    elif head.weight_int8.is_meta and not embed.weight.is_meta:
+        q, scale = quantize_rows(embed.weight)
+        head.weight_int8, head.scale = q, scale.to(torch.bfloat16)
+
+
+def fill(
+    model: PreTrainedModel, tensors: Iterable[tuple[str, torch.Tensor | RowBlocks]], form: RunForm
+) -> PreTrainedModel:
+    """Fill a model from :func:`empty_model` with ``(name, tensor)`` pairs, each turned into its run form
+    as it arrives; a tied output head is then tied (float) or quantised from the embedding (int8).
+
+    Raises ``KeyError`` if a tensor has no place in the model or a weight is still missing afterwards.
+    """
+    for name, tensor in tensors:
+        _assign(model, name, tensor, form.dtype)
+        del tensor
+        release_free_memory()
+    _tie_head(model)
+    release_free_memory()
+    missing = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if missing:
+        raise KeyError(f"{len(missing)} weights missing from the checkpoint, e.g. {', '.join(missing[:3])}")
+    model.eval()
+    return model
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    try:
+        return ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return None
+
+
+def release_free_memory() -> None:
+    """Hand the C heap's free pages back to the system (glibc's ``malloc_trim``; nothing elsewhere).
+
+    Why: converting a tensor frees its float32 temporaries and keeps its smaller run form in between,
+    and parsing a GGUF's metadata frees hundreds of MB of small objects. glibc keeps freed heap memory
+    resident (spread over the arenas of torch's worker threads, pinned by the tensors kept): without
+    this, peak RSS while converting SmolLM2-135M to int8 varied from run to run between 765 and
+    1,074 MiB for a 237 MiB run form (about 650 MiB with it).
+    """
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+def _state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's persistent weights, each storage once (a tied head is re-tied when loaded)."""
+    seen: set[tuple[int, int]] = set()
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in model.state_dict().items():
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
+        if key in seen:
+            continue
+        seen.add(key)
+        out[name] = tensor.contiguous()
+    return out
+
+
+def save_run_form(model: nn.Module, path: str | Path, form: RunForm) -> None:
+    """Write the model's weights, as they are held, into one safetensors file."""
+    from safetensors.torch import save_file
+
+    save_file(_state(model), str(path), metadata={"form": form.name})
+
+
+_SAFETENSORS_DTYPES = {
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I8": torch.int8,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+def _read_safetensors(path: Path) -> tuple[dict[str, str], Iterator[tuple[str, torch.Tensor]]]:
+    """The metadata and the tensors of a safetensors file, each read into its own fresh buffer.
+
+    Why not ``safetensors.safe_open``: it maps the file and hands out tensors inside the mapping, at
+    offsets with no alignment (torch's int8 matrix kernel crashes on them), and copying them out
+    keeps the mapped pages resident next to the copies, twice the weights at the peak. The format is
+    an 8-byte header length, a JSON header (dtype, shape, byte range per tensor) and the raw bytes.
+    """
+    f = path.open("rb")
+    size = int.from_bytes(f.read(8), "little")
+    header = json.loads(f.read(size))
+    metadata = header.pop("__metadata__", {}) or {}
+    start = 8 + size
+
+    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        with f:
+            for name, spec in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+                begin, end = spec["data_offsets"]
+                buf = torch.empty(end - begin, dtype=torch.uint8)
+                f.seek(start + begin)
+                if f.readinto(memoryview(buf.numpy())) != end - begin:
+                    raise OSError(f"{path} is truncated")
+                yield name, buf.view(_SAFETENSORS_DTYPES[spec["dtype"]]).reshape(spec["shape"])
+
+    return metadata, tensors()
+
+
+def load_run_form(path: str | Path, config: PretrainedConfig, form: RunForm) -> PreTrainedModel:
+    """Read back what :func:`save_run_form` wrote: the skeleton filled tensor by tensor, nothing converted."""
+    metadata, tensors = _read_safetensors(Path(path))
+    if metadata.get("form") != form.name:
+        tensors.close()
+        raise KeyError(f"{path} holds weights in form {metadata.get('form')}, not {form.name}")
+    return fill(empty_model(config, form), tensors, form)
+
+
+def run_form_bytes(model: nn.Module) -> int:
+    """Bytes of the model's parameters and buffers, each storage counted once."""
+    seen: set[int] = set()
+    total = 0
+    for t in [*model.parameters(), *model.buffers()]:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
+
+
+def form_bytes(config: PretrainedConfig, form: RunForm) -> int:
+    """Bytes the weights of ``config``'s model take in ``form``, counted on a meta skeleton (nothing loaded).
+
+    Linear weights: 1 byte per value + a bfloat16 scale per row in int8; the rest in ``form.dtype``.
+    A tied output head counts once in float and as its own int8 copy in int8, as loading makes it.
+    """
+    model = empty_model(config, form)
+    _tie_head(model)
+    total = 0
+    seen: set[int] = set()
+    for t in [*model.parameters(), *model.buffers()]:
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        total += t.numel() * t.element_size()
+    return total
