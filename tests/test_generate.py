@@ -8,44 +8,84 @@ from click.testing import CliRunner
 
 from selfextend.cli.main import main
 from selfextend.generation.generator import StopMatcher, TextStream
-from selfextend.generation.sampling import SamplingParams, apply_repetition_penalty, sample
+from selfextend.generation.sampling import SamplingParams, distribution, sample
+
+NONE = torch.tensor([], dtype=torch.long)
+P = torch.tensor([0.5, 0.3, 0.15, 0.05])  # a distribution whose filtered sets are easy to work out by hand
+LOGITS = P.log()
 
 
-def test_greedy_and_filters():
+def _expect(kept: list[int], temperature: float = 1.0) -> torch.Tensor:
+    """The llama.cpp result by hand: the kept tokens' probabilities to the power 1/T, renormalised."""
+    q = torch.zeros(4)
+    q[kept] = P[kept] ** (1 / temperature)
+    return q / q.sum()
+
+
+@pytest.mark.parametrize(
+    "params, expected",
+    [
+        (SamplingParams(temperature=1.0), _expect([0, 1, 2, 3])),
+        (SamplingParams(temperature=1.0, top_k=2), _expect([0, 1])),
+        # top-p: the smallest prefix whose mass reaches p (0.5 < 0.7 <= 0.8)
+        (SamplingParams(temperature=1.0, top_p=0.7), _expect([0, 1])),
+        (SamplingParams(temperature=1.0, top_p=0.85), _expect([0, 1, 2])),
+        # min-p: p >= 0.2 * 0.5 keeps three
+        (SamplingParams(temperature=1.0, min_p=0.2), _expect([0, 1, 2])),
+        # temperature last: the filters see the untempered distribution. At T = 2 tempering first would
+        # lift the last token to 0.12 of the mass, above min-p's 0.2 * 0.379; llama.cpp's order drops it.
+        (SamplingParams(temperature=2.0, min_p=0.2), _expect([0, 1, 2], 2.0)),
+        (SamplingParams(temperature=0.5, top_p=0.7), _expect([0, 1], 0.5)),
+        (SamplingParams(temperature=2.0, top_k=3, top_p=0.7), _expect([0, 1], 2.0)),
+    ],
+    ids=["plain", "top-k", "top-p 0.7", "top-p 0.85", "min-p", "min-p T=2", "top-p T=0.5", "top-k top-p T=2"],
+)
+def test_distribution_matches_hand_computed(params, expected):
+    assert torch.allclose(distribution(LOGITS, params, NONE), expected, atol=1e-6)
+
+
+def test_penalties_by_hand():
     logits = torch.tensor([0.0, 3.0, 2.9, -1.0])
-    assert sample(logits, SamplingParams(), torch.tensor([], dtype=torch.long)) == 1
+    recent = torch.tensor([1, 3, 3])
+    # CTRL repeat penalty: positive logits divided, negative multiplied, once per distinct token
+    p = SamplingParams(repetition_penalty=2.0)
+    assert torch.allclose(distribution(logits, p, recent), torch.tensor([0.0, 0.0, 1.0, 0.0]))
+    p = SamplingParams(temperature=1.0, repetition_penalty=2.0)
+    assert torch.allclose(
+        distribution(logits, p, recent), torch.softmax(torch.tensor([0.0, 1.5, 2.9, -2.0]), 0)
+    )
+    # frequency: minus 0.5 per occurrence; presence: minus 1 once per token present
+    p = SamplingParams(temperature=1.0, frequency_penalty=0.5, presence_penalty=1.0)
+    want = torch.tensor([0.0, 3.0 - 0.5 - 1.0, 2.9, -1.0 - 1.0 - 1.0])
+    assert torch.allclose(distribution(logits, p, recent), torch.softmax(want, 0))
+    # penalties come before the filters: the penalised token 1 falls out of top-1
+    assert sample(logits, SamplingParams(temperature=1.0, top_k=1, repetition_penalty=2.0), recent) == 2
+
+
+def test_sampling_draws_from_the_distribution():
     g = torch.Generator().manual_seed(0)
-    picks = {
-        sample(logits, SamplingParams(temperature=1.0, top_k=2), torch.tensor([], dtype=torch.long), g)
-        for _ in range(200)
-    }
-    assert picks == {1, 2}
-    picks = {
-        sample(logits, SamplingParams(temperature=1.0, top_p=0.3), torch.tensor([], dtype=torch.long), g)
-        for _ in range(100)
-    }
-    assert picks == {1}
-    picks = {
-        sample(logits, SamplingParams(temperature=1.0, min_p=0.5), torch.tensor([], dtype=torch.long), g)
-        for _ in range(200)
-    }
-    assert picks == {1, 2}
-    penalised = apply_repetition_penalty(logits, torch.tensor([1, 3]), 2.0)
-    assert torch.allclose(penalised, torch.tensor([0.0, 1.5, 2.9, -2.0]))
+    picks = torch.tensor(
+        [sample(LOGITS, SamplingParams(temperature=1.0, top_p=0.85), NONE, g) for _ in range(3000)]
+    )
+    freq = torch.bincount(picks, minlength=4).float() / picks.numel()
+    assert torch.allclose(freq, _expect([0, 1, 2]), atol=0.03)
 
 
-def test_seeded_sampling_repeats():
-    logits = torch.randn(50)
-    p = SamplingParams(temperature=1.0)
-    a = [
-        sample(logits, p, torch.tensor([], dtype=torch.long), torch.Generator().manual_seed(7))
-        for _ in range(3)
-    ]
-    b = [
-        sample(logits, p, torch.tensor([], dtype=torch.long), torch.Generator().manual_seed(7))
-        for _ in range(3)
-    ]
-    assert a == b
+def test_generator_seed_repeats_and_differs(tiny_dir):
+    """Generator(seed=...) gives the same tokens for the same seed, others for another seed."""
+    from selfextend.generation.generator import Generator
+    from selfextend.kv.cache import ContextShiftCache
+    from selfextend.models import load_model
+
+    model, _ = load_model(str(tiny_dir))
+    params = SamplingParams(temperature=1.5)
+
+    def tokens(seed: int) -> list[int]:
+        gen = Generator(model, ContextShiftCache(model, 64), params, seed=seed)
+        return list(gen.decode(gen.feed([1, 2, 3]), max_new_tokens=20))
+
+    assert tokens(7) == tokens(7)
+    assert tokens(7) != tokens(8)
 
 
 def test_stop_matcher_holds_back_partial_stop():

@@ -250,17 +250,41 @@ def sampling_options(f: Callable) -> Callable:
     """The sampling flags; the command receives them as one ``sampling: SamplingParams`` and ``seed``."""
 
     @functools.wraps(f)
-    def wrapper(*args, temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n, **kwargs):
+    def wrapper(
+        *args,
+        temperature,
+        top_k,
+        top_p,
+        min_p,
+        repeat_penalty,
+        repeat_last_n,
+        frequency_penalty,
+        presence_penalty,
+        **kwargs,
+    ):
         from selfextend.generation.sampling import SamplingParams
 
-        sampling = SamplingParams(temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n)
+        sampling = SamplingParams(
+            temperature,
+            top_k,
+            top_p,
+            min_p,
+            repeat_penalty,
+            repeat_last_n,
+            frequency_penalty,
+            presence_penalty,
+        )
         sampling.validate()
         return f(*args, sampling=sampling, **kwargs)
 
     for decorator in reversed(
         [
             click.option(
-                "--temperature", type=number(0.0), default=0.8, show_default=True, help="0 = greedy."
+                "--temperature",
+                type=number(0.0),
+                default=0.8,
+                show_default=True,
+                help="0 = greedy; applied after the filters, as llama.cpp does.",
             ),
             click.option(
                 "--top-k",
@@ -295,7 +319,21 @@ def sampling_options(f: Callable) -> Callable:
                 type=integer(-1),
                 default=64,
                 show_default=True,
-                help="Window of the repeat penalty, tokens (0 = no penalty, -1 = the whole context).",
+                help="Window of the penalties, tokens (0 = no penalty, -1 = the whole context).",
+            ),
+            click.option(
+                "--frequency-penalty",
+                type=number(-2.0, 2.0),
+                default=0.0,
+                show_default=True,
+                help="Subtracted from a token's logit once per time it occurs in the window (0 = off).",
+            ),
+            click.option(
+                "--presence-penalty",
+                type=number(-2.0, 2.0),
+                default=0.0,
+                show_default=True,
+                help="Subtracted from the logit of every token that occurs in the window (0 = off).",
             ),
             click.option("--seed", type=SEED, default=None, help="Sampling seed (default: random)."),
         ]

@@ -1,52 +1,108 @@
-"""Next-token choice from logits: greedy or sampled (temperature, top-k, top-p, min-p, repetition penalty)."""
+"""Next-token choice from logits: greedy, or sampled through transformers' processors in llama.cpp's order.
+
+llama.cpp's default chain is penalties, top-k, top-p, min-p, then temperature, then the draw: the filters
+see the untempered distribution, so the set of tokens kept does not depend on the temperature (dividing by
+the temperature first, as transformers' own ``generate`` does, keeps a different set). The repeat, top-k,
+top-p, min-p and temperature steps are transformers' processors; the frequency and presence penalties
+(OpenAI's, applied by llama.cpp in its penalties step) have no transformers processor, so
+:class:`CountPenalty` is ours.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+from transformers import (
+    LogitsProcessor,
+    LogitsProcessorList,
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from selfextend.core.validate import check_float, check_int
 
 
 @dataclass
 class SamplingParams:
-    """Sampling settings; ``temperature == 0`` means greedy. Filters apply in llama.cpp's order."""
+    """Sampling settings; ``temperature == 0`` means greedy (after the penalties)."""
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
-    repeat_last_n: int = 64  # tokens the repeat penalty looks back over; 0 = none, -1 = the whole context
+    repeat_last_n: int = 64  # tokens the penalties look back over; 0 = none, -1 = the whole context
+    frequency_penalty: float = 0.0  # subtracted once per occurrence in the last repeat_last_n tokens
+    presence_penalty: float = 0.0  # subtracted once from every token that occurs there
 
     def validate(self) -> None:
-        """Refuse settings that cannot work (:class:`~selfextend.core.validate.ValidationError`),
-        and store them
-        as plain Python numbers (NumPy scalars become ``int``/``float``)."""
+        """Refuse settings that cannot work (:class:`~selfextend.core.validate.ValidationError`) and store
+        them as plain Python numbers (NumPy scalars become ``int``/``float``)."""
         self.temperature = check_float(self.temperature, "temperature", 0.0)
         self.top_k = check_int(self.top_k, "top-k", 0)
         self.top_p = check_float(self.top_p, "top-p", 0.0, 1.0, lo_open=True)
         self.min_p = check_float(self.min_p, "min-p", 0.0, 1.0, hi_open=True)
         self.repetition_penalty = check_float(self.repetition_penalty, "repeat penalty", 0.0, lo_open=True)
         self.repeat_last_n = check_int(self.repeat_last_n, "repeat-last-n", -1)
+        self.frequency_penalty = check_float(self.frequency_penalty, "frequency penalty", -2.0, 2.0)
+        self.presence_penalty = check_float(self.presence_penalty, "presence penalty", -2.0, 2.0)
 
     def recent(self, tokens: list[int]) -> list[int]:
-        """The tokens the repeat penalty looks at: the last ``repeat_last_n`` (llama.cpp: 0 = none,
+        """The tokens the penalties look at: the last ``repeat_last_n`` (llama.cpp: 0 = none,
         -1 = every token in the context)."""
         if self.repeat_last_n == 0:
             return []
         return tokens if self.repeat_last_n < 0 else tokens[-self.repeat_last_n :]
 
 
-def apply_repetition_penalty(logits: torch.Tensor, recent: torch.Tensor, penalty: float) -> torch.Tensor:
-    """CTRL-style penalty on tokens in ``recent``: positive logits divided, negative multiplied."""
-    if penalty == 1.0 or recent.numel() == 0:
-        return logits
-    logits = logits.clone()
-    picked = logits[recent]
-    logits[recent] = torch.where(picked > 0, picked / penalty, picked * penalty)
-    return logits
+class CountPenalty(LogitsProcessor):
+    """OpenAI's frequency and presence penalties over the tokens passed as ``input_ids``:
+    ``logit -= count * frequency + (count > 0) * presence``."""
+
+    def __init__(self, frequency: float, presence: float) -> None:
+        self.frequency, self.presence = frequency, presence
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        ones = torch.ones_like(input_ids, dtype=scores.dtype)
+        counts = torch.zeros_like(scores).scatter_add_(1, input_ids, ones)  # (B, vocab)
+        return scores - counts * self.frequency - (counts > 0).to(scores.dtype) * self.presence
+
+
+def processors(params: SamplingParams) -> LogitsProcessorList:
+    """The chain for ``params``, in llama.cpp's order: penalties, top-k, top-p, min-p, temperature."""
+    chain = LogitsProcessorList()
+    if params.repetition_penalty != 1.0:
+        chain.append(RepetitionPenaltyLogitsProcessor(params.repetition_penalty))
+    if params.frequency_penalty or params.presence_penalty:
+        chain.append(CountPenalty(params.frequency_penalty, params.presence_penalty))
+    if params.temperature == 0:
+        return chain
+    if params.top_k > 0:
+        chain.append(TopKLogitsWarper(params.top_k))
+    if params.top_p < 1.0:
+        chain.append(TopPLogitsWarper(params.top_p))
+    if params.min_p > 0:
+        chain.append(MinPLogitsWarper(params.min_p))
+    chain.append(TemperatureLogitsWarper(params.temperature))
+    return chain
+
+
+def _scores(logits: torch.Tensor, params: SamplingParams, recent: torch.Tensor) -> torch.Tensor:
+    """One row of logits (vocab,) through the chain, in float32."""
+    return processors(params)(recent.view(1, -1), logits.float().view(1, -1))[0]
+
+
+def distribution(logits: torch.Tensor, params: SamplingParams, recent: torch.Tensor) -> torch.Tensor:
+    """The probabilities the next token is drawn from, for one row of logits (vocab,) and the penalised
+    tokens ``recent``; for greedy settings, one-hot at the penalised argmax."""
+    scores = _scores(logits, params, recent)
+    if params.temperature == 0:
+        return torch.nn.functional.one_hot(scores.argmax(), scores.numel()).float()
+    return torch.softmax(scores, dim=-1)
 
 
 def sample(
@@ -55,20 +111,7 @@ def sample(
     recent: torch.Tensor,
     generator: torch.Generator | None = None,
 ) -> int:
-    """Pick the next token id from one row of logits (vocab,)."""
-    logits = apply_repetition_penalty(logits.float(), recent, params.repetition_penalty)
+    """Pick the next token id from one row of logits (vocab,), given the recent tokens (for penalties)."""
     if params.temperature == 0:
-        return int(logits.argmax())
-    logits = logits / params.temperature
-    if params.top_k > 0:
-        kth = torch.topk(logits, min(params.top_k, logits.numel())).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if params.top_p < 1.0:
-        sorted_p, order = probs.sort(descending=True)
-        # keep the smallest prefix whose mass reaches top_p (always at least one token)
-        drop = sorted_p.cumsum(0) - sorted_p >= params.top_p
-        probs = probs.scatter(0, order, sorted_p.masked_fill(drop, 0.0))
-    if params.min_p > 0:
-        probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
-    return int(torch.multinomial(probs / probs.sum(), 1, generator=generator))
+        return int(_scores(logits, params, recent).argmax())
+    return int(torch.multinomial(distribution(logits, params, recent), 1, generator=generator))
