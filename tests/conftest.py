@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -22,6 +25,18 @@ from transformers import (
     Qwen3Config,
     Qwen3ForCausalLM,
 )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Every model conversion of the session goes into a temporary cache (inherited by subprocesses), never
+    into the user's own ``~/.cache/selfextend``."""
+    config.selfextend_cache = tempfile.mkdtemp(prefix="selfextend-test-cache-")
+    os.environ["SELFEXTEND_CACHE"] = config.selfextend_cache
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    shutil.rmtree(getattr(config, "selfextend_cache", ""), ignore_errors=True)
+
 
 TRAINED = 64  # max_position_embeddings of the tiny models
 COMMON = dict(

@@ -251,7 +251,6 @@ def test_model_facts_small_llama() -> None:
     assert (facts.rope_type, facts.rope_theta, facts.vocab_size) == ("default", 10000.0, 100)
     assert facts.kv_bytes_per_token() == 2 * 2 * 16 * 2 * 3
     assert facts.kv_bytes_per_token(bytes_per_value=4) == 2 * 4 * 16 * 2 * 3
-    assert facts.kv_bytes(1000) == 1000 * 2 * 2 * 16 * 2 * 3
 
 
 def test_model_facts_partial_rotary_and_scaled_window() -> None:

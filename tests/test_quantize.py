@@ -12,7 +12,6 @@ from selfextend.kv.cache import ContextShiftCache
 from selfextend.models.quantize import (
     FUSED_MAX_ROWS,
     Int8Linear,
-    apply_weight_format,
     quantize_int8,
     quantize_rows,
 )
@@ -67,8 +66,3 @@ def test_quantized_model_decodes_like_its_prefill_and_close_to_float():
         prefilled = model(ids).logits[0, -1]  # 40 rows: dequantise + GEMM
     assert (decoded - prefilled).abs().max() < 0.02 * prefilled.abs().max()  # bfloat16 rounding only
     assert torch.corrcoef(torch.stack([decoded, want]))[0, 1] > 0.99
-
-
-def test_unknown_weight_format():
-    with pytest.raises(ValueError, match="unknown weight format 'int3'"):
-        apply_weight_format(make_model("llama"), "int3")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import TRAINED, make_model
+from conftest import FAMILIES, TRAINED, make_model
 from transformers import DynamicCache
 
 import selfextend
@@ -36,10 +36,11 @@ def test_window_covering_sequence_equals_plain(family):
         assert (logits(model, ids) - plain).abs().max() < TOL
 
 
-@pytest.mark.parametrize("rope", ["default", "linear", "llama3", "yarn"])
+@pytest.mark.parametrize(
+    "family, rope",
+    [(f, "default") for f in sorted(FAMILIES)] + [("llama", r) for r in ("linear", "llama3", "yarn")],
+)
 def test_model_efficient_equals_reference(family, rope):
-    if rope != "default" and family != "llama":
-        pytest.skip("RoPE types are exercised on llama")
     model = make_model(family, rope=rope)
     ids = torch.randint(3, 97, (1, 300))
     selfextend.apply_self_extend(model, group_size=3, window=7)

@@ -19,11 +19,7 @@ from selfextend.cli.chat import chat
 from selfextend.cli.generate import generate
 from selfextend.cli.info import info
 from selfextend.cli.measure import passkey, plot, ppl, table
-
-
-def _one_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
+from selfextend.core.validate import first_line
 
 
 def _interrupt(signum, frame) -> None:
@@ -33,7 +29,7 @@ def _interrupt(signum, frame) -> None:
 def _warning_line(message, category, filename, lineno, file=None, line=None) -> None:
     """Warnings as one ``warning: ...`` line on stderr (no source line, no file position)."""
     click.echo(
-        f"warning: {_one_line(message if isinstance(message, Warning) else Warning(message))}", err=True
+        f"warning: {first_line(message if isinstance(message, Warning) else Warning(message))}", err=True
     )
 
 
@@ -53,13 +49,13 @@ class Group(click.Group):
             hint = (
                 f" (see '{e.ctx.command_path} --help')" if isinstance(e, click.UsageError) and e.ctx else ""
             )
-            click.echo(f"error: {_one_line(click.ClickException(e.format_message()))}{hint}", err=True)
+            click.echo(f"error: {first_line(click.ClickException(e.format_message()))}{hint}", err=True)
             sys.exit(e.exit_code)
         except click.exceptions.Abort:
             click.echo("aborted", err=True)
             sys.exit(130)
         except (ValueError, NotImplementedError, OSError, RuntimeError, ArithmeticError) as e:
-            click.echo(f"error: {_one_line(e)}", err=True)
+            click.echo(f"error: {first_line(e)}", err=True)
             sys.exit(2)
 
 

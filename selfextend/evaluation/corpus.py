@@ -6,7 +6,7 @@ import importlib.resources
 import re
 from pathlib import Path
 
-from selfextend.core.validate import check_int
+from selfextend.core.validate import check_int, first_line
 
 _TRAILER = re.compile(r"\n\s*End of (?:the |this )?Project Gutenberg.*\Z", re.I | re.S)
 _MARKER = re.compile(
@@ -107,9 +107,7 @@ def read_dataset(
     try:
         ds = datasets.load_dataset(name, config, split=split, data_files=data_files, streaming=True)
     except Exception as e:  # datasets raises many kinds for a missing name, file or split
-        raise CorpusError(
-            f"cannot load dataset '{name}': {str(e).splitlines()[0] if str(e) else type(e).__name__}"
-        ) from None
+        raise CorpusError(f"cannot load dataset '{name}': {first_line(e)}") from None
     docs: dict[str, str] = {}
     for i, row in enumerate(ds):
         if max_docs is not None and i >= max_docs:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import warnings
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -99,24 +98,6 @@ def repair_tail(path: str | Path) -> None:
         ResultsWarning,
         stacklevel=2,
     )
-
-
-def done_keys(
-    records: Iterable[dict[str, Any]], fields: tuple[str, ...], defaults: dict[str, Any] | None = None
-) -> set[tuple]:
-    """The resume keys of ``records``: their values of ``fields``. A field missing from a record takes
-    ``defaults[field]`` (what files written before that field existed used), else the record is skipped:
-    a record that does not say how it was made never stands in for a new one."""
-    defaults = defaults or {}
-    keys = set()
-    for r in records:
-        if all(f in r or f in defaults for f in fields):
-            keys.add(tuple(_hashable(r.get(f, defaults.get(f))) for f in fields))
-    return keys
-
-
-def _hashable(value: Any) -> Any:
-    return json.dumps(value, sort_keys=True) if isinstance(value, (dict, list)) else value
 
 
 def append_jsonl(path: str | Path, record: dict[str, Any]) -> None:

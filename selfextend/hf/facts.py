@@ -119,10 +119,6 @@ class ModelFacts:
         """KV-cache bytes one token takes over all layers: K and V, ``bytes_per_value`` each (fp16: 2)."""
         return 2 * bytes_per_value * self.head_dim * self.kv_heads * self.layers
 
-    def kv_bytes(self, tokens: int, bytes_per_value: int = 2) -> int:
-        """KV-cache bytes for ``tokens`` tokens."""
-        return tokens * self.kv_bytes_per_token(bytes_per_value)
-
 
 def _kv_heads(config: PretrainedConfig) -> int | None:
     """Number of K/V heads, which configs spell several ways (Falcon-7B multi-query: always one)."""

@@ -94,14 +94,6 @@ def weight_format(model: nn.Module) -> str:
     return "int8" if any(isinstance(m, Int8Linear) for m in model.modules()) else "float"
 
 
-def apply_weight_format(model: nn.Module, weights: str) -> None:
-    """Put ``model``'s weights in one of :data:`WEIGHT_FORMATS` (``float`` leaves it untouched)."""
-    if weights not in WEIGHT_FORMATS:
-        raise ValueError(f"unknown weight format '{weights}': choose one of {', '.join(WEIGHT_FORMATS)}")
-    if weights == "int8":
-        quantize_int8(model)
-
-
 def fuse_int8(layers: Sequence[Int8Linear]) -> Int8Linear:
     """One layer computing the outputs of ``layers`` (which take the same input) side by side.
 
