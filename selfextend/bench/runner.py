@@ -10,7 +10,6 @@ at the start of the case (so it is the memory the case itself added).
 from __future__ import annotations
 
 import copy
-import ctypes
 import gc
 import statistics
 import time
@@ -28,6 +27,7 @@ from selfextend.generation.generator import Generator
 from selfextend.hf.patch import REFERENCE_IMPLEMENTATION, apply_self_extend, remove_self_extend
 from selfextend.kv.cache import ContextShiftCache
 from selfextend.models.quantize import quantize_int8
+from selfextend.models.weights import release_free_memory
 
 PREFILL_VARIANTS = ("plain", "selfextend", "reference")
 DECODE_VARIANTS = ("plain", "selfextend")
@@ -61,10 +61,7 @@ class MemoryMeter:
             torch.cuda.synchronize(self.device)
             result["peak_mib"] = (torch.cuda.max_memory_allocated(self.device) - base) / 2**20
         elif self.cpu_ok:
-            try:
-                ctypes.CDLL("libc.so.6").malloc_trim(0)  # give freed memory back, so reuse cannot hide a peak
-            except OSError:
-                pass
+            release_free_memory()  # give freed memory back, so reuse cannot hide a peak
             Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
             base = status_kib("VmRSS")
             yield result

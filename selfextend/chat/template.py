@@ -15,6 +15,7 @@ user turn, and dropping whole exchanges never leaves half a turn's markers in th
 from __future__ import annotations
 
 from selfextend.chat.turns import Exchange
+from selfextend.generation.generator import common_prefix
 
 PLAIN_TEMPLATE = (
     "{% for m in messages %}"
@@ -27,17 +28,10 @@ PLAIN_TEMPLATE = (
 PLAIN_STOPS = ("\nUser:",)  # a plain model writes the user's next line itself: stop there
 
 
-def _common_prefix(a: str, b: str) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
-
-
 def _after(text: str, prefix: str) -> str:
     """``text`` past ``prefix``; where a template re-renders earlier text differently (trimmed spaces),
     past the part they share, as llama.cpp does."""
-    return text[len(prefix) :] if text.startswith(prefix) else text[_common_prefix(text, prefix) :]
+    return text[len(prefix) :] if text.startswith(prefix) else text[common_prefix(text, prefix) :]
 
 
 class ChatTemplate:
@@ -72,11 +66,11 @@ class ChatTemplate:
         the system part runs up to the first user text.
         """
         shared = self.render([{"role": "user", "content": "A"}], True)
-        shared = shared[: _common_prefix(shared, self.render([{"role": "user", "content": "B"}], True))]
+        shared = shared[: common_prefix(shared, self.render([{"role": "user", "content": "B"}], True))]
         first = [{"role": "user", "content": "A"}, {"role": "assistant", "content": "X"}]
         closed = self.render(first)
         second = [self.render([*first, {"role": "user", "content": c}], True) for c in "BC"]
-        header = second[0][: _common_prefix(*second)]
+        header = second[0][: common_prefix(*second)]
         header = header[len(closed) :] if header.startswith(closed) else ""
         return shared[: -len(header)] if header and shared.endswith(header) else shared
 

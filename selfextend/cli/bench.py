@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import click
 
-from selfextend.cli.options import COUNT, POSITIVE, integer, model_options, weights_option
+from selfextend.cli.options import (
+    COUNT,
+    POSITIVE,
+    integer,
+    model_options,
+    self_extend_options,
+    weights_option,
+)
 
 
 @click.command()
@@ -19,12 +26,7 @@ from selfextend.cli.options import COUNT, POSITIVE, integer, model_options, weig
     show_default=True,
     help="Cache lengths (tokens) at which decode milliseconds per token are measured.",
 )
-@click.option(
-    "-g", "--group-size", type=POSITIVE, default=4, show_default=True, help="Self-Extend group size G."
-)
-@click.option(
-    "-w", "--window", type=POSITIVE, default=1024, show_default=True, help="Self-Extend window W, tokens."
-)
+@self_extend_options(group_size=4, window=1024)
 @click.option(
     "--repeats",
     type=POSITIVE,

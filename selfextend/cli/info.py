@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from selfextend.cli.options import POSITIVE
+from selfextend.cli.options import self_extend_options
 
 
 def _mib(n: int) -> str:
@@ -21,22 +21,7 @@ def _kv(config, tokens: int) -> str:
 
 @click.command()
 @click.argument("model", default="smollm2-135m")
-@click.option(
-    "-g",
-    "--group-size",
-    type=POSITIVE,
-    default=4,
-    show_default=True,
-    help="Self-Extend group size G (positions beyond the window are divided by G).",
-)
-@click.option(
-    "-w",
-    "--window",
-    type=POSITIVE,
-    default=1024,
-    show_default=True,
-    help="Self-Extend neighbor window W, in tokens (exact positions inside it).",
-)
+@self_extend_options(group_size=4, window=1024)
 def info(model: str, group_size: int, window: int) -> None:
     """Print layers, heads, head dim, RoPE, trained window, weights and KV-cache memory, and the
     Self-Extend reach.

@@ -100,23 +100,31 @@ def run_name(model: str, weights: str) -> str:
     return model if weights == "float" else f"{model}+{weights}"
 
 
-def self_extend_options(f: Callable) -> Callable:
-    """--group-size/--window: both or neither turn Self-Extend on."""
-    f = click.option(
-        "-w",
-        "--window",
-        type=POSITIVE,
-        default=None,
-        help="Self-Extend neighbor window W in tokens (exact positions inside it).",
-    )(f)
-    f = click.option(
-        "-g",
-        "--group-size",
-        type=POSITIVE,
-        default=None,
-        help="Self-Extend group size G: positions beyond the window are floor-divided by G.",
-    )(f)
-    return f
+def self_extend_options(
+    f: Callable | None = None, *, group_size: int | None = None, window: int | None = None
+) -> Callable:
+    """-g/--group-size and -w/--window, the one definition every command uses. Without defaults both or
+    neither turn Self-Extend on; ``info`` and ``bench`` default to G=4, W=1024 (what they report on)."""
+
+    def add(f: Callable) -> Callable:
+        f = click.option(
+            "-w",
+            "--window",
+            type=POSITIVE,
+            default=window,
+            show_default=window is not None,
+            help="Self-Extend neighbor window W in tokens (exact positions inside it).",
+        )(f)
+        return click.option(
+            "-g",
+            "--group-size",
+            type=POSITIVE,
+            default=group_size,
+            show_default=group_size is not None,
+            help="Self-Extend group size G: positions beyond the window are floor-divided by G.",
+        )(f)
+
+    return add if f is None else add(f)
 
 
 DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")

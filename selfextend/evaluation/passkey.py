@@ -20,7 +20,7 @@ from selfextend.core.validate import MAX_SEED, ValidationError, check_float, che
 from selfextend.evaluation.methods import Method, applied, unique_methods
 from selfextend.evaluation.nll import dense_sliding_mask
 from selfextend.evaluation.results import append_jsonl, read_jsonl, repair_tail
-from selfextend.evaluation.sweep import PREFILL_CHUNK, check_lengths, dtype_name
+from selfextend.evaluation.sweep import SCORING_CHUNK, check_lengths, dtype_name
 from selfextend.generation.generator import Generator
 from selfextend.kv.cache import ContextShiftCache
 
@@ -58,7 +58,7 @@ def answer(model: nn.Module, ids: list[int], method: Method) -> list[int]:
             logits = gen.feed(ids)
         else:
             gen = Generator(model, ContextShiftCache(model, len(ids) + ANSWER_TOKENS + 1))
-            logits = gen.feed(ids, chunk=PREFILL_CHUNK if dense_sliding_mask(model) else len(ids))
+            logits = gen.feed(ids, chunk=SCORING_CHUNK if dense_sliding_mask(model) else len(ids))
         return list(gen.decode(logits, ANSWER_TOKENS))
 
 
