@@ -146,9 +146,9 @@ def gguf_config(gguf: Path) -> PretrainedConfig:
 def _converted_tokenizer(gguf: Path) -> Path:
     """The folder holding a GGUF's tokenizer files, converted into the cache the first time.
 
-    transformers builds the fast tokenizer from the GGUF's vocabulary (Gemma 3: 262k entries, about
-    20 s and 0.6 GB at its peak, which is the whole GGUF metadata parsed into Python objects), so
-    it is done once per GGUF, whichever form is loaded first, and saved for the other forms.
+    transformers builds the fast tokenizer from the GGUF's vocabulary, parsing the whole GGUF metadata
+    into Python objects (slow and large for a big vocabulary such as Gemma 3's 262k entries), so it is
+    done once per GGUF, whichever form is loaded first, and saved for the other forms.
     """
     from transformers import AutoTokenizer
 
@@ -312,8 +312,8 @@ def convert_into(entry: Path, gguf: Path, form: RunForm) -> tuple[PreTrainedMode
     """Convert a GGUF into the cache folder ``entry``; return the model as converted and its tokenizer.
 
     Every step that parses the GGUF's metadata (the check, which keeps the tensor table; the config;
-    the tokenizer's conversion, once per GGUF) runs and frees its transient peak (for Gemma 3's
-    262k-entry vocabulary about 0.65 GB each) before the tokenizer is read from its files and kept,
+    the tokenizer's conversion, once per GGUF) runs and frees its transient peak before the tokenizer
+    is read from its files and kept,
     and all of that before any weight is in memory.
     """
     from transformers import AutoTokenizer

@@ -62,8 +62,8 @@ def load_config(name_or_path: str = DEFAULT_MODEL) -> PretrainedConfig:
 
 def _load_gguf_model(source: ModelSource, form: RunForm) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """A GGUF in its run form: from the cache, or converted into it first (and then used as converted,
-    not read back). The tokenizer is loaded before the weights, so its transient peak (Gemma 3's
-    262k-entry vocabulary: about 0.15 GB over the 0.3 GB it keeps) does not add to theirs."""
+    not read back). The tokenizer is loaded before the weights, so its transient peak (large for a
+    big vocabulary) does not add to theirs."""
     from transformers import AutoConfig, AutoTokenizer
 
     entry = gguf_cache_dir(source, form)

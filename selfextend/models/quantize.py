@@ -1,7 +1,7 @@
 """Weight-only int8 linear layers: a quarter of float32's bytes per generated token.
 
 Decoding one token reads every weight once, so on a CPU it is bound by memory bandwidth, not
-arithmetic: SmolLM2-135M reads 538 MB per token in float32 and 135 MB in int8. Each output row
+arithmetic, and int8 weights are a quarter of float32's bytes to read. Each output row
 of a weight is stored as int8 with one symmetric scale (``w ~= q * scale``, ``|q| <= 127``).
 The matrix products run in bfloat16 with float32 accumulation: for a few rows (decoding) in
 torch's fused int8 x bfloat16 kernel, which reads the int8 weight directly; for many rows

@@ -176,9 +176,9 @@ def release_free_memory() -> None:
 
     Why: converting a tensor frees its float32 temporaries and keeps its smaller run form in between,
     and parsing a GGUF's metadata frees hundreds of MB of small objects. glibc keeps freed heap memory
-    resident (spread over the arenas of torch's worker threads, pinned by the tensors kept): without
-    this, peak RSS while converting SmolLM2-135M to int8 varied from run to run between 765 and
-    1,074 MiB for a 237 MiB run form (about 650 MiB with it).
+    resident (spread over the arenas of torch's worker threads, pinned by the tensors kept), so without
+    this the peak of a conversion varies from run to run by a good part of the run form's size
+    (``experiments/load_cost.py`` measures it).
     """
     trim = _malloc_trim()
     if trim is not None:
