@@ -260,7 +260,7 @@ def test_chat_on_a_terminal_shifts_and_ctrl_c(tmp_path):
     at = term.expect("[stopped]", after=at)
     at = term.expect("\n> ", after=at)
     term.send("/stats\r")
-    at = term.expect("context shifts", after=at)
+    at = term.expect("context shift", after=at)
     at = term.expect("\n> ", after=at)
     term.send("\x04")  # Ctrl-D at an empty prompt ends the session with the summary line
     term.expect("replies,", after=at)

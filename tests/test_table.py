@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import warnings
 
 import matplotlib
 import pytest
@@ -11,6 +12,7 @@ from click.testing import CliRunner
 
 from selfextend.cli.main import main
 from selfextend.evaluation.aggregate import AggregateError, format_table, summarize
+from selfextend.evaluation.results import ResultsWarning
 
 matplotlib.use("Agg")
 
@@ -30,6 +32,9 @@ PPL = {  # (doc, method, length) -> ppl_last
     ("b", "selfextend:G=4,W=512", 1024): 20.0,
     ("b", "selfextend:G=4,W=512", 2048): 16.0,
     ("b", "selfextend:G=4,W=512", 4096): 16.0,
+    ("c", "selfextend:G=4,W=512", 1024): 30.0,
+    ("c", "selfextend:G=4,W=512", 2048): 32.0,
+    ("c", "selfextend:G=4,W=512", 4096): 35.2,
 }
 
 
@@ -57,7 +62,7 @@ def test_ratio_is_per_document_then_aggregated():
     assert s.reference == 2048  # the longest length within the trained window
     plain = s.cells[("plain", 4096)]
     assert plain.value == pytest.approx((60 / 12 + 200 / 16 + 64 / 32) / 3)
-    assert s.cells[("selfextend:G=4,W=512", 4096)].value == pytest.approx((1.1 + 1.0) / 2)
+    assert s.cells[("selfextend:G=4,W=512", 4096)].value == pytest.approx((1.1 + 1.0 + 1.1) / 3)
     assert s.cells[("plain", 2048)].value == 1.0
     assert summarize(_records(), ratio=True, reference=1024).cells[("plain", 2048)].value == pytest.approx(
         (1.2 + 0.8 + 32 / 30) / 3
@@ -71,9 +76,10 @@ def test_ratio_is_per_document_then_aggregated():
 def test_table_formats():
     s = summarize(_records())
     md = format_table(s).splitlines()
-    assert md[0] == "| method | 1k | 2k | 4k |"
-    assert md[2] == "| plain | 20.00 (10.00-30.00) | 20.00 (12.00-32.00) | 108.00 (60.00-200.00) |"
-    assert md[3].endswith("| 14.60 (13.20-16.00) |")
+    assert md[0] == "mean perplexity, last quarter of the context (ppl_last), over 3 documents: a, b, c"
+    assert md[2] == "| method | 1k | 2k | 4k |"
+    assert md[4] == "| plain | 20.00 (10.00-30.00) | 20.00 (12.00-32.00) | 108.00 (60.00-200.00) |"
+    assert md[5].endswith("| 21.47 (13.20-35.20) |")
     csv = format_table(s, "csv").splitlines()
     assert csv[0] == "method,length,value,low,high,documents" and csv[3] == "plain,4096,108,60,200,3"
     tex = format_table(s, "latex")
@@ -101,7 +107,7 @@ def test_passkey_accuracy_over_depths():
     ]
     s = summarize(recs)
     assert s.kind == "passkey" and s.cells[("plain", 4096)].hits == 4 and s.cells[("plain", 4096)].n == 6
-    assert format_table(s).splitlines()[2] == "| plain | 4/6 |"
+    assert format_table(s).splitlines()[4] == "| plain | 4/6 |"
 
 
 @pytest.mark.parametrize("kwargs", [{}, {"ratio": True}, {"per_doc": True}])
@@ -161,3 +167,68 @@ def test_table_and_plot_commands(tmp_path):
     bench.write_text(json.dumps({"case": "prefill", "variant": "plain", "length": 1, "seconds": 1}) + "\n")
     r = runner.invoke(main, ["table", str(bench)])
     assert r.exit_code == 2 and "table takes ppl or passkey" in r.stderr
+
+
+def _mixed() -> list[dict]:
+    """A two-document sweep, then two methods added on one document only (and not at the reference)."""
+    recs = [r for r in _records() if r["doc"] in ("a", "b")]
+    for method in ("ntk:factor=2", "yarn:factor=2"):
+        recs += [
+            {"model": "m", "doc": "a", "method": method, "length": n, "ppl_last": 11.0, "ppl": 5.0}
+            for n in (1024, 4096)
+        ]
+    return recs
+
+
+def test_methods_are_compared_over_the_documents_they_share():
+    with pytest.warns(ResultsWarning, match=r"ntk:factor=2, yarn:factor=2 measured fewer.*left out: b"):
+        s = summarize(_mixed())
+    assert s.documents == ["a"]
+    assert s.cells[("plain", 4096)].value == 60 and s.cells[("selfextend:G=4,W=512", 4096)].value == 13.2
+    assert all(c.n == 1 for c in s.cells.values())
+    assert format_table(s).splitlines()[0].endswith("over 1 document: a")
+
+
+def test_ratio_leaves_out_methods_without_the_reference_instead_of_empty_rows():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        s = summarize(_mixed(), ratio=True, trained_window=2048)
+    assert any("no PPL at the reference length 2048 for ntk" in str(w.message) for w in caught)
+    assert s.methods == ["plain", "selfextend:G=4,W=512"]
+    rows = format_table(s).splitlines()[4:]
+    assert len(rows) == 2 and all("|  |" not in row for row in rows)
+
+
+def test_methods_without_a_shared_document_carry_their_counts():
+    recs = [r for r in _records() if r["method"] == "plain" and r["doc"] != "a"]
+    recs += [r for r in _records() if r["method"] != "plain" and r["doc"] == "a"]
+    with pytest.warns(ResultsWarning, match="no document was measured with every method"):
+        s = summarize(recs)
+    assert s.cells[("plain", 1024)].n == 2 and s.cells[("selfextend:G=4,W=512", 1024)].n == 1
+    md = format_table(s)
+    assert "| plain (2 docs) |" in md and "| selfextend:G=4,W=512 (1 doc) |" in md
+
+
+def test_a_point_missing_on_one_document_is_marked():
+    recs = [r for r in _records() if not (r["method"] == "plain" and r["doc"] == "c" and r["length"] == 4096)]
+    with pytest.warns(ResultsWarning, match="1 cell over fewer documents"):
+        s = summarize(recs)
+    assert "[2 of 3 docs]" in format_table(s).splitlines()[4]
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"ratio": True}, {"per_doc": True}])
+def test_plot_of_mixed_documents_has_a_line_for_every_legend_entry(tmp_path, monkeypatch, kwargs):
+    from matplotlib.figure import Figure
+
+    from selfextend.evaluation.plot import plot_ppl
+
+    saved = []
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: saved.append(fig))
+    with warnings.catch_warnings(record=True):  # per document, nothing is mixed: no warning to expect
+        plot_ppl(_mixed(), tmp_path / "p.png", trained_window=2048, **kwargs)
+    (fig,) = saved
+    drawn = {line.get_label() for ax in fig.axes for line in ax.get_lines() if len(line.get_xdata())}
+    legend = [t.get_text() for t in fig.axes[-1].get_legend().get_texts()]
+    assert legend and set(legend) <= drawn
+    if not kwargs:
+        assert fig.axes[0].get_title() == "1 document: a"

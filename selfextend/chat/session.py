@@ -22,6 +22,7 @@ from torch import nn
 
 from selfextend.chat.template import ChatTemplate
 from selfextend.chat.turns import Exchange, ShiftReport, TurnLedger
+from selfextend.core.validate import first_line
 from selfextend.generation.generator import PREFILL_CHUNK, Generator, StopMatcher, TextStream, eos_token_ids
 from selfextend.generation.sampling import SamplingParams
 from selfextend.kv import promptcache
@@ -85,13 +86,14 @@ class ChatSession:
         self.on_shift, self.progress = on_shift, progress
         self.keep = keep
         self.stop_requested = False
-        self.stats = ChatStats()
         self.start(system)
 
     # --- state ---------------------------------------------------------------------------------
 
     def start(self, system: str | None) -> None:
-        """Begin an empty conversation under ``system``: a fresh cache holding only the system part."""
+        """Begin an empty conversation under ``system``: a fresh cache holding only the system part, and
+        fresh :attr:`stats` (what ``/stats`` reports is this conversation's)."""
+        self.stats = ChatStats()
         self.template = ChatTemplate(self.tokenizer, system)
         system_ids = self.template.ids(self.template.system_text)
         n_keep = len(system_ids) if self.keep in (None, -1) else self.keep
@@ -243,9 +245,18 @@ class ChatSession:
         }
 
     def save(self, path: str | Path) -> None:
-        """Write the whole session: cells, token history, last logits, texts, kept count, settings."""
+        """Write the whole session: cells, token history, last logits, texts, kept count, settings.
+
+        A file that cannot be written raises :class:`ChatError` (one line) and leaves the session as it is.
+        """
+        folder = Path(path).absolute().parent
+        if not folder.is_dir():
+            raise ChatError(f"cannot save the session to {path}: no folder {folder}")
         logits = self.gen.last_logits if self.gen.last_logits is not None else torch.zeros(0)
-        promptcache.save(path, self.model, self.cache, self.gen.tokens, logits, extra=self.state())
+        try:
+            promptcache.save(path, self.model, self.cache, self.gen.tokens, logits, extra=self.state())
+        except (OSError, RuntimeError) as e:  # torch.save reports some file errors as RuntimeError
+            raise ChatError(f"cannot save the session to {path}: {first_line(e)}") from None
 
     def load(self, path: str | Path) -> None:
         """Replace this session with the one saved in ``path``; the file must come from the same model,

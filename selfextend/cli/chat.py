@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import click
 
 from selfextend.cli.options import generation_options
+from selfextend.core.validate import first_line, plural
 
 if TYPE_CHECKING:
     from selfextend.chat import ChatSession
@@ -94,16 +95,17 @@ def chat(
     lm, tokenizer = load_with_self_extend(model, dtype, device, group_size, window, weights)
     warn_beyond_reach(lm, ctx, group_size, window)
     out = Output(output, stats_every)
+    notes: list[str] = []  # context-shift notes, printed by the Repl before or after a reply, never inside
 
     def on_shift(r: ShiftReport) -> None:
         if quiet:
             return
         what = (
-            f"dropped {r.exchanges} old exchange{'s' * (r.exchanges != 1)}, {r.tokens} tokens"
+            f"dropped {plural(r.exchanges, 'old exchange')}, {plural(r.tokens, 'token')}"
             if r.whole
-            else f"a turn longer than the cache: dropped {r.tokens} tokens mid-turn"
+            else f"a turn longer than the cache: dropped {plural(r.tokens, 'token')} mid-turn"
         )
-        out.note(f"[context shift: {what}; cache {r.n_past}/{ctx}]")
+        notes.append(f"[context shift: {what}; cache {r.n_past}/{ctx}]")
 
     session = ChatSession(
         lm,
@@ -123,42 +125,58 @@ def chat(
         session.load(session_file)
         if not quiet:
             click.echo(f"resumed {session_file}: {_fill(session)}", err=True)
-    Repl(session, out, quiet, sys.stdin.isatty()).run()
+    saved = True
     try:
+        Repl(session, out, quiet, sys.stdin.isatty(), notes).run()
+    finally:  # whatever ended the session (EOF, /quit, Ctrl-C, SIGTERM, an error), its file is written
         if session_file:
-            try:
-                session.save(session_file)
-            except OSError as e:
-                raise click.ClickException(f"could not save the session to {session_file}: {e}") from None
-            if not quiet:
-                click.echo(f"saved the session to {session_file}", err=True)
-    finally:
+            saved = _save(session, session_file, quiet)
         out.close()
         click.echo(summary(session), err=True)
+    if not saved:
+        sys.exit(1)
+
+
+def _save(session: ChatSession, path: str, quiet: bool) -> bool:
+    """Write the session to ``path``; a failure is one line (the run may be ending on another error)."""
+    from selfextend.chat import ChatError
+
+    try:
+        session.save(path)
+    except ChatError as e:
+        click.echo(f"error: {first_line(e)}", err=True)
+        return False
+    if not quiet:
+        click.echo(f"saved the session to {path}", err=True)
+    return True
 
 
 def _fill(session: ChatSession) -> str:
-    return f"{len(session.exchanges)} exchanges, cache {session.cache.n_past}/{session.n_ctx}"
+    return f"{plural(len(session.exchanges), 'exchange')}, cache {session.cache.n_past}/{session.n_ctx}"
 
 
 def summary(session: ChatSession) -> str:
     """The closing line (and /stats): replies, tokens, rates, shifts, cache fill."""
     st, cache = session.stats, session.cache
     return (
-        f"{st.replies} replies, {st.tokens} tokens in {st.seconds:.1f} s "
-        f"({st.rate(st.tokens, st.seconds):.2f} tokens/s; last reply {st.last_tokens} tokens, "
+        f"{plural(st.replies, 'reply', 'replies')}, {plural(st.tokens, 'token')} in {st.seconds:.1f} s "
+        f"({st.rate(st.tokens, st.seconds):.2f} tokens/s; last reply {plural(st.last_tokens, 'token')}, "
         f"{st.rate(st.last_tokens, st.last_seconds):.2f} tokens/s), "
-        f"prompt {st.prompt_tokens} tokens in {st.prompt_seconds:.1f} s, "
-        f"{cache.shifts} context shifts ({session.ledger.dropped_exchanges} exchanges, "
-        f"{cache.discarded} tokens dropped), cache {cache.n_past}/{cache.n_ctx}, {cache.n_keep} kept"
+        f"prompt {plural(st.prompt_tokens, 'token')} in {st.prompt_seconds:.1f} s, "
+        f"{plural(cache.shifts, 'context shift')} ({plural(session.ledger.dropped_exchanges, 'exchange')}, "
+        f"{plural(cache.discarded, 'token')} dropped), "
+        f"cache {cache.n_past}/{cache.n_ctx}, {cache.n_keep} kept"
     )
 
 
 class Repl:
     """The read-eval-print loop: turns, commands, Ctrl-C and SIGTERM."""
 
-    def __init__(self, session: ChatSession, out, quiet: bool, interactive: bool) -> None:
+    def __init__(
+        self, session: ChatSession, out, quiet: bool, interactive: bool, notes: list[str] | None = None
+    ) -> None:
         self.session, self.out, self.quiet, self.interactive = session, out, quiet, interactive
+        self.notes = notes if notes is not None else []
         self.reading = False
         self.terminated = False
 
@@ -226,16 +244,16 @@ class Repl:
             return "\n".join(lines)
 
     def _handle(self, line: str) -> bool:
-        """Run a command or answer a turn; False ends the session."""
-        from selfextend.chat import ChatError
-        from selfextend.kv.promptcache import PromptCacheError
-
+        """Run a command or answer a turn; False ends the session. A command that fails says why in one
+        line and the session goes on: a typo in a file name must not lose the conversation."""
         s = self.session
         if not line.startswith("/"):
             self._stream(s.reply(line))
             return not self.terminated
         command, _, arg = line.strip().partition(" ")
         arg = arg.strip()
+        from selfextend.chat import ChatError
+
         try:
             if command in ("/quit", "/exit"):
                 return False
@@ -268,8 +286,8 @@ class Repl:
                     self._say(f"loaded {arg}: {_fill(s)}")
             else:
                 raise ChatError(f"unknown command {command}; /help lists them")
-        except (ChatError, PromptCacheError, OSError) as e:
-            click.echo(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", err=True)
+        except Exception as e:  # noqa: BLE001 (any command's failure is reported, never ends the chat)
+            click.echo(f"error: {first_line(e)}", err=True)
         return True
 
     def _say(self, text: str) -> None:
@@ -283,6 +301,8 @@ class Repl:
         n = 0
         try:
             for text in pieces:
+                if n == 0:
+                    self._notes()  # shifts made while the turn was written come before the reply
                 self.out.text(text)
                 n += 1
                 self.out.tokens(n, self.session.cache.shifts, self.session.cache.n_past)
@@ -291,3 +311,9 @@ class Repl:
         if self.session.stop_requested and not self.terminated and not self.quiet:
             self.out.note("[stopped]")
         self.out.text("\n" if self.interactive else "\n\n")
+        self._notes()  # shifts made while the reply streamed come after it
+
+    def _notes(self) -> None:
+        for line in self.notes:
+            self.out.note(line)
+        self.notes.clear()

@@ -24,6 +24,7 @@ transformers cache), and a key at slot ``s`` to have position ``last_query_pos -
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from selfextend.core.positions import grouped_key_positions, grouped_query_positions, is_neighbor
 from selfextend.core.rope import RotationTable, rotate
@@ -284,16 +285,18 @@ def self_extend_decode(
     b, h, _, d = q.shape
     hkv, lk = k.shape[1], k.shape[2]
     n_grouped = lk - window
-    q = (q * scale).reshape(b, hkv, h // hkv, d)  # (B, Hkv, n_rep, D): the heads sharing a KV head as rows
-    if n_grouped <= 0 or group_size == 1:  # every key at its own position
+    if n_grouped <= 0 or group_size == 1:
+        # Every key at its own position: this is plain attention, so run the very op the unpatched model
+        # decodes with. Another summation order differs in the last bits, which int8 weights (activations
+        # rounded to bfloat16 before each product) amplify until a greedy token flips.
         memo.reset()
-        scores = torch.matmul(q, k.transpose(-1, -2))  # (B, Hkv, n_rep, Lk)
-    else:
-        k_g = memo.get(k, pos - (lk - 1), n_grouped, group_size, inv_freq)
-        q_g = memo.rotations.rotate(q, grouped_query_positions(pos, group_size, window) - pos, inv_freq)
-        grouped = torch.matmul(q_g, k_g.transpose(-1, -2))  # (B, Hkv, n_rep, Lk - W)
-        neighbors = torch.matmul(q, k[..., n_grouped:, :].transpose(-1, -2))  # (B, Hkv, n_rep, W)
-        scores = torch.cat((grouped, neighbors), dim=-1)  # (B, Hkv, n_rep, Lk)
+        return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
+    q = (q * scale).reshape(b, hkv, h // hkv, d)  # (B, Hkv, n_rep, D): the heads sharing a KV head as rows
+    k_g = memo.get(k, pos - (lk - 1), n_grouped, group_size, inv_freq)
+    q_g = memo.rotations.rotate(q, grouped_query_positions(pos, group_size, window) - pos, inv_freq)
+    grouped = torch.matmul(q_g, k_g.transpose(-1, -2))  # (B, Hkv, n_rep, Lk - W)
+    neighbors = torch.matmul(q, k[..., n_grouped:, :].transpose(-1, -2))  # (B, Hkv, n_rep, W)
+    scores = torch.cat((grouped, neighbors), dim=-1)  # (B, Hkv, n_rep, Lk)
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
     return torch.matmul(probs, v).reshape(b, h, 1, d)
 

@@ -120,3 +120,8 @@ def first_line(exc: BaseException) -> str:
 def one_line(message: object) -> str:
     """A message folded onto one line, for errors printed to users as-is."""
     return " ".join(part.strip() for part in str(message).splitlines() if part.strip())
+
+
+def plural(n: int, word: str, many: str | None = None) -> str:
+    """``1 exchange``, ``2 exchanges``, ``0 replies`` (``many`` when adding an s is wrong)."""
+    return f"{n} {word if n == 1 else many or word + 's'}"

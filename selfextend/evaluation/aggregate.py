@@ -6,15 +6,24 @@ range of the documents as its spread; the ratio view divides each document's PPL
 document's PPL at a reference length under the same method *before* aggregating, so a method that
 keeps PPL flat sits at 1 whatever the documents' own difficulty. Passkey results become accuracy
 (hits over trials, all depths together).
+
+Methods are compared over the same documents: when they were measured on different ones (a method
+added to a sweep on fewer documents), only the documents every method has count, with a warning. When
+no document is shared by all, each method keeps its own and its document count goes beside its name.
+A method with no PPL at the ratio view's reference length is left out of that view, with a warning.
 """
 
 from __future__ import annotations
 
 import statistics
+import warnings
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+from selfextend.core.validate import plural
+from selfextend.evaluation.results import ResultsWarning
 
 STATS: dict[str, Callable[[list[float]], float]] = {
     "mean": statistics.fmean,
@@ -24,6 +33,7 @@ STATS: dict[str, Callable[[list[float]], float]] = {
     "max": max,
 }
 FORMATS = ("markdown", "csv", "latex")
+Records = list[dict[str, Any]]
 
 
 class AggregateError(ValueError):
@@ -46,7 +56,11 @@ class Cell:
 
 @dataclass
 class Summary:
-    """Methods by lengths. ``kind`` is ``ppl`` or ``passkey``; ``what`` says what the numbers are."""
+    """Methods by lengths. ``kind`` is ``ppl`` or ``passkey``; ``what`` says what the numbers are.
+
+    ``documents``: those the numbers are over. ``method_docs``: each method's document count, set only
+    when no document is shared by every method (each is then over its own).
+    """
 
     kind: str
     what: str
@@ -55,6 +69,25 @@ class Summary:
     cells: dict[tuple[str, int], Cell] = field(default_factory=dict)
     model: str = ""
     reference: int | None = None
+    documents: list[str] = field(default_factory=list)
+    method_docs: dict[str, int] = field(default_factory=dict)
+
+    def label(self, method: str) -> str:
+        """The method's name, with its document count when methods are over different documents."""
+        n = self.method_docs.get(method)
+        return method if n is None else f"{method} ({plural(n, 'doc')})"
+
+    def docs_of(self, method: str) -> int:
+        """How many documents a full cell of ``method`` is over."""
+        return self.method_docs.get(method, len(self.documents))
+
+    def caption(self) -> str:
+        """One line: which statistic of which field, over which documents."""
+        if self.kind == "passkey":
+            return f"{self.what}: hits/trials over all depths"
+        if self.method_docs:
+            return f"{self.what}; each method over its own documents ({', '.join(self.documents)})"
+        return f"{self.what}, over {plural(len(self.documents), 'document')}: {', '.join(self.documents)}"
 
 
 def reference_length(lengths: list[int], trained_window: int | None) -> int:
@@ -87,26 +120,88 @@ def summarize(
     model = str(records[0].get("model", ""))
     if "correct" in records[0]:
         return _passkey(records, methods, lengths, model)
+    records, documents, method_docs = _shared_documents(records)
     values: dict[tuple[str, int], dict[str, float]] = defaultdict(dict)  # (method, length) -> doc -> ppl
     for r in records:
         values[(r["method"], r["length"])][r["doc"]] = float(r[field])
     what = "perplexity, last quarter of the context" if field == "ppl_last" else "perplexity, whole context"
+    what = f"{what} ({field})"
     if ratio:
         reference = reference or reference_length(lengths, trained_window)
         if reference not in lengths:
             raise AggregateError(f"reference length {reference} was not measured ({lengths})")
+        missing = [m for m in methods if not values.get((m, reference))]
+        if missing:
+            warnings.warn(
+                f"no PPL at the reference length {reference} for {', '.join(missing)}: "
+                "left out of the ratio view",
+                ResultsWarning,
+                stacklevel=2,
+            )
+            methods = [m for m in methods if m not in missing]
+            if not methods:
+                raise AggregateError(f"no method has a PPL at the reference length {reference}")
         values = {
             (method, n): {d: v / base[d] for d, v in docs.items() if d in base}
             for (method, n), docs in values.items()
             for base in [values.get((method, reference), {})]
         }
         what = f"{what}, relative to {reference} tokens"
-    summary = Summary("ppl", f"{stat} {what}", methods, lengths, model=model, reference=reference)
+    summary = Summary(
+        "ppl",
+        f"{stat} {what}",
+        methods,
+        lengths,
+        model=model,
+        reference=reference,
+        documents=documents,
+        method_docs=method_docs,
+    )
     for key, docs in values.items():
-        if docs:
+        if docs and key[0] in methods:
             vs = list(docs.values())
             summary.cells[key] = Cell(STATS[stat](vs), min(vs), max(vs), len(vs))
+    summary.lengths = sorted({n for _, n in summary.cells})  # no empty column for what was left out
+    partial = sum(c.n < summary.docs_of(m) for (m, _), c in summary.cells.items())
+    if partial:
+        warnings.warn(
+            f"{plural(partial, 'cell')} over fewer documents than the rest of its method "
+            "(a point not measured on every document; marked [n of N docs] in tables)",
+            ResultsWarning,
+            stacklevel=2,
+        )
     return summary
+
+
+def _shared_documents(
+    records: list[dict[str, Any]],
+) -> tuple[list[dict[str, Any]], list[str], dict[str, int]]:
+    """The records over the documents every method has, those documents, and (only when no document is
+    shared by all) each method's document count; a warning says what was left out."""
+    by_method: dict[str, set[str]] = defaultdict(set)
+    for r in records:
+        by_method[r["method"]].add(r["doc"])
+    every = set().union(*by_method.values())
+    shared = set.intersection(*by_method.values())
+    if shared == every:
+        return records, sorted(every), {}
+    if not shared:
+        warnings.warn(
+            "no document was measured with every method: each method's numbers are over its own "
+            "documents, which are not comparable (document counts beside the names)",
+            ResultsWarning,
+            stacklevel=3,
+        )
+        return records, sorted(every), {m: len(d) for m, d in by_method.items()}
+    fewer = [m for m, d in by_method.items() if d != every]
+    warnings.warn(
+        f"{', '.join(fewer)} measured fewer documents than the other methods: every method is compared "
+        f"over the {plural(len(shared), 'document')} all share ({', '.join(sorted(shared))}); "
+        f"left out: {', '.join(sorted(every - shared))}",
+        ResultsWarning,
+        stacklevel=3,
+    )
+    return [r for r in records if r["doc"] in shared], sorted(shared), {}
 
 
 def _passkey(records: list[dict[str, Any]], methods: list[str], lengths: list[int], model: str) -> Summary:
@@ -125,7 +220,7 @@ def fmt_tokens(n: float) -> str:
     return f"{n / 1024:g}k" if n >= 1024 else f"{n:g}"
 
 
-def _cell_text(summary: Summary, cell: Cell | None) -> str:
+def _cell_text(summary: Summary, method: str, cell: Cell | None) -> str:
     if cell is None:
         return ""
     if summary.kind == "passkey":
@@ -134,6 +229,8 @@ def _cell_text(summary: Summary, cell: Cell | None) -> str:
     text = f"{cell.value:.{digits}f}"
     if cell.n > 1:
         text += f" ({cell.low:.{digits}f}-{cell.high:.{digits}f})"
+    if cell.n < summary.docs_of(method):
+        text += f" [{cell.n} of {summary.docs_of(method)} docs]"
     return text
 
 
@@ -141,28 +238,31 @@ def format_table(summary: Summary, fmt: str = "markdown") -> str:
     """The summary as a Markdown, CSV or LaTeX table: a row per method, a column per length.
 
     PPL cells read ``value (min-max over documents)`` when there are several documents; CSV gives the
-    value, low, high and document count as separate columns instead.
+    value, low, high and document count as separate columns instead. Markdown and LaTeX start with
+    :meth:`Summary.caption` (which statistic of which field, over which documents).
     """
     if fmt not in FORMATS:
         raise AggregateError(f"unknown table format '{fmt}': use {', '.join(FORMATS)}")
     heads = [fmt_tokens(n) for n in summary.lengths]
     rows = [
-        [_cell_text(summary, summary.cells.get((m, n))) for n in summary.lengths] for m in summary.methods
+        [_cell_text(summary, m, summary.cells.get((m, n))) for n in summary.lengths] for m in summary.methods
     ]
+    names = [summary.label(m) for m in summary.methods]
     if fmt == "csv":
         return _csv(summary)
     if fmt == "markdown":
-        lines = [f"| method | {' | '.join(heads)} |", "|---|" + "---:|" * len(heads)]
-        lines += [f"| {m} | {' | '.join(r)} |" for m, r in zip(summary.methods, rows, strict=True)]
+        lines = [summary.caption(), "", f"| method | {' | '.join(heads)} |", "|---|" + "---:|" * len(heads)]
+        lines += [f"| {m} | {' | '.join(r)} |" for m, r in zip(names, rows, strict=True)]
         return "\n".join(lines)
     esc = lambda s: s.replace("_", r"\_").replace("%", r"\%")  # noqa: E731
     lines = [
+        f"% {summary.caption()}",
         r"\begin{tabular}{l" + "r" * len(heads) + "}",
         r"\hline",
         "method & " + " & ".join(heads) + r" \\",
         r"\hline",
     ]
-    lines += [f"{esc(m)} & " + " & ".join(r) + r" \\" for m, r in zip(summary.methods, rows, strict=True)]
+    lines += [f"{esc(m)} & " + " & ".join(r) + r" \\" for m, r in zip(names, rows, strict=True)]
     lines += [r"\hline", r"\end{tabular}"]
     return "\n".join(lines)
 

@@ -10,6 +10,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from selfextend.core.validate import plural
 from selfextend.evaluation.aggregate import fmt_tokens, summarize
 
 
@@ -184,8 +185,9 @@ def plot_ppl(
     """PPL (log scale) against length (log2), a line per method, aggregated over documents.
 
     The line is ``stat`` over the documents and the band their min-max range (see
-    :func:`selfextend.evaluation.aggregate.summarize`, which ``table`` prints). ``per_doc`` draws a panel per
-    document instead; ``ratio`` draws each method's PPL over its own at ``reference``.
+    :func:`selfextend.evaluation.aggregate.summarize`, which ``table`` prints: methods are compared over
+    the documents they share). ``per_doc`` draws a panel per document instead; ``ratio`` draws each
+    method's PPL over its own at ``reference``. A method with nothing to draw gets no legend entry.
     """
     plt = _pyplot()
     docs = sorted({r["doc"] for r in records})
@@ -202,13 +204,18 @@ def plot_ppl(
         layout="constrained",
     )
     summary = None
+    rank: dict[str, int] = {}  # legend label -> the method's place in the sweep
     for ax, (doc, group) in zip(axes[0], groups, strict=True):
         summary = summarize(group, field, stat, ratio, reference, trained_window)
         for method in summary.methods:
             i = order.index(method)  # the same colour, marker and dash for a method in every panel
             cells = [(n, summary.cells[(method, n)]) for n in summary.lengths if (method, n) in summary.cells]
+            if not cells:
+                continue
             xs = [n for n, _ in cells]
-            line = ax.plot(xs, [c.value for _, c in cells], label=method, **_line_style(i))[0]
+            label = summary.label(method)
+            rank[label] = i
+            line = ax.plot(xs, [c.value for _, c in cells], label=label, **_line_style(i))[0]
             if any(c.n > 1 for _, c in cells):
                 ax.fill_between(
                     xs,
@@ -226,10 +233,12 @@ def plot_ppl(
         _length_axis(ax, summary.lengths, trained_window)
         ax.set_xlabel("context length (tokens)")
         ax.grid(True, which="major", alpha=0.3)
-        n_docs = len({r["doc"] for r in group})
-        ax.set_title(
-            doc if doc else f"{n_docs} document{'s' if n_docs > 1 else ''}: {', '.join(docs)}", fontsize=9
-        )
+        if doc:
+            ax.set_title(doc, fontsize=9)
+        else:
+            shown = summary.documents
+            over = "each method over its own of" if summary.method_docs else plural(len(shown), "document")
+            ax.set_title(f"{over}: {', '.join(shown)}", fontsize=9)
     if ratio:
         label = f"PPL / PPL at {fmt_tokens(summary.reference)} (log scale, cut at {RATIO_TOP:g})"
     else:
@@ -237,12 +246,13 @@ def plot_ppl(
             "perplexity, last quarter of the context" if field == "ppl_last" else "perplexity"
         ) + " (log)"
     axes[0][0].set_ylabel(label)
-    spread = "" if per_doc or len(docs) == 1 else ", band: range over documents"
+    several = not per_doc and len(summary.documents) > 1
+    spread = ", band: range over documents" if several else ""
     handles = {}
     for ax in axes[0]:
         for h, name in zip(*ax.get_legend_handles_labels(), strict=True):
             handles.setdefault(name, h)
-    names = sorted(handles, key=order.index)
+    names = sorted(handles, key=rank.__getitem__)
     axes[0][-1].legend(
         [handles[n] for n in names],
         names,
@@ -253,8 +263,7 @@ def plot_ppl(
     )
     model = records[0].get("model", "")
     fig.suptitle(
-        f"Perplexity against context length, {stat if len(docs) > 1 and not per_doc else 'per document'}"
-        f"{spread} — {model}",
+        f"Perplexity against context length, {stat if several else 'per document'}{spread} — {model}",
         fontsize=10,
     )
     fig.savefig(out, dpi=120)

@@ -85,7 +85,8 @@ def padding_mask(
     """
     if mask_function is not causal_mask_function:
         plain_sliding = kwargs.get("local_size") is not None and not kwargs.get("use_vmap")
-        if plain_sliding and (attention_mask is None or bool(attention_mask.all())):
+        prefill = kwargs.get("q_length", 2) > 1  # a decode step's mask is one row: transformers' own
+        if plain_sliding and prefill and (attention_mask is None or bool(attention_mask.all())):
             return None  # the sliding layer's band is cut from slot arithmetic (sliding_window_attention)
         return sdpa_mask(
             batch_size=batch_size,
@@ -144,13 +145,14 @@ def _own_attention(
 ) -> tuple[torch.Tensor, None] | None:
     """A sliding layer's own attention, or None for a layer Self-Extend serves.
 
-    Without padding the mask function returned no mask, and the band ``i - j < sliding_window`` is
-    attended block by block (:func:`sliding_window_attention`); with padding, SDPA with transformers' mask.
+    A prefill without padding got no mask from the mask function, and the band ``i - j < sliding_window``
+    is attended block by block (:func:`sliding_window_attention`). A decode step, or padding, runs SDPA
+    with transformers' mask: the unpatched model's very path, so its numbers are the plain model's.
     """
     if not isinstance(module.self_extend, OwnAttention):
         return None
     window = kwargs.get("sliding_window")
-    if attention_mask is None and window is not None:
+    if attention_mask is None and window is not None and query.shape[2] > 1:
         scale = query.shape[-1] ** -0.5 if scaling is None else scaling
         out = sliding_window_attention(query, key, value, int(window), scale)
         return out.transpose(1, 2).contiguous(), None

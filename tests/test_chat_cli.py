@@ -1,0 +1,111 @@
+"""``selfextend chat`` never loses a conversation: a failing command keeps the session, and the
+``--session`` file is written however the session ends; /reset starts the counts over; shift notes
+stay out of a streamed reply (tiny model with the real tokenizer, in-process)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from selfextend.chat import ChatSession
+from selfextend.cli.main import main
+
+
+def chat(tiny_dir, session, lines: list[str], *extra: str):
+    args = ["chat", "-m", str(tiny_dir), "--weights", "float", "--temperature", "0", "-n", "4"]
+    args += ["--ctx", "200", "--session", str(session), *extra]
+    return CliRunner().invoke(main, args, input="".join(line + "\n" for line in lines))
+
+
+def saved_state(path) -> dict:
+    return json.loads(torch.load(path, weights_only=True)["extra"])
+
+
+def test_failed_save_keeps_the_session_and_the_session_file_is_written(tiny_dir, tmp_path):
+    session = tmp_path / "talk.pt"
+    r = chat(tiny_dir, session, ["Hello there", f"/save {tmp_path / 'no' / 'dir' / 'x.pt'}", "Still here?"])
+    assert r.exit_code == 0, r.output
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "no folder" in errors[0]
+    # the turn after the error was answered: the error did not end the chat
+    assert [e["user"] for e in saved_state(session)["exchanges"]] == ["Hello there", "Still here?"]
+
+
+@pytest.mark.parametrize("how", ["quit", "error", "interrupt"])
+def test_session_file_written_however_the_chat_ends(tiny_dir, tmp_path, monkeypatch, how):
+    session = tmp_path / "talk.pt"
+    lines = ["Hello there", "Second turn"]
+    if how == "quit":
+        lines.insert(1, "/quit")
+    else:
+        reply = ChatSession.reply
+        calls = []
+
+        def failing(self, user):
+            calls.append(user)
+            if len(calls) == 2:
+                raise RuntimeError("disk on fire") if how == "error" else KeyboardInterrupt
+            yield from reply(self, user)
+
+        monkeypatch.setattr(ChatSession, "reply", failing)
+    r = chat(tiny_dir, session, lines)
+    assert session.exists(), r.output
+    assert [e["user"] for e in saved_state(session)["exchanges"]] == ["Hello there"]
+    assert "saved the session" in r.stderr
+    assert any(line.startswith("1 reply,") for line in r.stderr.splitlines())  # the summary line
+    if how == "error":
+        assert r.exit_code != 0 and "disk on fire" in r.stderr
+
+
+def test_reset_starts_the_stats_over(tiny_dir, tmp_path):
+    r = chat(tiny_dir, tmp_path / "t.pt", ["One", "Two", "/stats", "/reset", "Three", "/stats"])
+    assert r.exit_code == 0, r.output
+    stats = [line for line in r.stderr.splitlines() if "tokens/s" in line]
+    assert stats[0].startswith("2 replies,") and stats[1].startswith("1 reply,")
+
+
+class Recorder:
+    """Stands in for the terminal output: what was printed, in order."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, str]] = []
+
+    def text(self, text: str) -> None:
+        self.events.append(("text", text))
+
+    def note(self, line: str) -> None:
+        self.events.append(("note", line))
+
+    def restart_rate(self, tokens: int = 0) -> None:
+        pass
+
+    def tokens(self, tokens: int, shifts: int, n_past: int) -> None:
+        pass
+
+
+def test_context_shift_notes_come_before_or_after_a_reply_never_inside():
+    from types import SimpleNamespace
+
+    from selfextend.cli.chat import Repl
+
+    notes: list[str] = []
+
+    def reply():
+        notes.append("[shift while the turn was written]")
+        yield "Arr,"
+        notes.append("[shift while the reply streamed]")
+        yield " matey"
+
+    session = SimpleNamespace(stop_requested=False, cache=SimpleNamespace(shifts=0, n_past=0))
+    out = Recorder()
+    Repl(session, out, quiet=False, interactive=False, notes=notes)._stream(reply())
+    assert out.events == [
+        ("note", "[shift while the turn was written]"),
+        ("text", "Arr,"),
+        ("text", " matey"),
+        ("text", "\n\n"),
+        ("note", "[shift while the reply streamed]"),
+    ]
