@@ -256,7 +256,8 @@ def eos_token_ids(model: nn.Module, tokenizer) -> tuple[int, ...]:
     return tuple(ids)
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+def common_prefix(a: Sequence, b: Sequence) -> int:
+    """How many leading items ``a`` and ``b`` share (token ids, or characters of two texts)."""
     n = 0
     while n < min(len(a), len(b)) and a[n] == b[n]:
         n += 1
@@ -282,10 +283,10 @@ def build_prompt(
             )
 
         ids = render(prompt)
-        return ids, _common_prefix(render("A"), render("B"))
+        return ids, common_prefix(render("A"), render("B"))
     text = f"{system}\n\n{prompt}" if system else prompt
     ids = list(tokenizer(text).input_ids)
     if system:
-        return ids, _common_prefix(ids, tokenizer(f"{system}\n\n").input_ids)
+        return ids, common_prefix(ids, tokenizer(f"{system}\n\n").input_ids)
     bos = tokenizer.bos_token_id
     return ids, int(bool(ids) and bos is not None and ids[0] == bos)
