@@ -53,9 +53,17 @@ def error_response(
     return JSONResponse(error_body(status, message, param, code), status_code=status)
 
 
+TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
 def _param(loc: tuple) -> str | None:
-    """The dotted field name of a validation error's location (``messages.0.role``), without ``body``."""
-    parts = [str(p) for p in loc if p != "body"]
+    """The dotted field name of a validation error's location (``messages.0.role``), without ``body`` and
+    the tags pydantic adds for the member of a union (``str``, ``list[int]``, ``TextPart``)."""
+    parts = [
+        str(p)
+        for p in loc
+        if p != "body" and not (isinstance(p, str) and (p in TYPE_TAGS or "[" in p or p[:1].isupper()))
+    ]
     return ".".join(parts) or None
 
 
