@@ -129,6 +129,6 @@ fetch("/v1/models", { headers: headers() })
   .then((r) => r.json())
   .then((m) => {
     const d = m.data && m.data[0];
-    if (d) $("model").textContent = `${d.id}, ${d.meta.n_parallel} slots of ${d.meta.n_ctx} cells`;
+    if (d) $("model").textContent = `${d.id}, ${d.meta.n_parallel} slot${d.meta.n_parallel === 1 ? "" : "s"} of ${d.meta.n_ctx} cells`;
   })
   .catch(() => {});
