@@ -299,7 +299,7 @@ def test_slot_save_restore(server, client, tiny):
     again = client.chat.completions.create(
         model="tiny", messages=messages, max_tokens=4, temperature=0, extra_body={"id_slot": 1}
     )
-    assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens
+    assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens - 1
     for bad in ({"filename": "../x"}, {"filename": "a/b"}):
         assert request(base, "POST", "/slots/1?action=save", bad)[0] == 400
     assert request(base, "POST", "/slots/1?action=restore", {"filename": "missing.bin"})[0] == 404
@@ -350,3 +350,13 @@ def test_serve_refuses_bad_flags_in_one_line(tiny_dir):
             timeout=120,
         )
         assert out.returncode != 0 and out.stderr.startswith("error:") and len(out.stderr.splitlines()) == 1
+
+
+def test_cache_prompt_false_recomputes(client):
+    kwargs = dict(model="tiny", prompt="Recompute me, please, every time", max_tokens=2, temperature=0)
+    client.completions.create(**kwargs)
+    again = client.completions.create(**kwargs)
+    assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens - 1  # logits needed
+    fresh = client.completions.create(**kwargs, extra_body={"cache_prompt": False})
+    assert fresh.usage.prompt_tokens_details.cached_tokens == 0
+    assert fresh.choices[0].text == again.choices[0].text

@@ -47,6 +47,7 @@ class Job:
     seed: int | None = None
     stops: tuple[str, ...] = ()
     slot_id: int | None = None
+    cache_prompt: bool = True  # False: recompute the whole prompt
     cancelled: threading.Event = field(default_factory=threading.Event)
 
 
@@ -181,7 +182,7 @@ class Engine:
             if job.cancelled.is_set():
                 self.queue.remove(job)
                 continue
-            slot = pick(self.slots, job.prompt, job.slot_id)
+            slot = pick(self.slots, job.prompt if job.cache_prompt else [], job.slot_id)
             if slot is not None:
                 slot.busy = True
                 self.queue.remove(job)
@@ -191,7 +192,7 @@ class Engine:
     def _start(self, job: Job, slot: Slot) -> None:
         started = time.perf_counter()
         try:
-            reuse = slot.prepare(job.prompt, job.n_keep, self.cache_reuse)
+            reuse = slot.prepare(job.prompt, job.n_keep, self.cache_reuse, job.cache_prompt)
             gen = slot.gen
             gen.sampling = job.sampling
             if job.seed is None:
@@ -266,7 +267,7 @@ class Engine:
                 "finish_reason": reason,
                 "prompt_tokens": len(job.prompt),
                 "completion_tokens": completion,
-                "cached_tokens": r.reuse.tokens,
+                "cached_tokens": min(r.reuse.tokens, len(job.prompt) - 1),  # the last one is always run
                 "moved_tokens": r.reuse.moved,
                 "shifts": slot.gen.cache.shifts - r.shifts_before,
                 "ttft_s": (r.first_token or now) - r.started,

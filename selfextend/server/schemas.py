@@ -46,6 +46,7 @@ class Sampling(Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     id_slot: int | None = Field(None, ge=0)
+    cache_prompt: bool = True  # llama.cpp's: False recomputes the whole prompt
 
     def stops(self) -> tuple[str, ...]:
         if self.stop is None:

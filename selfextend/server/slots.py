@@ -121,24 +121,29 @@ class Slot:
             return 0
         return len(self.history) if self.continues(prompt) else common_prefix(self.gen.tokens, prompt)
 
-    def prepare(self, prompt: Sequence[int], n_keep: int, min_chunk: int = 0) -> Reuse:
+    def prepare(self, prompt: Sequence[int], n_keep: int, min_chunk: int = 0, reuse: bool = True) -> Reuse:
         """Make the cache hold the longest reusable start of ``prompt``; returns what was reused.
 
-        ``min_chunk``: the cache-reuse chunk size (0: the common prefix only).
+        ``min_chunk``: the cache-reuse chunk size (0: the common prefix only); ``reuse=False``: nothing,
+        the whole prompt is computed again.
         """
+        if not reuse:
+            self.generator(n_keep).rewind(0)
+            self.history = []
+            return Reuse()
         if self.continues(prompt):
             self.generator(n_keep)
             return Reuse(prefix=len(self.history))
         gen = self.generator(n_keep)
-        reuse = Reuse(prefix=common_prefix(gen.tokens, prompt))
-        end = reuse.prefix
+        took = Reuse(prefix=common_prefix(gen.tokens, prompt))
+        end = took.prefix
         if min_chunk > 0 and can_move(gen.cache) and end < min(len(gen.tokens), len(prompt)):
-            end, reuse.chunks = reuse_chunks(gen, prompt, end, min_chunk)
-            reuse.moved = end - reuse.prefix
+            end, took.chunks = reuse_chunks(gen, prompt, end, min_chunk)
+            took.moved = end - took.prefix
         if end < len(gen.tokens):
             gen.rewind(end)
         self.history = list(gen.tokens)
-        return reuse
+        return took
 
     def finish(self, prompt: Sequence[int], fed: Sequence[int], complete: bool) -> None:
         """Record what the cache was given: ``prompt`` then the generated tokens ``fed`` to it. A request
