@@ -19,7 +19,7 @@ pytestmark = pytest.mark.real
 
 @pytest.fixture(scope="module")
 def server():
-    with serve_process("--ctx", "1024", "--parallel", "2") as (base, proc):
+    with serve_process("--ctx", "1024", "--parallel", "2", "--cache-reuse", "16") as (base, proc):
         yield base
 
 
