@@ -19,6 +19,7 @@ from selfextend.cli.chat import chat
 from selfextend.cli.generate import generate
 from selfextend.cli.info import info
 from selfextend.cli.measure import passkey, plot, ppl, table
+from selfextend.cli.serve import serve
 from selfextend.core.validate import first_line
 
 
@@ -79,3 +80,4 @@ main.add_command(plot)
 main.add_command(table)
 main.add_command(bench)
 main.add_command(cache)
+main.add_command(serve)

@@ -109,6 +109,7 @@ class ContextShiftCache(Cache):
         self.shifts = 0
         self.discarded = 0
         self.discard_policy: DiscardPolicy | None = None  # None: discard_count (llama.cpp's half)
+        self.gap: Range | None = None  # positions removed by remove() whose later cells await move()
 
     @property
     def n_past(self) -> int:
@@ -193,6 +194,36 @@ class ContextShiftCache(Cache):
             self.shift(n_discard)
             made += 1
         return made
+
+    def remove(self, p0: int, p1: int) -> None:
+        """Drop the cells of positions ``[p0, p1)`` (llama.cpp's ``seq_rm``).
+
+        Cells stay contiguous here, so a removal before the last cell leaves a gap that the next call must
+        close: ``move(p1, n_past, p0 - p1)``. Full-attention layers only (a sliding layer's storage keeps
+        its own window); ValueError otherwise.
+        """
+        p1 = min(p1, self.n_past)
+        if not 0 <= p0 < p1 or self.gap is not None:
+            raise ValueError(f"cannot remove positions [{p0}, {p1}) of {self.n_past} cells")
+        if p1 == self.n_past:
+            self.truncate(p0)
+            return
+        if any(isinstance(layer, SlidingShiftLayer) for layer in self.layers):
+            raise ValueError("removing cells before the last one needs full-attention layers")
+        self.gap = (p0, p1)
+
+    def move(self, p0: int, p1: int, delta: int) -> None:
+        """Add ``delta`` to the positions of cells ``[p0, p1)``, keys re-rotated (llama.cpp's ``seq_add``).
+
+        Here only the move that closes the gap left by :meth:`remove`: every cell after it, down by its
+        width (the shift's drop-and-move at any start).
+        """
+        gap = self.gap
+        if gap is None or (p0, min(p1, self.n_past), delta) != (gap[1], self.n_past, gap[0] - gap[1]):
+            raise ValueError(f"cannot move positions [{p0}, {p1}) by {delta}: only closing a removed gap")
+        for layer, freq in zip(self.layers, self.frequencies, strict=True):
+            layer.shift(gap[0], gap[1] - gap[0], freq.inv_freq)
+        self.gap = None
 
     def shift(self, n_discard: int) -> None:
         """One context shift: drop cells ``[n_keep, n_keep + n_discard)``, move the rest down and re-rotate

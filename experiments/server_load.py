@@ -1,0 +1,137 @@
+"""A bounded loopback load test of ``selfextend serve --parallel 4`` on the default model.
+
+First one client alone (10 streaming requests: aggregate tokens/s at 1 client), then 8 concurrent
+streaming clients x 25 requests each, every client with its own short conversation (its prompts share a
+prefix, so slots get reused). Checks: every request completes or gets a clean 4xx error body, no 5xx;
+the server's resident memory (RSS) at the end within 5% of what it was after the first 10 requests of
+the load phase. Reports p50/p95 time to first token (client side, queueing included) and aggregate
+tokens/s. Loopback only, bounded in count; writes experiments/results/server_load.json.
+
+    python experiments/server_load.py   # ~10-15 minutes on a 2-core CPU
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import openai
+import psutil
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from server_util import free_port, wait_healthy  # noqa: E402
+
+OUT = Path(__file__).parent / "results" / "server_load.json"
+CLIENTS, REQUESTS, PARALLEL, CTX, MAX_TOKENS = 8, 25, 4, 1024, 24
+
+
+def one_request(client: openai.OpenAI, messages: list[dict]) -> dict:
+    t0 = time.perf_counter()
+    ttft, text, tokens = None, "", 0
+    try:
+        stream = client.chat.completions.create(
+            model="m",
+            messages=messages,
+            max_tokens=MAX_TOKENS,
+            temperature=0.7,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                ttft = ttft or time.perf_counter() - t0
+                text += chunk.choices[0].delta.content
+            if chunk.usage:
+                tokens = chunk.usage.completion_tokens
+    except openai.APIStatusError as e:
+        return {"status": e.status_code, "error": e.message, "seconds": time.perf_counter() - t0}
+    return {"status": 200, "ttft": ttft, "tokens": tokens, "text": text, "seconds": time.perf_counter() - t0}
+
+
+def client_loop(base: str, index: int, count: int, results: list, done: list) -> None:
+    client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=600)
+    history = [{"role": "system", "content": f"You are assistant number {index}. Be brief."}]
+    for i in range(count):
+        history.append({"role": "user", "content": f"Question {i}: name something blue, number {i}."})
+        r = one_request(client, history[-7:] if len(history) > 7 else history)
+        history.append({"role": "assistant", "content": r.get("text", "")})
+        r["client"] = index
+        results.append(r)
+        done.append(1)
+
+
+def summary(results: list[dict], seconds: float) -> dict:
+    ok = [r for r in results if r["status"] == 200]
+    ttfts = sorted(r["ttft"] for r in ok if r["ttft"] is not None)
+    tokens = sum(r["tokens"] for r in ok)
+    return {
+        "requests": len(results),
+        "ok": len(ok),
+        "4xx": sum(400 <= r["status"] < 500 for r in results),
+        "5xx": sum(r["status"] >= 500 for r in results),
+        "ttft_p50_s": round(statistics.median(ttfts), 3) if ttfts else None,
+        "ttft_p95_s": round(ttfts[int(0.95 * (len(ttfts) - 1))], 3) if ttfts else None,
+        "completion_tokens": tokens,
+        "seconds": round(seconds, 1),
+        "aggregate_tokens_per_second": round(tokens / seconds, 2),
+    }
+
+
+def run_phase(base: str, clients: int, count: int, rss_probe=None) -> dict:
+    results: list[dict] = []
+    done: list[int] = []
+    threads = [
+        threading.Thread(target=client_loop, args=(base, i, count, results, done)) for i in range(clients)
+    ]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    rss_after_10 = None
+    while any(t.is_alive() for t in threads):
+        if rss_probe and rss_after_10 is None and len(done) >= 10:
+            rss_after_10 = rss_probe()
+        time.sleep(0.2)
+    out = summary(results, time.perf_counter() - t0)
+    if rss_probe:
+        out["rss_after_10_mib"] = round(rss_after_10 / 2**20, 1)
+        out["rss_end_mib"] = round(rss_probe() / 2**20, 1)
+        out["rss_growth_percent"] = round(100 * (out["rss_end_mib"] / out["rss_after_10_mib"] - 1), 2)
+    return out
+
+
+def main() -> None:
+    port = free_port()
+    cmd = [sys.executable, "-m", "selfextend", "serve", "--port", str(port), "--ctx", str(CTX)]
+    proc = subprocess.Popen([*cmd, "--parallel", str(PARALLEL)], stderr=subprocess.PIPE, text=True)
+    base = f"http://127.0.0.1:{port}"
+    server = psutil.Process(proc.pid)
+    try:
+        wait_healthy(base, 600, proc)
+        single = run_phase(base, 1, 10)
+        print("1 client:", json.dumps(single), flush=True)
+        load = run_phase(base, CLIENTS, REQUESTS, lambda: server.memory_info().rss)
+        print(f"{CLIENTS} clients:", json.dumps(load), flush=True)
+    finally:
+        proc.terminate()
+        code = proc.wait(180)
+    result = {
+        "parallel": PARALLEL,
+        "ctx": CTX,
+        "max_tokens": MAX_TOKENS,
+        "one_client": single,
+        "load": load,
+        "exit_code_after_sigterm": code,
+        "load_average_1m_at_end": round(psutil.getloadavg()[0], 2),
+    }
+    OUT.parent.mkdir(parents=True, exist_ok=True)
+    OUT.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

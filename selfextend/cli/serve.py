@@ -1,0 +1,165 @@
+"""``selfextend serve``: the OpenAI-compatible server (thin: load, build the app, run uvicorn)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import click
+
+from selfextend.cli.options import (
+    COUNT,
+    POSITIVE,
+    integer,
+    model_options,
+    sampling_options,
+    self_extend_options,
+    weights_option,
+)
+
+if TYPE_CHECKING:
+    from selfextend.generation.sampling import SamplingParams
+
+
+@click.command()
+@model_options
+@weights_option("int8")
+@self_extend_options
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0: all).")
+@click.option("--port", type=integer(1, hi=65535), default=8080, show_default=True, help="TCP port.")
+@click.option("-c", "--ctx", type=integer(16), default=2048, show_default=True, help="Cache cells per slot.")
+@click.option(
+    "-np", "--parallel", type=POSITIVE, default=1, show_default=True, help="Slots: requests served at once."
+)
+@click.option(
+    "--cache-reuse",
+    type=COUNT,
+    default=256,
+    show_default=True,
+    help="Reuse chunks of at least this many cached tokens that reappear later in a new prompt, moved by "
+    "K-shift instead of recomputed (0: the common prefix only).",
+)
+@click.option(
+    "--api-key",
+    default=None,
+    envvar="SELFEXTEND_API_KEY",
+    help="Require 'Authorization: Bearer KEY' on every endpoint but /health and the chat page's files "
+    "(also from $SELFEXTEND_API_KEY).",
+)
+@click.option(
+    "--max-tokens",
+    type=POSITIVE,
+    default=4096,
+    show_default=True,
+    help="The largest max_tokens a request may ask for (tokens).",
+)
+@click.option(
+    "--slot-save-path",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Folder of slot files for POST /slots/ID?action=save|restore (off without it).",
+)
+@click.option(
+    "--drain-timeout",
+    type=COUNT,
+    default=60,
+    show_default=True,
+    help="Seconds SIGTERM waits for requests in flight before it cancels them.",
+)
+@sampling_options
+def serve(
+    model: str,
+    dtype: str,
+    device: str,
+    weights: str,
+    group_size: int | None,
+    window: int | None,
+    host: str,
+    port: int,
+    ctx: int,
+    parallel: int,
+    cache_reuse: int,
+    api_key: str | None,
+    max_tokens: int,
+    slot_save_path: str | None,
+    drain_timeout: int,
+    sampling: SamplingParams,
+    seed: int | None,
+) -> None:
+    """Serve the model over an OpenAI-compatible HTTP API, with a chat page at /.
+
+    Each of the --parallel slots is a context-shift cache of --ctx cells; a request goes to the slot
+    that already holds most of its prompt, and reuses the common prefix and (--cache-reuse) chunks the
+    client moved forward by cutting old messages. Prompts longer than --ctx are read through context
+    shifts that keep the system prompt. The sampling options are the defaults requests can override.
+    SIGTERM or Ctrl-C stops taking requests, lets those in flight finish, then exits.
+
+    \b
+    Examples:
+      selfextend serve --ctx 4096 --parallel 2
+      curl http://127.0.0.1:8080/v1/chat/completions -H 'Content-Type: application/json' \\
+        -d '{"messages": [{"role": "user", "content": "Hello"}]}'
+    """
+    import uvicorn
+
+    from selfextend.cli.generate import warn_beyond_reach
+    from selfextend.cli.options import load_with_self_extend
+    from selfextend.server.app import Settings, create_app
+    from selfextend.server.engine import Engine
+
+    if seed is not None:
+        raise click.UsageError("--seed is per request here (the 'seed' field)")
+    if slot_save_path:
+        os.makedirs(slot_save_path, exist_ok=True)
+    lm, tokenizer = load_with_self_extend(model, dtype, device, group_size, window, weights)
+    warn_beyond_reach(lm, ctx, group_size, window)
+    engine = Engine(lm, tokenizer, ctx, parallel, cache_reuse)
+    settings = Settings(
+        model_name=model,
+        api_key=api_key,
+        max_tokens=max_tokens,
+        default_max_tokens=min(512, max_tokens),
+        sampling=sampling,
+        slot_save_path=slot_save_path,
+    )
+    config = uvicorn.Config(
+        create_app(engine, settings),
+        host=host,
+        port=port,
+        log_level="warning",
+        access_log=False,
+        timeout_graceful_shutdown=drain_timeout,
+    )
+    engine.start()
+    try:
+        _server(config, f"listening on http://{host}:{port} ({parallel} slots of {ctx} cells)").run()
+    finally:
+        engine.stop()
+    click.echo("stopped", err=True)
+
+
+def _server(config, ready: str):
+    """uvicorn's server that says when it listens and, stopped by a signal, does not raise that signal
+    again after draining (uvicorn does, which would end the process with the signal's status): exit 0."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets)
+            if self.started:
+                click.echo(ready, err=True)
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            handled = (signal.SIGINT, signal.SIGTERM)
+            original = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
+            try:
+                yield
+            finally:
+                for sig, handler in original.items():
+                    signal.signal(sig, handler)
+
+    return Server(config)

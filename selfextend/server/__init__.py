@@ -1,0 +1,1 @@
+"""`selfextend serve`: an OpenAI-compatible server over context-shift caches that reuse what they hold."""

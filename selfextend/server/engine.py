@@ -1,0 +1,277 @@
+"""The engine: one thread that owns the model and runs every request on a slot, a token at a time.
+
+Requests wait in a queue until a slot is free (the one holding most of their prompt, :func:`pick`). Each
+turn of the loop gives every running request one step: its prompt (in :data:`PREFILL_CHUNK` pieces,
+context shifts included) on its first step, one token after that. So ``--parallel N`` requests progress
+together, and a request whose client left (:attr:`Job.cancelled`) ends within a step and frees its slot.
+Results go back through each job's ``emit`` callback (thread-safe on the caller's side).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from selfextend.generation.decode import decode_step_for
+from selfextend.generation.generator import (
+    GenerationStats,
+    StopMatcher,
+    TextStream,
+    eos_token_ids,
+    run,
+)
+from selfextend.generation.sampling import SamplingParams
+from selfextend.server.slots import Reuse, Slot, pick
+
+
+class Cancelled(Exception):
+    """Raised inside a prefill when the job's client has gone."""
+
+
+@dataclass
+class Job:
+    """One request: the prompt's tokens and how to generate; events go to ``emit``."""
+
+    prompt: list[int]
+    n_keep: int
+    sampling: SamplingParams
+    max_tokens: int
+    emit: Callable[[dict[str, Any]], None]
+    seed: int | None = None
+    stops: tuple[str, ...] = ()
+    slot_id: int | None = None
+    cache_prompt: bool = True  # False: recompute the whole prompt
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass
+class Running:
+    """A job on its slot: its token iterator, text state and counts."""
+
+    job: Job
+    slot: Slot
+    reuse: Reuse
+    tokens: Iterator[tuple[int, GenerationStats]]
+    stream: TextStream
+    stops: StopMatcher
+    shifts_before: int
+    started: float
+    generated: list[int] = field(default_factory=list)
+    first_token: float | None = None
+    stats: GenerationStats | None = None
+
+
+class Engine:
+    """Runs jobs on ``parallel`` slots of ``n_ctx`` cells each, from one background thread."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer,
+        n_ctx: int,
+        parallel: int = 1,
+        cache_reuse: int = 0,
+        max_queue: int = 64,
+    ) -> None:
+        self.model, self.tokenizer, self.n_ctx = model, tokenizer, n_ctx
+        self.cache_reuse, self.max_queue = cache_reuse, max_queue
+        self.eos = eos_token_ids(model, tokenizer)
+        step = decode_step_for(model)
+        self.slots = [Slot(i, model, n_ctx, step) for i in range(parallel)]
+        self.queue: deque[Job] = deque()
+        self.running: list[Running] = []
+        self.tasks: list[Callable[[], None]] = []  # work on idle slots (save, restore), run between steps
+        self.wake = threading.Condition()
+        self.stopping = False
+        self.thread = threading.Thread(target=self._loop, name="selfextend-engine", daemon=True)
+
+    # --- called from the server's threads ----------------------------------------------------------
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        """End the loop once the jobs in hand are done."""
+        with self.wake:
+            self.stopping = True
+            self.wake.notify()
+        self.thread.join()
+
+    def submit(self, job: Job) -> bool:
+        """Queue ``job``; False when the queue is full."""
+        with self.wake:
+            if len(self.queue) >= self.max_queue:
+                return False
+            self.queue.append(job)
+            self.wake.notify()
+        return True
+
+    def cancel(self, job: Job) -> None:
+        job.cancelled.set()
+        with self.wake:
+            self.wake.notify()
+
+    def with_slot(self, slot_id: int, action: Callable[[Slot], Any]) -> Any:
+        """Run ``action(slot)`` on the engine's thread while the slot is idle; returns its result or raises
+        its exception. ``LookupError`` when the slot is busy."""
+        done = threading.Event()
+        box: dict[str, Any] = {}
+
+        def task() -> None:
+            slot = self.slots[slot_id]
+            try:
+                if slot.busy:
+                    raise LookupError(f"slot {slot_id} is busy")
+                box["value"] = action(slot)
+            except Exception as e:  # handed back to the caller's thread
+                box["error"] = e
+            done.set()
+
+        with self.wake:
+            self.tasks.append(task)
+            self.wake.notify()
+        done.wait()
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
+
+    def info(self) -> list[dict[str, Any]]:
+        """Each slot's state, for /slots."""
+        return [
+            {
+                "id": s.id,
+                "is_processing": s.busy,
+                "n_ctx": s.n_ctx,
+                "n_past": s.gen.cache.n_past if s.gen else 0,
+                "shifts": s.gen.cache.shifts if s.gen else 0,
+            }
+            for s in self.slots
+        ]
+
+    # --- the engine's thread -----------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        torch.set_grad_enabled(False)
+        while True:
+            with self.wake:
+                while not (self.queue or self.running or self.tasks or self.stopping):
+                    self.wake.wait()
+                if self.stopping and not (self.queue or self.running):
+                    return
+                tasks, self.tasks = self.tasks, []
+                starting = self._assign()
+            for task in tasks:
+                task()
+            for job, slot in starting:
+                self._start(job, slot)
+            for r in list(self.running):
+                self._step(r)
+
+    def _assign(self) -> list[tuple[Job, Slot]]:
+        """Take queued jobs that have a free slot (in order; a job waiting for a busy slot it asked for
+        does not hold up the others)."""
+        out = []
+        for job in list(self.queue):
+            if job.cancelled.is_set():
+                self.queue.remove(job)
+                continue
+            slot = pick(self.slots, job.prompt if job.cache_prompt else [], job.slot_id)
+            if slot is not None:
+                slot.busy = True
+                self.queue.remove(job)
+                out.append((job, slot))
+        return out
+
+    def _start(self, job: Job, slot: Slot) -> None:
+        started = time.perf_counter()
+        try:
+            reuse = slot.prepare(job.prompt, job.n_keep, self.cache_reuse, job.cache_prompt)
+            gen = slot.gen
+            gen.sampling = job.sampling
+            if job.seed is None:
+                gen.rng.seed()
+            else:
+                gen.rng.manual_seed(job.seed)
+
+            def progress(n: int) -> None:
+                if job.cancelled.is_set():
+                    raise Cancelled
+
+            tokens = run(gen, job.prompt, job.max_tokens, self.eos, reuse.tokens, progress=progress)
+        except Exception as e:
+            self._fail(job, slot, e)
+            return
+        stops = StopMatcher(job.stops)
+        r = Running(job, slot, reuse, tokens, TextStream(self.tokenizer), stops, gen.cache.shifts, started)
+        self.running.append(r)
+        job.emit({"type": "start", "slot": slot.id, "reused": reuse.tokens})
+
+    def _fail(self, job: Job, slot: Slot, error: Exception) -> None:
+        slot.finish(job.prompt, [], complete=False)
+        slot.busy = False
+        if not isinstance(error, Cancelled):
+            job.emit({"type": "error", "message": str(error) or type(error).__name__})
+
+    def _step(self, r: Running) -> None:
+        job = r.job
+        if job.cancelled.is_set():
+            return self._end(r, "cancelled")
+        try:
+            token, r.stats = next(r.tokens)
+        except StopIteration:
+            return self._end(r, "length")
+        except Cancelled:
+            return self._end(r, "cancelled", complete=False)
+        except Exception as e:  # a failure inside the model: this job ends, the server goes on
+            self.running.remove(r)
+            self._fail(job, r.slot, e)
+            return
+        if r.first_token is None:
+            r.first_token = time.perf_counter()
+        r.generated.append(token)
+        if token in self.eos:
+            return self._end(r, "stop")
+        text, stopped = r.stops.push(r.stream.push(token))
+        if text:
+            job.emit({"type": "text", "text": text})
+        if stopped:
+            return self._end(r, "stop")
+        if len(r.generated) >= job.max_tokens:
+            return self._end(r, "length")
+
+    def _end(self, r: Running, reason: str, complete: bool = True) -> None:
+        r.tokens.close()
+        self.running.remove(r)
+        slot, job = r.slot, r.job
+        if reason == "length":
+            tail = r.stops.flush()
+            if tail:
+                job.emit({"type": "text", "text": tail})
+        slot.finish(job.prompt, r.generated[:-1], complete and r.stats is not None)
+        slot.busy = False
+        if reason == "cancelled":
+            return
+        now = time.perf_counter()
+        completion = len(r.generated) - (r.generated[-1] in self.eos if r.generated else 0)
+        decode_s = now - r.first_token if r.first_token else 0.0
+        job.emit(
+            {
+                "type": "done",
+                "finish_reason": reason,
+                "prompt_tokens": len(job.prompt),
+                "completion_tokens": completion,
+                "cached_tokens": min(r.reuse.tokens, len(job.prompt) - 1),  # the last one is always run
+                "moved_tokens": r.reuse.moved,
+                "shifts": slot.gen.cache.shifts - r.shifts_before,
+                "ttft_s": (r.first_token or now) - r.started,
+                "tokens_per_second": (len(r.generated) - 1) / decode_s if decode_s > 0 else 0.0,
+                "slot": slot.id,
+            }
+        )

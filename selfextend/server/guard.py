@@ -1,0 +1,155 @@
+"""What stands before the routes: the API key, the body size limit, and OpenAI-shaped error bodies.
+
+Every refusal is an OpenAI error body ``{"error": {"message", "type", "param", "code"}}`` with a 4xx
+status: a missing or wrong key (401, compared in constant time), a body over the limit (413), bad JSON
+or a field of the wrong type or range (400), an unknown route (404).
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+}
+
+
+class APIError(Exception):
+    """A request refused with ``status`` and an OpenAI error body."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    kind = ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def error_response(
+    status: int, message: str, param: str | None = None, code: str | None = None
+) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param, code), status_code=status)
+
+
+TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def _param(loc: tuple) -> str | None:
+    """The dotted field name of a validation error's location (``messages.0.role``), without ``body`` and
+    the tags pydantic adds for the member of a union (``str``, ``list[int]``, ``TextPart``)."""
+    parts = [
+        str(p)
+        for p in loc
+        if p != "body" and not (isinstance(p, str) and (p in TYPE_TAGS or "[" in p or p[:1].isupper()))
+    ]
+    return ".".join(parts) or None
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """OpenAI error bodies for refused requests, validation errors, HTTP errors and anything unforeseen."""
+
+    @app.exception_handler(APIError)
+    async def _api(request: Request, e: APIError) -> JSONResponse:
+        return error_response(e.status, e.message, e.param, e.code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, e: RequestValidationError) -> JSONResponse:
+        first = e.errors()[0] if e.errors() else {}
+        if first.get("type") == "json_invalid":
+            return error_response(400, "the request body is not valid JSON", None, "invalid_json")
+        param = _param(tuple(first.get("loc", ())))
+        message = (
+            f"{param}: {first.get('msg', 'invalid value')}" if param else first.get("msg", "invalid body")
+        )
+        return error_response(400, message, param, "invalid_value")
+
+    @app.exception_handler(HTTPException)
+    async def _http(request: Request, e: HTTPException) -> JSONResponse:
+        return error_response(e.status_code, str(e.detail))
+
+    @app.exception_handler(Exception)
+    async def _unforeseen(request: Request, e: Exception) -> JSONResponse:
+        return error_response(500, f"internal error: {type(e).__name__}")
+
+
+PUBLIC = ("/health", "/", "/page/")
+
+
+def _public(path: str) -> bool:
+    return path in PUBLIC[:2] or path.startswith(PUBLIC[2])
+
+
+class Guard:
+    """ASGI middleware: the API key on every route but /health and the chat page's files, and a body limit.
+
+    The body is read whole before the route runs (up to ``max_body`` bytes), so an oversized one is
+    refused with 413 however it is sent (with a Content-Length or chunked).
+    """
+
+    def __init__(self, app: ASGIApp, api_key: str | None, max_body: int) -> None:
+        self.app, self.max_body = app, max_body
+        self.key = f"Bearer {api_key}".encode() if api_key else None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        if self.key is not None and not _public(scope["path"]):
+            given = headers.get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.key):
+                return await _send_error(send, 401, "invalid or missing API key (Authorization: Bearer KEY)")
+        length = headers.get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_body):
+            return await _send_error(send, 413, f"request body over {self.max_body} bytes")
+        if scope["method"] not in ("POST", "PUT", "PATCH"):
+            return await self.app(scope, receive, send)
+        body, more = b"", True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+            if len(body) > self.max_body:
+                return await _send_error(send, 413, f"request body over {self.max_body} bytes")
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+
+async def _send_error(send: Send, status: int, message: str) -> None:
+    payload = json.dumps(error_body(status, message)).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
+    if status == 401:
+        headers.append((b"www-authenticate", b"Bearer"))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": payload})

@@ -1,0 +1,124 @@
+"""Request bodies of the OpenAI-compatible endpoints, and the one place their sampling fields become ours.
+
+Models are strict (a string where a number belongs is refused, not converted) and let unknown fields
+through (OpenAI clients send many this server ignores). Numbers must be finite; ranges are checked here
+so that a bad value is a 400 with the field's name, before any work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from selfextend.core.validate import MAX_SEED
+from selfextend.generation.sampling import SamplingParams
+
+Finite = Annotated[float, Field(allow_inf_nan=False)]
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+
+class StreamOptions(Strict):
+    include_usage: bool = False
+
+
+class Sampling(Strict):
+    """Fields shared by both endpoints: OpenAI's and llama.cpp's sampling and length settings."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: Finite | None = Field(None, ge=0.0)
+    top_p: Finite | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=0)
+    min_p: Finite | None = Field(None, ge=0.0, lt=1.0)
+    repeat_penalty: Finite | None = Field(None, gt=0.0)
+    repeat_last_n: int | None = Field(None, ge=-1)
+    frequency_penalty: Finite | None = Field(None, ge=-2.0, le=2.0)
+    presence_penalty: Finite | None = Field(None, ge=-2.0, le=2.0)
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    stop: str | list[str] | None = None
+    n: int = Field(1, ge=1, le=1)
+    n_keep: int | None = Field(None, ge=-1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    id_slot: int | None = Field(None, ge=0)
+    cache_prompt: bool = True  # llama.cpp's: False recomputes the whole prompt
+
+    def stops(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+
+class CompletionRequest(Sampling):
+    prompt: str | list[str] | list[int]
+
+
+class TextPart(Strict):
+    type: Literal["text"]
+    text: str
+
+
+class Message(Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ChatRequest(Sampling):
+    messages: list[Message] = Field(min_length=1)
+
+
+class SlotFile(Strict):
+    filename: str = Field(min_length=1, max_length=255)
+
+
+REQUEST_FIELDS = {
+    "temperature": "temperature",
+    "top_k": "top_k",
+    "top_p": "top_p",
+    "min_p": "min_p",
+    "repeat_penalty": ("repeat_penalty", "repetition_penalty"),
+    "repeat_last_n": "repeat_last_n",
+    "frequency_penalty": "frequency_penalty",
+    "presence_penalty": "presence_penalty",
+}
+"""Request field -> the :class:`SamplingParams` field it sets (the first of the names the class has)."""
+
+
+class Unsupported(ValueError):
+    """A request asks for a sampling setting this build's sampler does not have; ``param`` names it."""
+
+    def __init__(self, param: str) -> None:
+        self.param = param
+        super().__init__(f"{param} other than 0 is not supported by this server's sampler")
+
+
+def sampling_params(request: Sampling, defaults: SamplingParams) -> SamplingParams:
+    """The request's sampling settings over the server's ``defaults``, as a validated :class:`SamplingParams`.
+
+    A penalty the sampler lacks is refused (:class:`Unsupported`) unless the request leaves it at 0.
+    """
+    have = {f.name for f in dataclasses.fields(SamplingParams)}
+    changes: dict[str, Any] = {}
+    for name, targets in REQUEST_FIELDS.items():
+        value = getattr(request, name)
+        if value is None:
+            continue
+        target = next((t for t in (targets if isinstance(targets, tuple) else (targets,)) if t in have), None)
+        if target is None:
+            if value != 0:
+                raise Unsupported(name)
+            continue
+        changes[target] = value
+    params = dataclasses.replace(defaults, **changes)
+    params.validate()
+    return params

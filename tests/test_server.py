@@ -1,0 +1,362 @@
+"""``selfextend serve`` through the real ``openai`` client and plain HTTP, on a tiny random model with the
+default model's tokenizer and chat template: answers against a plain greedy loop over the model's
+forward, reuse counts against token prefixes computed here, auth, refusals, disconnects, slots."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import openai
+import pytest
+import torch
+from server_util import connect, request, serve_process, serving
+from transformers import AutoTokenizer, LlamaForCausalLM
+
+import selfextend
+from selfextend.generation.generator import eos_token_ids
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_dir):
+    model = LlamaForCausalLM.from_pretrained(tiny_dir).eval()
+    model.requires_grad_(False)
+    return model, AutoTokenizer.from_pretrained(tiny_dir)
+
+
+@pytest.fixture(scope="module")
+def server(tiny, tmp_path_factory):
+    model, tok = tiny
+    slots = tmp_path_factory.mktemp("slots")
+    with serving(model, tok, n_ctx=256, parallel=2, max_tokens=64, slot_save_path=str(slots)) as (
+        base,
+        engine,
+    ):
+        yield base, engine
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key="unused", max_retries=0)
+
+
+def greedy(model, tok, ids: list[int], n: int) -> str:
+    """The reference: n greedy steps, each a fresh forward over everything so far (no cache)."""
+    eos, out = eos_token_ids(model, tok), []
+    with torch.no_grad():
+        for _ in range(n):
+            t = int(model(torch.tensor([ids + out])).logits[0, -1].argmax())
+            if t in eos:
+                break
+            out.append(t)
+    return tok.decode(out, skip_special_tokens=True)
+
+
+def chat_ids(tok, messages) -> list[int]:
+    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tok(text, add_special_tokens=False).input_ids
+
+
+def test_models_and_health(client, server):
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+    status, body = request(server[0], "GET", "/health")
+    assert status == 200 and body["status"] == "ok" and body["slots_idle"] == 2
+
+
+def test_completion_matches_greedy_reference(client, tiny):
+    model, tok = tiny
+    prompt = "The sea is"
+    out = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0)
+    assert out.choices[0].text == greedy(model, tok, tok(prompt).input_ids, 12)
+    assert out.usage.prompt_tokens == len(tok(prompt).input_ids)
+    assert out.choices[0].finish_reason in ("length", "stop")
+    streamed = client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=12, temperature=0, stream=True
+    )
+    assert "".join(c.choices[0].text for c in streamed) == out.choices[0].text
+
+
+def test_chat_stream_and_reuse_counts(client, tiny):
+    model, tok = tiny
+    messages = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Name three colours of the sea at dawn."},
+    ]
+    first = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0)
+    ids = chat_ids(tok, messages)
+    assert first.choices[0].message.content == greedy(model, tok, ids, 10)
+    assert first.usage.prompt_tokens == len(ids)
+    # the same conversation one turn on: everything up to the reply is in the slot's cache
+    reply = first.choices[0].message.content
+    longer = [*messages, {"role": "assistant", "content": reply}, {"role": "user", "content": "And at dusk?"}]
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny",
+            messages=longer,
+            max_tokens=10,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    new_ids = chat_ids(tok, longer)
+    assert text == greedy(model, tok, new_ids, 10)
+    usage = chunks[-1].usage
+    assert usage.prompt_tokens == len(new_ids)
+    # the cache holds the first prompt and the reply: at least what the two prompts share is reused
+    shared = 0
+    while shared < min(len(ids), len(new_ids)) and ids[shared] == new_ids[shared]:
+        shared += 1
+    assert shared >= len(ids) - 2  # the template re-renders the end of the first prompt at most
+    assert shared <= usage.prompt_tokens_details.cached_tokens < len(new_ids)
+
+
+def test_sse_framing_ends_with_done(server):
+    conn = connect(server[0])
+    body = {"prompt": "Once", "max_tokens": 4, "stream": True, "temperature": 0}
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    assert response.status == 200 and response.getheader("content-type").startswith("text/event-stream")
+    events = [e for e in response.read().decode().split("\n\n") if e]
+    assert all(e.startswith("data: ") for e in events)
+    assert events[-1] == "data: [DONE]"
+    last = json.loads(events[-2][6:])
+    assert last["choices"][0]["finish_reason"] in ("length", "stop") and "selfextend" in last
+
+
+def test_front_trimmed_chat_moves_chunks(client, tiny):
+    """A client that cuts the oldest exchange: the exchanges after it are reused by K-shift."""
+    _, tok = tiny
+    system = {"role": "system", "content": "Remember everything."}
+    turns = []
+    for i in range(4):
+        turns += [
+            {
+                "role": "user",
+                "content": f"Fact number {i}: the harbour has {i + 3} red boats and a lighthouse.",
+            },
+            {"role": "assistant", "content": f"Noted fact {i}, about {i + 3} boats."},
+        ]
+    full = [system, *turns, {"role": "user", "content": "Which fact came first?"}]
+    client.chat.completions.create(
+        model="tiny", messages=full, max_tokens=2, temperature=0, extra_body={"id_slot": 0}
+    )
+    trimmed = [system, *turns[2:], {"role": "user", "content": "Which fact came first?"}]
+    out = client.chat.completions.create(
+        model="tiny", messages=trimmed, max_tokens=2, temperature=0, extra_body={"id_slot": 0}
+    )
+    ids, old = chat_ids(tok, trimmed), chat_ids(tok, full)
+    prefix = 0
+    while old[prefix] == ids[prefix]:
+        prefix += 1
+    cached = out.usage.prompt_tokens_details.cached_tokens
+    assert out.model_extra["selfextend"]["moved_tokens"] > 0
+    assert prefix + 40 < cached <= len(ids)  # the three later exchanges came back by moving
+
+
+def test_parallel_requests_match_sequential_ones(tiny, client):
+    """Two slots decoding in turn give each request the text it gets alone (Self-Extend on: its grouped
+    keys are per cache)."""
+    model, tok = tiny
+    prompts = ["A quiet harbour at night", "Numbers: one two three four"]
+    with selfextend.self_extend(model, group_size=2, window=8):
+        alone = [greedy(model, tok, tok(p).input_ids, 16) for p in prompts]
+        with serving(model, tok, n_ctx=64, parallel=2, max_tokens=64) as (base, _):
+            c = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
+            results: dict[int, str] = {}
+
+            def ask(i: int) -> None:
+                results[i] = (
+                    c.completions.create(model="t", prompt=prompts[i], max_tokens=16, temperature=0)
+                    .choices[0]
+                    .text
+                )
+
+            threads = [threading.Thread(target=ask, args=(i,)) for i in range(2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+    assert [results[0], results[1]] == alone
+
+
+def test_seeded_sampling_repeats(client):
+    kwargs = dict(model="tiny", prompt="Sampling", max_tokens=12, temperature=1.0, top_k=20, seed=7)
+    a = client.completions.create(
+        **{k: v for k, v in kwargs.items() if k != "top_k"}, extra_body={"top_k": 20}
+    )
+    b = client.completions.create(
+        **{k: v for k, v in kwargs.items() if k != "top_k"}, extra_body={"top_k": 20}
+    )
+    assert a.choices[0].text == b.choices[0].text
+
+
+def test_stop_string_ends_the_reply(client, tiny):
+    model, tok = tiny
+    full = greedy(model, tok, tok("The sea is").input_ids, 12)
+    stop = full[3:6]
+    out = client.completions.create(
+        model="tiny", prompt="The sea is", max_tokens=12, temperature=0, stop=[stop]
+    )
+    assert out.choices[0].text == full[: full.index(stop)]
+    assert out.choices[0].finish_reason == "stop"
+
+
+BAD = [
+    (b"{not json", None),
+    (b'{"prompt": "x", "temperature": "hot"}', "temperature"),
+    (b'{"prompt": "x", "temperature": NaN}', "temperature"),
+    (b'{"prompt": "x", "temperature": -1}', "temperature"),
+    (b'{"prompt": "x", "top_p": 0}', "top_p"),
+    (b'{"prompt": "x", "max_tokens": 0}', "max_tokens"),
+    (b'{"prompt": "x", "max_tokens": 65}', "max_tokens"),
+    (b'{"prompt": "x", "max_tokens": true}', "max_tokens"),
+    (b'{"prompt": "x", "seed": -3}', "seed"),
+    (b'{"prompt": "x", "n": 2}', "n"),
+    (b'{"prompt": "x", "stop": 5}', "stop"),
+    (b'{"prompt": ""}', "prompt"),
+    (b'{"prompt": [1, 99999999]}', "prompt"),
+    (b'{"prompt": "x", "frequency_penalty": 3}', "frequency_penalty"),
+    (b'{"prompt": "x", "id_slot": 9}', "id_slot"),
+    (b"[1, 2]", None),
+    (b"{}", "prompt"),
+]
+
+
+@pytest.mark.parametrize("body,param", BAD)
+def test_bad_requests_get_openai_errors(server, body, param):
+    status, out = request(server[0], "POST", "/v1/completions", body)
+    assert status == 400, out
+    assert set(out["error"]) == {"message", "type", "param", "code"}
+    assert out["error"]["type"] == "invalid_request_error" and out["error"]["param"] == param
+
+
+def test_chat_refusals(server, client):
+    base = server[0]
+    status, out = request(base, "POST", "/v1/chat/completions", {"messages": []})
+    assert status == 400 and out["error"]["param"] == "messages"
+    status, out = request(
+        base, "POST", "/v1/chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}
+    )
+    assert status == 400 and out["error"]["param"].startswith("messages.0")
+    long_system = [{"role": "system", "content": "word " * 400}, {"role": "user", "content": "hi"}]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny", messages=long_system, max_tokens=2)
+    assert e.value.code == "context_length_exceeded"
+    status, out = request(base, "GET", "/v1/nothing")
+    assert status == 404 and out["error"]["type"] == "not_found_error"
+    status, out = request(base, "POST", "/v1/completions", b"x" * (9 * 2**20))
+    assert status == 413 and "error" in out
+
+
+def test_long_prompt_is_read_through_shifts(client, tiny):
+    _, tok = tiny
+    text = " ".join(f"line {i} of a long letter." for i in range(120))
+    n = len(tok(text).input_ids)
+    assert n > 256
+    out = client.completions.create(model="tiny", prompt=text, max_tokens=3, temperature=0)
+    assert out.usage.prompt_tokens == n and out.model_extra["selfextend"]["shifts"] >= 1
+
+
+def test_disconnect_frees_the_slot(server):
+    base, engine = server
+    conn = connect(base)
+    body = {"prompt": "Go on forever", "max_tokens": 64, "stream": True, "temperature": 0, "id_slot": 1}
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    response.readline()  # the first event has arrived: decoding is under way
+    conn.sock.close()
+    conn.close()
+    slot = engine.slots[1]
+    deadline = time.monotonic() + 10
+    while slot.busy and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not slot.busy
+    written = len(slot.gen.tokens)
+    time.sleep(0.3)
+    assert len(slot.gen.tokens) == written  # nothing decoded after it was freed
+    assert written < 4 + 64  # stopped before max_tokens
+
+
+def test_slot_save_restore(server, client, tiny):
+    base, engine = server
+    messages = [{"role": "user", "content": "Keep this conversation for later."}]
+    client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=4, temperature=0, extra_body={"id_slot": 1}
+    )
+    status, saved = request(base, "POST", "/slots/1?action=save", {"filename": "talk.bin"})
+    assert status == 200 and saved["n_saved"] > 0
+    status, _ = request(base, "POST", "/slots/1?action=erase")
+    assert status == 200 and engine.slots[1].gen.tokens == []
+    status, restored = request(base, "POST", "/slots/1?action=restore", {"filename": "talk.bin"})
+    assert status == 200 and restored["n_restored"] == saved["n_saved"]
+    again = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=4, temperature=0, extra_body={"id_slot": 1}
+    )
+    assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens - 1
+    for bad in ({"filename": "../x"}, {"filename": "a/b"}):
+        assert request(base, "POST", "/slots/1?action=save", bad)[0] == 400
+    assert request(base, "POST", "/slots/1?action=restore", {"filename": "missing.bin"})[0] == 404
+    assert request(base, "POST", "/slots/1?action=fly", {"filename": "x"})[0] == 400
+    assert request(base, "POST", "/slots/7?action=erase")[0] == 404
+
+
+def test_api_key(tiny):
+    model, tok = tiny
+    with serving(model, tok, n_ctx=64, api_key="s3cret") as (base, _):
+        assert request(base, "GET", "/health")[0] == 200
+        assert request(base, "GET", "/")[0] == 200  # the chat page's files are public; the API is not
+        status, out = request(base, "GET", "/v1/models")
+        assert status == 401 and out["error"]["type"] == "authentication_error"
+        assert request(base, "GET", "/v1/models", headers={"Authorization": "Bearer wrong"})[0] == 401
+        assert request(base, "GET", "/openapi.json")[0] == 401
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=base + "/v1", api_key="nope", max_retries=0).models.list()
+        good = openai.OpenAI(base_url=base + "/v1", api_key="s3cret", max_retries=0)
+        assert good.completions.create(model="t", prompt="hi", max_tokens=2).usage.completion_tokens >= 1
+
+
+def test_sigterm_drains_then_exits_0(tiny_dir):
+    """``selfextend serve`` as a process: SIGTERM lets the stream in flight finish, then exits 0."""
+    args = ("-m", str(tiny_dir), "--weights", "float", "--ctx", "128", "--max-tokens", "64")
+    with serve_process(*args) as (base, proc):
+        conn = connect(base)
+        body = {"prompt": "Tell a story", "max_tokens": 48, "stream": True, "temperature": 0}
+        conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        first = response.readline()
+        assert first.startswith(b"data: ")
+        proc.send_signal(signal.SIGTERM)
+        events = [e for e in (first.decode() + response.read().decode()).split("\n\n") if e.strip()]
+        assert events[-1] == "data: [DONE]"
+        last = json.loads(events[-2][6:])
+        assert last["choices"][0]["finish_reason"] in ("length", "stop")
+        assert proc.wait(60) == 0
+        assert "stopped" in proc.stderr.read()
+
+
+def test_serve_refuses_bad_flags_in_one_line(tiny_dir):
+    for args in (["--ctx", "8"], ["--parallel", "0"], ["--port", "70000"], ["-g", "4"]):
+        out = subprocess.run(
+            [sys.executable, "-m", "selfextend", "serve", "-m", str(tiny_dir), *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert out.returncode != 0 and out.stderr.startswith("error:") and len(out.stderr.splitlines()) == 1
+
+
+def test_cache_prompt_false_recomputes(client):
+    kwargs = dict(model="tiny", prompt="Recompute me, please, every time", max_tokens=2, temperature=0)
+    client.completions.create(**kwargs)
+    again = client.completions.create(**kwargs)
+    assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens - 1  # logits needed
+    fresh = client.completions.create(**kwargs, extra_body={"cache_prompt": False})
+    assert fresh.usage.prompt_tokens_details.cached_tokens == 0
+    assert fresh.choices[0].text == again.choices[0].text

@@ -1,0 +1,145 @@
+"""The chat page in a real headless Chromium (Debian's package), driven over the DevTools protocol:
+load it, send two messages, see the reply stream in, stop the second one. Skips where there is no
+chromium (``make test`` installs it when apt is available).
+
+``SELFEXTEND_SCREENSHOT=PATH`` also saves the screenshot there (the tests otherwise write only under
+their tmp folder)."""
+
+from __future__ import annotations
+
+import base64
+import itertools
+import json
+import os
+import shutil
+import subprocess
+import time
+import urllib.request
+
+import pytest
+from server_util import free_port, request, serving
+from transformers import AutoTokenizer, LlamaForCausalLM
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no chromium here (apt-get install chromium)")
+
+
+class Browser:
+    """One page of a headless Chromium, through its DevTools websocket."""
+
+    def __init__(self, profile: str) -> None:
+        import websocket
+
+        port = free_port()
+        self.proc = subprocess.Popen(
+            [
+                CHROMIUM,
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--no-first-run",
+                f"--user-data-dir={profile}",
+                f"--remote-debugging-port={port}",
+                "--window-size=1000,800",
+                "about:blank",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list", timeout=2) as r:
+                    pages = [t for t in json.load(r) if t["type"] == "page"]
+                if pages:
+                    break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError("chromium did not start")
+            time.sleep(0.2)
+        self.ws = websocket.create_connection(
+            pages[0]["webSocketDebuggerUrl"], timeout=30, suppress_origin=True
+        )
+        self.ids = itertools.count(1)
+
+    def call(self, method: str, **params) -> dict:
+        n = next(self.ids)
+        self.ws.send(json.dumps({"id": n, "method": method, "params": params}))
+        while True:
+            message = json.loads(self.ws.recv())
+            if message.get("id") == n:
+                if "error" in message:
+                    raise RuntimeError(message["error"])
+                return message["result"]
+
+    def js(self, expression: str):
+        out = self.call("Runtime.evaluate", expression=expression, returnByValue=True)
+        if "exceptionDetails" in out:
+            raise RuntimeError(out["exceptionDetails"])
+        return out["result"].get("value")
+
+    def wait(self, expression: str, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while not self.js(expression):
+            if time.monotonic() > deadline:
+                raise TimeoutError(expression)
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        self.ws.close()
+        self.proc.kill()
+        self.proc.wait()
+
+
+def send(browser: Browser, text: str, max_tokens: int) -> None:
+    browser.js(
+        f"document.getElementById('max-tokens').value = {max_tokens};"
+        f"document.getElementById('input').value = {json.dumps(text)};"
+        "document.getElementById('form').requestSubmit();"
+    )
+
+
+def test_chat_page_streams_and_stops(tiny_dir, tmp_path):
+    model = LlamaForCausalLM.from_pretrained(tiny_dir).eval()
+    model.requires_grad_(False)
+    tok = AutoTokenizer.from_pretrained(tiny_dir)
+    with serving(model, tok, n_ctx=512, max_tokens=4000) as (base, engine):
+        browser = Browser(str(tmp_path / "profile"))
+        try:
+            browser.call("Page.enable")
+            browser.call("Page.navigate", url=base + "/")
+            browser.wait("document.readyState === 'complete' && document.getElementById('model').textContent")
+            browser.js("document.getElementById('system').value = 'You are a terse pirate.'")
+            replies = "document.querySelectorAll('.msg.assistant')"
+            stats = "document.querySelectorAll('.stats')"
+
+            send(browser, "Hello, who are you?", 24)
+            browser.wait(f"{stats}.length === 1")
+            first = browser.js(f"{replies}[0].textContent")
+            assert first and "error" not in first
+            assert "tokens/s" in browser.js(f"{stats}[0].textContent")
+
+            send(browser, "Tell me a very long story.", 4000)
+            # text arrives while the reply is still being generated (the stop button is live)
+            browser.wait(f"{replies}[1].textContent.length > 20 && !document.getElementById('stop').disabled")
+            seen = browser.js(f"{replies}[1].textContent")
+            browser.wait(f"{replies}[1].textContent.length > {len(seen)}")  # and keeps arriving
+            browser.js("document.getElementById('stop').click()")
+            browser.wait("!document.getElementById('send').disabled")
+            stopped = browser.js(f"{replies}[1].textContent")
+            time.sleep(0.3)
+            assert browser.js(f"{replies}[1].textContent") == stopped  # nothing after the stop
+            assert "stopped" in browser.js(f"{stats}[1].textContent")
+            deadline = time.monotonic() + 10
+            while request(base, "GET", "/health")[1]["slots_processing"] and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert request(base, "GET", "/health")[1]["slots_processing"] == 0
+            assert browser.js(f"{replies}.length") == 2
+            shot = base64.b64decode(browser.call("Page.captureScreenshot", format="png")["data"])
+            (tmp_path / "chat_page.png").write_bytes(shot)
+            if os.environ.get("SELFEXTEND_SCREENSHOT"):
+                with open(os.environ["SELFEXTEND_SCREENSHOT"], "wb") as f:
+                    f.write(shot)
+        finally:
+            browser.close()

@@ -1,0 +1,70 @@
+"""``selfextend serve`` on the real default model (SmolLM2-135M-Instruct, int8): an answer a person would
+accept, reuse in a front-trimmed conversation, and the README's curl and ``openai`` examples run as
+written (on a free port instead of 8080)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import openai
+import pytest
+from server_util import serve_process
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+pytestmark = pytest.mark.real
+
+
+@pytest.fixture(scope="module")
+def server():
+    with serve_process("--ctx", "1024", "--parallel", "2", "--cache-reuse", "16") as (base, proc):
+        yield base
+
+
+def section_blocks(kind: str) -> list[str]:
+    text = README.read_text(encoding="utf-8")
+    section = text[text.index("## Server") :]
+    section = section[: section.index("\n## ", 1)]
+    return re.findall(rf"```{kind}\n(.*?)```", section, re.S)
+
+
+def test_answers_and_reuses(server):
+    client = openai.OpenAI(base_url=server + "/v1", api_key="none", max_retries=0, timeout=300)
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    out = client.chat.completions.create(model="m", messages=messages, max_tokens=24, temperature=0)
+    assert "Paris" in out.choices[0].message.content
+    history = [{"role": "system", "content": "You are a helpful assistant."}]
+    for q in ("Name a fruit.", "Name a colour.", "Name an animal.", "Name a city."):
+        history.append({"role": "user", "content": q})
+        r = client.chat.completions.create(model="m", messages=history, max_tokens=16, temperature=0)
+        history.append({"role": "assistant", "content": r.choices[0].message.content})
+    trimmed = [
+        history[0],
+        *history[3:],
+        {"role": "user", "content": "Name a river."},
+    ]  # the oldest exchange cut
+    r = client.chat.completions.create(model="m", messages=trimmed, max_tokens=16, temperature=0)
+    assert r.model_extra["selfextend"]["moved_tokens"] > 20
+    assert r.usage.prompt_tokens_details.cached_tokens > r.usage.prompt_tokens // 2
+
+
+def test_readme_examples_run(server, tmp_path):
+    port = server.rsplit(":", 1)[1]
+    shells = [b for b in section_blocks("bash") if "curl" in b]
+    assert shells, "no curl example in the README's Server section"
+    for block in shells:
+        script = block.replace("8080", port)
+        r = subprocess.run(
+            ["bash", "-euo", "pipefail", "-c", script], capture_output=True, text=True, timeout=300
+        )
+        assert r.returncode == 0 and '"error"' not in r.stdout, (script, r.stdout, r.stderr)
+        assert "content" in r.stdout or "text" in r.stdout
+    pythons = section_blocks("python")
+    assert pythons
+    for block in pythons:
+        example = tmp_path / "example.py"
+        example.write_text(block.replace("8080", port), encoding="utf-8")
+        r = subprocess.run([sys.executable, str(example)], capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0 and r.stdout.strip(), r.stderr[-2000:]
