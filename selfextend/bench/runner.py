@@ -135,8 +135,8 @@ def _greedy_seconds(gen: Generator, logits: torch.Tensor, n_tokens: int) -> floa
     """Seconds to decode ``n_tokens`` greedily through ``gen``, starting from ``logits``."""
     _sync(gen.device)
     t0 = time.perf_counter()
-    for _ in range(n_tokens):
-        logits = gen.feed([int(logits.argmax())])
+    for _ in gen.decode(logits, n_tokens):
+        pass
     _sync(gen.device)
     return time.perf_counter() - t0
 

@@ -186,8 +186,7 @@ class ChatSession:
         ids: list[int] = []
         shown = ""
         t0 = time.perf_counter()
-        while not self.stop_requested and (self.max_new_tokens < 0 or len(ids) < self.max_new_tokens):
-            token = self.gen.next_token(logits)
+        for token in self.gen.decode(logits, self.max_new_tokens, self.eos, lambda: self.stop_requested):
             if token in self.eos:
                 break
             text, stopped = stops.push(stream.push(token))
@@ -199,7 +198,6 @@ class ChatSession:
             ids.append(token)
             shown += text
             yield text
-            logits = self.gen.feed([token])
         else:
             tail = stops.flush()
             if tail:

@@ -194,15 +194,18 @@ class Generator:
         logits: torch.Tensor,
         max_new_tokens: int = -1,
         eos_token_ids: Sequence[int] = (),
+        stop: Callable[[], bool] | None = None,
     ) -> Iterator[int]:
         """Yield new tokens from the prompt's last ``logits``; ``max_new_tokens == -1`` means no limit.
 
-        Stops after an EOS token (which is yielded last) unless ``eos_token_ids`` is empty. Any other
-        negative count is refused (it would otherwise run forever).
+        The one decode loop of generate, chat and bench. Each yielded token is written to the cache when
+        the consumer asks for the next one (a consumer that stops early leaves it out). Stops after an EOS
+        token (which is yielded last and not written) unless ``eos_token_ids`` is empty, and before a token
+        once ``stop()`` is true. Any other negative count is refused (it would otherwise run forever).
         """
         max_new_tokens = check_int(max_new_tokens, "max_new_tokens", -1)
         produced = 0
-        while max_new_tokens < 0 or produced < max_new_tokens:
+        while (max_new_tokens < 0 or produced < max_new_tokens) and not (stop is not None and stop()):
             token = self.next_token(logits)
             produced += 1
             yield token
