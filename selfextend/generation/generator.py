@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from selfextend.core.validate import ValidationError, check_int, check_seed
+from selfextend.generation.compiled import fast_decode_for
 from selfextend.generation.decode import decode_step_for
 from selfextend.generation.sampling import SamplingParams, sample
 from selfextend.kv.cache import ContextShiftCache
@@ -113,6 +114,7 @@ class Generator:
     tokens: list[int] = field(default_factory=list)  # the tokens whose K/V are in the cache, in order
     last_logits: torch.Tensor | None = None  # the logits after the last token written to the cache
     direct_decode: bool = True  # single tokens through a DecodeStep where the model allows it
+    compile: bool = False  # single tokens through the compiled step (generation.compiled) where it serves
 
     def __post_init__(self) -> None:
         if not isinstance(self.cache, ContextShiftCache):
@@ -127,6 +129,7 @@ class Generator:
         self.device = next(self.model.parameters()).device
         single = self.cache.layers[0].keys.shape[0] == 1
         self.step = decode_step_for(self.model) if self.direct_decode and single else None
+        self.fast = fast_decode_for(self.model) if self.compile and single else None
 
     @torch.no_grad()
     def _forward(self, ids: list[int]) -> torch.Tensor:
@@ -135,9 +138,12 @@ class Generator:
             discarded = before - self.cache.n_past
             keep = self.cache.n_keep
             self.tokens = self.tokens[:keep] + self.tokens[keep + discarded :]
-        if len(ids) == 1 and self.step is not None and self.step.supported():
+        logits = None
+        if len(ids) == 1 and self.fast is not None:
+            logits = self.fast(ids[0], self.cache)  # None where the compiled step does not serve this token
+        if logits is None and len(ids) == 1 and self.step is not None and self.step.supported():
             logits = self.step(ids[0], self.cache)
-        else:
+        if logits is None:
             x = torch.tensor([ids], device=self.device)
             out = self.model(x, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
             logits = out.logits[0, -1]
