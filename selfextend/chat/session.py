@@ -75,6 +75,8 @@ class ChatSession:
         stops: tuple[str, ...] = (),
         on_shift: Callable[[ShiftReport], None] | None = None,
         progress: Progress | None = None,
+        compile: bool = False,
+        cache_dtype: torch.dtype | None = None,
     ) -> None:
         self.model, self.tokenizer, self.n_ctx = model, tokenizer, n_ctx
         self.sampling = sampling or SamplingParams()
@@ -84,6 +86,10 @@ class ChatSession:
         self.stops = tuple(stops)
         self.on_shift, self.progress = on_shift, progress
         self.keep = keep
+        self.compile, self.cache_dtype = (
+            compile,
+            cache_dtype,
+        )  # decode path and KV element type (model's: None)
         self.stop_requested = False
         self.stats = ChatStats()
         self.start(system)
@@ -100,7 +106,7 @@ class ChatSession:
                 f"keeping {n_keep} tokens (the system prompt) leaves no room in a cache of {self.n_ctx}; "
                 "raise --ctx or shorten the system prompt"
             )
-        self._build(ContextShiftCache(self.model, n_ctx=self.n_ctx, n_keep=n_keep))
+        self._build(ContextShiftCache(self.model, n_ctx=self.n_ctx, n_keep=n_keep, dtype=self.cache_dtype))
         if system_ids:
             self._prefill(system_ids)
 
@@ -109,7 +115,7 @@ class ChatSession:
         self.exchanges: list[Exchange] = []
         self.ledger = TurnLedger(self.exchanges, self.on_shift)
         self.cache.discard_policy = self.ledger.discard
-        self.gen = Generator(self.model, self.cache, self.sampling, self.seed)
+        self.gen = Generator(self.model, self.cache, self.sampling, self.seed, compile=self.compile)
         self.closed = True  # the last reply's closing markers are in the cache (or there is no reply)
 
     @property
@@ -265,7 +271,9 @@ class ChatSession:
             torch.Generator().set_state(rng)
         except (TypeError, ValueError, RuntimeError):
             raise ChatError(f"{path}: damaged session state") from None
-        cache = ContextShiftCache(self.model, n_ctx=self.n_ctx, n_keep=state["n_keep"])
+        cache = ContextShiftCache(
+            self.model, n_ctx=self.n_ctx, n_keep=state["n_keep"], dtype=self.cache_dtype
+        )
         try:
             cache.load_prefix(payload["keys"], payload["values"], len(tokens), promptcache.held(payload))
         except ValueError as e:

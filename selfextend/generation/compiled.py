@@ -63,6 +63,11 @@ def why_not(model: nn.Module) -> str | None:
     return None
 
 
+def compile_pays(model: nn.Module) -> bool:
+    """Whether compiling the step is the better default for ``model``: on CPU, for a family it serves."""
+    return next(model.parameters()).device.type == "cpu" and why_not(model) is None
+
+
 @dataclass(frozen=True)
 class GroupedRotations:
     """Self-Extend's extra rotations by position, float32 factors (1, 1, n, rot_dim) computed in float64.

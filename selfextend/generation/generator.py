@@ -19,6 +19,7 @@ from selfextend.generation.decode import decode_step_for
 from selfextend.generation.sampling import SamplingParams, sample
 from selfextend.kv.cache import ContextShiftCache
 
+CACHE_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}  # llama.cpp's names
 PREFILL_CHUNK = 512  # prompt pieces in run(): as llama.cpp's default micro-batch; also the progress step
 
 
