@@ -157,3 +157,12 @@ def tiny_dir(tmp_path_factory) -> Path:
     LlamaForCausalLM(real_vocab_config(len(tokenizer))).save_pretrained(d)
     tokenizer.save_pretrained(d)
     return d
+
+
+@pytest.fixture(autouse=True)
+def _no_default_compile(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Commands decode eagerly unless a test asks for ``--compile``: compiling takes minutes on two cores
+    and writes inductor's cache (test_compiled.py compiles on purpose, into a tmp folder)."""
+    from selfextend.generation import compiled
+
+    monkeypatch.setattr(compiled, "compile_pays", lambda model: False)

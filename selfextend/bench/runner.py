@@ -103,6 +103,8 @@ class BenchConfig:
     endless_tokens: int = 2000
     endless_keep: int = 4
     endless_plain_tokens: int = 256  # plain decoding at the average fill: tokens timed
+    compile: bool = False  # decode through the compiled step (generation.compiled)
+    cache_dtype: torch.dtype | None = None  # KV cache element type (None: the model's)
 
     def __post_init__(self) -> None:
         """Every setting checked (:class:`~selfextend.core.validate.ValidationError`), so no case runs zero
@@ -128,12 +130,49 @@ def _tokens(model: nn.Module, n: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(100, vocab - 1, (1, n), generator=g).to(next(model.parameters()).device)
 
 
+def average_fill(ctx: int, keep: int) -> int:
+    """The average cells in use of endless generation: the fill oscillates between about ctx/2 and ctx."""
+    return (ctx + keep + (ctx - keep) // 2) // 2
+
+
+def _generator(model: nn.Module, cfg: BenchConfig, n_ctx: int) -> Generator:
+    """A generator over a fresh context-shift cache of ``n_ctx`` cells, decoding as ``cfg`` says."""
+    cache = ContextShiftCache(model, n_ctx=n_ctx, n_keep=cfg.endless_keep, dtype=cfg.cache_dtype)
+    return Generator(model, cache, compile=cfg.compile)
+
+
+def bytes_per_token(model: nn.Module, cache: ContextShiftCache, fill: int) -> int:
+    """Bytes one decode step reads at least: every weight once (of the embedding, one row) and the K/V
+    cells in use at ``fill`` (a full layer reads ``fill`` cells, a sliding one at most its capacity)."""
+    embed = model.get_input_embeddings().weight
+    weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    weights -= embed.numel() * embed.element_size() - embed[0].numel() * embed.element_size()
+    cells = sum(
+        2 * layer.keys[..., : min(fill, layer.capacity), :].numel() * layer.keys.element_size()
+        for layer in cache.layers
+    )
+    return weights + cells
+
+
+def read_bandwidth_gbs(mib: int = 512, repeats: int = 5) -> float:
+    """The machine's read bandwidth with the current threads: the best of ``repeats`` sums over a float32
+    tensor of ``mib`` MiB (larger than the caches), in GB/s."""
+    x = torch.ones(mib * 2**20 // 4)
+    x.sum()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t0)
+    return x.numel() * 4 / best / 1e9
+
+
 def _greedy_seconds(gen: Generator, logits: torch.Tensor, n_tokens: int) -> float:
     """Seconds to decode ``n_tokens`` greedily through ``gen``, starting from ``logits``."""
     _sync(gen.device)
     t0 = time.perf_counter()
-    for _ in range(n_tokens):
-        logits = gen.feed([int(logits.argmax())])
+    for _ in gen.decode(logits, n_tokens):
+        pass
     _sync(gen.device)
     return time.perf_counter() - t0
 
@@ -191,9 +230,9 @@ def bench_endless(model: nn.Module, cfg: BenchConfig, rss: Callable[[], float]) 
     same average cache fill, and the time one shift takes."""
     device = next(model.parameters()).device
     ctx, keep = cfg.endless_ctx, cfg.endless_keep
-    average = (ctx + keep + (ctx - keep) // 2) // 2  # the fill oscillates between about ctx/2 and ctx
+    average = average_fill(ctx, keep)
     for rep in range(cfg.repeats):
-        gen = Generator(model, ContextShiftCache(model, n_ctx=ctx, n_keep=keep))
+        gen = _generator(model, cfg, ctx)
         ids = _tokens(model, ctx // 2, seed=rep).tolist()[0]
         logits = gen.feed(ids)
         rss_start = rss()
@@ -210,7 +249,7 @@ def bench_endless(model: nn.Module, cfg: BenchConfig, rss: Callable[[], float]) 
         }
         # plain decoding: the same loop and decode path, in a cache too large to ever shift
         steps = cfg.endless_plain_tokens
-        gen = Generator(model, ContextShiftCache(model, n_ctx=average + steps + 1, n_keep=keep))
+        gen = _generator(model, cfg, average + steps + 1)
         logits = gen.feed(_tokens(model, average, seed=rep).tolist()[0])
         seconds = _greedy_seconds(gen, logits, steps)
         yield {
@@ -265,10 +304,14 @@ def bench_generate(
             lm = model if name == "float" else quantized
             attention = "selfextend" if name.endswith("selfextend") else "plain"
             with variant(lm, attention, cfg.group_size, cfg.window):
-                gen = Generator(lm, ContextShiftCache(lm, n_ctx=ctx, n_keep=keep))
-                seconds = _greedy_seconds(gen, gen.feed(prompt), cfg.endless_tokens)
+                gen = _generator(lm, cfg, ctx)
+                logits = gen.feed(prompt)
+                _greedy_seconds(gen, logits, 2)  # the first steps compile (once per model) or warm up
+                seconds = _greedy_seconds(gen, gen.last_logits, cfg.endless_tokens)
                 record["tokens_per_s"] = cfg.endless_tokens / seconds
                 record["shifts"] = gen.cache.shifts
+                record["mb_per_token"] = bytes_per_token(lm, gen.cache, average_fill(ctx, keep)) / 1e6
+                record["gb_per_s"] = record["mb_per_token"] * record["tokens_per_s"] / 1e3
             yield record
 
 
@@ -287,10 +330,15 @@ def summarize(records: list[dict]) -> list[dict]:
     }
     for (case, name, length), rs in sorted(groups.items()):
         row = {"case": case, "variant": name, "length": length, "runs": len(rs)}
-        for key in ("seconds", "peak_mib", "ms_per_token", "tokens_per_s", "ms_per_shift"):
+        for key in ("seconds", "peak_mib", "ms_per_token", "tokens_per_s", "ms_per_shift", "mb_per_token"):
             values = [r[key] for r in rs if key in r]
             if values:
                 row[key] = statistics.median(values)
+        rates = [r["tokens_per_s"] for r in rs if "tokens_per_s" in r]
+        if len(rates) > 1:
+            row["spread"] = (max(rates) - min(rates)) / statistics.median(rates)  # (max - min) / median
+        if "mb_per_token" in row:
+            row["gb_per_s"] = row["mb_per_token"] * row["tokens_per_s"] / 1e3
         rows.append(row)
     for row in rows:
         key = metric[row["case"]]

@@ -76,6 +76,8 @@ class ChatSession:
         stops: tuple[str, ...] = (),
         on_shift: Callable[[ShiftReport], None] | None = None,
         progress: Progress | None = None,
+        compile: bool = False,
+        cache_dtype: torch.dtype | None = None,
     ) -> None:
         self.model, self.tokenizer, self.n_ctx = model, tokenizer, n_ctx
         self.sampling = sampling or SamplingParams()
@@ -85,6 +87,10 @@ class ChatSession:
         self.stops = tuple(stops)
         self.on_shift, self.progress = on_shift, progress
         self.keep = keep
+        self.compile, self.cache_dtype = (
+            compile,
+            cache_dtype,
+        )  # decode path and KV element type (model's: None)
         self.stop_requested = False
         self.start(system)
 
@@ -102,7 +108,7 @@ class ChatSession:
                 f"keeping {n_keep} tokens (the system prompt) leaves no room in a cache of {self.n_ctx}; "
                 "raise --ctx or shorten the system prompt"
             )
-        self._build(ContextShiftCache(self.model, n_ctx=self.n_ctx, n_keep=n_keep))
+        self._build(ContextShiftCache(self.model, n_ctx=self.n_ctx, n_keep=n_keep, dtype=self.cache_dtype))
         if system_ids:
             self._prefill(system_ids)
 
@@ -111,7 +117,7 @@ class ChatSession:
         self.exchanges: list[Exchange] = []
         self.ledger = TurnLedger(self.exchanges, self.on_shift)
         self.cache.discard_policy = self.ledger.discard
-        self.gen = Generator(self.model, self.cache, self.sampling, self.seed)
+        self.gen = Generator(self.model, self.cache, self.sampling, self.seed, compile=self.compile)
         self.closed = True  # the last reply's closing markers are in the cache (or there is no reply)
 
     @property
@@ -188,8 +194,7 @@ class ChatSession:
         ids: list[int] = []
         shown = ""
         t0 = time.perf_counter()
-        while not self.stop_requested and (self.max_new_tokens < 0 or len(ids) < self.max_new_tokens):
-            token = self.gen.next_token(logits)
+        for token in self.gen.decode(logits, self.max_new_tokens, self.eos, lambda: self.stop_requested):
             if token in self.eos:
                 break
             text, stopped = stops.push(stream.push(token))
@@ -201,7 +206,6 @@ class ChatSession:
             ids.append(token)
             shown += text
             yield text
-            logits = self.gen.feed([token])
         else:
             tail = stops.flush()
             if tail:
@@ -278,7 +282,9 @@ class ChatSession:
             torch.Generator().set_state(rng)
         except (TypeError, ValueError, RuntimeError):
             raise ChatError(f"{path}: damaged session state") from None
-        cache = ContextShiftCache(self.model, n_ctx=self.n_ctx, n_keep=state["n_keep"])
+        cache = ContextShiftCache(
+            self.model, n_ctx=self.n_ctx, n_keep=state["n_keep"], dtype=self.cache_dtype
+        )
         try:
             cache.load_prefix(payload["keys"], payload["values"], len(tokens), promptcache.held(payload))
         except ValueError as e:

@@ -7,6 +7,7 @@ import click
 from selfextend.cli.options import (
     COUNT,
     POSITIVE,
+    decode_options,
     integer,
     model_options,
     self_extend_options,
@@ -17,6 +18,7 @@ from selfextend.cli.options import (
 @click.command()
 @model_options
 @weights_option("float")
+@decode_options
 @click.option(
     "--lengths", default="2k,4k,8k", show_default=True, help="Prefill lengths in tokens (k = 1024)."
 )
@@ -70,6 +72,8 @@ def bench(
     dtype: str,
     device: str,
     weights: str,
+    compile_step: bool | None,
+    cache_type: str,
     lengths: str,
     decode_lengths: str,
     group_size: int,
@@ -101,11 +105,14 @@ def bench(
         bench_endless,
         bench_generate,
         bench_prefill,
+        read_bandwidth_gbs,
         summarize,
     )
     from selfextend.cli.options import load_with_self_extend
     from selfextend.evaluation.results import append_jsonl
     from selfextend.evaluation.sweep import parse_lengths
+    from selfextend.generation.compiled import compile_pays
+    from selfextend.generation.generator import CACHE_DTYPES
 
     wanted = {c.strip() for c in cases.split(",") if c.strip()}
     unknown = wanted - {"prefill", "decode", "endless", "generate"}
@@ -123,6 +130,8 @@ def bench(
         endless_keep=min(4, ctx - 2),
     )
     lm, _ = load_with_self_extend(model, dtype, device, None, None, weights)
+    cfg.compile = compile_pays(lm) if compile_step is None else compile_step
+    cfg.cache_dtype = CACHE_DTYPES[cache_type]
     from selfextend.core.positions import validate
     from selfextend.hf.facts import trained_window
 
@@ -165,13 +174,15 @@ def bench(
             click.echo("llama.cpp: skipped (needs a GGUF model and llama-cpp-python installed)", err=True)
         for r in bench_generate(lm, cfg, gguf, torch.get_num_threads()):
             record(r)
+    bandwidth = read_bandwidth_gbs() if "generate" in wanted else None
     click.echo(
         f"\n{model}, {dtype}, {weights} weights, {device_name}, G={group_size}, W={window}, "
-        f"{repeats} repeats (medians)"
+        f"{repeats} repeats (medians), {'compiled' if cfg.compile else 'eager'} decode, {cache_type} cache"
+        + (f", machine read bandwidth {bandwidth:.1f} GB/s" if bandwidth else "")
     )
     click.echo(
         f"{'case':8} {'variant':15} {'length':>7} {'value':>12} {'ratio':>9} "
-        f"{'peak MiB':>9} {'mem vs plain':>12}"
+        f"{'peak MiB':>9} {'mem vs plain':>12} {'spread':>7} {'MB/tok':>7} {'GB/s':>6}"
     )
     units = {
         "prefill": ("seconds", "s"),
@@ -185,9 +196,12 @@ def bench(
         ratio = f"{row['ratio']:.2f}x" if "ratio" in row else ""
         peak = f"{row['peak_mib']:.0f}" if "peak_mib" in row else ""
         mem = f"{row['memory_ratio']:.2f}x" if "memory_ratio" in row else ""
+        spread = f"{row['spread']:.0%}" if "spread" in row else ""
+        mb = f"{row['mb_per_token']:.0f}" if "mb_per_token" in row else ""
+        gbs = f"{row['gb_per_s']:.1f}" if "gb_per_s" in row else ""
         click.echo(
             f"{row['case']:8} {row['variant']:15} {row['length']:>7} {row[key]:>8.3g} {unit:<6}"
-            f"{ratio:>7} {peak:>9} {mem:>12}"
+            f"{ratio:>7} {peak:>9} {mem:>12} {spread:>7} {mb:>7} {gbs:>6}"
         )
         if out:
             append_jsonl(
@@ -203,5 +217,8 @@ def bench(
             )
     click.echo(
         "ratio: to plain at the same length (endless: to plain decoding at the average fill; "
-        "generate: to llama.cpp)"
+        "generate: to llama.cpp); spread: (max - min) / median over the rounds; MB/tok: bytes a decode "
+        "step reads at least (weights and the K/V cells at the average fill); GB/s: MB/tok x tok/s"
     )
+    if bandwidth:
+        click.echo(f"machine read bandwidth: {bandwidth:.1f} GB/s ({torch.get_num_threads()} threads)")

@@ -56,6 +56,8 @@ def chat(
     system_file: str | None,
     ctx: int,
     keep: int | None,
+    compile_step: bool | None,
+    cache_type: str,
     max_new_tokens: int,
     ignore_eos: bool,
     stop: tuple[str, ...],
@@ -85,6 +87,8 @@ def chat(
     from selfextend.cli.generate import warn_beyond_reach
     from selfextend.cli.options import check_cache, load_with_self_extend, system_prompt
     from selfextend.cli.stream import Output, prefill_bar
+    from selfextend.generation.compiled import compile_pays
+    from selfextend.generation.generator import CACHE_DTYPES
 
     check_cache(ctx, keep)
     system = system_prompt(system, system_file)
@@ -120,6 +124,8 @@ def chat(
         stops=stop,
         on_shift=on_shift,
         progress=lambda n: prefill_bar(n, quiet),
+        compile=compile_pays(lm) if compile_step is None else compile_step,
+        cache_dtype=CACHE_DTYPES[cache_type],
     )
     if session_file and Path(session_file).exists():
         session.load(session_file)

@@ -45,6 +45,8 @@ def generate(
     chat: bool,
     ctx: int,
     keep: int | None,
+    compile_step: bool | None,
+    cache_type: str,
     max_new_tokens: int,
     ignore_eos: bool,
     stop: tuple[str, ...],
@@ -65,7 +67,9 @@ def generate(
     from selfextend.cli.options import check_cache, check_keep, load_with_self_extend, system_prompt
     from selfextend.cli.stream import Output, prefill_bar
     from selfextend.evaluation.corpus import read_stdin, read_text_file
+    from selfextend.generation.compiled import compile_pays
     from selfextend.generation.generator import (
+        CACHE_DTYPES,
         Generator,
         StopMatcher,
         TextStream,
@@ -87,8 +91,9 @@ def generate(
     ids, n_system = build_prompt(tokenizer, prompt, system, chat)
     n_keep = len(ids) if keep == -1 else (n_system if keep is None else keep)
     check_keep(n_keep, ctx)
-    cache = ContextShiftCache(lm, n_ctx=ctx, n_keep=n_keep)
-    gen = Generator(lm, cache, sampling, seed)
+    cache = ContextShiftCache(lm, n_ctx=ctx, n_keep=n_keep, dtype=CACHE_DTYPES[cache_type])
+    compile_step = compile_pays(lm) if compile_step is None else compile_step
+    gen = Generator(lm, cache, sampling, seed, compile=compile_step)
     reused, reused_logits = 0, None
     if prompt_cache:
         from pathlib import Path

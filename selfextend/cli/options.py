@@ -38,6 +38,8 @@ def number(lo: float | None = None, hi: float | None = None, **open_ends: bool) 
 SEED = Checked("seed", "parse_seed")
 POSITIVE = integer(1)
 COUNT = integer(0)
+CACHE_TYPES = ("f32", "bf16", "f16")  # generation.generator.CACHE_DTYPES's names
+DEFAULT_CACHE_TYPE = "f32"
 
 
 def _set_threads(ctx: click.Context, param: click.Parameter, value: int | None) -> None:
@@ -367,6 +369,26 @@ def output_options(f: Callable) -> Callable:
     return f
 
 
+def decode_options(f: Callable) -> Callable:
+    """--compile/--no-compile, --cache-type: how single tokens are decoded and the KV cache's element type."""
+    f = click.option(
+        "--cache-type",
+        type=click.Choice(list(CACHE_TYPES)),
+        default=DEFAULT_CACHE_TYPE,
+        show_default=True,
+        help="KV cache element type (llama.cpp's names): f32, bf16 or f16 (half the bytes per cell; "
+        "context shifts re-rotate keys in float32 and round once).",
+    )(f)
+    f = click.option(
+        "--compile/--no-compile",
+        "compile_step",
+        default=None,
+        help="Decode through one torch.compile'd step (compiled once, kept on disk for later runs). "
+        "Default: on for CPU, off elsewhere; falls back to eager with a warning if compiling fails.",
+    )(f)
+    return f
+
+
 def generation_options(default_weights: str) -> Callable[[Callable], Callable]:
     """Everything ``generate`` and ``chat`` share: model, weights, Self-Extend, cache, system prompt,
     reply length, sampling and output."""
@@ -379,6 +401,7 @@ def generation_options(default_weights: str) -> Callable[[Callable], Callable]:
                 self_extend_options,
                 system_options,
                 cache_options,
+                decode_options,
                 length_options,
                 sampling_options,
                 output_options,

@@ -29,6 +29,27 @@ FAMILIES = ("llama", "mistral", "qwen2")
 ATTENTION = ("sdpa", IMPLEMENTATION)
 
 
+def fuse_projections(projections: list[nn.Module]) -> tuple[nn.Module, ...]:
+    """One fused int8 projection when all are int8 (no second copy of the weights), else all of them.
+
+    Fused once per set of layers (remembered on the first one): a second decode step over the same model
+    gets the same fused layer, where fusing the views again would copy the weights.
+    """
+    if not all(isinstance(p, Int8Linear) for p in projections):
+        return tuple(projections)
+    ids = tuple(id(p) for p in projections)
+    found = getattr(projections[0], "_fused_with", None)
+    if found is None or found[0] != ids:
+        found = (ids, fuse_int8(projections))
+        projections[0]._fused_with = found  # a tuple: not registered as a submodule
+    return (found[1],)
+
+
+def project(parts: tuple[nn.Module, ...], x: torch.Tensor) -> torch.Tensor:
+    """The outputs of the projections ``parts`` (from :func:`fuse_projections`) side by side."""
+    return parts[0].forward(x) if len(parts) == 1 else torch.cat([p.forward(x) for p in parts], dim=-1)
+
+
 def _why_not(model: nn.Module) -> str | None:
     """Why :class:`DecodeStep` cannot run ``model``, or None when it can."""
     config = model.config
@@ -76,23 +97,12 @@ class DecodeStep:
         self.qkv, self.gate_up = [], []
         for layer in self.layers:
             a, mlp = layer.self_attn, layer.mlp
-            self.qkv.append(self._fused([a.q_proj, a.k_proj, a.v_proj]))
-            self.gate_up.append(self._fused([mlp.gate_proj, mlp.up_proj]))
-
-    @staticmethod
-    def _fused(projections: list[nn.Module]) -> tuple[nn.Module, ...]:
-        """One fused int8 projection when all are int8 (no second copy of the weights), else all of them."""
-        if all(isinstance(p, Int8Linear) for p in projections):
-            return (fuse_int8(projections),)
-        return tuple(projections)
+            self.qkv.append(fuse_projections([a.q_proj, a.k_proj, a.v_proj]))
+            self.gate_up.append(fuse_projections([mlp.gate_proj, mlp.up_proj]))
 
     def supported(self) -> bool:
         """Whether the model's current attention implementation is one this step computes."""
         return self.model.config._attn_implementation in ATTENTION
-
-    @staticmethod
-    def _project(parts: tuple[nn.Module, ...], x: torch.Tensor) -> torch.Tensor:
-        return parts[0].forward(x) if len(parts) == 1 else torch.cat([p.forward(x) for p in parts], dim=-1)
 
     @torch.no_grad()
     def __call__(self, token: int, cache: ContextShiftCache) -> torch.Tensor:
@@ -106,7 +116,7 @@ class DecodeStep:
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             h = layer.input_layernorm.forward(x)
-            qkv = self._project(self.qkv[i], h).view(1, 1, -1, d).transpose(1, 2)  # (1, H + 2 Hkv, 1, D)
+            qkv = project(self.qkv[i], h).view(1, 1, -1, d).transpose(1, 2)  # (1, H + 2 Hkv, 1, D)
             q, k = rot.apply(qkv[:, :n_qk]).split(self.heads[:2], dim=1)  # one rotation for both
             k, v = cache.layers[i].update(k, qkv[:, n_qk:])  # (1, Hkv, n_past + 1, D)
             if self_extend:
@@ -118,6 +128,6 @@ class DecodeStep:
                 out = F.scaled_dot_product_attention(q, k, v, scale=attn.scaling, enable_gqa=True)
             x = x + attn.o_proj.forward(out.transpose(1, 2).reshape(1, 1, -1))
             h = layer.post_attention_layernorm.forward(x)
-            gate, up = self._project(self.gate_up[i], h).chunk(2, dim=-1)
+            gate, up = project(self.gate_up[i], h).chunk(2, dim=-1)
             x = x + layer.mlp.down_proj.forward(F.silu(gate) * up)
         return self.head.forward(self.norm.forward(x))[0, -1]

@@ -14,10 +14,12 @@ import torch
 from torch import nn
 
 from selfextend.core.validate import ValidationError, check_int, check_seed
+from selfextend.generation.compiled import fast_decode_for
 from selfextend.generation.decode import decode_step_for
 from selfextend.generation.sampling import SamplingParams, sample
 from selfextend.kv.cache import ContextShiftCache
 
+CACHE_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}  # llama.cpp's names
 PREFILL_CHUNK = 512  # prompt pieces in run(): as llama.cpp's default micro-batch; also the progress step
 
 
@@ -113,6 +115,7 @@ class Generator:
     tokens: list[int] = field(default_factory=list)  # the tokens whose K/V are in the cache, in order
     last_logits: torch.Tensor | None = None  # the logits after the last token written to the cache
     direct_decode: bool = True  # single tokens through a DecodeStep where the model allows it
+    compile: bool = False  # single tokens through the compiled step (generation.compiled) where it serves
 
     def __post_init__(self) -> None:
         if not isinstance(self.cache, ContextShiftCache):
@@ -127,6 +130,7 @@ class Generator:
         self.device = next(self.model.parameters()).device
         single = self.cache.layers[0].keys.shape[0] == 1
         self.step = decode_step_for(self.model) if self.direct_decode and single else None
+        self.fast = fast_decode_for(self.model) if self.compile and single else None
 
     @torch.no_grad()
     def _forward(self, ids: list[int]) -> torch.Tensor:
@@ -135,9 +139,12 @@ class Generator:
             discarded = before - self.cache.n_past
             keep = self.cache.n_keep
             self.tokens = self.tokens[:keep] + self.tokens[keep + discarded :]
-        if len(ids) == 1 and self.step is not None and self.step.supported():
+        logits = None
+        if len(ids) == 1 and self.fast is not None:
+            logits = self.fast(ids[0], self.cache)  # None where the compiled step does not serve this token
+        if logits is None and len(ids) == 1 and self.step is not None and self.step.supported():
             logits = self.step(ids[0], self.cache)
-        else:
+        if logits is None:
             x = torch.tensor([ids], device=self.device)
             out = self.model(x, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
             logits = out.logits[0, -1]
@@ -194,15 +201,18 @@ class Generator:
         logits: torch.Tensor,
         max_new_tokens: int = -1,
         eos_token_ids: Sequence[int] = (),
+        stop: Callable[[], bool] | None = None,
     ) -> Iterator[int]:
         """Yield new tokens from the prompt's last ``logits``; ``max_new_tokens == -1`` means no limit.
 
-        Stops after an EOS token (which is yielded last) unless ``eos_token_ids`` is empty. Any other
-        negative count is refused (it would otherwise run forever).
+        The one decode loop of generate, chat and bench. Each yielded token is written to the cache when
+        the consumer asks for the next one (a consumer that stops early leaves it out). Stops after an EOS
+        token (which is yielded last and not written) unless ``eos_token_ids`` is empty, and before a token
+        once ``stop()`` is true. Any other negative count is refused (it would otherwise run forever).
         """
         max_new_tokens = check_int(max_new_tokens, "max_new_tokens", -1)
         produced = 0
-        while max_new_tokens < 0 or produced < max_new_tokens:
+        while (max_new_tokens < 0 or produced < max_new_tokens) and not (stop is not None and stop()):
             token = self.next_token(logits)
             produced += 1
             yield token

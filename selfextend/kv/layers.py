@@ -87,7 +87,8 @@ class ContextShiftLayer(CacheLayerMixin):
         self.keys[..., self.n_past : end, :] = key_states
         self.values[..., self.n_past : end, :] = value_states
         self.n_past = end
-        return self.keys[..., :end, :], self.values[..., :end, :]
+        # a reduced-precision cache (--cache-type) hands the attention states in the model's dtype
+        return self.keys[..., :end, :].to(key_states.dtype), self.values[..., :end, :].to(value_states.dtype)
 
     def _move(self, device: torch.device) -> None:
         """Put the buffers on ``device``, keeping what is cached (fresh buffers when empty: the first
@@ -205,9 +206,13 @@ class SlidingShiftLayer(ContextShiftLayer):
             self.keys[..., self.used : end, :] = key_states
             self.values[..., self.used : end, :] = value_states
             self.used, self.n_past = end, self.n_past + n
-            return self.keys[..., slot:end, :], self.values[..., slot:end, :]
-        keys = torch.cat((self.keys[..., slot : self.used, :], key_states), dim=-2)  # from `position` on
-        values = torch.cat((self.values[..., slot : self.used, :], value_states), dim=-2)
+            return self.keys[..., slot:end, :].to(key_states.dtype), self.values[..., slot:end, :].to(
+                value_states.dtype
+            )
+        keys = torch.cat((self.keys[..., slot : self.used, :].to(key_states.dtype), key_states), dim=-2)
+        values = torch.cat(
+            (self.values[..., slot : self.used, :].to(value_states.dtype), value_states), dim=-2
+        )
         n_past = self.n_past + n
         kept = min(n_past, self.n_keep)
         if position == 0:  # the write may reach into the kept cells

@@ -1,0 +1,309 @@
+"""A decode step that ``torch.compile`` takes whole: one graph for every fill, shift and Self-Extend group.
+
+The step reads the model's weights and modules (embedding, norms, projections, MLP, output head) and
+writes each layer's new key and value into the cache's preallocated cells; attention is written as
+plain tensor ops so the compiler fuses it (a fused reduced-precision cache read, no SDPA call). Shapes
+that change from token to token (the cells in use) are dynamic dimensions, positions are tensors, and
+which cells a query sees comes from the cells' positions, not from their slots:
+
+- a cell at position ``j`` is visible to the query at ``p`` iff ``j <= p`` (and ``p - j < window`` on a
+  sliding layer, whose cells may be in any order);
+- with Self-Extend, the score of a key with ``p - j >= W`` uses the grouped positions of
+  :mod:`selfextend.core.positions`: the cached key (rotated at ``j``) is rotated by ``j // G - j`` and
+  the query by its grouped offset, from tables of float32 factors computed once in float64.
+
+So a context shift (done by the cache, outside the step) and Self-Extend's grouping never change the
+graph. Families: Llama, Mistral, Qwen2, Qwen3 (q/k norms) and Gemma 3 (norms around attention and MLP,
+GELU-tanh, per-layer RoPE base, sliding layers, q/k norms, scaled embedding). :class:`StepCells` (in
+:mod:`selfextend.generation.cells`) hands the step each layer's cells.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import weakref
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.fx.experimental import _config as fx_config
+
+from selfextend.core.positions import grouped_key_positions, grouped_query_positions, is_neighbor
+from selfextend.core.rope import Rotation
+from selfextend.generation.cells import Cells, StepCells
+from selfextend.generation.decode import fuse_projections, project
+from selfextend.hf.facts import layer_kinds, sliding_windows
+from selfextend.hf.patch import IMPLEMENTATION, SelfExtendParams
+from selfextend.kv.cache import ContextShiftCache
+from selfextend.models.sources import cache_root
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+ATTENTION = ("sdpa", "eager", IMPLEMENTATION)
+
+
+def why_not(model: nn.Module) -> str | None:
+    """Why :class:`CompiledStep` cannot run ``model``, or None when it can."""
+    config = model.config
+    if config.model_type not in FAMILIES:
+        return f"model type {config.model_type}"
+    act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
+    if act not in ACTIVATIONS or getattr(config, "pretraining_tp", 1) > 1:
+        return "activation or tensor-parallel layout"
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        return "attention logit soft-capping"
+    if len(set((getattr(model, "hf_device_map", None) or {}).values())) > 1:
+        return "layers placed by a device map (accelerate's hooks run only through the modules' forwards)"
+    inner = getattr(model, "model", None)
+    if inner is None or not all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")):
+        return "module layout"
+    return None
+
+
+def compile_pays(model: nn.Module) -> bool:
+    """Whether compiling the step is the better default for ``model``: on CPU, for a family it serves."""
+    return next(model.parameters()).device.type == "cpu" and why_not(model) is None
+
+
+@dataclass(frozen=True)
+class GroupedRotations:
+    """Self-Extend's extra rotations by position, float32 factors (1, 1, n, rot_dim) computed in float64.
+
+    ``keys[j]`` turns a key cached at position ``j`` into one at ``j // G``; ``queries[p]`` turns the query
+    at ``p`` into one at its grouped position.
+    """
+
+    keys: Rotation
+    queries: Rotation
+    window: int
+
+    @classmethod
+    def build(cls, n: int, params: SelfExtendParams) -> GroupedRotations:
+        """The tables for positions ``[0, n)`` under ``params`` (group size, window, frequencies)."""
+        g, w, inv_freq = params.group_size, params.window, params.inv_freq
+        at = torch.arange(n, device=inv_freq.device)
+        keys = Rotation.of(grouped_key_positions(at, g) - at, inv_freq)
+        queries = Rotation.of(grouped_query_positions(at, g, w) - at, inv_freq)
+        return cls(keys, queries, w)
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    pos: torch.Tensor,
+    scale: float,
+    window: int | None,
+    grouped: GroupedRotations | None,
+) -> torch.Tensor:
+    """One query row over a layer's cells: q (1, H, 1, D) at ``pos`` (1,), k and v (1, Hkv, n, D) at
+    ``positions`` (n,) -> (1, 1, H * D) in float32. One softmax over neighbor and grouped scores."""
+    b, hkv, _, d = k.shape
+    qf = q.float().reshape(b, hkv, -1, d)  # (B, Hkv, H / Hkv, D): the heads sharing a KV head as rows
+    kf = k.float()
+    scores = qf @ kf.transpose(-1, -2)  # (B, Hkv, H / Hkv, n)
+    distance = pos - positions  # (n,)
+    visible = distance >= 0
+    if window is not None:
+        visible = visible & (distance < window)
+    if grouped is not None:
+        rk, rq = grouped.keys, grouped.queries
+        k_g = Rotation(rk.cos[:, :, positions], rk.sin[:, :, positions]).apply(kf)  # (B, Hkv, n, D)
+        q_g = Rotation(rq.cos[:, :, pos], rq.sin[:, :, pos]).apply(qf)
+        scores = torch.where(is_neighbor(distance, grouped.window), scores, q_g @ k_g.transpose(-1, -2))
+    scores = (scores * scale).masked_fill(~visible, float("-inf"))
+    out = torch.softmax(scores, dim=-1) @ v.float()  # (B, Hkv, H / Hkv, D)
+    return out.reshape(b, 1, -1)
+
+
+class CompiledStep:
+    """``step(token, pos, cells, grouped) -> logits``: the whole decode step as one function to compile.
+
+    ``cells``: each layer's buffers, the positions of the slots the query may see (the new token's slot
+    among them, at position ``pos``) and the slot where this token's key and value are written
+    (:class:`~selfextend.generation.cells.Cells`). ``grouped``: per layer the Self-Extend tables, or None.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        reason = why_not(model)
+        if reason:
+            raise ValueError(f"CompiledStep does not support this model ({reason})")
+        self.config = model.config  # not the model: a step cached per model must not keep it alive
+        inner = model.model
+        self.embed, self.norm, self.rotary = inner.embed_tokens, inner.norm, inner.rotary_emb
+        self.layers = list(inner.layers)
+        self.head = model.lm_head
+        config = model.config.get_text_config()
+        self.kinds = layer_kinds(model)
+        self.windows = sliding_windows(config)
+        self.rope_by_kind = getattr(config, "model_type", "") == "gemma3_text"  # one rotary, a base per kind
+        self.softcap = getattr(config, "final_logit_softcapping", None)
+        self.qkv = [
+            fuse_projections([a.q_proj, a.k_proj, a.v_proj]) for a in (m.self_attn for m in self.layers)
+        ]
+        self.gate_up = [fuse_projections([m.mlp.gate_proj, m.mlp.up_proj]) for m in self.layers]
+        attn = self.layers[0].self_attn
+        self.head_dim = attn.head_dim
+        self.heads = [p.out_features // self.head_dim for p in (attn.q_proj, attn.k_proj, attn.v_proj)]
+
+    def supported(self) -> bool:
+        """Whether the model's current attention implementation is one this step computes."""
+        return self.config._attn_implementation in ATTENTION
+
+    def self_extend(self) -> list[SelfExtendParams | None]:
+        """Each layer's Self-Extend parameters under the ``selfextend`` attention, else None."""
+        if self.config._attn_implementation != IMPLEMENTATION:
+            return [None] * len(self.layers)
+        found = [getattr(m.self_attn, "self_extend", None) for m in self.layers]
+        return [p if isinstance(p, SelfExtendParams) else None for p in found]
+
+    def _rotations(self, x: torch.Tensor, pos: torch.Tensor) -> dict[str, Rotation]:
+        """The RoPE rotation of position ``pos`` for each attention kind (the model's own rotary module)."""
+        position_ids = pos.view(1, 1)
+        if not self.rope_by_kind:
+            rot = Rotation.from_cos_sin(*(t[:, None] for t in self.rotary(x, position_ids)))  # (1, 1, 1, D)
+            return dict.fromkeys(set(self.kinds), rot)
+        return {
+            kind: Rotation.from_cos_sin(*(t[:, None] for t in self.rotary(x, position_ids, kind)))
+            for kind in set(self.kinds)
+        }
+
+    def __call__(
+        self, token: torch.Tensor, pos: torch.Tensor, cells: Cells, grouped: list[GroupedRotations | None]
+    ) -> torch.Tensor:
+        """Logits (vocab,) after ``token`` (1, 1) at position ``pos`` (1,); writes its cells."""
+        x = self.embed(token)  # (1, 1, hidden)
+        rotations = self._rotations(x, pos)
+        d, n_q, n_kv = self.head_dim, self.heads[0], self.heads[1]
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            keys, values, positions = cells.keys[i], cells.values[i], cells.positions[i]
+            slot, n = cells.slots[i : i + 1], positions.shape[0]
+            h = layer.input_layernorm(x)
+            qkv = project(self.qkv[i], h).view(1, 1, -1, d)  # (1, 1, H + 2 Hkv, D)
+            q, k, v = qkv.split([n_q, n_kv, n_kv], dim=2)
+            if hasattr(attn, "q_norm"):
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            rot = rotations[self.kinds[i]]
+            q, k = rot.apply(q.transpose(1, 2)), rot.apply(k.transpose(1, 2))  # (1, H, 1, D)
+            keys.index_copy_(2, slot, k.to(keys.dtype))
+            values.index_copy_(2, slot, v.transpose(1, 2).to(values.dtype))
+            k, v = keys[:, :, :n], values[:, :, :n]  # (1, Hkv, n, D): the cells in use, the new one included
+            out = attend(q, k, v, positions, pos, attn.scaling, self.windows[i], grouped[i])
+            out = attn.o_proj(out.to(x.dtype))
+            if hasattr(layer, "pre_feedforward_layernorm"):  # Gemma: norms after attention and MLP too
+                x = x + layer.post_attention_layernorm(out)
+                h = layer.pre_feedforward_layernorm(x)
+            else:
+                x = x + out
+                h = layer.post_attention_layernorm(x)
+            gate, up = project(self.gate_up[i], h).chunk(2, dim=-1)
+            out = layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
+            x = x + (
+                layer.post_feedforward_layernorm(out) if hasattr(layer, "post_feedforward_layernorm") else out
+            )
+        logits = self.head(self.norm(x))[0, -1]
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+
+def no_duck_shapes() -> AbstractContextManager:
+    """While compiling: no equality guards between dimensions that happen to be equal at the first call
+    (a full and a sliding layer's cells in use), which would recompile when they part."""
+    return fx_config.patch(use_duck_shape=False)
+
+
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+class FastDecode:
+    """``fast(token, cache) -> logits | None``: one token through :class:`CompiledStep`, compiled or eager.
+
+    Returns None where the step does not serve this token (a cache of fewer than two cells, a sliding layer
+    that must move its cells first, a compilation that failed): the caller then uses another path. The
+    compiled graph is kept on disk by inductor (``$TORCHINDUCTOR_CACHE_DIR``, by default ``inductor`` under
+    the selfextend cache root), so a later process skips most of the first call's wait; ``notify`` hears a
+    line when compilation starts and when it fails.
+    """
+
+    def __init__(
+        self, model: nn.Module, compile: bool = True, notify: Callable[[str], None] = _stderr
+    ) -> None:
+        self.step = CompiledStep(model)
+        self.compile, self.notify = compile, notify
+        self.fn: Callable[..., torch.Tensor] | None = self.step.__call__
+        self.compiled = False  # whether the compiled function has run once
+        if compile:
+            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
+            self.fn = torch.compile(self.step.__call__, dynamic=True)
+        self.tables: dict[tuple, GroupedRotations] = {}
+        self.cells: StepCells | None = None
+
+    def _grouped(self, n: int) -> list[GroupedRotations | None]:
+        """Each layer's Self-Extend tables for positions below ``n`` (built once per setting and size)."""
+        out: list[GroupedRotations | None] = []
+        for params in self.step.self_extend():
+            if params is None:
+                out.append(None)
+                continue
+            inv_freq = params.inv_freq
+            key = (params.group_size, params.window, inv_freq.data_ptr(), inv_freq._version)
+            found = self.tables.get(key)
+            if found is None or found.keys.cos.shape[2] < n:
+                found = self.tables[key] = GroupedRotations.build(n, params)
+            out.append(found)
+        return out
+
+    @torch.no_grad()
+    def __call__(self, token: int, cache: ContextShiftCache) -> torch.Tensor | None:
+        """Logits (vocab,) of the next token after ``token`` written at ``cache.n_past``, or None (see above).
+        The cache must have room for it (``cache.make_room(1)`` first)."""
+        if self.fn is None or cache.n_past < 2 or not self.step.supported():
+            return None
+        if self.cells is None or self.cells.cache is not cache:
+            self.cells = StepCells(cache)
+        cells = self.cells.prepare()
+        if cells is None:
+            return None
+        device = cells.slots.device
+        pos = torch.tensor([cache.n_past], device=device)
+        grouped = self._grouped(cache.n_ctx)
+        if self.compile and not self.compiled:
+            self.notify(
+                f"compiling the decode step (once; kept in {os.environ['TORCHINDUCTOR_CACHE_DIR']}) ..."
+            )
+        try:
+            with no_duck_shapes():
+                logits = self.fn(torch.tensor([[token]], device=device), pos, cells, grouped)
+        except Exception as e:  # noqa: BLE001 - any compiler failure: decode eagerly instead
+            if not self.compile or self.compiled:
+                raise
+            self.notify(
+                f"warning: compiling the decode step failed, decoding eagerly ({type(e).__name__}: "
+                f"{str(e).splitlines()[0] if str(e) else ''})"
+            )
+            self.fn = None
+            return None
+        self.compiled = True
+        self.cells.commit()
+        return logits
+
+
+_STEPS: weakref.WeakKeyDictionary[nn.Module, dict[bool, FastDecode]] = weakref.WeakKeyDictionary()
+
+
+def fast_decode_for(model: nn.Module, compile: bool = True) -> FastDecode | None:
+    """The model's :class:`FastDecode` (one per model and mode, so the graph compiles once per process),
+    or None when :class:`CompiledStep` does not serve the model."""
+    if why_not(model):
+        return None
+    steps = _STEPS.setdefault(model, {})
+    if compile not in steps:
+        steps[compile] = FastDecode(model, compile)
+    return steps[compile]
