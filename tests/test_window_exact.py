@@ -17,7 +17,7 @@ from torch import nn
 import selfextend
 from selfextend.generation.generator import Generator
 from selfextend.kv.cache import ContextShiftCache
-from selfextend.models.quantize import apply_weight_format
+from selfextend.models.quantize import quantize_int8
 
 
 def greedy(model: nn.Module, ids: list[int], n: int, n_ctx: int) -> tuple[list[int], torch.Tensor]:
@@ -53,7 +53,8 @@ MODELS = {
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_window_covering_the_input_is_the_plain_model(name, weights):
     model = MODELS[name]()
-    apply_weight_format(model, weights)
+    if weights == "int8":
+        quantize_int8(model)
     ids = torch.randint(3, 97, (12,), generator=torch.Generator().manual_seed(5)).tolist()
     (tokens, logits), (se_tokens, se_logits) = with_and_without(model, ids, 40, TRAINED - 4, TRAINED)
     assert se_tokens == tokens
