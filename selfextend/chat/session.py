@@ -269,7 +269,7 @@ class ChatSession:
             raise ChatError(f"{path}: damaged session state") from None
         cache = ContextShiftCache(self.model, n_ctx=self.n_ctx, n_keep=state["n_keep"])
         try:
-            cache.load_prefix(payload["keys"], payload["values"], len(tokens), promptcache.held(payload))
+            cache.load_prefix(payload["keys"], payload["values"], len(tokens), promptcache.positions(payload))
         except ValueError as e:
             raise ChatError(f"{path}: {e}") from None
         self.keep = state["keep"]
