@@ -98,22 +98,26 @@ def test_bad_sizes_refused(n_ctx, n_keep):
         ContextShiftCache(make_model("llama"), n_ctx=n_ctx, n_keep=n_keep)
 
 
-def test_grouped_key_memo_matches_recomputation_across_shifts():
-    """Self-Extend decoding memoises grouped keys; across context shifts it must equal recomputing them."""
+def test_grouped_keys_kept_by_the_cache_match_recomputation_across_shifts(monkeypatch):
+    """Self-Extend decoding reads the grouped keys each full layer keeps in step with its cells; across
+    context shifts that must equal rotating every grouped key anew at each step."""
     from conftest import make_model
 
-    from selfextend.hf.patch import attention_modules
+    from selfextend.core.cells import KeyCells
+    from selfextend.kv.layers import ContextShiftLayer
 
     ids = torch.randint(3, 97, (160,)).tolist()
     runs = []
-    for memo in (True, False):
+    for kept in (True, False):
+        if not kept:  # the layers give their positions only: the kernels rotate every grouped key themselves
+            monkeypatch.setattr(
+                ContextShiftLayer, "cells", lambda self, end: KeyCells(self.positions[:end], None)
+            )
         model = make_model("qwen3")
         selfextend.apply_self_extend(model, group_size=3, window=9)
-        if not memo:
-            for m in attention_modules(model):
-                m.self_extend.memo = None
         gen = Generator(model, ContextShiftCache(model, n_ctx=48, n_keep=3))
         logits = [gen.feed(ids[:20])] + [gen.feed([t]) for t in ids[20:]]
         runs.append(torch.stack(logits))
         assert gen.cache.shifts >= 5
+        assert (gen.cache.layers[0].grouped.valid > 0) == kept
     assert (runs[0] - runs[1]).abs().max() < TOL

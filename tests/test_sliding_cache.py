@@ -48,6 +48,17 @@ def most(n_past: int, n_keep: int, n_need: int) -> int:
     return max(n_need, n_past - n_keep - 3)
 
 
+def held(layer) -> list[tuple[int, int]]:
+    """The positions a layer's cells hold, as increasing [lo, hi) ranges."""
+    out: list[tuple[int, int]] = []
+    for p in sorted(layer.positions[: layer.n_used].tolist()):
+        if out and out[-1][1] == p:
+            out[-1] = (out[-1][0], p + 1)
+        else:
+            out.append((p, p + 1))
+    return out
+
+
 def pieces(ids: list[int], sizes: list[int]) -> list[list[int]]:
     out, a, i = [], 0, 0
     while a < len(ids):
@@ -97,7 +108,7 @@ def test_logits_equal_full_buffer_layout(n_keep, self_extend, policy):
     assert (got - want).abs().max() < TOL
     assert [(x.keys.data_ptr(), x.values.data_ptr()) for x in bounded.layers] == ptrs  # allocated once
     sliding = bounded.layers[0]
-    assert isinstance(sliding, SlidingShiftLayer) and sliding.used <= sliding.capacity
+    assert isinstance(sliding, SlidingShiftLayer) and sliding.n_used <= sliding.capacity
 
 
 def _other(family: str) -> torch.nn.Module:
@@ -148,7 +159,8 @@ def test_one_sliding_layer_equals_fresh_forward(policy):
     came_back = False
     for piece in pieces(ids, [11, 1, 1, 1, 14, 1, 2, 1, 1]):
         out = gen.feed(piece)
-        came_back |= cache.layers[0].start == 5 < cache.n_past - 1 and cache.shifts > 0
+        in_window = cache.n_past - WINDOW < 5 < cache.n_past - 1  # the kept cells are back in the window
+        came_back |= in_window and cache.shifts > 0
         with torch.no_grad():
             fresh = m(torch.tensor([gen.tokens])).logits[0, -1]
         assert (out - fresh).abs().max() < TOL
@@ -200,7 +212,7 @@ def test_truncate_exact_or_refused_and_rewind_recomputes():
     ref = Generator(m, ContextShiftCache(m, n_ctx=64, n_keep=4, sliding=False))
     for g in (gen, ref):
         g.feed(ids[:30])  # one write larger than the window: the sliding layers keep the last 7 cells
-    assert gen.cache.layers[0].held() == [(0, 4), (23, 30)]
+    assert held(gen.cache.layers[0]) == [(0, 4), (23, 30)]
     assert gen.cache.can_truncate(4) and not gen.cache.can_truncate(29)
     with pytest.raises(ValueError, match="cannot go back to 29"):
         gen.cache.truncate(29)
@@ -210,11 +222,11 @@ def test_truncate_exact_or_refused_and_rewind_recomputes():
     assert gen.tokens == ref.tokens == ids[:25] and gen.cache.n_past == 25
     for t in ids[25:31]:
         assert (gen.feed([t]) - ref.feed([t])).abs().max() < TOL
-    assert gen.cache.layers[0].held() == [(0, 4), (18, 31)]  # decoded in place: more than the window held
+    assert held(gen.cache.layers[0]) == [(0, 4), (18, 31)]  # decoded in place: more than the window held
     assert gen.cache.can_truncate(29)
     gen.cache.truncate(29)
     ref.rewind(29)
-    assert gen.cache.layers[0].held() == [(0, 4), (18, 29)]
+    assert held(gen.cache.layers[0]) == [(0, 4), (18, 29)]
     gen.tokens = gen.tokens[:29]
     assert (gen.feed(ids[29:34]) - ref.feed(ids[29:34])).abs().max() < TOL
 
@@ -226,8 +238,10 @@ def test_prompt_cache_round_trip(tmp_path):
     logits = gen.feed(prompt)
     promptcache.save(tmp_path / "p.pt", m, gen.cache, gen.tokens, logits)
     payload = torch.load(tmp_path / "p.pt", weights_only=True)
-    assert payload["held"][0] == [[0, 4], [33, 40]] and payload["held"][1] == [[0, 40]]
-    assert payload["keys"][0].shape[-2] == 11 and payload["keys"][1].shape[-2] == 40
+    # fed as 30 + 10 tokens: the first write keeps 23..29, the second 33..39 in free slots (23..29 stay)
+    assert payload["positions"][0].tolist() == [*range(4), *range(23, 30), *range(33, 40)]
+    assert payload["positions"][1].tolist() == list(range(40))
+    assert payload["keys"][0].shape[-2] == 18 and payload["keys"][1].shape[-2] == 40
 
     def continued(cache, reused, saved_logits, p):
         g = Generator(m, cache, tokens=list(reused))
@@ -239,15 +253,19 @@ def test_prompt_cache_round_trip(tmp_path):
     reused, saved = promptcache.load(tmp_path / "p.pt", m, cache, prompt)
     assert reused == prompt and saved is not None
     assert (continued(cache, reused, saved, prompt) - expected).abs().max() < TOL
-    # a prompt sharing 30 tokens: the file lacks the sliding window before token 30, only the kept 4 load
-    other = prompt[:30] + [9, 9, 9]
-    cache = ContextShiftCache(m, n_ctx=64, n_keep=4)
-    reused, saved = promptcache.load(tmp_path / "p.pt", m, cache, other)
-    assert reused == other[:4] and saved is None
-    fresh = continued(ContextShiftCache(m, n_ctx=64, n_keep=4), [], None, other)
-    assert (continued(cache, reused, None, other) - fresh).abs().max() < TOL
-    # a shorter prompt likewise; a longer one reuses all the file has
-    assert promptcache.load(tmp_path / "p.pt", m, ContextShiftCache(m, 64, 4), prompt[:36])[0] == prompt[:4]
+    # a prompt sharing 22 tokens: the file lacks the sliding window before token 22, only the kept 4 load;
+    # one sharing 30 finds the window before token 30 (23..29) and loads them all
+    for shared, loads in ((22, 4), (30, 30)):
+        other = prompt[:shared] + [9, 9, 9]
+        cache = ContextShiftCache(m, n_ctx=64, n_keep=4)
+        reused, saved = promptcache.load(tmp_path / "p.pt", m, cache, other)
+        assert reused == other[:loads] and saved is None
+        fresh = continued(ContextShiftCache(m, n_ctx=64, n_keep=4), [], None, other)
+        assert (continued(cache, reused, None, other) - fresh).abs().max() < TOL
+    # shorter prompts likewise (36 lacks 30..32, which the second write never stored: 30 load); a longer one
+    # reuses all the file has
+    assert promptcache.load(tmp_path / "p.pt", m, ContextShiftCache(m, 64, 4), prompt[:20])[0] == prompt[:4]
+    assert promptcache.load(tmp_path / "p.pt", m, ContextShiftCache(m, 64, 4), prompt[:36])[0] == prompt[:30]
     longer = prompt + [9, 9]
     cache = ContextShiftCache(m, n_ctx=64, n_keep=4)
     reused, saved = promptcache.load(tmp_path / "p.pt", m, cache, longer)
@@ -266,15 +284,23 @@ def test_prompt_cache_round_trip(tmp_path):
     g2 = Generator(m, cache, tokens=list(reused))
     next(generate.run(g2, reused, 1, (), len(reused), None))
     assert (g2.last_logits - expected[2]).abs().max() < TOL  # after prompt + [5, 7], as computed fresh
-    # a version-2 file (every cell of every layer, no "held") still loads
+    # a version-2 file (every cell of every layer, no positions) still loads
     full = ContextShiftCache(m, n_ctx=64, n_keep=4, sliding=False)
     Generator(m, full).feed(prompt)
     promptcache.save(tmp_path / "full.pt", m, full, prompt, logits)
     old = torch.load(tmp_path / "full.pt", weights_only=True)
-    del old["held"]
+    del old["positions"]
     torch.save({**old, "format": "selfextend-prompt-cache/2"}, tmp_path / "v2.pt")
     cache = ContextShiftCache(m, n_ctx=64, n_keep=4)
     reused, saved = promptcache.load(tmp_path / "v2.pt", m, cache, prompt)
+    assert reused == prompt and (continued(cache, reused, saved, prompt) - expected).abs().max() < TOL
+    # a version-3 file (position ranges "held" per layer) is converted on load
+    v3 = torch.load(tmp_path / "p.pt", weights_only=True)
+    v3["held"] = [[[0, 4], [23, 30], [33, 40]], [[0, 40]], [[0, 4], [23, 30], [33, 40]]]
+    del v3["positions"]
+    torch.save({**v3, "format": "selfextend-prompt-cache/3"}, tmp_path / "v3.pt")
+    cache = ContextShiftCache(m, n_ctx=64, n_keep=4)
+    reused, saved = promptcache.load(tmp_path / "v3.pt", m, cache, prompt)
     assert reused == prompt and (continued(cache, reused, saved, prompt) - expected).abs().max() < TOL
 
 
@@ -315,6 +341,6 @@ def test_chat_undo_retry_and_session_file_on_hybrid_model(chat_model, tmp_path):
     a.save(tmp_path / "s.pt")
     c = ChatSession(m, tok, n_ctx=120, **kw)
     c.load(tmp_path / "s.pt")
-    assert c.gen.tokens == a.gen.tokens and c.cache.layers[0].held() == a.cache.layers[0].held()
+    assert c.gen.tokens == a.gen.tokens and held(c.cache.layers[0]) == held(a.cache.layers[0])
     assert "".join(a.reply("again")) == "".join(c.reply("again"))
     torch.testing.assert_close(a.gen.last_logits, c.gen.last_logits, atol=TOL, rtol=0)

@@ -286,7 +286,7 @@ class ChatSession:
             self.model, n_ctx=self.n_ctx, n_keep=state["n_keep"], dtype=self.cache_dtype
         )
         try:
-            cache.load_prefix(payload["keys"], payload["values"], len(tokens), promptcache.held(payload))
+            cache.load_prefix(payload["keys"], payload["values"], len(tokens), promptcache.positions(payload))
         except ValueError as e:
             raise ChatError(f"{path}: {e}") from None
         self.keep = state["keep"]

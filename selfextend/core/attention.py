@@ -4,10 +4,11 @@ Both compute, for each query row, one softmax over the merged scores: the neighb
 (normal positions) where ``i - j < W`` and the grouped score (positions from
 ``selfextend.core.positions``) elsewhere.
 
-A decode step (one query row) needs no mask: it scores the query at its grouped position
-against the keys before the window (kept at grouped positions between steps by a
-``GroupedKeyMemo``) and at its own position against the window, and takes one softmax over
-the concatenated row, with the query heads that share a KV head as rows of one product.
+Keys come with their positions (:class:`KeyCells`, attached by the KV cache to the keys it returns),
+in increasing order, the queries' own keys last. A decode step (one query row) needs no mask: it
+scores the query at its grouped position against the keys more than ``W`` positions back (at grouped
+positions, which the cache keeps between steps) and at its own position against the rest, and takes one
+softmax over the concatenated row, with the query heads that share a KV head as rows of one product.
 
 For prefill, the efficient kernel never builds a (Lq, Lk) score matrix. It runs two attention passes
 with a fused kernel that also returns the log-sum-exp of each row, and merges them exactly:
@@ -17,8 +18,9 @@ with a fused kernel that also returns the log-sum-exp of each row, and merges th
   ``s <= off + r - W``, which is a plain causal pattern after an offset, so it runs as one
   causal call (plus one unmasked call for keys every row sees).
 
-Queries are assumed to sit at the last ``Lq`` slots of the key sequence (as with every
-transformers cache), and a key at slot ``s`` to have position ``last_query_pos - (Lk-1-s)``.
+Both passes assume gapless keys (slot ``s`` at position ``last_query_pos - (Lk-1-s)``, as with every
+transformers cache). Keys with gaps in their positions take :func:`attention_by_position`, which masks by
+position, query block by query block, so memory stays (block, Lk) there too.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from selfextend.core.cells import KeyCells
+from selfextend.core.masked import attention_by_position, repeat_kv
 from selfextend.core.positions import grouped_key_positions, grouped_query_positions, is_neighbor
 from selfextend.core.rope import RotationTable, rotate
 
@@ -132,14 +136,6 @@ def merge_into(
     return merged.to(out.dtype), new_lse
 
 
-def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
-    """(B, Hkv, L, D) -> (B, Hkv * n_rep, L, D), each KV head repeated for its query heads."""
-    if n_rep == 1:
-        return x
-    b, h, seq, d = x.shape
-    return x[:, :, None].expand(b, h, n_rep, seq, d).reshape(b, h * n_rep, seq, d)
-
-
 def _neighbor_pass(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -166,14 +162,23 @@ def _neighbor_pass(
 
 
 def sliding_window_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    window: int,
+    scale: float,
+    q_pos: torch.Tensor | None = None,
+    cells: KeyCells | None = None,
 ) -> torch.Tensor:
     """Causal attention over the last ``window`` slots only (``i - j < window``), as the sliding layers of
     hybrid models attend: q (B, H, Lq, D) at the last Lq slots of k/v (B, Hkv, Lk, D) -> (B, H, Lq, D).
 
     The neighbor pass, block by block, so neither an (Lq, Lk) mask nor (Lq, Lk) scores exist:
     transformers' SDPA path builds a dense boolean mask (4 GiB at 64k tokens) and scores every pair.
+    Keys whose ``cells`` have gaps are masked by position instead (``q_pos`` (B or 1, Lq) required then).
     """
+    if cells is not None and cells.first is None:
+        return attention_by_position(q, k, v, q_pos, cells.positions, scale, sliding=window)
     n_rep = q.shape[1] // k.shape[1]
     out, _ = _neighbor_pass(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), window, scale)
     return out
@@ -206,67 +211,32 @@ def _grouped_pass(
 def grouped_keys(
     k: torch.Tensor, k_pos: torch.Tensor, group_size: int, inv_freq: torch.Tensor
 ) -> torch.Tensor:
-    """Keys (B, Hkv, n, D) rotated at positions ``k_pos`` (B, n) moved to their grouped positions."""
+    """Keys (B, Hkv, n, D) rotated at positions ``k_pos`` (n,) or (B, n) moved to their grouped positions."""
     return rotate(k, grouped_key_positions(k_pos, group_size) - k_pos, inv_freq)
 
 
-class GroupedKeyMemo:
-    """One layer's keys at grouped positions, kept between decode steps.
+def _grouped_prefix(
+    k: torch.Tensor, cells: KeyCells, n: int, group_size: int, inv_freq: torch.Tensor
+) -> torch.Tensor:
+    """The first ``n`` keys at grouped positions: from their owner when it keeps them, else rotated here."""
+    if cells.grouped is not None:
+        return cells.grouped(group_size, inv_freq, n)
+    return grouped_keys(k[..., :n, :], cells.positions[..., :n], group_size, inv_freq)
 
-    A key's grouped position ``j // G`` does not depend on the query, so while decoding only the
-    key that just left the neighbor window needs rotating. The memo is trusted only along an
-    unbroken chain of decode steps: one key more than at the last step, slot 0 at the same
-    position, the same raw key in the last memoised slot. A prefill, a context shift, a
-    truncation or a new sequence breaks the chain, and the memo starts over.
-    """
 
-    def __init__(self, rotations: RotationTable | None = None) -> None:
-        self.rotations = rotations if rotations is not None else RotationTable()
-        self.buf: torch.Tensor | None = None  # (B, Hkv, capacity, D)
-        self.last_raw: torch.Tensor | None = None  # (B, Hkv, D): the raw key of slot n - 1
-        self.n = 0
-        self.lk = -1
-        self.first_pos = 0
-
-    def reset(self) -> None:
-        self.n, self.lk = 0, -1
-
-    def get(
-        self, k: torch.Tensor, first_pos: int, n_grouped: int, group_size: int, inv_freq: torch.Tensor
-    ) -> torch.Tensor:
-        """Grouped keys of slots [0, n_grouped) of ``k`` (B, Hkv, Lk, D), whose slot 0 is at ``first_pos``."""
-        n, buf = self.n, self.buf
-        continues = (
-            n > 0
-            and n_grouped == n + 1
-            and k.shape[-2] == self.lk + 1
-            and first_pos == self.first_pos
-            and buf.shape[-2] > n
-            and torch.equal(k[..., n - 1, :], self.last_raw)
-        )
-        if not continues:
-            return self._rebuild(k, first_pos, n_grouped, group_size, inv_freq)
-        j = first_pos + n  # the one key that left the window since the last step
-        delta = grouped_key_positions(j, group_size) - j
-        buf[..., n, :] = self.rotations.rotate(k[..., n, :], delta, inv_freq)
-        self.last_raw = k[..., n, :].clone()
-        self.n, self.lk = n_grouped, k.shape[-2]
-        return buf[..., :n_grouped, :]
-
-    def _rebuild(
-        self, k: torch.Tensor, first_pos: int, n_grouped: int, group_size: int, inv_freq: torch.Tensor
-    ) -> torch.Tensor:
-        """All grouped keys anew, in a buffer with room to grow (amortised doubling)."""
-        b = self.buf
-        fits = b is not None and b.shape[:2] == k.shape[:2] and b.dtype == k.dtype and b.device == k.device
-        if not fits or b.shape[-2] <= n_grouped:
-            capacity = max(n_grouped + 1, 2 * b.shape[-2] if fits else 256)
-            self.buf = k.new_empty(*k.shape[:2], capacity, k.shape[-1])
-        pos = first_pos + torch.arange(n_grouped, device=k.device)  # (n_grouped,)
-        self.buf[..., :n_grouped, :] = grouped_keys(k[..., :n_grouped, :], pos, group_size, inv_freq)
-        self.last_raw = k[..., n_grouped - 1, :].clone()
-        self.n, self.lk, self.first_pos = n_grouped, k.shape[-2], first_pos
-        return self.buf[..., :n_grouped, :]
+def untagged_cells(k: torch.Tensor, q_pos: torch.Tensor) -> KeyCells:
+    """Cells of keys no cache tagged: the queries' own keys when as many (no cache: their positions), else
+    gapless and ending at each row's last query (transformers' caches). Positions (B or 1, Lk); ``first``
+    that of row 0 when every row is gapless (the decode path, which reads it, runs only when every row is at
+    the same position)."""
+    lk, lq = k.shape[-2], q_pos.shape[-1]
+    if lk == lq:
+        positions = q_pos
+        gapless = bool((q_pos[:, -1] - q_pos[:, 0] == lq - 1).all())
+    else:
+        positions = q_pos[:, -1:] - (lk - 1) + torch.arange(lk, device=k.device)  # (B, Lk)
+        gapless = True
+    return KeyCells(positions, int(positions[0, 0]) if gapless else None)
 
 
 def self_extend_decode(
@@ -278,24 +248,32 @@ def self_extend_decode(
     window: int,
     inv_freq: torch.Tensor,
     scale: float,
-    memo: GroupedKeyMemo,
+    cells: KeyCells,
+    rotations: RotationTable | None = None,
 ) -> torch.Tensor:
-    """One query row per sequence, all at position ``pos``: grouped scores for slots before the
-    window, neighbor scores inside it, one softmax over both. q (B, H, 1, D) -> (B, H, 1, D)."""
+    """One query row per sequence, all at position ``pos``, against every key (all at positions <= pos):
+    grouped scores for keys at distance >= W, neighbor scores for the others, one softmax over both.
+    q (B, H, 1, D) -> (B, H, 1, D). ``rotations``: a table for the query's rotation (shared by layers)."""
     b, h, _, d = q.shape
     hkv, lk = k.shape[1], k.shape[2]
-    n_grouped = lk - window
-    if n_grouped <= 0 or group_size == 1:
+    if cells.first is not None:  # keys at positions <= pos - W are the first ones
+        n_grouped = min(max(pos - window - cells.first + 1, 0), lk)
+    else:
+        n_grouped = int(torch.searchsorted(cells.positions, pos - window, right=True))
+    if n_grouped == 0 or group_size == 1:
         # Every key at its own position: this is plain attention, so run the very op the unpatched model
         # decodes with. Another summation order differs in the last bits, which int8 weights (activations
         # rounded to bfloat16 before each product) amplify until a greedy token flips.
-        memo.reset()
         return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
     q = (q * scale).reshape(b, hkv, h // hkv, d)  # (B, Hkv, n_rep, D): the heads sharing a KV head as rows
-    k_g = memo.get(k, pos - (lk - 1), n_grouped, group_size, inv_freq)
-    q_g = memo.rotations.rotate(q, grouped_query_positions(pos, group_size, window) - pos, inv_freq)
-    grouped = torch.matmul(q_g, k_g.transpose(-1, -2))  # (B, Hkv, n_rep, Lk - W)
-    neighbors = torch.matmul(q, k[..., n_grouped:, :].transpose(-1, -2))  # (B, Hkv, n_rep, W)
+    k_g = _grouped_prefix(k, cells, n_grouped, group_size, inv_freq)
+    delta = grouped_query_positions(pos, group_size, window) - pos
+    if rotations is not None:
+        q_g = rotations.rotate(q, delta, inv_freq)
+    else:
+        q_g = rotate(q, torch.tensor([delta]), inv_freq)
+    grouped = torch.matmul(q_g, k_g.transpose(-1, -2))  # (B, Hkv, n_rep, n_grouped)
+    neighbors = torch.matmul(q, k[..., n_grouped:, :].transpose(-1, -2))  # (B, Hkv, n_rep, rest)
     scores = torch.cat((grouped, neighbors), dim=-1)  # (B, Hkv, n_rep, Lk)
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
     return torch.matmul(probs, v).reshape(b, h, 1, d)
@@ -310,24 +288,28 @@ def self_extend_attention(
     window: int,
     inv_freq: torch.Tensor,
     scale: float | None = None,
-    memo: GroupedKeyMemo | None = None,
+    cells: KeyCells | None = None,
+    rotations: RotationTable | None = None,
 ) -> torch.Tensor:
-    """Self-Extend attention for one unpadded problem, queries at the last ``Lq`` key slots.
+    """Self-Extend attention for one unpadded problem, the queries' keys last.
 
-    q (B, H, Lq, D) rotated at ``q_pos`` (B or 1, Lq); k/v (B, Hkv, Lk, D), keys rotated at their
-    positions ``q_pos[:, -1] - (Lk - 1 - s)``. Returns (B, H, Lq, D). Decode steps (Lq = 1) take
-    a direct path; with a ``memo`` kept across steps, they rotate only the newly grouped key.
+    q (B, H, Lq, D) rotated at ``q_pos`` (B or 1, Lq); k/v (B, Hkv, Lk, D), keys rotated at the positions of
+    ``cells`` (None: gapless, ending at ``q_pos[:, -1]``). Returns (B, H, Lq, D). Decode steps (Lq = 1) take a
+    direct path, reading grouped keys from ``cells.grouped`` where the cache keeps them.
     """
     b, h, lq, d = q.shape
     hkv, lk = k.shape[1], k.shape[2]
     scale = d**-0.5 if scale is None else scale
     q_pos = q_pos.to(q.device).long()
+    cells = cells if cells is not None else untagged_cells(k, q_pos)
     last = q_pos[:, -1]
     if lq == 1 and (last.shape[0] == 1 or bool((last == last[0]).all())):
-        memo = memo if memo is not None else GroupedKeyMemo()
-        return self_extend_decode(q, k, v, int(last[0]), group_size, window, inv_freq, scale, memo)
-    if memo is not None:
-        memo.reset()
+        pos = int(last[0])
+        return self_extend_decode(q, k, v, pos, group_size, window, inv_freq, scale, cells, rotations)
+    if cells.first is None:
+        k_g = _grouped_prefix(k, cells, lk, group_size, inv_freq) if group_size > 1 else k
+        se = (group_size, window, inv_freq, k_g)
+        return attention_by_position(q, k, v, q_pos, cells.positions, scale, self_extend=se)
 
     n_rep, n_grouped = h // hkv, lk - window
     v = repeat_kv(v, n_rep)
@@ -337,8 +319,7 @@ def self_extend_attention(
     if group_size == 1:  # grouped positions are the normal ones
         q_g, k_g = q, k[..., :n_grouped, :]
     else:
-        k_pos = q_pos[:, -1:] - (lk - 1) + torch.arange(n_grouped, device=q.device)  # (B, Lk - W)
-        k_g = grouped_keys(k[..., :n_grouped, :], k_pos, group_size, inv_freq)
+        k_g = _grouped_prefix(k, cells, n_grouped, group_size, inv_freq)
         q_g = rotate(q, grouped_query_positions(q_pos, group_size, window) - q_pos, inv_freq)
     grouped = _grouped_pass(q_g, repeat_kv(k_g, n_rep), v, window, scale)
     if grouped is not None:

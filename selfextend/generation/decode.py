@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from selfextend.core.attention import self_extend_decode
+from selfextend.core.cells import cells_of
 from selfextend.core.rope import Rotation
 from selfextend.hf.patch import IMPLEMENTATION
 from selfextend.kv.cache import ContextShiftCache
@@ -118,11 +119,11 @@ class DecodeStep:
             h = layer.input_layernorm.forward(x)
             qkv = project(self.qkv[i], h).view(1, 1, -1, d).transpose(1, 2)  # (1, H + 2 Hkv, 1, D)
             q, k = rot.apply(qkv[:, :n_qk]).split(self.heads[:2], dim=1)  # one rotation for both
-            k, v = cache.layers[i].update(k, qkv[:, n_qk:])  # (1, Hkv, n_past + 1, D)
+            k, v = cache.layers[i].update(k, qkv[:, n_qk:])  # (1, Hkv, cells, D)
             if self_extend:
                 p = attn.self_extend
                 out = self_extend_decode(
-                    q, k, v, pos, p.group_size, p.window, p.inv_freq, attn.scaling, p.memo
+                    q, k, v, pos, p.group_size, p.window, p.inv_freq, attn.scaling, cells_of(k), p.rotations
                 )
             else:
                 out = F.scaled_dot_product_attention(q, k, v, scale=attn.scaling, enable_gqa=True)

@@ -33,11 +33,12 @@ from transformers.masking_utils import (
 )
 
 from selfextend.core.attention import (
-    GroupedKeyMemo,
     self_extend_attention,
     self_extend_attention_reference,
     sliding_window_attention,
+    untagged_cells,
 )
+from selfextend.core.cells import cells_of
 from selfextend.core.positions import max_length, validate
 from selfextend.core.rope import Frequencies, RotationTable, layer_frequencies, rotate
 from selfextend.core.validate import ValidationError
@@ -62,7 +63,7 @@ class SelfExtendParams:
     window: int
     rotary: Frequencies
     previous_implementation: str
-    memo: GroupedKeyMemo = field(default_factory=GroupedKeyMemo)  # this layer's grouped keys while decoding
+    rotations: RotationTable = field(default_factory=RotationTable)  # the decode query's rotation, shared
 
     @property
     def inv_freq(self) -> torch.Tensor:
@@ -80,7 +81,7 @@ def padding_mask(
     """Mask function for ``selfextend``: only the (B, Lk) key padding, or None when there is none.
 
     Causality and the neighbor/grouped split are computed inside the attention function from
-    slot arithmetic, so no (Lq, Lk) mask is ever built. Any other mask (the sliding-window mask of
+    key positions, so no (Lq, Lk) mask is ever built. Any other mask (the sliding-window mask of
     hybrid models' sliding layers, which keep their own attention) is SDPA's usual one.
     """
     if mask_function is not causal_mask_function:
@@ -154,7 +155,8 @@ def _own_attention(
     window = kwargs.get("sliding_window")
     if attention_mask is None and window is not None and query.shape[2] > 1:
         scale = query.shape[-1] ** -0.5 if scaling is None else scaling
-        out = sliding_window_attention(query, key, value, int(window), scale)
+        q_pos = _query_positions(kwargs, query.shape[0], query.shape[2], key.shape[2], query.device)
+        out = sliding_window_attention(query, key, value, int(window), scale, q_pos, cells_of(key))
         return out.transpose(1, 2).contiguous(), None
     return sdpa_attention_forward(
         module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
@@ -181,14 +183,18 @@ def self_extend_attention_forward(
     lk = key.shape[2]
     q_pos = _query_positions(kwargs, b, lq, lk, query.device)
     pads = _split_padding(attention_mask, lk)
+    cells = cells_of(key)
 
-    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, memo=None) -> torch.Tensor:
+    def run(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, pad: int | None = None
+    ) -> torch.Tensor:
+        c = cells.drop(pad) if cells is not None and pad is not None else cells  # one row, after its padding
         return self_extend_attention(
-            q, k, v, pos, params.group_size, params.window, params.inv_freq, scale=scaling, memo=memo
+            q, k, v, pos, params.group_size, params.window, params.inv_freq, scaling, c, params.rotations
         )
 
     if pads is None:
-        out = run(query, key, value, q_pos, params.memo)
+        out = run(query, key, value, q_pos)
     else:
         # Each row on its own, without its padding slots: left padding means "these slots don't exist".
         out = torch.zeros_like(query)
@@ -200,7 +206,7 @@ def self_extend_attention_forward(
                 continue
             sl = slice(row, row + 1)
             out[sl, :, first_q:] = run(
-                query[sl, :, first_q:], key[sl, :, pad:], value[sl, :, pad:], q_pos[sl, first_q:]
+                query[sl, :, first_q:], key[sl, :, pad:], value[sl, :, pad:], q_pos[sl, first_q:], pad
             )
     return out.transpose(1, 2).contiguous(), None
 
@@ -228,7 +234,8 @@ def reference_attention_forward(
     b, _, lq, _ = query.shape
     lk = key.shape[2]
     q_pos = _query_positions(kwargs, b, lq, lk, query.device)
-    k_pos = q_pos[:, -1:] - (lk - 1) + torch.arange(lk, device=query.device)  # (B, Lk)
+    cells = cells_of(key) or untagged_cells(key, q_pos)
+    k_pos = cells.positions.to(query.device).expand(b, -1)  # (B, Lk)
     key_mask = None
     if attention_mask is not None:
         key_mask = attention_mask[:, -lk:].bool()
@@ -324,7 +331,7 @@ def apply_self_extend(
     for m in modules:
         if kinds[m.layer_idx] == "full_attention":
             freq = frequencies[m.layer_idx]
-            m.self_extend = SelfExtendParams(group_size, window, freq, previous, GroupedKeyMemo(rotations))
+            m.self_extend = SelfExtendParams(group_size, window, freq, previous, rotations)
         else:
             m.self_extend = OwnAttention(previous)
     model.set_attn_implementation(implementation)

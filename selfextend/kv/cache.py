@@ -4,9 +4,12 @@ As llama.cpp does when ``n_past + n_new > n_ctx``: keep the first ``n_keep`` cel
 prompt), discard the older half of the rest, ``n_discard = (n_past - n_keep) // 2``, move the
 newer half down by ``n_discard`` and re-rotate its keys by ``-n_discard`` (K-shift: keys are
 cached after RoPE, and rotations compose), each layer with its own rotary frequencies. Values are
-not rotated. Positions stay contiguous, so after a shift the next token is exactly what a fresh
-forward over the kept tokens at their compacted positions would give, and Self-Extend's grouped
-positions follow the shifted ones.
+not rotated. After a shift the next token is exactly what a fresh forward over the kept tokens at
+their compacted positions would give, and Self-Extend's grouped positions follow the shifted ones.
+
+Every cell carries its position (:mod:`selfextend.kv.layers`), so a shift is two operations named
+after llama.cpp's memory API, which also move any other chunk of cells: :meth:`ContextShiftCache.remove`
+and :meth:`ContextShiftCache.move`.
 
 A sliding-window layer of a hybrid model (Gemma 3: 15 of 18 layers attend the last 512 tokens)
 holds only what a query can still attend: the kept cells, which come back inside the window after
@@ -26,7 +29,7 @@ from transformers.cache_utils import Cache
 from selfextend.core.rope import layer_frequencies
 from selfextend.core.validate import check_int
 from selfextend.hf.facts import kv_shape, sliding_windows
-from selfextend.kv.layers import ContextShiftLayer, Range, SlidingShiftLayer, covers, gather, merge
+from selfextend.kv.layers import CellLayer, ContextShiftLayer, SlidingShiftLayer
 
 
 def discard_count(n_past: int, n_keep: int) -> int:
@@ -92,7 +95,7 @@ class ContextShiftCache(Cache):
         kv_heads, head_dim = kv_shape(config)
         param = next(model.parameters())
         dtype, device = dtype or param.dtype, device or param.device
-        layers: list[ContextShiftLayer] = []
+        layers: list[CellLayer] = []
         windows = sliding_windows(config)
         for cells, window in zip(layer_cells(config, n_ctx, n_keep, sliding), windows, strict=True):
             shape = (batch_size, kv_heads, cells, head_dim)
@@ -109,11 +112,12 @@ class ContextShiftCache(Cache):
         self.shifts = 0
         self.discarded = 0
         self.discard_policy: DiscardPolicy | None = None  # None: discard_count (llama.cpp's half)
-        self.gap: Range | None = None  # positions removed by remove() whose later cells await move()
 
     @property
     def n_past(self) -> int:
-        return self.layers[0].n_past
+        """The position of the next token (the number of tokens cached, unless cells were removed
+        without moving the later ones down)."""
+        return self.layers[0].next_pos
 
     def nbytes(self) -> int:
         """Bytes of the allocated key and value buffers."""
@@ -129,9 +133,10 @@ class ContextShiftCache(Cache):
 
     def can_truncate(self, n_past: int) -> bool:
         """Whether :meth:`truncate` to ``n_past`` is exact: no sliding layer has dropped a cell the tokens
-        before ``n_past`` attend (always true back to ``n_keep``)."""
+        after ``n_past`` attend (always true back to ``n_keep``). ``can_truncate(n_past)`` with the current
+        ``n_past`` says whether the cache is exact after :meth:`remove` / :meth:`move`."""
         n_past = min(n_past, self.n_past)
-        return all(covers(layer.held(), layer.needs(n_past)) for layer in self.layers)
+        return all(layer.holds(n_past) for layer in self.layers)
 
     def truncate(self, n_past: int) -> None:
         """Forget every cell from ``n_past`` on (no shift, no rotation); ValueError, with nothing changed,
@@ -145,12 +150,48 @@ class ContextShiftCache(Cache):
         for layer in self.layers:
             layer.truncate(n_past)
 
-    def loadable(self, held: Sequence[Sequence[Range]], n_past: int) -> int:
-        """The longest prefix, at most ``n_past``, that :meth:`load_prefix` can load from states that hold
-        positions ``held[i]`` for layer ``i``: each layer must find every cell it needs."""
-        ends = {n_past, min(n_past, self.n_keep), 0} | {hi for h in held for _, hi in h if hi < n_past}
+    def remove(self, p0: int, p1: int | None = None) -> None:
+        """Drop the cells at positions ``[p0, p1)`` (``p1`` None: to the end) from every layer, as llama.cpp's
+        ``llama_memory_seq_rm``; later cells keep their positions (see :meth:`move`)."""
+        p0 = check_int(p0, "first position", 0)
+        p1 = self.n_past if p1 is None else check_int(p1, "end position", p0)
+        for layer in self.layers:
+            layer.remove(p0, p1)
+        self._follow()
+
+    def move(self, p0: int, p1: int | None, delta: int) -> None:
+        """Add ``delta`` to the positions in ``[p0, p1)`` (``p1`` None: to the end) and re-rotate those keys
+        (K-shift), each layer with its own frequencies, as llama.cpp's ``llama_memory_seq_add``. ValueError,
+        with nothing changed, where two cells would share a position or one would go below 0."""
+        p0 = check_int(p0, "first position", 0)
+        p1 = self.n_past if p1 is None else check_int(p1, "end position", p0)
+        delta = check_int(delta, "position change")
+        if delta == 0 or p1 == p0:
+            return
+        if any(layer.collides(p0, p1, delta) for layer in self.layers):
+            raise ValueError(
+                f"cannot move [{p0}, {p1}) by {delta}: two cells would share a position or one go below 0"
+            )
+        for layer, freq in zip(self.layers, self.frequencies, strict=True):
+            layer.move(p0, p1, delta, freq.inv_freq)
+        self._follow()
+
+    def _follow(self) -> None:
+        """Every layer's next position: one past the highest position any layer holds."""
+        next_pos = max(layer.max_position() for layer in self.layers) + 1
+        for layer in self.layers:
+            layer.next_pos = next_pos
+
+    def loadable(self, positions: Sequence[torch.Tensor], n_past: int) -> int:
+        """The longest prefix, at most ``n_past``, that :meth:`load_prefix` can load from states at
+        ``positions[i]`` for layer ``i``: each layer must find every cell it needs."""
+        ends = {n_past, min(n_past, self.n_keep), 0}
+        for pos in positions:
+            held = pos[pos < n_past]
+            runs = torch.nonzero(torch.diff(torch.sort(held).values) != 1).squeeze(1)
+            ends.update((torch.sort(held).values[runs] + 1).tolist())
         for n in sorted(ends, reverse=True):
-            if all(covers(h, layer.needs(n)) for layer, h in zip(self.layers, held, strict=True)):
+            if all(_covers(layer, pos, n) for layer, pos in zip(self.layers, positions, strict=True)):
                 return n
         return 0
 
@@ -158,25 +199,22 @@ class ContextShiftCache(Cache):
         self,
         keys: list[torch.Tensor],
         values: list[torch.Tensor],
-        n_past: int | None = None,
-        held: Sequence[Sequence[Range]] | None = None,
+        n_past: int,
+        positions: Sequence[torch.Tensor] | None = None,
     ) -> None:
-        """Fill the cache with per-layer (B, Hkv, n, D) states (from a prompt-cache file): the cells of the
-        positions ``held[i]`` for layer ``i`` (default: ``[0, n)``), of which the first ``n_past`` positions
-        are loaded (default: all). ValueError if a layer lacks a cell it needs."""
+        """Fill the cache with per-layer (B, Hkv, n, D) states (from a prompt-cache file) at ``positions[i]``
+        (n,) for layer ``i`` (default: ``0, 1, ...``), of which the cells the first ``n_past`` positions
+        need are loaded. ValueError if a layer lacks a cell it needs."""
         if len(keys) != len(self.layers):
             raise ValueError(f"{len(keys)} layers of states for a cache of {len(self.layers)} layers")
-        held = held or [merge([(0, k.shape[-2])]) for k in keys]
-        if n_past is None:
-            n_past = max((h[-1][1] for h in held if h), default=0)
-        for i, (layer, h) in enumerate(zip(self.layers, held, strict=True)):
-            if not covers(h, layer.needs(n_past)):
-                raise ValueError(
-                    f"layer {i} holds positions {list(h)}, not the {layer.needs(n_past)} it needs"
-                )
-        for layer, h, k, v in zip(self.layers, held, keys, values, strict=True):
-            needed = layer.needs(n_past)
-            layer.place(n_past, gather(h, k, needed), gather(h, v, needed))
+        positions = positions or [torch.arange(k.shape[-2]) for k in keys]
+        for i, (layer, pos) in enumerate(zip(self.layers, positions, strict=True)):
+            if not _covers(layer, pos, n_past):
+                raise ValueError(f"layer {i} lacks cells the first {n_past} positions need")
+        for layer, k, v, pos in zip(self.layers, keys, values, positions, strict=True):
+            take = torch.nonzero((pos < n_past) & layer.is_needed(pos, n_past)).squeeze(1)
+            take = take[torch.argsort(pos[take])]
+            layer.fill(k.index_select(-2, take), v.index_select(-2, take), pos[take], n_past)
 
     def make_room(self, n_new: int) -> int:
         """Shift until ``n_new`` more tokens fit; returns the number of shifts made."""
@@ -195,46 +233,23 @@ class ContextShiftCache(Cache):
             made += 1
         return made
 
-    def remove(self, p0: int, p1: int) -> None:
-        """Drop the cells of positions ``[p0, p1)`` (llama.cpp's ``seq_rm``).
-
-        Cells stay contiguous here, so a removal before the last cell leaves a gap that the next call must
-        close: ``move(p1, n_past, p0 - p1)``. Full-attention layers only (a sliding layer's storage keeps
-        its own window); ValueError otherwise.
-        """
-        p1 = min(p1, self.n_past)
-        if not 0 <= p0 < p1 or self.gap is not None:
-            raise ValueError(f"cannot remove positions [{p0}, {p1}) of {self.n_past} cells")
-        if p1 == self.n_past:
-            self.truncate(p0)
-            return
-        if any(isinstance(layer, SlidingShiftLayer) for layer in self.layers):
-            raise ValueError("removing cells before the last one needs full-attention layers")
-        self.gap = (p0, p1)
-
-    def move(self, p0: int, p1: int, delta: int) -> None:
-        """Add ``delta`` to the positions of cells ``[p0, p1)``, keys re-rotated (llama.cpp's ``seq_add``).
-
-        Here only the move that closes the gap left by :meth:`remove`: every cell after it, down by its
-        width (the shift's drop-and-move at any start).
-        """
-        gap = self.gap
-        if gap is None or (p0, min(p1, self.n_past), delta) != (gap[1], self.n_past, gap[0] - gap[1]):
-            raise ValueError(f"cannot move positions [{p0}, {p1}) by {delta}: only closing a removed gap")
-        for layer, freq in zip(self.layers, self.frequencies, strict=True):
-            layer.shift(gap[0], gap[1] - gap[0], freq.inv_freq)
-        self.gap = None
-
     def shift(self, n_discard: int) -> None:
-        """One context shift: drop cells ``[n_keep, n_keep + n_discard)``, move the rest down and re-rotate
-        their keys by ``-n_discard``."""
+        """One context shift: drop cells ``[n_keep, n_keep + n_discard)``, move the later ones down by
+        ``n_discard`` (keys re-rotated)."""
         if not 1 <= n_discard <= self.n_past - self.n_keep:
             raise ValueError(
                 f"cannot discard {n_discard} cells: {self.n_past} cached, {self.n_keep} kept"
                 if n_discard
                 else f"nothing left to discard: {self.n_past} cached, {self.n_keep} kept"
             )
-        for layer, freq in zip(self.layers, self.frequencies, strict=True):
-            layer.shift(self.n_keep, n_discard, freq.inv_freq)
+        end = self.n_past
+        self.remove(self.n_keep, self.n_keep + n_discard)
+        self.move(self.n_keep + n_discard, end, -n_discard)
         self.shifts += 1
         self.discarded += n_discard
+
+
+def _covers(layer: CellLayer, positions: torch.Tensor, n_past: int) -> bool:
+    """Whether cells at ``positions`` include every one ``layer`` needs after ``n_past`` tokens."""
+    below = positions[positions < n_past]
+    return int(layer.is_needed(below, n_past).sum()) == layer.needed(n_past)

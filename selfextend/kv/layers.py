@@ -1,68 +1,62 @@
-"""One layer's cells of a :class:`~selfextend.kv.cache.ContextShiftCache`: all of them (full attention), or
-the kept ones and the window (sliding attention).
+"""One layer's cells of a :class:`~selfextend.kv.cache.ContextShiftCache`: keys and values with the position
+of each, as llama.cpp's KV cells carry theirs.
 
-Storage is allocated once at construction and never reallocated; a shift drops cells, moves the survivors
-down and re-rotates their keys (:func:`~selfextend.core.rope.rotate`, in float32).
+The storage contract, which compiled decode steps read directly:
+
+- ``keys``, ``values`` (B, Hkv, capacity, D) and ``positions`` (capacity,) int64 on one device, allocated
+  once; the ``n_used`` cells in use are slots ``[0, n_used)``.
+- A full-attention layer (:class:`ContextShiftLayer`) keeps them in increasing position order; a sliding layer
+  (:class:`SlidingShiftLayer`) uses its slots as a ring, in any order.
+- Cell ``j`` is visible to a query at position ``p`` where it is in use, ``positions[j] <= p``, and for a
+  sliding layer ``p - positions[j] < window``: consumers mask by position, never by slot.
+- Moving cells (:meth:`CellLayer.remove`, :meth:`CellLayer.move`) is written once, here, for both kinds: keys
+  are re-rotated by the position change in float32 with the layer's own frequencies; values never are.
+
+``update`` (transformers' entry point) returns the cells the new queries may attend in increasing position
+order, the new ones last, with their positions attached (:func:`~selfextend.core.cells.tag_cells`), so that
+transformers' own attention functions, which mask by slot, see the layout they expect.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
+from selfextend.core.cells import KeyCells, tag_cells
 from selfextend.core.rope import rotate
+from selfextend.kv.grouped import GroupedKeys
 
-Range = tuple[int, int]
-"""Positions ``[lo, hi)``."""
-
-
-def merge(ranges: Sequence[Range]) -> list[Range]:
-    """Position ranges in increasing order without the empty ones, touching ones joined."""
-    out: list[Range] = []
-    for lo, hi in ranges:
-        if hi <= lo:
-            continue
-        if out and out[-1][1] == lo:
-            out[-1] = (out[-1][0], hi)
-        else:
-            out.append((lo, hi))
-    return out
+NOTHING = (0, -1)
+"""An empty inclusive range of positions."""
 
 
-def covers(held: Sequence[Range], needed: Sequence[Range]) -> bool:
-    """Whether every needed range lies inside one held range."""
-    return all(any(a <= lo and hi <= b for a, b in held) for lo, hi in needed)
+def _overlaps(lo: int, hi: int, a: int, b: int) -> bool:
+    """Whether inclusive ``[lo, hi]`` meets half-open ``[a, b)``."""
+    return lo <= hi and lo < b and a <= hi
 
 
-def gather(held: Sequence[Range], states: torch.Tensor, needed: Sequence[Range]) -> torch.Tensor:
-    """The cells of the ``needed`` positions, in order, from (B, Hkv, n, D) ``states`` that hold the
-    ``held`` positions one cell each, in order. ``needed`` must be covered (:func:`covers`)."""
-    starts, slot = [], 0  # (lo, hi, first slot) of each held range
-    for a, b in held:
-        starts.append((a, b, slot))
-        slot += b - a
-    parts = []
-    for lo, hi in needed:
-        a, _, s = next(r for r in starts if r[0] <= lo and hi <= r[1])
-        parts.append(states[..., s + lo - a : s + hi - a, :])
-    if not parts:
-        return states[..., :0, :]
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-2)
+class CellLayer(CacheLayerMixin):
+    """What full and sliding layers share: the cells, their positions, and moving them.
 
+    ``lost`` bounds (inclusive) the positions whose cells a sliding layer has overwritten: the positions
+    before ``next_pos`` it may lack. ``next_pos`` is the position of the next token, the same in every
+    layer of a cache.
+    """
 
-class ContextShiftLayer(CacheLayerMixin):
-    """One layer's keys and values in preallocated (B, Hkv, n_ctx, D) buffers, filled up to ``n_past``."""
-
-    is_sliding = False
     is_compileable = False
+    is_sliding = False
+    window: int | None = None
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, n_keep: int = 0) -> None:
         super().__init__()
         self.keys, self.values = keys, values
+        self.positions = torch.zeros(keys.shape[-2], dtype=torch.long, device=keys.device)
         self.dtype, self.device = keys.dtype, keys.device
-        self.n_past = 0
+        self.n_keep = n_keep
+        self.n_used = 0
+        self.next_pos = 0
+        self.lost = NOTHING
+        self.grouped = GroupedKeys()
         self.is_initialized = True
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -72,204 +66,271 @@ class ContextShiftLayer(CacheLayerMixin):
     def capacity(self) -> int:
         return self.keys.shape[-2]
 
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append (B, Hkv, n, D) states and return views of all cached states; never truncates."""
-        if key_states.device != self.device:  # a layer placed on another device by a device map
-            self._move(key_states.device)
-        n = key_states.shape[-2]
-        end = self.n_past + n
-        if end > self.capacity:
-            raise RuntimeError(
-                f"KV cache overflow: {self.n_past} cached + {n} new > {self.capacity}; call make_room() first"
-            )
-        self.keys[..., self.n_past : end, :] = key_states
-        self.values[..., self.n_past : end, :] = value_states
-        self.n_past = end
-        # a reduced-precision cache (--cache-type) hands the attention states in the model's dtype
-        return self.keys[..., :end, :].to(key_states.dtype), self.values[..., :end, :].to(value_states.dtype)
-
-    def _move(self, device: torch.device) -> None:
+    def _move_to(self, device: torch.device) -> None:
         """Put the buffers on ``device``, keeping what is cached (fresh buffers when empty: the first
         allocation may sit on the meta device of an offloaded model)."""
-        if self.n_past == 0:
+        if self.n_used == 0:
             self.keys = torch.zeros_like(self.keys, device=device)
             self.values = torch.zeros_like(self.values, device=device)
+            self.positions = torch.zeros_like(self.positions, device=device)
         else:
             self.keys, self.values = self.keys.to(device), self.values.to(device)
+            self.positions = self.positions.to(device)
         self.device = device
 
-    def shift(self, n_keep: int, n_discard: int, inv_freq: torch.Tensor) -> None:
-        """Drop cells [n_keep, n_keep + n_discard) and move the rest down, keys re-rotated by -n_discard."""
-        src, dst = slice(n_keep + n_discard, self.n_past), slice(n_keep, self.n_past - n_discard)
-        moved = self.n_past - n_keep - n_discard
-        delta = torch.full((moved,), -n_discard, device=self.device)
-        self.keys[..., dst, :] = rotate(self.keys[..., src, :], delta, inv_freq)
-        self.values[..., dst, :] = self.values[..., src, :].clone()
-        self.n_past -= n_discard
+    def _lose(self, lo: int, hi: int) -> None:
+        """Record that the cells of positions ``[lo, hi]`` (inclusive) may be gone."""
+        was_lo, was_hi = self.lost
+        if lo <= hi:
+            self.lost = (lo, hi) if was_lo > was_hi else (min(lo, was_lo), max(hi, was_hi))
 
-    def held(self) -> list[Range]:
-        """The positions whose cells this layer holds, in the order of :meth:`states`."""
-        return merge([(0, self.n_past)])
+    def _pack(self, first: int, slots: torch.Tensor) -> None:
+        """Copy the cells of ``slots`` (in that order) to ``first, first + 1, ...``; the rest go unused."""
+        for t in (self.keys, self.values):
+            t[..., first : first + len(slots), :] = t.index_select(-2, slots)
+        self.positions[first : first + len(slots)] = self.positions.index_select(0, slots)
+        self.n_used = first + len(slots)
+        self.grouped.invalidate(first)
 
-    def needs(self, n_past: int) -> list[Range]:
-        """The positions whose cells the next tokens attend after ``n_past`` cached ones."""
-        return merge([(0, n_past)])
+    def remove(self, p0: int, p1: int) -> None:
+        """Drop the cells at positions ``[p0, p1)``; the others keep their order."""
+        gone = (self.positions[: self.n_used] >= p0) & (self.positions[: self.n_used] < p1)
+        hits = torch.nonzero(gone).squeeze(1)
+        if len(hits):
+            first = int(hits[0])
+            self._pack(first, first + torch.nonzero(~gone[first:]).squeeze(1))
+        lo, hi = self.lost
+        if p0 <= lo and hi < p1:  # every lost position is removed too (or nothing was lost)
+            self.lost = NOTHING
+        elif lo < p0 <= hi < p1:
+            self.lost = (lo, p0 - 1)
+        elif p0 <= lo < p1 <= hi:
+            self.lost = (p1, hi)
 
-    def states(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Views of the held keys and values, (B, Hkv, n, D) each."""
-        return self.keys[..., : self.n_past, :], self.values[..., : self.n_past, :]
+    def collides(self, p0: int, p1: int, delta: int) -> bool:
+        """Whether :meth:`move` would give two cells one position."""
+        pos = self.positions[: self.n_used]
+        moved = (pos >= p0) & (pos < p1)
+        new = torch.where(moved, pos + delta, pos)
+        return bool((new < 0).any()) or len(torch.unique(new)) < len(new)
 
-    def place(self, n_past: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Replace the contents by the cells of ``needs(n_past)``, in order, (B, Hkv, n, D) each."""
-        self.reset()
-        self.update(keys.to(self.device, self.dtype), values.to(self.device, self.dtype))
+    def move(self, p0: int, p1: int, delta: int, inv_freq: torch.Tensor) -> None:
+        """Add ``delta`` to the positions in ``[p0, p1)`` and re-rotate those keys by ``delta`` (K-shift: in
+        float32, with this layer's ``inv_freq``, a pure rotation without ``attention_scaling``)."""
+        pos = self.positions[: self.n_used]
+        slots = torch.nonzero((pos >= p0) & (pos < p1)).squeeze(1)
+        if len(slots):
+            shift = torch.full((len(slots),), delta, device=self.device)
+            self.keys[..., slots, :] = rotate(self.keys[..., slots, :], shift, inv_freq)
+            self.positions[slots] += delta
+            self.grouped.invalidate(int(slots[0]))
+            self._order()
+        lo, hi = self.lost
+        parts = [(lo, min(hi, p0 - 1)), (max(lo, p0) + delta, min(hi, p1 - 1) + delta), (max(lo, p1), hi)]
+        parts = [(a, b) for a, b in parts if a <= b]  # below, inside (moved) and above [p0, p1)
+        self.lost = (min(a for a, _ in parts), max(b for _, b in parts)) if parts else NOTHING
+
+    def _order(self) -> None:
+        """Restore this kind's slot order after a move (a full layer's increasing positions)."""
+
+    def max_position(self) -> int:
+        """The highest position held, -1 when empty."""
+        return int(self.positions[: self.n_used].max()) if self.n_used else -1
+
+    def needed(self, n_past: int) -> int:
+        """How many positions the tokens after ``n_past`` cached ones attend, now or after shifts: all of
+        them, or for a sliding layer the kept ones and the window."""
+        if self.window is None:
+            return n_past
+        kept = min(n_past, self.n_keep)
+        return kept + max(0, n_past - max(self.n_keep, n_past - self.window + 1))
+
+    def is_needed(self, positions: torch.Tensor, n_past: int) -> torch.Tensor:
+        """Which of ``positions`` (all below ``n_past``) are among :meth:`needed`'s."""
+        if self.window is None:
+            return torch.ones_like(positions, dtype=torch.bool)
+        return (positions < self.n_keep) | (positions >= n_past - self.window + 1)
+
+    def holds(self, n_past: int) -> bool:
+        """Whether, cut back to ``n_past`` tokens, this layer would still hold every cell the next tokens
+        attend (a sliding layer may have overwritten some)."""
+        lo, hi = self.lost[0], min(self.lost[1], n_past - 1)
+        if lo > hi or self.window is None:
+            return True
+        return not (
+            _overlaps(lo, hi, 0, min(n_past, self.n_keep))
+            or _overlaps(lo, hi, max(self.n_keep, n_past - self.window + 1), n_past)
+        )
+
+    def fill(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, n_past: int) -> None:
+        """Replace the contents by cells (B, Hkv, n, D) at ``positions`` (n,), increasing, below n_past."""
+        n = keys.shape[-2]
+        self.keys[..., :n, :] = keys.to(self.device, self.dtype)
+        self.values[..., :n, :] = values.to(self.device, self.dtype)
+        self.positions[:n] = positions.to(self.device)
+        self.n_used, self.next_pos, self.lost = n, n_past, NOTHING
+        self.grouped.invalidate(0)
+        missing = torch.ones(n_past, dtype=torch.bool, device=self.device)
+        missing[self.positions[:n]] = False
+        gaps = torch.nonzero(missing).squeeze(1)
+        if len(gaps):
+            self._lose(int(gaps[0]), int(gaps[-1]))
 
     def truncate(self, n_past: int) -> None:
-        """Forget every cell from ``n_past`` on."""
-        self.n_past = min(self.n_past, n_past)
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.n_past + query_length, 0
+        """Forget every cell from position ``n_past`` on."""
+        if n_past < self.next_pos:
+            self.remove(n_past, self.next_pos)
+            self.next_pos = n_past
 
     def get_seq_length(self) -> int:
-        return self.n_past
+        return self.next_pos
 
     def get_max_length(self) -> int:
         return self.capacity
 
     def reset(self) -> None:
-        self.n_past = 0
+        self.n_used, self.next_pos, self.lost = 0, 0, NOTHING
+        self.grouped.invalidate(0)
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Forget the last ``-tokens_to_remove`` cells (transformers' convention: a negative count)."""
-        self.truncate(max(0, self.n_past + min(tokens_to_remove, 0)))
+        """Forget the last ``-tokens_to_remove`` positions (transformers' convention: a negative count)."""
+        self.truncate(max(0, self.next_pos + min(tokens_to_remove, 0)))
 
 
-class SlidingShiftLayer(ContextShiftLayer):
-    """A sliding-window layer's cells: positions ``[0, n_keep)`` in slots ``[0, n_keep)`` and the tail
-    ``[start, n_past)`` from slot ``n_keep`` on, at least the last ``window - 1`` positions.
+class ContextShiftLayer(CellLayer):
+    """A full-attention layer: every cell, in increasing position order, in (B, Hkv, n_ctx, D) buffers."""
 
-    A query at position ``p`` attends positions ``p - window + 1 .. p``, so once ``start > n_keep`` the kept
-    cells are out of every query's window until a shift brings them back (``start`` then returns to
-    ``n_keep``). :meth:`update` returns keys contiguous in position that end at the last query: all from
-    position 0 while kept cells and tail touch, else the tail only; :meth:`get_mask_sizes` says which (the
-    offset of the first key), as transformers' ``DynamicSlidingWindowLayer`` does. A write larger than the
-    free slots (a prefill chunk) returns old and new cells as a temporary and stores the last ``window - 1``.
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        super().__init__(keys, values)
+        self.gapless = True  # positions[:n_used] are next_pos - n_used, ..., next_pos - 1
+
+    def _order(self) -> None:
+        pos = self.positions[: self.n_used]
+        if self.n_used > 1 and not bool((pos[1:] > pos[:-1]).all()):
+            self._pack(0, torch.argsort(pos))
+
+    def _recheck(self) -> None:
+        pos = self.positions[: self.n_used]
+        self.gapless = self.n_used == 0 or int(pos[-1] - pos[0]) == self.n_used - 1
+
+    def remove(self, p0: int, p1: int) -> None:
+        super().remove(p0, p1)
+        self._recheck()
+
+    def move(self, p0: int, p1: int, delta: int, inv_freq: torch.Tensor) -> None:
+        super().move(p0, p1, delta, inv_freq)
+        self._recheck()
+
+    def fill(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, n_past: int) -> None:
+        super().fill(keys, values, positions, n_past)
+        self._recheck()
+
+    def reset(self) -> None:
+        super().reset()
+        self.gapless = True
+
+    def _grouped(self, group_size: int, inv_freq: torch.Tensor, n: int) -> torch.Tensor:
+        return self.grouped.get(self.keys, self.positions, group_size, inv_freq, n)
+
+    def cells(self, end: int) -> KeyCells:
+        """The :class:`KeyCells` of slots [0, end) (the gapless case when the cells are)."""
+        first = self.next_pos - self.n_used if self.gapless else None
+        return KeyCells(self.positions[:end], first, self._grouped)
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write (B, Hkv, n, D) states at the next positions; return every cell (views), tagged."""
+        if key_states.device != self.device:  # a layer placed on another device by a device map
+            self._move_to(key_states.device)
+        n, start = key_states.shape[-2], self.n_used
+        end = start + n
+        if end > self.capacity:
+            raise RuntimeError(
+                f"KV cache overflow: {start} cached + {n} new > {self.capacity}; call make_room() first"
+            )
+        self.keys[..., start:end, :] = key_states
+        self.values[..., start:end, :] = value_states
+        self.positions[start:end] = torch.arange(self.next_pos, self.next_pos + n, device=self.device)
+        self.grouped.invalidate(start)
+        self.n_used, self.next_pos = end, self.next_pos + n
+        # a reduced-precision cache (--cache-type) hands the attention its states in the model's dtype
+        keys = self.keys[..., :end, :].to(key_states.dtype)
+        return tag_cells(keys, self.cells(end)), self.values[..., :end, :].to(value_states.dtype)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """(kv_length, kv_offset): every cell and the new ones, the last at the last query's position."""
+        return self.n_used + query_length, self.next_pos - self.n_used
+
+
+class SlidingShiftLayer(CellLayer):
+    """A sliding-window layer: the kept cells (positions below ``n_keep``, which a shift brings back into the
+    window) and at least the last ``window - 1``, in a ring of ``capacity`` slots in any order.
+
+    A write keeps the new cells that later queries can still attend, overwriting first the oldest cells no
+    query can see any more (positions from ``n_keep`` up to ``next_pos - window``).
     """
 
     is_sliding = True
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, window: int, n_keep: int) -> None:
-        super().__init__(keys, values)
-        self.window, self.n_keep = window, n_keep
-        self.start = (
-            n_keep  # position of the cell in slot n_keep (while n_past <= n_keep: the next one there)
-        )
-        self.used = 0  # slots in use: min(n_past, n_keep) + (n_past - start if n_past > start else 0)
+        super().__init__(keys, values, n_keep)
+        self.window = window
 
-    def _plan(self, n: int) -> tuple[int, int]:
-        """(start, used) once room is made for a write of ``n``: unchanged if it fits in the free slots, else
-        without the tail cells that no query of the write can see (before ``n_past - window + 1``)."""
-        if self.used + n <= self.capacity:
-            return self.start, self.used
-        start = max(self.start, self.n_past - self.window + 1)
-        return start, self.used - (start - self.start)
+    def _visible(self, first: int) -> tuple[torch.Tensor, int]:
+        """Slots of the cells at positions >= ``first``, in increasing position order, and their count."""
+        pos = self.positions[: self.n_used]
+        visible = pos >= first
+        count = int(visible.sum())
+        order = torch.argsort(torch.where(visible, pos, self.next_pos))  # the visible ones first
+        return order[:count], count
 
-    def _first(self, start: int) -> tuple[int, int]:
-        """(slot, position) of the first cell :meth:`update` returns: 0 while kept cells and tail touch."""
-        return (0, 0) if start == self.n_keep else (self.n_keep, start)
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        """(kv_length, kv_offset) of the keys the next :meth:`update` of ``query_length`` states returns."""
-        start, used = self._plan(query_length)
-        slot, position = self._first(start)
-        return used - slot + query_length, position
+    def _store(self, key_states: torch.Tensor, value_states: torch.Tensor, start: int) -> None:
+        """Keep the new cells (positions from ``start``) that later queries attend: in free slots, then over
+        the oldest cells that none can see any more; record what is dropped."""
+        n = key_states.shape[-2]
+        alive_from = start + n - self.window + 1  # the next token's first visible position
+        keep = torch.arange(start, start + n, device=self.device)
+        keep_mask = (keep < self.n_keep) | (keep >= alive_from)
+        self._lose(max(start, self.n_keep), min(start + n, alive_from) - 1)  # new cells no one will attend
+        new = torch.nonzero(keep_mask).squeeze(1)
+        free = self.capacity - self.n_used
+        slots = torch.arange(self.n_used, self.n_used + min(free, len(new)), device=self.device)
+        if len(new) > free:
+            pos = self.positions[: self.n_used]
+            dead = (pos >= self.n_keep) & (pos < alive_from)
+            oldest = torch.argsort(torch.where(dead, pos, self.next_pos + n))[: len(new) - free]
+            dropped = pos[oldest]
+            self._lose(int(dropped.min()), int(dropped.max()))
+            slots = torch.cat((slots, oldest))
+        for buf, states in ((self.keys, key_states), (self.values, value_states)):
+            buf.index_copy_(-2, slots, states.index_select(-2, new))
+        self.positions.index_copy_(0, slots, keep[new])
+        self.n_used = min(self.capacity, self.n_used + len(new))
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append (B, Hkv, n, D) states; return the cells the queries can attend, contiguous in position."""
+        """Write (B, Hkv, n, D) states at the next positions; return the cells the new queries may attend
+        (a new tensor, increasing positions, the new ones last), tagged."""
         if key_states.device != self.device:
-            self._move(key_states.device)
-        n = key_states.shape[-2]
-        start, used = self._plan(n)
-        if start != self.start:  # move the cells still visible to the front of the tail
-            src = slice(self.n_keep + start - self.start, self.used)
-            self.keys[..., self.n_keep : used, :] = self.keys[..., src, :].clone()
-            self.values[..., self.n_keep : used, :] = self.values[..., src, :].clone()
-            self.start, self.used = start, used
-        slot, position = self._first(self.start)
-        end = self.used + n
-        if end <= self.capacity:
-            self.keys[..., self.used : end, :] = key_states
-            self.values[..., self.used : end, :] = value_states
-            self.used, self.n_past = end, self.n_past + n
-            return self.keys[..., slot:end, :].to(key_states.dtype), self.values[..., slot:end, :].to(
-                value_states.dtype
-            )
-        keys = torch.cat((self.keys[..., slot : self.used, :].to(key_states.dtype), key_states), dim=-2)
-        values = torch.cat(
-            (self.values[..., slot : self.used, :].to(value_states.dtype), value_states), dim=-2
-        )
-        n_past = self.n_past + n
-        kept = min(n_past, self.n_keep)
-        if position == 0:  # the write may reach into the kept cells
-            self.keys[..., :kept, :], self.values[..., :kept, :] = keys[..., :kept, :], values[..., :kept, :]
-        tail = max(self.n_keep, n_past - self.window + 1)
-        self.keys[..., kept : kept + n_past - tail, :] = keys[..., tail - position :, :]
-        self.values[..., kept : kept + n_past - tail, :] = values[..., tail - position :, :]
-        self.n_past, self.start, self.used = n_past, tail, kept + max(0, n_past - tail)
-        return keys, values
+            self._move_to(key_states.device)
+        n, start = key_states.shape[-2], self.next_pos
+        first = max(0, start - self.window + 1)
+        slots, count = self._visible(first)
+        keys = torch.cat((self.keys.index_select(-2, slots).to(key_states.dtype), key_states), dim=-2)
+        values = torch.cat((self.values.index_select(-2, slots).to(value_states.dtype), value_states), dim=-2)
+        new = torch.arange(start, start + n, device=self.device)
+        positions = torch.cat((self.positions.index_select(0, slots), new))
+        cells = KeyCells(positions, first if count == start - first else None)
+        self._store(key_states, value_states, start)
+        self.next_pos = start + n
+        return tag_cells(keys, cells), values
 
-    def shift(self, n_keep: int, n_discard: int, inv_freq: torch.Tensor) -> None:
-        """Drop positions [n_keep, n_keep + n_discard) from the tail and move the rest to its front, keys
-        re-rotated by -n_discard (the kept cells stay)."""
-        first = max(self.start, n_keep + n_discard)  # first surviving position
-        src = slice(n_keep + first - self.start, self.used)
-        moved = self.used - src.start
-        dst = slice(n_keep, n_keep + moved)
-        delta = torch.full((moved,), -n_discard, device=self.device)
-        self.keys[..., dst, :] = rotate(self.keys[..., src, :], delta, inv_freq)
-        self.values[..., dst, :] = self.values[..., src, :].clone()
-        self.n_past -= n_discard
-        self.start, self.used = first - n_discard, n_keep + moved
-
-    def held(self) -> list[Range]:
-        return merge([(0, min(self.n_past, self.n_keep)), (self.start, self.n_past)])
-
-    def needs(self, n_past: int) -> list[Range]:
-        return merge([(0, min(n_past, self.n_keep)), (max(self.n_keep, n_past - self.window + 1), n_past)])
-
-    def states(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.keys[..., : self.used, :], self.values[..., : self.used, :]
-
-    def place(self, n_past: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        n = keys.shape[-2]
-        self.keys[..., :n, :] = keys.to(self.device, self.dtype)
-        self.values[..., :n, :] = values.to(self.device, self.dtype)
-        self.n_past, self.used = n_past, n
-        self.start = max(self.n_keep, n_past - self.window + 1)
-
-    def truncate(self, n_past: int) -> None:
-        """Forget every cell from ``n_past`` on; refuses (ValueError) where the tokens before ``n_past``
-        attend cells this layer has already dropped."""
-        if n_past >= self.n_past:
-            return
-        if not covers(self.held(), self.needs(n_past)):
-            raise ValueError(
-                f"a sliding layer cannot go back to {n_past} cells: it holds positions {self.held()} "
-                f"and the next token attends {self.needs(n_past)}"
-            )
-        self.n_past = n_past
-        if n_past <= self.n_keep:
-            self.start, self.used = self.n_keep, n_past
-        else:
-            self.used = self.n_keep + n_past - self.start
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """(kv_length, kv_offset) of what :meth:`update` returns for ``query_length`` new states."""
+        first = max(0, self.next_pos - self.window + 1)
+        return self.next_pos + query_length - first, first
 
     def get_max_length(self) -> int:
         return self.window
-
-    def reset(self) -> None:
-        self.n_past, self.start, self.used = 0, self.n_keep, 0

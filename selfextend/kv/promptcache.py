@@ -16,11 +16,12 @@ import torch
 from torch import nn
 
 from selfextend.kv.cache import ContextShiftCache
-from selfextend.kv.layers import Range, gather, merge
 from selfextend.models.quantize import weight_format
 
-FORMAT = "selfextend-prompt-cache/3"
-READABLE = (FORMAT, "selfextend-prompt-cache/2")  # /2: no "held", every layer holds every position
+FORMAT = "selfextend-prompt-cache/4"
+READABLE = (FORMAT, "selfextend-prompt-cache/3", "selfextend-prompt-cache/2")
+"""/3 stored ``held`` position ranges instead of ``positions``; /2 neither (every layer holds every position).
+Both are converted on load."""
 
 
 class PromptCacheError(ValueError):
@@ -62,24 +63,24 @@ def save(
 ) -> None:
     """Write each layer's cells of the first ``len(tokens)`` positions and the last token's ``logits``
     (atomically: temp file, then rename). A sliding-window layer has only its window and the kept cells;
-    ``held`` records which positions each layer's cells are. With the logits, a run whose prompt is exactly
-    ``tokens`` starts from the same numbers as the run that saved it, instead of recomputing the last token
-    another way. ``extra``: JSON-able state of whoever owns the cache (a chat session), stored with it."""
+    ``positions`` records each layer's cells' positions, increasing. With the logits, a run whose prompt is
+    exactly ``tokens`` starts from the same numbers as the run that saved it, instead of recomputing the last
+    token another way. ``extra``: JSON-able state of the cache's owner (a chat session), stored with it."""
     n = len(tokens)
-    held, keys, values = [], [], []
+    positions, keys, values = [], [], []
     for layer in cache.layers:
-        have = layer.held()
-        kept = merge([(lo, min(hi, n)) for lo, hi in have])
-        k, v = layer.states()
-        held.append([list(r) for r in kept])
-        keys.append(gather(have, k, kept).clone().cpu())
-        values.append(gather(have, v, kept).clone().cpu())
+        pos = layer.positions[: layer.n_used]
+        take = torch.nonzero(pos < n).squeeze(1)
+        take = take[torch.argsort(pos[take])]
+        positions.append(pos[take].cpu())
+        keys.append(layer.keys.index_select(-2, take).cpu())
+        values.append(layer.values.index_select(-2, take).cpu())
     payload = {
         "format": FORMAT,
         "settings": json.dumps(settings(model), sort_keys=True),
         "tokens": torch.tensor(tokens, dtype=torch.long),
         "logits": logits.detach().cpu().clone(),
-        "held": held,
+        "positions": positions,
         "keys": keys,
         "values": values,
     }
@@ -113,6 +114,11 @@ def _check_payload(path: str | Path, payload: dict) -> None:
     held = payload.get("held")
     if held is not None and not (isinstance(held, list) and all(_is_ranges(h, len(tokens)) for h in held)):
         raise _bad(path, "its held positions are not increasing [lo, hi) ranges within its tokens")
+    positions = payload.get("positions")
+    if positions is not None and not (
+        isinstance(positions, list) and all(_is_positions(p, len(tokens)) for p in positions)
+    ):
+        raise _bad(path, "its positions are not increasing 1-D integer tensors within its tokens")
 
 
 def _is_ranges(ranges: object, n: int) -> bool:
@@ -129,12 +135,24 @@ def _is_ranges(ranges: object, n: int) -> bool:
     return True
 
 
-def held(payload: dict[str, Any]) -> list[list[Range]]:
-    """Per layer, the positions whose cells a (checked) payload holds, in order."""
+def _is_positions(pos: object, n: int) -> bool:
+    """Whether ``pos`` is a 1-D int64 tensor of increasing positions in [0, n)."""
+    if not isinstance(pos, torch.Tensor) or pos.dim() != 1 or pos.dtype != torch.long:
+        return False
+    return len(pos) == 0 or (int(pos[0]) >= 0 and int(pos[-1]) < n and bool((pos[1:] > pos[:-1]).all()))
+
+
+def positions(payload: dict[str, Any]) -> list[torch.Tensor]:
+    """Per layer, the positions of the cells a (checked) payload holds, in order (older formats converted)."""
+    if "positions" in payload:
+        return payload["positions"]
     n = payload["tokens"].shape[0]
     if "held" not in payload:
-        return [merge([(0, n)]) for _ in payload["keys"]]
-    return [[(lo, hi) for lo, hi in h] for h in payload["held"]]
+        return [torch.arange(n) for _ in payload["keys"]]
+    return [
+        torch.cat([torch.arange(lo, hi) for lo, hi in h]) if h else torch.zeros(0, dtype=torch.long)
+        for h in payload["held"]
+    ]
 
 
 def _check_shapes(path: str | Path, payload: dict, cache: ContextShiftCache) -> None:
@@ -145,12 +163,12 @@ def _check_shapes(path: str | Path, payload: dict, cache: ContextShiftCache) -> 
         if not isinstance(states, list) or len(states) != len(layers):
             count = len(states) if isinstance(states, list) else "?"
             raise _bad(path, f"{name} for {count} layers, the model has {len(layers)}")
-    layers_held = held(payload)
-    if len(layers_held) != len(layers):
-        raise _bad(path, f"held positions for {len(layers_held)} layers, the model has {len(layers)}")
+    layers_pos = positions(payload)
+    if len(layers_pos) != len(layers):
+        raise _bad(path, f"positions for {len(layers_pos)} layers, the model has {len(layers)}")
     for name in ("keys", "values"):
-        for i, (t, layer, h) in enumerate(zip(payload[name], layers, layers_held, strict=True)):
-            want = (*layer.keys.shape[:2], sum(hi - lo for lo, hi in h), layer.keys.shape[-1])
+        for i, (t, layer, pos) in enumerate(zip(payload[name], layers, layers_pos, strict=True)):
+            want = (*layer.keys.shape[:2], len(pos), layer.keys.shape[-1])
             if not isinstance(t, torch.Tensor) or tuple(t.shape) != want:
                 got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
                 raise _bad(path, f"layer {i} {name} have shape {got}, expected {want}")
@@ -172,10 +190,10 @@ def load(
     while n < limit and saved[n] == prompt[n]:
         n += 1
     whole = n == len(saved) == len(prompt)
-    layers_held = held(payload)
-    n = cache.loadable(layers_held, n)
+    layers_pos = positions(payload)
+    n = cache.loadable(layers_pos, n)
     if n:
-        cache.load_prefix(payload["keys"], payload["values"], n, layers_held)
+        cache.load_prefix(payload["keys"], payload["values"], n, layers_pos)
     return prompt[:n], payload["logits"] if whole and n == len(prompt) else None
 
 

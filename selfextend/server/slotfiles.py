@@ -60,7 +60,7 @@ def restore(slot: Slot, path: Path) -> dict[str, Any]:
         if not (ok and type(n_keep) is int and 0 <= n_keep <= slot.n_ctx - 2 and len(tokens) <= slot.n_ctx):
             raise promptcache.PromptCacheError(f"{path.name}: damaged slot state")
         gen = slot.generator(n_keep)
-        gen.cache.load_prefix(payload["keys"], payload["values"], len(tokens), promptcache.held(payload))
+        gen.cache.load_prefix(payload["keys"], payload["values"], len(tokens), promptcache.positions(payload))
     except (promptcache.PromptCacheError, ValueError) as e:
         slot.reset()
         raise APIError(400, str(e), "filename") from None

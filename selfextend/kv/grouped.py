@@ -1,0 +1,44 @@
+"""A full-attention layer's keys at their Self-Extend grouped positions, kept in step with its cells.
+
+A key's grouped position ``j // G`` does not depend on the query, so while decoding only the newest
+grouped key needs rotating. The layer that owns the cells says exactly which slots changed (a write, a
+removal, a move), so the buffer never has to guess whether its contents are still current.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from selfextend.core.attention import grouped_keys
+
+
+class GroupedKeys:
+    """Slots ``[0, valid)`` of ``buf`` hold the owner's keys of those slots at grouped positions, for one
+    group size and one set of inverse frequencies (another of either starts over)."""
+
+    def __init__(self) -> None:
+        self.buf: torch.Tensor | None = None  # (B, Hkv, capacity, D), allocated at the first use
+        self.valid = 0
+        self.settings: tuple[int, torch.Tensor, int] | None = None
+
+    def invalidate(self, slot: int) -> None:
+        """Forget the grouped keys of slots from ``slot`` on (their cells were written, removed or moved)."""
+        self.valid = min(self.valid, slot)
+
+    def get(
+        self, keys: torch.Tensor, positions: torch.Tensor, group_size: int, inv_freq: torch.Tensor, n: int
+    ) -> torch.Tensor:
+        """Grouped keys of slots [0, n) of ``keys`` (B, Hkv, capacity, D) at ``positions`` (capacity,): the
+        slots not yet current are rotated, the rest read back."""
+        buf = self.buf
+        fits = buf is not None and (buf.shape, buf.dtype, buf.device) == (keys.shape, keys.dtype, keys.device)
+        if not fits:
+            self.buf = buf = torch.empty_like(keys)
+        same = self.settings is not None and self.settings[1] is inv_freq
+        if not fits or not same or self.settings[::2] != (group_size, inv_freq._version):
+            self.valid, self.settings = 0, (group_size, inv_freq, inv_freq._version)
+        if n > self.valid:
+            a = self.valid
+            buf[..., a:n, :] = grouped_keys(keys[..., a:n, :], positions[a:n], group_size, inv_freq)
+            self.valid = n
+        return buf[..., :n, :]
