@@ -77,21 +77,24 @@ def test_self_extend_changes_the_logits() -> None:
     assert (plain - extended).abs().max() > 1e-2
 
 
-def test_sliding_positions_follow_the_layer() -> None:
-    """The adapter's positions of a sliding layer's slots are the positions the layer says it holds."""
+def test_sliding_cells_hold_what_the_next_token_attends() -> None:
+    """The cells handed to the step for a sliding layer hold every position the next token may attend
+    (the kept ones and the last ``window - 1``) and nothing at or after its own position."""
     model = _model("gemma3")
     gen = Generator(model, ContextShiftCache(model, n_ctx=N_CTX, n_keep=N_KEEP), direct_decode=False)
     cells = StepCells(gen.cache)
+    layer = gen.cache.layers[0]  # sliding
     checked = 0
     for t in _ids(1)[:80]:
         gen.feed([t])
         prepared = cells.prepare()
         if prepared is None:
             continue
-        layer = gen.cache.layers[0]  # sliding
-        held = [p for lo, hi in layer.held() for p in range(lo, hi)]
-        assert prepared.positions[0][:-1].tolist() == held
-        assert int(prepared.positions[0][-1]) == gen.cache.n_past == int(prepared.positions[1][-1])
+        p = gen.cache.n_past  # the next token's position
+        held = set(prepared.positions[0][:-1].tolist())
+        needed = {q for q in range(p) if q < N_KEEP or q > p - layer.window}
+        assert needed <= held and max(held) < p
+        assert int(prepared.positions[0][-1]) == p == int(prepared.positions[1][-1])
         checked += 1
     assert checked > 40
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import click
 
+from selfextend.cli.generation_options import decode_options
 from selfextend.cli.options import (
     COUNT,
     POSITIVE,
-    decode_options,
     integer,
     model_options,
     self_extend_options,

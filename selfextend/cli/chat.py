@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from selfextend.cli.options import generation_options
+from selfextend.cli.generation_options import generation_options
 from selfextend.core.validate import first_line, plural
 
 if TYPE_CHECKING:
@@ -85,7 +85,8 @@ def chat(
     """
     from selfextend.chat import ChatSession, ShiftReport
     from selfextend.cli.generate import warn_beyond_reach
-    from selfextend.cli.options import check_cache, load_with_self_extend, system_prompt
+    from selfextend.cli.generation_options import check_cache, system_prompt
+    from selfextend.cli.options import load_with_self_extend
     from selfextend.cli.stream import Output, prefill_bar
     from selfextend.generation.compiled import compile_pays
     from selfextend.generation.generator import CACHE_DTYPES

@@ -7,7 +7,8 @@ from typing import TYPE_CHECKING
 
 import click
 
-from selfextend.cli.options import device_map_option, generation_options
+from selfextend.cli.generation_options import generation_options
+from selfextend.cli.options import device_map_option
 
 if TYPE_CHECKING:
     from selfextend.generation.sampling import SamplingParams
@@ -64,7 +65,8 @@ def generate(
 
       selfextend generate --system "Answer as a pirate." -f question.txt -g 4 -w 1024 --ctx 16384
     """
-    from selfextend.cli.options import check_cache, check_keep, load_with_self_extend, system_prompt
+    from selfextend.cli.generation_options import check_cache, check_keep, system_prompt
+    from selfextend.cli.options import load_with_self_extend
     from selfextend.cli.stream import Output, prefill_bar
     from selfextend.evaluation.corpus import read_stdin, read_text_file
     from selfextend.generation.compiled import compile_pays

@@ -10,12 +10,12 @@ from typing import TYPE_CHECKING
 
 import click
 
+from selfextend.cli.generation_options import sampling_options
 from selfextend.cli.options import (
     COUNT,
     POSITIVE,
     integer,
     model_options,
-    sampling_options,
     self_extend_options,
     weights_option,
 )

@@ -334,3 +334,15 @@ class SlidingShiftLayer(CellLayer):
 
     def get_max_length(self) -> int:
         return self.window
+
+    def compact(self) -> None:
+        """Drop the cells no later query can attend (positions from ``n_keep`` up to ``next_pos - window``)
+        and pack the rest, in position order, at the front: free slots for in-place writes (the compiled
+        decode step writes one cell per token at slot ``n_used``)."""
+        pos = self.positions[: self.n_used]
+        alive = (pos < self.n_keep) | (pos > self.next_pos - self.window)
+        dead = pos[~alive]
+        if len(dead):
+            self._lose(int(dead.min()), int(dead.max()))
+        slots = torch.nonzero(alive).squeeze(1)
+        self._pack(0, slots[torch.argsort(pos[slots])])

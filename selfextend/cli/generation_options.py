@@ -1,0 +1,252 @@
+"""The flags of the commands that generate (generate, chat, bench, serve): system prompt, cache, lengths,
+sampling, output, decoding."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import click
+
+from selfextend.cli.options import (
+    COUNT,
+    SEED,
+    integer,
+    model_options,
+    number,
+    self_extend_options,
+    weights_option,
+)
+
+DEFAULT_CACHE_TYPE = "f32"
+CACHE_TYPES = ("f32", "bf16", "f16")  # generation.generator.CACHE_DTYPES's names
+
+
+def system_options(f: Callable) -> Callable:
+    """--system, --system-file: the system prompt, kept through every context shift."""
+    f = click.option(
+        "--system-file",
+        type=click.Path(dir_okay=False),
+        help="Read the system prompt from this UTF-8 file.",
+    )(f)
+    f = click.option("--system", help="System prompt; kept through every context shift.")(f)
+    return f
+
+
+def system_prompt(system: str | None, system_file: str | None) -> str | None:
+    """The system prompt from --system or --system-file (not both)."""
+    if system is not None and system_file:
+        raise click.UsageError("give --system or --system-file, not both")
+    if system_file:
+        from selfextend.evaluation.corpus import read_text_file
+
+        return read_text_file(system_file).strip()
+    return system
+
+
+def cache_options(f: Callable) -> Callable:
+    """--ctx, --keep: the context-shift cache's size and the tokens every shift keeps."""
+    f = click.option(
+        "--keep",
+        type=integer(-1),
+        default=None,
+        help="Tokens kept at every shift. Default: BOS + the system prompt; -1: the whole prompt "
+        "(in chat: the system prompt).",
+    )(f)
+    f = click.option(
+        "-c",
+        "--ctx",
+        type=integer(2),
+        default=2048,
+        show_default=True,
+        help="KV cache capacity in tokens; when full, the older half after --keep is dropped.",
+    )(f)
+    return f
+
+
+def check_cache(ctx: int, keep: int | None) -> None:
+    """One line for a cache that cannot exist: no room, or more kept than there is."""
+    if keep is not None and keep >= ctx:
+        raise click.BadParameter(f"--keep ({keep}) must be smaller than --ctx ({ctx})", param_hint="--keep")
+
+
+def check_keep(n_keep: int, ctx: int) -> None:
+    """The kept tokens, once known, must leave room to generate."""
+    if n_keep >= ctx - 1:
+        raise click.BadParameter(
+            f"keeping {n_keep} tokens leaves no room in a cache of {ctx}; raise --ctx or lower --keep",
+            param_hint="--keep",
+        )
+
+
+def length_options(f: Callable) -> Callable:
+    """-n, --ignore-eos, --stop: when a reply ends."""
+    f = click.option("--stop", multiple=True, help="Stop when this text appears (repeatable).")(f)
+    f = click.option("--ignore-eos", is_flag=True, help="Do not stop at end-of-sequence tokens.")(f)
+    f = click.option(
+        "-n",
+        "--max-new-tokens",
+        type=integer(-1),
+        default=256,
+        show_default=True,
+        help="Tokens to generate (in chat: per reply); -1 goes on until end of sequence or Ctrl-C "
+        "(with --ignore-eos, forever).",
+    )(f)
+    return f
+
+
+def sampling_options(f: Callable) -> Callable:
+    """The sampling flags; the command receives them as one ``sampling: SamplingParams`` and ``seed``."""
+
+    @functools.wraps(f)
+    def wrapper(
+        *args,
+        temperature,
+        top_k,
+        top_p,
+        min_p,
+        repeat_penalty,
+        repeat_last_n,
+        frequency_penalty,
+        presence_penalty,
+        **kwargs,
+    ):
+        from selfextend.generation.sampling import SamplingParams
+
+        sampling = SamplingParams(
+            temperature,
+            top_k,
+            top_p,
+            min_p,
+            repeat_penalty,
+            repeat_last_n,
+            frequency_penalty,
+            presence_penalty,
+        )
+        sampling.validate()
+        return f(*args, sampling=sampling, **kwargs)
+
+    for decorator in reversed(
+        [
+            click.option(
+                "--temperature",
+                type=number(0.0),
+                default=0.8,
+                show_default=True,
+                help="0 = greedy; applied after the filters, as llama.cpp does.",
+            ),
+            click.option(
+                "--top-k",
+                type=COUNT,
+                default=40,
+                show_default=True,
+                help="Keep the k most likely tokens (0 = off).",
+            ),
+            click.option(
+                "--top-p",
+                type=number(0.0, 1.0, lo_open=True),
+                default=0.95,
+                show_default=True,
+                help="Nucleus: smallest set with this mass.",
+            ),
+            click.option(
+                "--min-p",
+                type=number(0.0, 1.0, hi_open=True),
+                default=0.05,
+                show_default=True,
+                help="Drop tokens below this fraction of the top token's probability.",
+            ),
+            click.option(
+                "--repeat-penalty",
+                type=number(0.0, lo_open=True),
+                default=1.0,
+                show_default=True,
+                help="Penalty for tokens among the last --repeat-last-n (1 = off).",
+            ),
+            click.option(
+                "--repeat-last-n",
+                type=integer(-1),
+                default=64,
+                show_default=True,
+                help="Window of the penalties, tokens (0 = no penalty, -1 = the whole context).",
+            ),
+            click.option(
+                "--frequency-penalty",
+                type=number(-2.0, 2.0),
+                default=0.0,
+                show_default=True,
+                help="Subtracted from a token's logit once per time it occurs in the window (0 = off).",
+            ),
+            click.option(
+                "--presence-penalty",
+                type=number(-2.0, 2.0),
+                default=0.0,
+                show_default=True,
+                help="Subtracted from the logit of every token that occurs in the window (0 = off).",
+            ),
+            click.option("--seed", type=SEED, default=None, help="Sampling seed (default: random)."),
+        ]
+    ):
+        wrapper = decorator(wrapper)
+    return wrapper
+
+
+def output_options(f: Callable) -> Callable:
+    """-o/--output, --stats-every: where the text goes besides the terminal, and progress lines."""
+    f = click.option(
+        "--stats-every",
+        type=COUNT,
+        default=0,
+        help="Every N tokens, print a JSON line on stderr: tokens, tokens/s over the last N, RSS MiB.",
+    )(f)
+    f = click.option(
+        "-o",
+        "--output",
+        type=click.Path(dir_okay=False),
+        help="Also append the generated text to this file, flushed as tokens arrive.",
+    )(f)
+    return f
+
+
+def decode_options(f: Callable) -> Callable:
+    """--compile/--no-compile, --cache-type: how single tokens are decoded and the KV cache's element type."""
+    f = click.option(
+        "--cache-type",
+        type=click.Choice(list(CACHE_TYPES)),
+        default=DEFAULT_CACHE_TYPE,
+        show_default=True,
+        help="KV cache element type (llama.cpp's names): f32, bf16 or f16 (half the bytes per cell; "
+        "context shifts re-rotate keys in float32 and round once).",
+    )(f)
+    f = click.option(
+        "--compile/--no-compile",
+        "compile_step",
+        default=None,
+        help="Decode through one torch.compile'd step (compiled once, kept on disk for later runs). "
+        "Default: on for CPU, off elsewhere; falls back to eager with a warning if compiling fails.",
+    )(f)
+    return f
+
+
+def generation_options(default_weights: str) -> Callable[[Callable], Callable]:
+    """Everything ``generate`` and ``chat`` share: model, weights, Self-Extend, cache, system prompt,
+    reply length, sampling and output."""
+
+    def decorate(f: Callable) -> Callable:
+        for decorator in reversed(
+            [
+                model_options,
+                weights_option(default_weights),
+                self_extend_options,
+                system_options,
+                cache_options,
+                decode_options,
+                length_options,
+                sampling_options,
+                output_options,
+            ]
+        ):
+            f = decorator(f)
+        return f
+
+    return decorate
