@@ -218,9 +218,10 @@ def grouped_keys(
 def _grouped_prefix(
     k: torch.Tensor, cells: KeyCells, n: int, group_size: int, inv_freq: torch.Tensor
 ) -> torch.Tensor:
-    """The first ``n`` keys at grouped positions: from their owner when it keeps them, else rotated here."""
+    """The first ``n`` keys at grouped positions, in ``k``'s dtype: from their owner when it keeps them (in
+    the cache's element type, which may be narrower), else rotated here."""
     if cells.grouped is not None:
-        return cells.grouped(group_size, inv_freq, n)
+        return cells.grouped(group_size, inv_freq, n).to(k.dtype)
     return grouped_keys(k[..., :n, :], cells.positions[..., :n], group_size, inv_freq)
 
 

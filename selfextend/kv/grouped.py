@@ -31,14 +31,15 @@ class GroupedKeys:
         """Grouped keys of slots [0, n) of ``keys`` (B, Hkv, capacity, D) at ``positions`` (capacity,): the
         slots not yet current are rotated, the rest read back."""
         buf = self.buf
-        fits = buf is not None and (buf.shape, buf.dtype, buf.device) == (keys.shape, keys.dtype, keys.device)
+        dtype = torch.promote_types(keys.dtype, torch.float32)  # a bf16/f16 cache's keys are rounded once
+        fits = buf is not None and (buf.shape, buf.dtype, buf.device) == (keys.shape, dtype, keys.device)
         if not fits:
-            self.buf = buf = torch.empty_like(keys)
+            self.buf = buf = torch.empty_like(keys, dtype=dtype)
         same = self.settings is not None and self.settings[1] is inv_freq
         if not fits or not same or self.settings[::2] != (group_size, inv_freq._version):
             self.valid, self.settings = 0, (group_size, inv_freq, inv_freq._version)
         if n > self.valid:
             a = self.valid
-            buf[..., a:n, :] = grouped_keys(keys[..., a:n, :], positions[a:n], group_size, inv_freq)
+            buf[..., a:n, :] = grouped_keys(keys[..., a:n, :].to(dtype), positions[a:n], group_size, inv_freq)
             self.valid = n
         return buf[..., :n, :]
