@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from selfextend.cli.options import COUNT, POSITIVE, integer, model_options, weights_option
+from selfextend.core.validate import plural
 
 
 @click.command()
@@ -165,7 +166,7 @@ def bench(
             record(r)
     click.echo(
         f"\n{model}, {dtype}, {weights} weights, {device_name}, G={group_size}, W={window}, "
-        f"{repeats} repeats (medians)"
+        f"{plural(repeats, 'repeat')} (medians; prefill after one untimed warm-up run per variant)"
     )
     click.echo(
         f"{'case':8} {'variant':15} {'length':>7} {'value':>12} {'ratio':>9} "
