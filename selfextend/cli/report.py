@@ -84,7 +84,7 @@ def plot(
     """Draw a JSONL results file as a PNG: PPL against length, passkey heatmaps, or bench time and memory.
 
     Perplexity is aggregated over documents (STAT, with the documents' range as a band), the same
-    numbers `selfextend table` prints.
+    numbers `selfextend table` prints, over the documents every method has.
     """
     from selfextend.evaluation.plot import plot_bench, plot_passkey, plot_ppl
 
@@ -122,7 +122,9 @@ def table(
 ) -> None:
     """Print a ppl or passkey JSONL file as a table: methods by lengths, aggregated over documents.
 
-    PPL cells read `value (min-max over documents)`; passkey cells hits/trials over all depths.
+    PPL cells read `value (min-max over documents)`; passkey cells hits/trials over all depths. A first
+    line says which statistic of which field, over which documents. Methods measured on different
+    documents are compared over the ones they all have (a warning names the rest).
     """
     from selfextend.evaluation.aggregate import format_table, summarize
 
