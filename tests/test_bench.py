@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 from selfextend.cli.main import main
@@ -67,3 +68,44 @@ def test_llama_cpp_yardstick_shifts_and_decodes():
     llama = LlamaCppGenerator(resolve_model("smollm2-135m").gguf_path, n_ctx=64, n_keep=4, threads=1)
     assert llama.tokens_per_second(list(range(1000, 1040)), 60) > 0
     assert llama.shifts >= 2 and llama.llm.n_tokens <= 64
+
+
+def test_prefill_warms_every_variant_up_before_timing(monkeypatch):
+    from conftest import COMMON
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from selfextend.bench import runner
+
+    model = LlamaForCausalLM(LlamaConfig(**{**COMMON, "vocab_size": 300})).eval()  # bench ids start at 100
+    calls: list[int] = []
+    forward = type(model).forward
+    monkeypatch.setattr(
+        type(model), "forward", lambda self, ids, **kw: calls.append(ids.shape[1]) or forward(self, ids, **kw)
+    )
+    cfg = runner.BenchConfig([16, 32], [16], group_size=2, window=8, repeats=1)
+    records = list(runner.bench_prefill(model, cfg, runner.MemoryMeter(torch.device("cpu"))))
+    assert len(records) == 6 and [r["length"] for r in records[:3]] == [16, 16, 16]
+    assert calls == [16] * 3 + [16] * 3 + [32] * 3  # one untimed run per variant first
+
+
+@pytest.mark.parametrize("trained", [48, 8192])
+def test_bench_plot_axis_keeps_to_the_data(tmp_path, monkeypatch, trained):
+    from matplotlib.figure import Figure
+
+    from selfextend.evaluation.plot import plot_bench
+
+    saved = []
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: saved.append(fig))
+    runs = [
+        {"case": "prefill", "variant": v, "length": n, "seconds": n / 100, "peak_mib": n / 10}
+        for v in ("plain", "selfextend")
+        for n in (32, 64)
+    ]
+    plot_bench(runs, tmp_path / "b.png", trained_window=trained)
+    ax = saved[0].axes[0]
+    ticks = [t.get_text() for t in ax.get_xticklabels()]
+    if trained == 48:
+        assert any("trained" in t for t in ticks)
+    else:
+        assert ax.get_xlim()[1] < 128 and not any("trained" in t for t in ticks)
+        assert "trained window 8k tokens: beyond these lengths" in ax.get_xlabel()

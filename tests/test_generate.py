@@ -230,3 +230,24 @@ def test_output_file_appends_and_shifts_reported(tmp_path):
     summary = r.stderr.strip().splitlines()[-1]
     assert "120 tokens" in summary and "context shifts" in summary
     assert int(summary.split(" context shifts")[0].rsplit(" ", 1)[-1]) >= 1
+
+
+def test_zero_new_tokens_reads_the_prompt_and_prints_the_summary(tiny_dir, tmp_path):
+    pc = tmp_path / "prompt.pt"
+    r = invoke(
+        "generate",
+        "-m",
+        str(tiny_dir),
+        "--weights",
+        "float",
+        "-p",
+        "Hello",
+        "-n",
+        "0",
+        "--prompt-cache",
+        str(pc),
+    )
+    assert r.exit_code == 0, r.output
+    summary = r.stderr.strip().splitlines()[-1]
+    assert summary.startswith("0 tokens in") and "stopped: max tokens" in summary
+    assert pc.exists()  # the prompt alone was what was asked for: it is cached

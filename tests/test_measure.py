@@ -153,6 +153,7 @@ def test_ppl_sweep_records_and_resume(tiny_dir, tmp_path):
         assert rec["ppl"] > 1 and rec["ppl_last"] > 1
     r = invoke(*args, "--method", "yarn:factor=2")
     assert r.exit_code == 0, r.stderr
+    assert f"resuming: 8 of 10 points already in {out}, skipped" in r.stderr
     records = read_jsonl(out)
     assert len(records) == 10 and sum(rec["method"] == "yarn:factor=2" for rec in records) == 2
     keys = [(rec["doc"], rec["method"], rec["length"]) for rec in records]
@@ -167,6 +168,36 @@ def test_ppl_sweep_records_and_resume(tiny_dir, tmp_path):
     )
     plain64 = next(r for r in records if r["method"] == "plain" and r["length"] == 64)
     assert math.isclose(read_jsonl(alone)[0]["ppl"], plain64["ppl"], rel_tol=1e-5)
+
+
+def test_ctrl_c_in_ppl_says_what_is_kept_and_how_to_resume(tiny_dir, tmp_path, monkeypatch):
+    from selfextend.evaluation import sweep
+
+    real = sweep.ppl_sweep
+
+    def interrupted(*args, **kwargs):
+        records = real(*args, **kwargs)
+        yield next(records)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sweep, "ppl_sweep", interrupted)
+    out = tmp_path / "ppl.jsonl"
+    r = invoke(
+        "ppl",
+        "--model",
+        tiny_dir,
+        "--docs",
+        "surgery",
+        "--lengths",
+        "64,128",
+        "--method",
+        "selfextend:G=2,W=32",
+        "-o",
+        out,
+    )
+    assert r.exit_code == 130 and len(read_jsonl(out)) == 1
+    assert f"interrupted: {out} keeps every point finished (1 new in this run" in r.stderr
+    assert "Run the same command again to resume" in r.stderr
 
 
 @pytest.mark.parametrize(

@@ -13,6 +13,7 @@ from selfextend.cli.options import (
     self_extend_options,
     weights_option,
 )
+from selfextend.core.validate import plural
 
 
 @click.command()
@@ -177,7 +178,8 @@ def bench(
     bandwidth = read_bandwidth_gbs() if "generate" in wanted else None
     click.echo(
         f"\n{model}, {dtype}, {weights} weights, {device_name}, G={group_size}, W={window}, "
-        f"{repeats} repeats (medians), {'compiled' if cfg.compile else 'eager'} decode, {cache_type} cache"
+        f"{plural(repeats, 'repeat')} (medians; prefill after one untimed warm-up run per variant), "
+        f"{'compiled' if cfg.compile else 'eager'} decode, {cache_type} cache"
         + (f", machine read bandwidth {bandwidth:.1f} GB/s" if bandwidth else "")
     )
     click.echo(

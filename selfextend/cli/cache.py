@@ -11,7 +11,8 @@ def _mb(n: int) -> str:
 
 @click.group()
 def cache() -> None:
-    """Show or free the cache of converted GGUFs ($SELFEXTEND_CACHE, else ~/.cache/selfextend).
+    """Show or free the cache of converted GGUFs: $SELFEXTEND_CACHE if set, else $XDG_CACHE_HOME/selfextend,
+    else ~/.cache/selfextend.
 
     Each GGUF is converted once per weight form (int8, or a dtype) into the weights a run uses;
     later loads read that. Clearing it only costs a conversion (seconds) on the next load.

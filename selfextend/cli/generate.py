@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+import sys
+import time
 from typing import TYPE_CHECKING
 
 import click
@@ -72,6 +74,7 @@ def generate(
     from selfextend.generation.compiled import compile_pays
     from selfextend.generation.generator import (
         CACHE_DTYPES,
+        GenerationStats,
         Generator,
         StopMatcher,
         TextStream,
@@ -83,6 +86,8 @@ def generate(
 
     check_cache(ctx, keep)
     system = system_prompt(system, system_file)
+    if prompt is None and not prompt_file and sys.stdin.isatty():
+        click.echo("reading the prompt from standard input: type it, then Ctrl-D (or give -p TEXT)", err=True)
     if prompt is None:
         prompt = read_text_file(prompt_file) if prompt_file else read_stdin()
     if not prompt.strip():
@@ -110,16 +115,33 @@ def generate(
     stream, stops = TextStream(tokenizer), StopMatcher(stop)
     out = Output(output, stats_every)
     stats = None
+
+    def save_prompt_cache() -> None:
+        if prompt_cache and cache.shifts == 0 and reused < len(ids):
+            from selfextend.kv import promptcache
+
+            promptcache.save(prompt_cache, lm, cache, gen.tokens[: len(ids)], gen.last_logits)
+
     try:
+        t0 = time.perf_counter()
         with prefill_bar(len(ids) - reused) as progress:
             tokens = run(gen, ids, max_new_tokens, eos, reused, reused_logits, progress)
             first = next(tokens, None)
+        if first is None and max_new_tokens == 0:  # only the prompt was asked for: its summary all the same
+            save_prompt_cache()
+            stats = GenerationStats(
+                prompt_tokens=len(ids),
+                reused_tokens=reused,
+                prompt_seconds=time.perf_counter() - t0,
+                shifts=cache.shifts,
+                n_past=cache.n_past,
+                n_ctx=ctx,
+                stop_reason="max tokens",
+            )
         out.restart_rate(1 if first else 0)
         for token, stats in itertools.chain([first] if first else [], tokens):
-            if stats.tokens == 1 and prompt_cache and cache.shifts == 0 and reused < len(ids):
-                from selfextend.kv import promptcache
-
-                promptcache.save(prompt_cache, lm, cache, gen.tokens[: len(ids)], gen.last_logits)
+            if stats.tokens == 1:
+                save_prompt_cache()
             text, stopped = stops.push(stream.push(token))
             out.text(text)
             out.tokens(stats.tokens, stats.shifts, stats.n_past)

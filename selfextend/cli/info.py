@@ -20,9 +20,15 @@ def _kv(config, tokens: int) -> str:
 
 
 @click.command()
-@click.argument("model", default="smollm2-135m")
+@click.argument("model_arg", metavar="[MODEL]", required=False)
+@click.option(
+    "-m",
+    "--model",
+    "model_opt",
+    help="The model, as for the other commands (or as the argument MODEL). Default: smollm2-135m.",
+)
 @self_extend_options(group_size=4, window=1024)
-def info(model: str, group_size: int, window: int) -> None:
+def info(model_arg: str | None, model_opt: str | None, group_size: int, window: int) -> None:
     """Print layers, heads, head dim, RoPE, trained window, weights and KV-cache memory, and the
     Self-Extend reach.
 
@@ -39,6 +45,9 @@ def info(model: str, group_size: int, window: int) -> None:
     from selfextend.models import load_config, model_facts
     from selfextend.models.weights import RunForm, form_bytes
 
+    if model_arg and model_opt and model_arg != model_opt:
+        raise click.UsageError(f"two models given ({model_arg}, {model_opt}): give MODEL or -m/--model")
+    model = model_arg or model_opt or "smollm2-135m"
     config = load_config(model)
     facts = model_facts(config)
     trained = facts.trained_window

@@ -6,6 +6,7 @@ non-zero exit, never a traceback.
 
 from __future__ import annotations
 
+import logging
 import signal
 import sys
 import threading
@@ -18,13 +19,28 @@ from selfextend.cli.cache import cache
 from selfextend.cli.chat import chat
 from selfextend.cli.generate import generate
 from selfextend.cli.info import info
-from selfextend.cli.measure import passkey, plot, ppl, table
+from selfextend.cli.measure import passkey, ppl
+from selfextend.cli.report import plot, table
 from selfextend.cli.serve import serve
 from selfextend.core.validate import first_line
 
 
 def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
+
+
+class _StderrLines(logging.Handler):
+    """The library's INFO messages (a first GGUF conversion) as plain lines on the current stderr."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        click.echo(self.format(record), err=True)
+
+
+def _log_to_stderr() -> None:
+    logger = logging.getLogger("selfextend")
+    if not any(isinstance(h, _StderrLines) for h in logger.handlers):
+        logger.addHandler(_StderrLines())
+        logger.setLevel(logging.INFO)
 
 
 def _warning_line(message, category, filename, lineno, file=None, line=None) -> None:
@@ -40,6 +56,7 @@ class Group(click.Group):
     def main(self, *args, **kwargs):  # noqa: D102
         kwargs["standalone_mode"] = False
         warnings.showwarning = _warning_line
+        _log_to_stderr()
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM stops like Ctrl-C: summary, output flushed
         try:

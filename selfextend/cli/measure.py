@@ -1,8 +1,10 @@
-"""``selfextend ppl``, ``passkey`` and ``plot``: measurements written as JSON Lines, and their plots."""
+"""``selfextend ppl`` and ``passkey``: measurements written as JSON Lines, resumable point by point."""
 
 from __future__ import annotations
 
-from pathlib import Path
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import click
 
@@ -10,11 +12,11 @@ from selfextend.cli.options import (
     POSITIVE,
     SEED,
     device_map_option,
-    integer,
     model_options,
     run_name,
     weights_option,
 )
+from selfextend.core.validate import plural
 
 
 def _methods(specs: tuple[str, ...]):
@@ -70,6 +72,30 @@ def _finish(procs, out: str, key) -> None:
     procs.wait()
     if procs.main and procs.world > 1:
         merge(out, key)
+
+
+def _resuming(out: str, todo: int, total: int, what: str) -> None:
+    """Say how much of a sweep is already in ``out`` and skipped (nothing when starting afresh)."""
+    if todo < total:
+        click.echo(f"resuming: {total - todo} of {plural(total, what)} already in {out}, skipped", err=True)
+
+
+@contextmanager
+def _resumable(out: str, what: str) -> Iterator[list[int]]:
+    """Around a sweep: Ctrl-C ends it with one line saying what is kept in ``out`` and how to go on.
+
+    Yields a one-element counter the caller increments per record written.
+    """
+    written = [0]
+    try:
+        yield written
+    except KeyboardInterrupt:
+        click.echo(
+            f"\ninterrupted: {out} keeps every {what} finished ({written[0]} new in this run; the one in "
+            "progress is lost). Run the same command again to resume: finished ones are skipped.",
+            err=True,
+        )
+        sys.exit(130)
 
 
 METHOD_HELP = (
@@ -162,13 +188,17 @@ def ppl(
     if not runs:
         click.echo(f"all points already in {out}", err=True)
         return
+    total = len(texts) * len(parsed_methods) * len(parsed_lengths)
+    if procs.main:
+        _resuming(out, sum(len(r.covers) for r in runs), total, "point")
     with procs.main_first():
         lm, tokenizer = load_with_self_extend(model, dtype, device, None, None, weights)
     ids = tokenize_docs(tokenizer, texts, runs)
     mine = procs.share(runs, lambda r: run_cost(r, lm.config.get_text_config().hidden_size))
     bar = _progress_bar(sum(r.length for r in mine), "ppl", procs)
-    with bar:
+    with _resumable(out, "point") as written, bar:
         for r in ppl_sweep(lm, name, ids, mine, procs.output(out), progress=bar.update):
+            written[0] += 1
             bar.write(
                 f"{r['doc']:>16} {r['method']:>24} {r['length']:>7}  ppl {r['ppl']:9.2f}"
                 f"  last quarter {r['ppl_last']:9.2f}"
@@ -237,14 +267,18 @@ def passkey(
     points = passkey_plan(
         name, parsed_methods, parsed_lengths, parsed_depths, trials, out, dtype_name(dtype), seed
     )
+    if points and procs.main:
+        total = len(parsed_methods) * len(parsed_lengths) * len(parsed_depths) * trials
+        _resuming(out, len(points), total, "trial")
     if points:
         with procs.main_first():
             lm, tokenizer = load_with_self_extend(model, dtype, device, None, None, weights)
         hidden = lm.config.get_text_config().hidden_size
         mine = procs.share(points, lambda p: forward_cost(p.length, hidden))
         bar = _progress_bar(sum(p.length for p in mine), "passkey", procs)
-        with bar:
+        with _resumable(out, "trial") as written, bar:
             for r in passkey_sweep(lm, tokenizer, name, mine, procs.output(out), seed, progress=bar.update):
+                written[0] += 1
                 bar.write(
                     f"{r['method']:>24} {r['length']:>7} depth {r['depth']:.2f} #{r['trial']}: "
                     f"{'ok ' if r['correct'] else 'MISS'} {r['passkey']} -> {r['answer'][:20]!r}"
@@ -258,135 +292,3 @@ def passkey(
         f"{sum(r.get('correct') is True for r in records)}/{len(records)}",
         err=True,
     )
-
-
-def summary_options(f):
-    """--field, --stat, --ratio, --reference: how ``plot`` and ``table`` aggregate over documents."""
-    from selfextend.evaluation.aggregate import STATS
-
-    f = click.option(
-        "--reference",
-        type=integer(2),
-        default=None,
-        help="With --ratio: the length (tokens) each method is divided by; default: the longest "
-        "measured length within the trained window.",
-    )(f)
-    f = click.option(
-        "--ratio",
-        is_flag=True,
-        help="Each method's PPL over its own PPL at --reference (per document, then aggregated).",
-    )(f)
-    f = click.option(
-        "--stat",
-        type=click.Choice(list(STATS)),
-        default="mean",
-        show_default=True,
-        help="How PPL is aggregated over documents (the spread shown is their min-max range).",
-    )(f)
-    f = click.option(
-        "--field",
-        type=click.Choice(["ppl_last", "ppl"]),
-        default="ppl_last",
-        show_default=True,
-        help="For perplexity results: the last quarter of each context, or all of it.",
-    )(f)
-    f = click.option(
-        "--trained-window",
-        type=integer(2),
-        default=None,
-        help="The model's trained window in tokens (marked on plots, default reference of --ratio); "
-        "default: the model's, when it can be read.",
-    )(f)
-    return f
-
-
-def _records(results: str, trained_window: int | None, field: str = "ppl_last", command: str = "plot"):
-    """The usable records of RESULTS (bad lines, other kinds, records missing fields: skipped, said)."""
-    from selfextend.evaluation.plot import records_kind, usable_records
-    from selfextend.evaluation.results import read_jsonl
-
-    records = read_jsonl(results)
-    if command == "table" and records_kind(records, results) not in ("ppl", "passkey"):
-        kind = records_kind(records, results)
-        raise click.UsageError(f"{results} holds {kind} records; table takes ppl or passkey results")
-    kind, records = usable_records(records, field, results)
-    if trained_window is None:
-        trained_window = _trained_window(records[0].get("model"))
-    return records, kind, trained_window
-
-
-@click.command()
-@click.argument("results", type=click.Path(exists=True, dir_okay=False))
-@click.option(
-    "-o", "--out", type=click.Path(dir_okay=False), help="PNG to write (default: RESULTS with .png)."
-)
-@summary_options
-@click.option("--per-doc", is_flag=True, help="Perplexity: one panel per document instead of the aggregate.")
-def plot(
-    results: str,
-    out: str | None,
-    trained_window: int | None,
-    field: str,
-    stat: str,
-    ratio: bool,
-    reference: int | None,
-    per_doc: bool,
-) -> None:
-    """Draw a JSONL results file as a PNG: PPL against length, passkey heatmaps, or bench time and memory.
-
-    Perplexity is aggregated over documents (STAT, with the documents' range as a band), the same
-    numbers `selfextend table` prints.
-    """
-    from selfextend.evaluation.plot import plot_bench, plot_passkey, plot_ppl
-
-    records, kind, trained_window = _records(results, trained_window, field)
-    target = Path(out or Path(results).with_suffix(".png"))
-    if kind == "ppl":
-        plot_ppl(records, target, trained_window, field, stat, per_doc, ratio, reference)
-    elif kind == "passkey":
-        plot_passkey(records, target, trained_window)
-    else:
-        plot_bench(records, target, trained_window)
-    click.echo(f"wrote {target}")
-
-
-@click.command()
-@click.argument("results", type=click.Path(exists=True, dir_okay=False))
-@click.option(
-    "-f",
-    "--format",
-    "fmt",
-    type=click.Choice(["markdown", "csv", "latex"]),
-    default="markdown",
-    show_default=True,
-    help="Table format.",
-)
-@summary_options
-def table(
-    results: str,
-    fmt: str,
-    trained_window: int | None,
-    field: str,
-    stat: str,
-    ratio: bool,
-    reference: int | None,
-) -> None:
-    """Print a ppl or passkey JSONL file as a table: methods by lengths, aggregated over documents.
-
-    PPL cells read `value (min-max over documents)`; passkey cells hits/trials over all depths.
-    """
-    from selfextend.evaluation.aggregate import format_table, summarize
-
-    records, kind, trained_window = _records(results, trained_window, field, "table")
-    click.echo(format_table(summarize(records, field, stat, ratio, reference, trained_window), fmt))
-
-
-def _trained_window(model: str | None) -> int | None:
-    from selfextend.models import ModelError, load_config, model_facts
-
-    if not model:
-        return None
-    try:
-        return model_facts(load_config(model)).trained_window
-    except ModelError:
-        return None

@@ -69,7 +69,8 @@ def model_options(f: Callable) -> Callable:
         "--dtype",
         default="float32",
         show_default=True,
-        help="Weights and activations: float32, bfloat16 or float16.",
+        help="Weights and activations: float32, bfloat16, float16, or auto (a checkpoint's own dtype; "
+        "float32 for a GGUF).",
     )(f)
     f = click.option(
         "-m",

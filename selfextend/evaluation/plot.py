@@ -156,10 +156,19 @@ def _clip_ratio_axis(ax, summary) -> None:
     ax.yaxis.set_minor_formatter(NullFormatter())
 
 
-def _length_axis(ax, lengths: list[int], trained_window: int | None) -> None:
-    """Log2 length axis with a tick per measured length; the trained window gets a tick and a line."""
+def _length_axis(ax, lengths: list[int], trained_window: int | None, stretch: bool = True) -> str:
+    """Log2 length axis with a tick per measured length; the trained window gets a tick and a line.
+
+    With ``stretch`` False a trained window outside the measured range is not drawn (the axis keeps to
+    the data); the returned note says where it is instead ("" when it is drawn or unknown).
+    """
     from matplotlib.ticker import NullLocator
 
+    note = ""
+    if trained_window and not stretch and not min(lengths) <= trained_window <= max(lengths):
+        side = "beyond" if trained_window > max(lengths) else "below"
+        note = f"trained window {fmt_tokens(trained_window)} tokens: {side} these lengths"
+        trained_window = None
     ax.set_xscale("log", base=2)
     ticks = sorted(set(lengths) | ({trained_window} if trained_window else set()))
     labels = [fmt_tokens(n) + ("\ntrained" if n == trained_window else "") for n in ticks]
@@ -170,6 +179,7 @@ def _length_axis(ax, lengths: list[int], trained_window: int | None) -> None:
         for label in ax.get_xticklabels():
             if label.get_text().endswith("trained"):
                 label.set_fontweight("bold")
+    return note
 
 
 def plot_ppl(
@@ -346,8 +356,8 @@ def plot_bench(records: list[dict[str, Any]], out: str | Path, trained_window: i
             ax.plot(lengths, values, label=name, **_line_style(len(ax.lines)))
         ax.set_yscale("log")
         _plain_log_axis(ax.yaxis)
-        _length_axis(ax, sorted({r["length"] for r in runs}), trained_window)
-        ax.set_xlabel("prefill length (tokens)")
+        note = _length_axis(ax, sorted({r["length"] for r in runs}), trained_window, stretch=False)
+        ax.set_xlabel("prefill length (tokens)" + (f"\n({note})" if note else ""))
         ax.set_ylabel(label + ", log scale")
         ax.grid(True, which="major", alpha=0.3)
     axes[1].legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=8, frameon=False)

@@ -319,11 +319,17 @@ def convert_into(entry: Path, gguf: Path, form: RunForm) -> tuple[PreTrainedMode
     from transformers import AutoTokenizer
 
     table = check_gguf(gguf)
+    log.info(
+        "converting %s into %s weights in the model cache %s: once per file and form, later loads read "
+        "the cache (seconds to a minute)",
+        gguf.name,
+        form.name,
+        entry.parent,
+    )
     release_free_memory()
     config = gguf_config(gguf)
     check_rope(config, gguf.name)
     release_free_memory()
-    log.info("converting %s into %s (only the first time)", gguf, entry)
     tokenizer_dir = _converted_tokenizer(gguf)
     release_free_memory()
     tokenizer = hub_load(ModelSource("dir", str(tokenizer_dir), gguf.name), AutoTokenizer.from_pretrained)

@@ -1,0 +1,143 @@
+"""``selfextend plot`` and ``table``: JSONL results drawn as PNGs or printed as tables."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from selfextend.cli.options import integer
+
+
+def summary_options(f):
+    """--field, --stat, --ratio, --reference: how ``plot`` and ``table`` aggregate over documents."""
+    from selfextend.evaluation.aggregate import STATS
+
+    f = click.option(
+        "--reference",
+        type=integer(2),
+        default=None,
+        help="With --ratio: the length (tokens) each method is divided by; default: the longest "
+        "measured length within the trained window.",
+    )(f)
+    f = click.option(
+        "--ratio",
+        is_flag=True,
+        help="Each method's PPL over its own PPL at --reference (per document, then aggregated).",
+    )(f)
+    f = click.option(
+        "--stat",
+        type=click.Choice(list(STATS)),
+        default="mean",
+        show_default=True,
+        help="How PPL is aggregated over documents (the spread shown is their min-max range).",
+    )(f)
+    f = click.option(
+        "--field",
+        type=click.Choice(["ppl_last", "ppl"]),
+        default="ppl_last",
+        show_default=True,
+        help="For perplexity results: the last quarter of each context, or all of it.",
+    )(f)
+    f = click.option(
+        "--trained-window",
+        type=integer(2),
+        default=None,
+        help="The model's trained window in tokens (marked on plots, default reference of --ratio); "
+        "default: the model's, when it can be read.",
+    )(f)
+    return f
+
+
+def _records(results: str, trained_window: int | None, field: str = "ppl_last", command: str = "plot"):
+    """The usable records of RESULTS (bad lines, other kinds, records missing fields: skipped, said)."""
+    from selfextend.evaluation.plot import records_kind, usable_records
+    from selfextend.evaluation.results import read_jsonl
+
+    records = read_jsonl(results)
+    if command == "table" and records_kind(records, results) not in ("ppl", "passkey"):
+        kind = records_kind(records, results)
+        raise click.UsageError(f"{results} holds {kind} records; table takes ppl or passkey results")
+    kind, records = usable_records(records, field, results)
+    if trained_window is None:
+        trained_window = _trained_window(records[0].get("model"))
+    return records, kind, trained_window
+
+
+@click.command()
+@click.argument("results", type=click.Path(exists=True, dir_okay=False))
+@click.option(
+    "-o", "--out", type=click.Path(dir_okay=False), help="PNG to write (default: RESULTS with .png)."
+)
+@summary_options
+@click.option("--per-doc", is_flag=True, help="Perplexity: one panel per document instead of the aggregate.")
+def plot(
+    results: str,
+    out: str | None,
+    trained_window: int | None,
+    field: str,
+    stat: str,
+    ratio: bool,
+    reference: int | None,
+    per_doc: bool,
+) -> None:
+    """Draw a JSONL results file as a PNG: PPL against length, passkey heatmaps, or bench time and memory.
+
+    Perplexity is aggregated over documents (STAT, with the documents' range as a band), the same
+    numbers `selfextend table` prints, over the documents every method has.
+    """
+    from selfextend.evaluation.plot import plot_bench, plot_passkey, plot_ppl
+
+    records, kind, trained_window = _records(results, trained_window, field)
+    target = Path(out or Path(results).with_suffix(".png"))
+    if kind == "ppl":
+        plot_ppl(records, target, trained_window, field, stat, per_doc, ratio, reference)
+    elif kind == "passkey":
+        plot_passkey(records, target, trained_window)
+    else:
+        plot_bench(records, target, trained_window)
+    click.echo(f"wrote {target}")
+
+
+@click.command()
+@click.argument("results", type=click.Path(exists=True, dir_okay=False))
+@click.option(
+    "-f",
+    "--format",
+    "fmt",
+    type=click.Choice(["markdown", "csv", "latex"]),
+    default="markdown",
+    show_default=True,
+    help="Table format.",
+)
+@summary_options
+def table(
+    results: str,
+    fmt: str,
+    trained_window: int | None,
+    field: str,
+    stat: str,
+    ratio: bool,
+    reference: int | None,
+) -> None:
+    """Print a ppl or passkey JSONL file as a table: methods by lengths, aggregated over documents.
+
+    PPL cells read `value (min-max over documents)`; passkey cells hits/trials over all depths. A first
+    line says which statistic of which field, over which documents. Methods measured on different
+    documents are compared over the ones they all have (a warning names the rest).
+    """
+    from selfextend.evaluation.aggregate import format_table, summarize
+
+    records, kind, trained_window = _records(results, trained_window, field, "table")
+    click.echo(format_table(summarize(records, field, stat, ratio, reference, trained_window), fmt))
+
+
+def _trained_window(model: str | None) -> int | None:
+    from selfextend.models import ModelError, load_config, model_facts
+
+    if not model:
+        return None
+    try:
+        return model_facts(load_config(model)).trained_window
+    except ModelError:
+        return None
