@@ -186,6 +186,19 @@ def test_parallel_requests_match_sequential_ones(tiny, client):
     assert [results[0], results[1]] == alone
 
 
+def test_extreme_but_valid_numbers_do_not_fail(client):
+    """Found by schemathesis: a denormal temperature or top_p used to overflow the sampler (a 500)."""
+    extras = (
+        {"temperature": 5e-324},
+        {"top_p": 5e-324, "temperature": 1},
+        {"top_p": 0},
+        {"repeat_penalty": 0.01},
+    )
+    for extra in extras:
+        out = client.completions.create(model="tiny", prompt="Edge", max_tokens=3, extra_body=extra)
+        assert out.usage.completion_tokens >= 1
+
+
 def test_seeded_sampling_repeats(client):
     kwargs = dict(model="tiny", prompt="Sampling", max_tokens=12, temperature=1.0, top_k=20, seed=7)
     a = client.completions.create(
@@ -213,7 +226,8 @@ BAD = [
     (b'{"prompt": "x", "temperature": "hot"}', "temperature"),
     (b'{"prompt": "x", "temperature": NaN}', "temperature"),
     (b'{"prompt": "x", "temperature": -1}', "temperature"),
-    (b'{"prompt": "x", "top_p": 0}', "top_p"),
+    (b'{"prompt": "x", "top_p": 1.5}', "top_p"),
+    (b'{"prompt": "x", "repeat_penalty": 5e-324}', "repeat_penalty"),
     (b'{"prompt": "x", "max_tokens": 0}', "max_tokens"),
     (b'{"prompt": "x", "max_tokens": 65}', "max_tokens"),
     (b'{"prompt": "x", "max_tokens": true}', "max_tokens"),

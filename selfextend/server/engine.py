@@ -28,6 +28,7 @@ from selfextend.generation.generator import (
     run,
 )
 from selfextend.generation.sampling import SamplingParams
+from selfextend.models.weights import release_free_memory
 from selfextend.server.slots import Reuse, Slot, pick
 
 
@@ -256,6 +257,7 @@ class Engine:
                 job.emit({"type": "text", "text": tail})
         slot.finish(job.prompt, r.generated[:-1], complete and r.stats is not None)
         slot.busy = False
+        release_free_memory()  # prompts of every size leave freed heap pages resident in glibc's arenas
         if reason == "cancelled":
             return
         now = time.perf_counter()

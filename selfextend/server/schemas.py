@@ -31,11 +31,11 @@ class Sampling(Strict):
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
-    temperature: Finite | None = Field(None, ge=0.0)
-    top_p: Finite | None = Field(None, gt=0.0, le=1.0)
+    temperature: Finite | None = Field(None, ge=0.0, le=100.0)
+    top_p: Finite | None = Field(None, ge=0.0, le=1.0)
     top_k: int | None = Field(None, ge=0)
     min_p: Finite | None = Field(None, ge=0.0, lt=1.0)
-    repeat_penalty: Finite | None = Field(None, gt=0.0)
+    repeat_penalty: Finite | None = Field(None, ge=0.01, le=100.0)  # a penalty near 0 overflows the logits
     repeat_last_n: int | None = Field(None, ge=-1)
     frequency_penalty: Finite | None = Field(None, ge=-2.0, le=2.0)
     presence_penalty: Finite | None = Field(None, ge=-2.0, le=2.0)
@@ -81,6 +81,10 @@ class SlotFile(Strict):
     filename: str = Field(min_length=1, max_length=255)
 
 
+GREEDY_BELOW = 1e-4
+"""A temperature or top_p under this is greedy: dividing logits by a smaller temperature overflows float32
+(and the distribution is one-hot to float precision anyway); a smaller top_p keeps only the top token."""
+
 REQUEST_FIELDS = {
     "temperature": "temperature",
     "top_k": "top_k",
@@ -119,6 +123,8 @@ def sampling_params(request: Sampling, defaults: SamplingParams) -> SamplingPara
                 raise Unsupported(name)
             continue
         changes[target] = value
+    if changes.get("temperature", 1.0) < GREEDY_BELOW or changes.get("top_p", 1.0) < GREEDY_BELOW:
+        changes["temperature"], changes["top_p"] = 0.0, 1.0
     params = dataclasses.replace(defaults, **changes)
     params.validate()
     return params
