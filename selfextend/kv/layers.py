@@ -304,7 +304,7 @@ class SlidingShiftLayer(CellLayer):
             self._lose(int(dropped.min()), int(dropped.max()))
             slots = torch.cat((slots, oldest))
         for buf, states in ((self.keys, key_states), (self.values, value_states)):
-            buf.index_copy_(-2, slots, states.index_select(-2, new))
+            buf.index_copy_(-2, slots, states.index_select(-2, new).to(buf.dtype))
         self.positions.index_copy_(0, slots, keep[new])
         self.n_used = min(self.capacity, self.n_used + len(new))
 
