@@ -215,11 +215,16 @@ def grouped_keys(
 
 
 def _grouped_prefix(
-    k: torch.Tensor, cells: KeyCells, n: int, group_size: int, inv_freq: torch.Tensor
+    k: torch.Tensor,
+    cells: KeyCells,
+    n: int,
+    group_size: int,
+    inv_freq: torch.Tensor,
+    rotations: RotationTable | None = None,
 ) -> torch.Tensor:
     """The first ``n`` keys at grouped positions: from their owner when it keeps them, else rotated here."""
     if cells.grouped is not None:
-        return cells.grouped(group_size, inv_freq, n)
+        return cells.grouped(group_size, inv_freq, n, rotations)
     return grouped_keys(k[..., :n, :], cells.positions[..., :n], group_size, inv_freq)
 
 
@@ -263,7 +268,7 @@ def self_extend_decode(
     if n_grouped == 0 or group_size == 1:  # every key at its own position
         scores = torch.matmul(q, k.transpose(-1, -2))  # (B, Hkv, n_rep, Lk)
     else:
-        k_g = _grouped_prefix(k, cells, n_grouped, group_size, inv_freq)
+        k_g = _grouped_prefix(k, cells, n_grouped, group_size, inv_freq, rotations)
         delta = grouped_query_positions(pos, group_size, window) - pos
         if rotations is not None:
             q_g = rotations.rotate(q, delta, inv_freq)

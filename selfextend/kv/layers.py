@@ -23,7 +23,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from selfextend.core.cells import KeyCells, tag_cells
-from selfextend.core.rope import rotate
+from selfextend.core.rope import RotationTable, rotate
 from selfextend.kv.grouped import GroupedKeys
 
 NOTHING = (0, -1)
@@ -229,8 +229,11 @@ class ContextShiftLayer(CellLayer):
         super().reset()
         self.gapless = True
 
-    def _grouped(self, group_size: int, inv_freq: torch.Tensor, n: int) -> torch.Tensor:
-        return self.grouped.get(self.keys, self.positions, group_size, inv_freq, n)
+    def _grouped(
+        self, group_size: int, inv_freq: torch.Tensor, n: int, rotations: RotationTable | None
+    ) -> torch.Tensor:
+        first = self.next_pos - self.n_used if self.gapless else None
+        return self.grouped.get(self.keys, self.positions, group_size, inv_freq, n, rotations, first)
 
     def cells(self, end: int) -> KeyCells:
         """The :class:`KeyCells` of slots [0, end) (the gapless case when the cells are)."""
@@ -251,7 +254,10 @@ class ContextShiftLayer(CellLayer):
             )
         self.keys[..., start:end, :] = key_states
         self.values[..., start:end, :] = value_states
-        self.positions[start:end] = torch.arange(self.next_pos, self.next_pos + n, device=self.device)
+        if n == 1:  # a decode step: no arange to allocate
+            self.positions[start:end].fill_(self.next_pos)
+        else:
+            self.positions[start:end] = torch.arange(self.next_pos, self.next_pos + n, device=self.device)
         self.grouped.invalidate(start)
         self.n_used, self.next_pos = end, self.next_pos + n
         return tag_cells(self.keys[..., :end, :], self.cells(end)), self.values[..., :end, :]
