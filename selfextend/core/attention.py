@@ -26,6 +26,7 @@ position, query block by query block, so memory stays (block, Lk) there too.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from selfextend.core.cells import KeyCells
 from selfextend.core.masked import attention_by_position, repeat_kv
@@ -222,9 +223,10 @@ def _grouped_prefix(
     inv_freq: torch.Tensor,
     rotations: RotationTable | None = None,
 ) -> torch.Tensor:
-    """The first ``n`` keys at grouped positions: from their owner when it keeps them, else rotated here."""
+    """The first ``n`` keys at grouped positions, in ``k``'s dtype: from their owner when it keeps them (in
+    the cache's element type, which may be narrower), else rotated here."""
     if cells.grouped is not None:
-        return cells.grouped(group_size, inv_freq, n, rotations)
+        return cells.grouped(group_size, inv_freq, n, rotations).to(k.dtype)
     return grouped_keys(k[..., :n, :], cells.positions[..., :n], group_size, inv_freq)
 
 
@@ -264,19 +266,21 @@ def self_extend_decode(
         n_grouped = min(max(pos - window - cells.first + 1, 0), lk)
     else:
         n_grouped = int(torch.searchsorted(cells.positions, pos - window, right=True))
+    if n_grouped == 0 or group_size == 1:
+        # Every key at its own position: this is plain attention, so run the very op the unpatched model
+        # decodes with. Another summation order differs in the last bits, which int8 weights (activations
+        # rounded to bfloat16 before each product) amplify until a greedy token flips.
+        return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
     q = (q * scale).reshape(b, hkv, h // hkv, d)  # (B, Hkv, n_rep, D): the heads sharing a KV head as rows
-    if n_grouped == 0 or group_size == 1:  # every key at its own position
-        scores = torch.matmul(q, k.transpose(-1, -2))  # (B, Hkv, n_rep, Lk)
+    k_g = _grouped_prefix(k, cells, n_grouped, group_size, inv_freq, rotations)
+    delta = grouped_query_positions(pos, group_size, window) - pos
+    if rotations is not None:
+        q_g = rotations.rotate(q, delta, inv_freq)
     else:
-        k_g = _grouped_prefix(k, cells, n_grouped, group_size, inv_freq, rotations)
-        delta = grouped_query_positions(pos, group_size, window) - pos
-        if rotations is not None:
-            q_g = rotations.rotate(q, delta, inv_freq)
-        else:
-            q_g = rotate(q, torch.tensor([delta]), inv_freq)
-        grouped = torch.matmul(q_g, k_g.transpose(-1, -2))  # (B, Hkv, n_rep, n_grouped)
-        neighbors = torch.matmul(q, k[..., n_grouped:, :].transpose(-1, -2))  # (B, Hkv, n_rep, rest)
-        scores = torch.cat((grouped, neighbors), dim=-1)  # (B, Hkv, n_rep, Lk)
+        q_g = rotate(q, torch.tensor([delta]), inv_freq)
+    grouped = torch.matmul(q_g, k_g.transpose(-1, -2))  # (B, Hkv, n_rep, n_grouped)
+    neighbors = torch.matmul(q, k[..., n_grouped:, :].transpose(-1, -2))  # (B, Hkv, n_rep, rest)
+    scores = torch.cat((grouped, neighbors), dim=-1)  # (B, Hkv, n_rep, Lk)
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
     return torch.matmul(probs, v).reshape(b, h, 1, d)
 

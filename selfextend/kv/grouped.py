@@ -45,9 +45,10 @@ class GroupedKeys:
         slots not yet current are rotated, the rest read back. ``first``: the position of slot 0 when the
         positions are gapless (then a few new keys go through ``rotations``)."""
         buf = self.buf
-        fits = buf is not None and (buf.shape, buf.dtype, buf.device) == (keys.shape, keys.dtype, keys.device)
+        dtype = torch.promote_types(keys.dtype, torch.float32)  # a bf16/f16 cache's keys are rounded once
+        fits = buf is not None and (buf.shape, buf.dtype, buf.device) == (keys.shape, dtype, keys.device)
         if not fits:
-            self.buf = buf = torch.empty_like(keys)
+            self.buf = buf = torch.empty_like(keys, dtype=dtype)
         same = self.settings is not None and self.settings[1] is inv_freq
         if not fits or not same or self.settings[::2] != (group_size, inv_freq._version):
             self.valid, self.settings = 0, (group_size, inv_freq, inv_freq._version)
@@ -55,8 +56,8 @@ class GroupedKeys:
         if a < n <= a + FEW and rotations is not None and first is not None:
             for s in range(a, n):
                 delta = grouped_key_positions(first + s, group_size) - (first + s)
-                buf[..., s : s + 1, :] = rotations.rotate(keys[..., s : s + 1, :], delta, inv_freq)
+                buf[..., s : s + 1, :] = rotations.rotate(keys[..., s : s + 1, :].to(dtype), delta, inv_freq)
         elif n > a:
-            buf[..., a:n, :] = grouped_keys(keys[..., a:n, :], positions[a:n], group_size, inv_freq)
+            buf[..., a:n, :] = grouped_keys(keys[..., a:n, :].to(dtype), positions[a:n], group_size, inv_freq)
         self.valid = max(a, n)
         return buf[..., :n, :]
