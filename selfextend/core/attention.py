@@ -216,12 +216,17 @@ def grouped_keys(
 
 
 def _grouped_prefix(
-    k: torch.Tensor, cells: KeyCells, n: int, group_size: int, inv_freq: torch.Tensor
+    k: torch.Tensor,
+    cells: KeyCells,
+    n: int,
+    group_size: int,
+    inv_freq: torch.Tensor,
+    rotations: RotationTable | None = None,
 ) -> torch.Tensor:
     """The first ``n`` keys at grouped positions, in ``k``'s dtype: from their owner when it keeps them (in
     the cache's element type, which may be narrower), else rotated here."""
     if cells.grouped is not None:
-        return cells.grouped(group_size, inv_freq, n).to(k.dtype)
+        return cells.grouped(group_size, inv_freq, n, rotations).to(k.dtype)
     return grouped_keys(k[..., :n, :], cells.positions[..., :n], group_size, inv_freq)
 
 
@@ -267,7 +272,7 @@ def self_extend_decode(
         # rounded to bfloat16 before each product) amplify until a greedy token flips.
         return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
     q = (q * scale).reshape(b, hkv, h // hkv, d)  # (B, Hkv, n_rep, D): the heads sharing a KV head as rows
-    k_g = _grouped_prefix(k, cells, n_grouped, group_size, inv_freq)
+    k_g = _grouped_prefix(k, cells, n_grouped, group_size, inv_freq, rotations)
     delta = grouped_query_positions(pos, group_size, window) - pos
     if rotations is not None:
         q_g = rotations.rotate(q, delta, inv_freq)

@@ -8,8 +8,11 @@ from dataclasses import dataclass
 
 import torch
 
-GroupedSource = Callable[[int, torch.Tensor, int], torch.Tensor]
-"""``(group_size, inv_freq, n) -> (B, Hkv, n, D)``: the first ``n`` keys at their grouped positions."""
+from selfextend.core.rope import RotationTable
+
+GroupedSource = Callable[[int, torch.Tensor, int, RotationTable | None], torch.Tensor]
+"""``(group_size, inv_freq, n, rotations) -> (B, Hkv, n, D)``: the first ``n`` keys at their grouped
+positions (``rotations``: a table shared by the layers, for the few keys a decode step adds)."""
 
 
 @dataclass(frozen=True)

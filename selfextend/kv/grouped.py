@@ -10,6 +10,12 @@ from __future__ import annotations
 import torch
 
 from selfextend.core.attention import grouped_keys
+from selfextend.core.positions import grouped_key_positions
+from selfextend.core.rope import RotationTable
+
+FEW = 4
+"""Up to this many new grouped keys are rotated one by one through a shared :class:`RotationTable` (a decode
+step adds one, at the same delta in every layer: one table entry serves them all)."""
 
 
 class GroupedKeys:
@@ -26,10 +32,18 @@ class GroupedKeys:
         self.valid = min(self.valid, slot)
 
     def get(
-        self, keys: torch.Tensor, positions: torch.Tensor, group_size: int, inv_freq: torch.Tensor, n: int
+        self,
+        keys: torch.Tensor,
+        positions: torch.Tensor,
+        group_size: int,
+        inv_freq: torch.Tensor,
+        n: int,
+        rotations: RotationTable | None = None,
+        first: int | None = None,
     ) -> torch.Tensor:
         """Grouped keys of slots [0, n) of ``keys`` (B, Hkv, capacity, D) at ``positions`` (capacity,): the
-        slots not yet current are rotated, the rest read back."""
+        slots not yet current are rotated, the rest read back. ``first``: the position of slot 0 when the
+        positions are gapless (then a few new keys go through ``rotations``)."""
         buf = self.buf
         dtype = torch.promote_types(keys.dtype, torch.float32)  # a bf16/f16 cache's keys are rounded once
         fits = buf is not None and (buf.shape, buf.dtype, buf.device) == (keys.shape, dtype, keys.device)
@@ -38,8 +52,12 @@ class GroupedKeys:
         same = self.settings is not None and self.settings[1] is inv_freq
         if not fits or not same or self.settings[::2] != (group_size, inv_freq._version):
             self.valid, self.settings = 0, (group_size, inv_freq, inv_freq._version)
-        if n > self.valid:
-            a = self.valid
+        a = self.valid
+        if a < n <= a + FEW and rotations is not None and first is not None:
+            for s in range(a, n):
+                delta = grouped_key_positions(first + s, group_size) - (first + s)
+                buf[..., s : s + 1, :] = rotations.rotate(keys[..., s : s + 1, :].to(dtype), delta, inv_freq)
+        elif n > a:
             buf[..., a:n, :] = grouped_keys(keys[..., a:n, :].to(dtype), positions[a:n], group_size, inv_freq)
-            self.valid = n
+        self.valid = max(a, n)
         return buf[..., :n, :]

@@ -23,7 +23,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from selfextend.core.cells import KeyCells, tag_cells
-from selfextend.core.rope import rotate
+from selfextend.core.rope import RotationTable, rotate
 from selfextend.kv.grouped import GroupedKeys
 
 NOTHING = (0, -1)
@@ -229,8 +229,11 @@ class ContextShiftLayer(CellLayer):
         super().reset()
         self.gapless = True
 
-    def _grouped(self, group_size: int, inv_freq: torch.Tensor, n: int) -> torch.Tensor:
-        return self.grouped.get(self.keys, self.positions, group_size, inv_freq, n)
+    def _grouped(
+        self, group_size: int, inv_freq: torch.Tensor, n: int, rotations: RotationTable | None
+    ) -> torch.Tensor:
+        first = self.next_pos - self.n_used if self.gapless else None
+        return self.grouped.get(self.keys, self.positions, group_size, inv_freq, n, rotations, first)
 
     def cells(self, end: int) -> KeyCells:
         """The :class:`KeyCells` of slots [0, end) (the gapless case when the cells are)."""
@@ -251,7 +254,10 @@ class ContextShiftLayer(CellLayer):
             )
         self.keys[..., start:end, :] = key_states
         self.values[..., start:end, :] = value_states
-        self.positions[start:end] = torch.arange(self.next_pos, self.next_pos + n, device=self.device)
+        if n == 1:  # a decode step: no arange to allocate
+            self.positions[start:end].fill_(self.next_pos)
+        else:
+            self.positions[start:end] = torch.arange(self.next_pos, self.next_pos + n, device=self.device)
         self.grouped.invalidate(start)
         self.n_used, self.next_pos = end, self.next_pos + n
         # a reduced-precision cache (--cache-type) hands the attention its states in the model's dtype
@@ -318,8 +324,13 @@ class SlidingShiftLayer(CellLayer):
         n, start = key_states.shape[-2], self.next_pos
         first = max(0, start - self.window + 1)
         slots, count = self._visible(first)
-        keys = torch.cat((self.keys.index_select(-2, slots).to(key_states.dtype), key_states), dim=-2)
-        values = torch.cat((self.values.index_select(-2, slots).to(value_states.dtype), value_states), dim=-2)
+        # the new states as the cache holds them (rounded to a bf16/f16 cache's type), as a full layer returns
+        new_k, new_v = (
+            key_states.to(self.dtype).to(key_states.dtype),
+            value_states.to(self.dtype).to(value_states.dtype),
+        )
+        keys = torch.cat((self.keys.index_select(-2, slots).to(key_states.dtype), new_k), dim=-2)
+        values = torch.cat((self.values.index_select(-2, slots).to(value_states.dtype), new_v), dim=-2)
         new = torch.arange(start, start + n, device=self.device)
         positions = torch.cat((self.positions.index_select(0, slots), new))
         cells = KeyCells(positions, first if count == start - first else None)
