@@ -253,14 +253,14 @@ class Repl:
     def _handle(self, line: str) -> bool:
         """Run a command or answer a turn; False ends the session. A command that fails says why in one
         line and the session goes on: a typo in a file name must not lose the conversation."""
+        from selfextend.chat import ChatError
+
         s = self.session
         if not line.startswith("/"):
             self._stream(s.reply(line))
             return not self.terminated
         command, _, arg = line.strip().partition(" ")
         arg = arg.strip()
-        from selfextend.chat import ChatError
-
         try:
             if command in ("/quit", "/exit"):
                 return False
