@@ -59,7 +59,8 @@ from selfextend.cli.options import COUNT, POSITIVE, decode_options, integer, mod
     default="prefill,decode,endless,generate",
     show_default=True,
     help="Which measurements to run: prefill, decode, endless (shift cache against plain decoding), "
-    "generate (float against int8 weights and llama.cpp, when llama-cpp-python is installed).",
+    "generate (float against int8 weights and llama.cpp, when llama-cpp-python is installed), first-token "
+    "(seconds to the first token of a --lengths prompt, int8 + Self-Extend against llama.cpp; not default).",
 )
 @click.option(
     "-o", "--out", type=click.Path(dir_okay=False), help="Also write every run and the summary as JSON Lines."
@@ -100,11 +101,10 @@ def bench(
         MemoryMeter,
         bench_decode,
         bench_endless,
-        bench_generate,
         bench_prefill,
-        read_bandwidth_gbs,
         summarize,
     )
+    from selfextend.bench.speed import bench_first_token, bench_generate, read_bandwidth_gbs
     from selfextend.cli.options import load_with_self_extend
     from selfextend.evaluation.results import append_jsonl
     from selfextend.evaluation.sweep import parse_lengths
@@ -112,7 +112,7 @@ def bench(
     from selfextend.generation.generator import CACHE_DTYPES
 
     wanted = {c.strip() for c in cases.split(",") if c.strip()}
-    unknown = wanted - {"prefill", "decode", "endless", "generate"}
+    unknown = wanted - {"prefill", "decode", "endless", "generate", "first-token"}
     if unknown:
         raise click.BadParameter(f"unknown case {', '.join(sorted(unknown))}", param_hint="--cases")
     cfg = BenchConfig(
@@ -163,14 +163,18 @@ def bench(
     if "endless" in wanted and endless_tokens > 0:
         for r in bench_endless(lm, cfg, lambda: proc.memory_info().rss / 2**20):
             record(r)
-    if "generate" in wanted and endless_tokens > 0:
+    if wanted & {"generate", "first-token"}:
         from selfextend.models import resolve_model
 
         gguf = resolve_model(model).gguf_path
         if gguf is None or not llamacpp_available():
             click.echo("llama.cpp: skipped (needs a GGUF model and llama-cpp-python installed)", err=True)
-        for r in bench_generate(lm, cfg, gguf, torch.get_num_threads()):
-            record(r)
+        if "generate" in wanted and endless_tokens > 0:
+            for r in bench_generate(lm, cfg, gguf, torch.get_num_threads()):
+                record(r)
+        if "first-token" in wanted:
+            for r in bench_first_token(lm, cfg, gguf, torch.get_num_threads()):
+                record(r)
     bandwidth = read_bandwidth_gbs() if "generate" in wanted else None
     click.echo(
         f"\n{model}, {dtype}, {weights} weights, {device_name}, G={group_size}, W={window}, "
@@ -187,6 +191,7 @@ def bench(
         "endless": ("tokens_per_s", "tok/s"),
         "shift": ("ms_per_shift", "ms/shift"),
         "generate": ("tokens_per_s", "tok/s"),
+        "first-token": ("seconds", "s"),
     }
     for row in summarize(runs):
         key, unit = units[row["case"]]
