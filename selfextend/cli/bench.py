@@ -71,7 +71,7 @@ def bench(
     device: str,
     weights: str,
     compile_step: bool | None,
-    cache_type: str,
+    cache_type: str | None,
     lengths: str,
     decode_lengths: str,
     group_size: int,
@@ -108,8 +108,7 @@ def bench(
     from selfextend.cli.options import load_with_self_extend
     from selfextend.evaluation.results import append_jsonl
     from selfextend.evaluation.sweep import parse_lengths
-    from selfextend.generation.compiled import compile_pays
-    from selfextend.generation.generator import CACHE_DTYPES
+    from selfextend.generation.generator import decode_settings
 
     wanted = {c.strip() for c in cases.split(",") if c.strip()}
     unknown = wanted - {"prefill", "decode", "endless", "generate", "first-token"}
@@ -127,8 +126,7 @@ def bench(
         endless_keep=min(4, ctx - 2),
     )
     lm, _ = load_with_self_extend(model, dtype, device, None, None, weights)
-    cfg.compile = compile_pays(lm) if compile_step is None else compile_step
-    cfg.cache_dtype = CACHE_DTYPES[cache_type]
+    cfg.compile, cfg.cache_dtype = decode_settings(lm, compile_step, cache_type)
     from selfextend.core.positions import validate
     from selfextend.hf.facts import trained_window
 
@@ -178,7 +176,8 @@ def bench(
     bandwidth = read_bandwidth_gbs() if "generate" in wanted else None
     click.echo(
         f"\n{model}, {dtype}, {weights} weights, {device_name}, G={group_size}, W={window}, "
-        f"{repeats} repeats (medians), {'compiled' if cfg.compile else 'eager'} decode, {cache_type} cache"
+        f"{repeats} repeats (medians), {'compiled' if cfg.compile else 'eager'} decode, "
+        f"{str(cfg.cache_dtype or lm.dtype).removeprefix('torch.')} cache"
         + (f", machine read bandwidth {bandwidth:.1f} GB/s" if bandwidth else "")
     )
     click.echo(
