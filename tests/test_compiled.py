@@ -235,3 +235,11 @@ def test_decode_settings_defaults() -> None:
     assert decode_settings(model, None, "bf16") == (False, torch.bfloat16)  # conftest: compiling never pays
     with pytest.raises(ValidationError, match="cache type"):
         decode_settings(model, True, "q8_0")
+
+
+def test_compile_pays_on_cpu_for_served_families(monkeypatch: pytest.MonkeyPatch) -> None:
+    from selfextend.generation.compiled import compile_pays
+
+    assert not compile_pays(make_model("llama"))  # conftest: SELFEXTEND_COMPILE=0
+    monkeypatch.delenv("SELFEXTEND_COMPILE")
+    assert compile_pays(make_model("llama")) and not compile_pays(make_model("phi3"))
