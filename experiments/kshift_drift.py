@@ -3,7 +3,7 @@
 A context shift re-rotates every surviving key by ``-n_discard`` (selfextend.kv.cache, through
 selfextend.core.rope.rotate) and stores it back in the cache's dtype. A key that survives many shifts is
 rotated many times, each adding rounding error. This script, on the real default model (SmolLM2-135M,
-float32 weights; bfloat16 weights for the bfloat16 cache):
+float32 weights; caches of float32, bfloat16 and float16 cells, as ``--cache-type`` f32, bf16, f16):
 
 1. captures the un-rotated keys of 64 tokens of the default corpus in every layer (k_proj outputs),
 2. shifts the cache 1, 10, 100 and 1000 times by -1024 positions (what one shift of a full --ctx 2048
@@ -71,7 +71,8 @@ def next_logits(model, cache: ContextShiftCache, token: int, position: int) -> t
 
 
 def drift(dtype: torch.dtype, text_ids: torch.Tensor) -> list[dict]:
-    model, _ = load_model("smollm2-135m", dtype=dtype)
+    """Drift of keys and logits in a cache of ``dtype`` cells (float32 weights) after 1 .. 1000 shifts."""
+    model, _ = load_model("smollm2-135m")
     inv_freq = find_rotary_embedding(model).inv_freq
     ids, probe = text_ids[:, :N_TOKENS], int(text_ids[0, N_TOKENS])
     raw = raw_keys(model, ids)  # float32, un-rotated
@@ -130,7 +131,7 @@ def main() -> None:
     text_ids = load_model("smollm2-135m")[1](
         default_books()["sherlock-holmes"][:4000], return_tensors="pt"
     ).input_ids
-    rows = drift(torch.float32, text_ids) + drift(torch.bfloat16, text_ids)
+    rows = [row for dtype in (torch.float32, torch.bfloat16, torch.float16) for row in drift(dtype, text_ids)]
     practice = {
         "decode, --ctx 2048, keep 4, 100k tokens": max_rotations(2048, 4, 1, 100_000),
         "ppl shift:ctx=2048,keep=4, 256-token writes, 100k tokens": max_rotations(2048, 4, 256, 100_000),

@@ -161,8 +161,7 @@ def tiny_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(autouse=True)
 def _no_default_compile(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Commands decode eagerly unless a test asks for ``--compile``: compiling takes minutes on two cores
-    and writes inductor's cache (test_compiled.py compiles on purpose, into a tmp folder)."""
-    from selfextend.generation import compiled
-
-    monkeypatch.setattr(compiled, "compile_pays", lambda model: False)
+    """Commands decode eagerly unless a test asks for ``--compile`` (also in the commands tests start as
+    processes): compiling takes minutes on two cores and writes inductor's cache (test_compiled.py
+    compiles on purpose, into a tmp folder)."""
+    monkeypatch.setenv("SELFEXTEND_COMPILE", "0")

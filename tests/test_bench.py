@@ -109,3 +109,32 @@ def test_bench_plot_axis_keeps_to_the_data(tmp_path, monkeypatch, trained):
     else:
         assert ax.get_xlim()[1] < 128 and not any("trained" in t for t in ticks)
         assert "trained window 8k tokens: beyond these lengths" in ax.get_xlabel()
+
+
+def test_bench_generate_bandwidth_and_first_token(tiny_dir, tmp_path):
+    """Generate rows carry the bytes a token reads and the rate they are read at; first-token rows time a
+    prompt per length; the machine's read bandwidth is printed beside them."""
+    from selfextend.bench.runner import average_fill
+    from selfextend.bench.speed import bytes_per_token
+    from selfextend.kv.cache import ContextShiftCache
+    from selfextend.models import load_model
+
+    out = tmp_path / "bench.jsonl"
+    args = ["bench", "--model", str(tiny_dir), "--cases", "generate,first-token", "--lengths", "64,96"]
+    args += ["-g", "2", "-w", "32", "--repeats", "2", "--ctx", "64", "--endless-tokens", "20"]
+    r = CliRunner().invoke(main, [*args, "--cache-type", "bf16", "-o", str(out)])
+
+    assert r.exit_code == 0, r.stderr
+    runs = [x for x in read_jsonl(out) if not x.get("summary")]
+    first = {(x["variant"], x["length"]) for x in runs if x["case"] == "first-token"}
+    assert first == {("int8+selfextend", 64), ("int8+selfextend", 96)}
+    generate = [x for x in runs if x["case"] == "generate"]
+    model, _ = load_model(str(tiny_dir))
+    weights = sum(t.numel() * 4 for t in (*model.parameters(), *model.buffers()))  # tied head: all read
+    float_mb = [x["mb_per_token"] for x in generate if x["variant"] == "float"]
+    fill = average_fill(64, 4)
+    cells = bytes_per_token(model, ContextShiftCache(model, 64, 4, dtype=torch.bfloat16), fill) - weights
+    assert cells == 2 * 2 * model.config.num_hidden_layers * fill * model.config.hidden_size // 2  # K+V, bf16
+    assert float_mb and all(abs(mb - (weights + cells) / 1e6) < 1e-9 for mb in float_mb)
+    assert all(x["gb_per_s"] == x["mb_per_token"] * x["tokens_per_s"] / 1e3 for x in generate)
+    assert "machine read bandwidth" in r.stdout and "GB/s" in r.stdout

@@ -221,3 +221,28 @@ def test_generate_compile_flag_falls_back_in_one_line(
     warnings = [line for line in failed.stderr.splitlines() if "compiling the decode step failed" in line]
     assert len(warnings) == 1 and "ZeroDivisionError" in warnings[0]
     assert failed.stdout == eager.stdout
+
+
+def test_decode_settings_defaults() -> None:
+    """f16 cells by default with the compiled step, the model's dtype without; the CLI's names are the
+    library's."""
+    from selfextend.cli.options import CACHE_TYPES
+    from selfextend.core.validate import ValidationError
+    from selfextend.generation.generator import CACHE_DTYPES, decode_settings
+
+    model = make_model("llama")
+    assert tuple(CACHE_DTYPES) == CACHE_TYPES
+    assert decode_settings(model, True) == (True, torch.float16)
+    assert decode_settings(model, False) == (False, None)
+    assert decode_settings(model, True, "f32") == (True, torch.float32)
+    assert decode_settings(model, None, "bf16") == (False, torch.bfloat16)  # conftest: compiling never pays
+    with pytest.raises(ValidationError, match="cache type"):
+        decode_settings(model, True, "q8_0")
+
+
+def test_compile_pays_on_cpu_for_served_families(monkeypatch: pytest.MonkeyPatch) -> None:
+    from selfextend.generation.compiled import compile_pays
+
+    assert not compile_pays(make_model("llama"))  # conftest: SELFEXTEND_COMPILE=0
+    monkeypatch.delenv("SELFEXTEND_COMPILE")
+    assert compile_pays(make_model("llama")) and not compile_pays(make_model("phi3"))

@@ -66,3 +66,43 @@ def test_quantized_model_decodes_like_its_prefill_and_close_to_float():
         prefilled = model(ids).logits[0, -1]  # 40 rows: dequantise + GEMM
     assert (decoded - prefilled).abs().max() < 0.02 * prefilled.abs().max()  # bfloat16 rounding only
     assert torch.corrcoef(torch.stack([decoded, want]))[0, 1] > 0.99
+
+
+def _random_blocks(kind: int, rows: int, columns: int, seed: int = 0):
+    """Valid random GGUF blocks of a 4-bit type: random nibbles and 6-bit scales, small float16 d/m."""
+    import numpy as np
+    from gguf import GGML_QUANT_SIZES
+
+    block, size = GGML_QUANT_SIZES[kind]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (rows, columns // block, size), dtype=np.uint8)
+    halves = 2 if kind != 2 else 1  # d (and m / dmin) at the front of each block
+    raw[..., : 2 * halves] = (
+        rng.uniform(0.01, 0.1, (rows, columns // block, halves)).astype(np.float16).view(np.uint8)
+    )
+    if kind == 3:
+        raw[..., 2:4] = rng.uniform(-1, 1, (rows, columns // block, 1)).astype(np.float16).view(np.uint8)
+    return raw.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("kind", [2, 3, 12], ids=["Q4_0", "Q4_1", "Q4_K"])
+def test_int4_repacking_matches_gguf_dequantisation(kind):
+    """GGUF 4-bit blocks repacked into torch's int4 layout: the values are the gguf package's own
+    dequantisation, and the int4 product equals the product with that dequantised tensor (bf16 products)."""
+    from gguf import GGMLQuantizationType, quants
+
+    from selfextend.models.quantize import Int4Linear, int4_blocks
+
+    rows, columns = 48, 512
+    raw = _random_blocks(kind, rows, columns)
+    want = torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType(kind)).reshape(rows, columns)).float()
+    q, scale, zero = (torch.from_numpy(a) for a in int4_blocks(kind, raw, columns))
+    got = (q - 8) * scale.repeat_interleave(32, dim=1) + zero.repeat_interleave(32, dim=1)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    layer = Int4Linear.from_gguf(kind, raw, columns)
+    x = torch.randn(3, columns)
+    # the kernel's inputs are bfloat16: compare with the same rounding of x, scales and zeros
+    s, z = (t.bfloat16().float().repeat_interleave(32, dim=1) for t in (scale, zero))
+    ref = x.bfloat16().float() @ ((q - 8) * s + z).T
+    torch.testing.assert_close(layer(x), ref, atol=2e-2 * float(ref.abs().max()), rtol=0)
+    assert (ref - x @ want.T).abs().max() < 2e-2 * float(ref.abs().max())

@@ -69,3 +69,12 @@ class LlamaCppGenerator:
                 self._shift()
             llm.eval([token])
         return n_tokens / (time.perf_counter() - t0)
+
+    def first_token_seconds(self, prompt: list[int]) -> float:
+        """Seconds from a fresh context to the first generated token: ``prompt`` evaluated, one argmax."""
+        llm = self.llm
+        llm.reset()
+        t0 = time.perf_counter()
+        llm.eval(prompt)
+        int(self._last_logits().argmax())
+        return time.perf_counter() - t0

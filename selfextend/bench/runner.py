@@ -9,7 +9,6 @@ at the start of the case (so it is the memory the case itself added).
 
 from __future__ import annotations
 
-import copy
 import gc
 import statistics
 import time
@@ -26,12 +25,10 @@ from selfextend.core.validate import check_int
 from selfextend.generation.generator import Generator
 from selfextend.hf.patch import REFERENCE_IMPLEMENTATION, apply_self_extend, remove_self_extend
 from selfextend.kv.cache import ContextShiftCache
-from selfextend.models.quantize import quantize_int8
 from selfextend.models.weights import release_free_memory
 
 PREFILL_VARIANTS = ("plain", "selfextend", "reference")
 DECODE_VARIANTS = ("plain", "selfextend")
-GENERATE_VARIANTS = ("float", "int8", "int8+selfextend", "llama.cpp")
 
 
 def status_kib(field: str) -> int:
@@ -135,36 +132,10 @@ def average_fill(ctx: int, keep: int) -> int:
     return (ctx + keep + (ctx - keep) // 2) // 2
 
 
-def _generator(model: nn.Module, cfg: BenchConfig, n_ctx: int) -> Generator:
+def generator_for(model: nn.Module, cfg: BenchConfig, n_ctx: int) -> Generator:
     """A generator over a fresh context-shift cache of ``n_ctx`` cells, decoding as ``cfg`` says."""
     cache = ContextShiftCache(model, n_ctx=n_ctx, n_keep=cfg.endless_keep, dtype=cfg.cache_dtype)
     return Generator(model, cache, compile=cfg.compile)
-
-
-def bytes_per_token(model: nn.Module, cache: ContextShiftCache, fill: int) -> int:
-    """Bytes one decode step reads at least: every weight once (of the embedding, one row) and the K/V
-    cells in use at ``fill`` (a full layer reads ``fill`` cells, a sliding one at most its capacity)."""
-    embed = model.get_input_embeddings().weight
-    weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
-    weights -= embed.numel() * embed.element_size() - embed[0].numel() * embed.element_size()
-    cells = sum(
-        2 * layer.keys[..., : min(fill, layer.capacity), :].numel() * layer.keys.element_size()
-        for layer in cache.layers
-    )
-    return weights + cells
-
-
-def read_bandwidth_gbs(mib: int = 512, repeats: int = 5) -> float:
-    """The machine's read bandwidth with the current threads: the best of ``repeats`` sums over a float32
-    tensor of ``mib`` MiB (larger than the caches), in GB/s."""
-    x = torch.ones(mib * 2**20 // 4)
-    x.sum()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - t0)
-    return x.numel() * 4 / best / 1e9
 
 
 def _greedy_seconds(gen: Generator, logits: torch.Tensor, n_tokens: int) -> float:
@@ -242,7 +213,7 @@ def bench_endless(model: nn.Module, cfg: BenchConfig, rss: Callable[[], float]) 
     ctx, keep = cfg.endless_ctx, cfg.endless_keep
     average = average_fill(ctx, keep)
     for rep in range(cfg.repeats):
-        gen = _generator(model, cfg, ctx)
+        gen = generator_for(model, cfg, ctx)
         ids = _tokens(model, ctx // 2, seed=rep).tolist()[0]
         logits = gen.feed(ids)
         rss_start = rss()
@@ -259,7 +230,7 @@ def bench_endless(model: nn.Module, cfg: BenchConfig, rss: Callable[[], float]) 
         }
         # plain decoding: the same loop and decode path, in a cache too large to ever shift
         steps = cfg.endless_plain_tokens
-        gen = _generator(model, cfg, average + steps + 1)
+        gen = generator_for(model, cfg, average + steps + 1)
         logits = gen.feed(_tokens(model, average, seed=rep).tolist()[0])
         seconds = _greedy_seconds(gen, logits, steps)
         yield {
@@ -286,45 +257,6 @@ def bench_endless(model: nn.Module, cfg: BenchConfig, rss: Callable[[], float]) 
         }
 
 
-@torch.no_grad()
-def bench_generate(
-    model: nn.Module, cfg: BenchConfig, gguf: str | Path | None = None, threads: int = 1
-) -> Iterator[dict]:
-    """Greedy tokens/s through a context-shift cache of ``endless_ctx`` cells: our loop with float
-    weights, with int8 weights, with int8 and Self-Extend, and llama.cpp on ``gguf`` (the same model
-    file) when llama-cpp-python is installed. Interleaved per repeat, the same prompt for all."""
-    from selfextend.bench import llamacpp
-
-    ctx, keep = cfg.endless_ctx, cfg.endless_keep
-    quantized = copy.deepcopy(model)
-    quantize_int8(quantized)
-    llama = llamacpp.LlamaCppGenerator(gguf, ctx, keep, threads) if gguf and llamacpp.available() else None
-    for rep in range(cfg.repeats):
-        prompt = _tokens(model, ctx // 2, seed=rep).tolist()[0]
-        for name in GENERATE_VARIANTS:
-            record = {"case": "generate", "variant": name, "length": ctx, "repeat": rep}
-            if name == "llama.cpp":
-                if llama is None:
-                    continue
-                before = llama.shifts
-                record["tokens_per_s"] = llama.tokens_per_second(prompt, cfg.endless_tokens)
-                record["shifts"] = llama.shifts - before
-                yield record
-                continue
-            lm = model if name == "float" else quantized
-            attention = "selfextend" if name.endswith("selfextend") else "plain"
-            with variant(lm, attention, cfg.group_size, cfg.window):
-                gen = _generator(lm, cfg, ctx)
-                logits = gen.feed(prompt)
-                _greedy_seconds(gen, logits, 2)  # the first steps compile (once per model) or warm up
-                seconds = _greedy_seconds(gen, gen.last_logits, cfg.endless_tokens)
-                record["tokens_per_s"] = cfg.endless_tokens / seconds
-                record["shifts"] = gen.cache.shifts
-                record["mb_per_token"] = bytes_per_token(lm, gen.cache, average_fill(ctx, keep)) / 1e6
-                record["gb_per_s"] = record["mb_per_token"] * record["tokens_per_s"] / 1e3
-            yield record
-
-
 def summarize(records: list[dict]) -> list[dict]:
     """Medians per (case, variant, length), with each variant's ratio to plain at the same length."""
     groups: dict[tuple, list[dict]] = {}
@@ -337,6 +269,7 @@ def summarize(records: list[dict]) -> list[dict]:
         "endless": "tokens_per_s",
         "shift": "ms_per_shift",
         "generate": "tokens_per_s",
+        "first-token": "seconds",
     }
     for (case, name, length), rs in sorted(groups.items()):
         row = {"case": case, "variant": name, "length": length, "runs": len(rs)}
@@ -369,8 +302,17 @@ def summarize(records: list[dict]) -> list[dict]:
             base = next((b for b in rows if b["case"] == "endless" and b["variant"] == "plain"), None)
             if base:
                 row["ratio"] = row[key] / base[key]
-        elif row["case"] == "generate" and row["variant"] != "llama.cpp":
-            base = next((b for b in rows if b["case"] == "generate" and b["variant"] == "llama.cpp"), None)
+        elif row["case"] in ("generate", "first-token") and row["variant"] != "llama.cpp":
+            base = next(
+                (
+                    b
+                    for b in rows
+                    if b["case"] == row["case"]
+                    and b["variant"] == "llama.cpp"
+                    and b["length"] == row["length"]
+                ),
+                None,
+            )
             if base:
                 row["ratio"] = row[key] / base[key]
     return rows

@@ -63,7 +63,8 @@ from selfextend.core.validate import plural
     default="prefill,decode,endless,generate",
     show_default=True,
     help="Which measurements to run: prefill, decode, endless (shift cache against plain decoding), "
-    "generate (float against int8 weights and llama.cpp, when llama-cpp-python is installed).",
+    "generate (float against int8 weights and llama.cpp, when llama-cpp-python is installed), first-token "
+    "(seconds to the first token of a --lengths prompt, int8 + Self-Extend against llama.cpp; not default).",
 )
 @click.option(
     "-o", "--out", type=click.Path(dir_okay=False), help="Also write every run and the summary as JSON Lines."
@@ -74,7 +75,7 @@ def bench(
     device: str,
     weights: str,
     compile_step: bool | None,
-    cache_type: str,
+    cache_type: str | None,
     lengths: str,
     decode_lengths: str,
     group_size: int,
@@ -104,19 +105,17 @@ def bench(
         MemoryMeter,
         bench_decode,
         bench_endless,
-        bench_generate,
         bench_prefill,
-        read_bandwidth_gbs,
         summarize,
     )
+    from selfextend.bench.speed import bench_first_token, bench_generate, read_bandwidth_gbs
     from selfextend.cli.options import load_with_self_extend
     from selfextend.evaluation.results import append_jsonl
     from selfextend.evaluation.sweep import parse_lengths
-    from selfextend.generation.compiled import compile_pays
-    from selfextend.generation.generator import CACHE_DTYPES
+    from selfextend.generation.generator import decode_settings
 
     wanted = {c.strip() for c in cases.split(",") if c.strip()}
-    unknown = wanted - {"prefill", "decode", "endless", "generate"}
+    unknown = wanted - {"prefill", "decode", "endless", "generate", "first-token"}
     if unknown:
         raise click.BadParameter(f"unknown case {', '.join(sorted(unknown))}", param_hint="--cases")
     cfg = BenchConfig(
@@ -131,8 +130,7 @@ def bench(
         endless_keep=min(4, ctx - 2),
     )
     lm, _ = load_with_self_extend(model, dtype, device, None, None, weights)
-    cfg.compile = compile_pays(lm) if compile_step is None else compile_step
-    cfg.cache_dtype = CACHE_DTYPES[cache_type]
+    cfg.compile, cfg.cache_dtype = decode_settings(lm, compile_step, cache_type)
     from selfextend.core.positions import validate
     from selfextend.hf.facts import trained_window
 
@@ -167,19 +165,24 @@ def bench(
     if "endless" in wanted and endless_tokens > 0:
         for r in bench_endless(lm, cfg, lambda: proc.memory_info().rss / 2**20):
             record(r)
-    if "generate" in wanted and endless_tokens > 0:
+    if wanted & {"generate", "first-token"}:
         from selfextend.models import resolve_model
 
         gguf = resolve_model(model).gguf_path
         if gguf is None or not llamacpp_available():
             click.echo("llama.cpp: skipped (needs a GGUF model and llama-cpp-python installed)", err=True)
-        for r in bench_generate(lm, cfg, gguf, torch.get_num_threads()):
-            record(r)
+        if "generate" in wanted and endless_tokens > 0:
+            for r in bench_generate(lm, cfg, gguf, torch.get_num_threads()):
+                record(r)
+        if "first-token" in wanted:
+            for r in bench_first_token(lm, cfg, gguf, torch.get_num_threads()):
+                record(r)
     bandwidth = read_bandwidth_gbs() if "generate" in wanted else None
     click.echo(
         f"\n{model}, {dtype}, {weights} weights, {device_name}, G={group_size}, W={window}, "
         f"{plural(repeats, 'repeat')} (medians; prefill after one untimed warm-up run per variant), "
-        f"{'compiled' if cfg.compile else 'eager'} decode, {cache_type} cache"
+        f"{'compiled' if cfg.compile else 'eager'} decode, "
+        f"{str(cfg.cache_dtype or lm.dtype).removeprefix('torch.')} cache"
         + (f", machine read bandwidth {bandwidth:.1f} GB/s" if bandwidth else "")
     )
     click.echo(
@@ -192,6 +195,7 @@ def bench(
         "endless": ("tokens_per_s", "tok/s"),
         "shift": ("ms_per_shift", "ms/shift"),
         "generate": ("tokens_per_s", "tok/s"),
+        "first-token": ("seconds", "s"),
     }
     for row in summarize(runs):
         key, unit = units[row["case"]]

@@ -57,7 +57,7 @@ def chat(
     ctx: int,
     keep: int | None,
     compile_step: bool | None,
-    cache_type: str,
+    cache_type: str | None,
     max_new_tokens: int,
     ignore_eos: bool,
     stop: tuple[str, ...],
@@ -88,8 +88,7 @@ def chat(
     from selfextend.cli.generation_options import check_cache, system_prompt
     from selfextend.cli.options import load_with_self_extend
     from selfextend.cli.stream import Output, prefill_bar
-    from selfextend.generation.compiled import compile_pays
-    from selfextend.generation.generator import CACHE_DTYPES
+    from selfextend.generation.generator import decode_settings
 
     check_cache(ctx, keep)
     system = system_prompt(system, system_file)
@@ -112,6 +111,7 @@ def chat(
         )
         notes.append(f"[context shift: {what}; cache {r.n_past}/{ctx}]")
 
+    compile_step, cache_dtype = decode_settings(lm, compile_step, cache_type)
     session = ChatSession(
         lm,
         tokenizer,
@@ -125,8 +125,8 @@ def chat(
         stops=stop,
         on_shift=on_shift,
         progress=lambda n: prefill_bar(n, quiet),
-        compile=compile_pays(lm) if compile_step is None else compile_step,
-        cache_dtype=CACHE_DTYPES[cache_type],
+        compile=compile_step,
+        cache_dtype=cache_dtype,
     )
     if session_file and Path(session_file).exists():
         session.load(session_file)

@@ -49,7 +49,7 @@ def generate(
     ctx: int,
     keep: int | None,
     compile_step: bool | None,
-    cache_type: str,
+    cache_type: str | None,
     max_new_tokens: int,
     ignore_eos: bool,
     stop: tuple[str, ...],
@@ -71,14 +71,13 @@ def generate(
     from selfextend.cli.options import load_with_self_extend
     from selfextend.cli.stream import Output, prefill_bar
     from selfextend.evaluation.corpus import read_stdin, read_text_file
-    from selfextend.generation.compiled import compile_pays
     from selfextend.generation.generator import (
-        CACHE_DTYPES,
         GenerationStats,
         Generator,
         StopMatcher,
         TextStream,
         build_prompt,
+        decode_settings,
         eos_token_ids,
         run,
     )
@@ -98,8 +97,8 @@ def generate(
     ids, n_system = build_prompt(tokenizer, prompt, system, chat)
     n_keep = len(ids) if keep == -1 else (n_system if keep is None else keep)
     check_keep(n_keep, ctx)
-    cache = ContextShiftCache(lm, n_ctx=ctx, n_keep=n_keep, dtype=CACHE_DTYPES[cache_type])
-    compile_step = compile_pays(lm) if compile_step is None else compile_step
+    compile_step, cache_dtype = decode_settings(lm, compile_step, cache_type)
+    cache = ContextShiftCache(lm, n_ctx=ctx, n_keep=n_keep, dtype=cache_dtype)
     gen = Generator(lm, cache, sampling, seed, compile=compile_step)
     reused, reused_logits = 0, None
     if prompt_cache:

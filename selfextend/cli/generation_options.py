@@ -18,7 +18,6 @@ from selfextend.cli.options import (
     weights_option,
 )
 
-DEFAULT_CACHE_TYPE = "f32"
 CACHE_TYPES = ("f32", "bf16", "f16")  # generation.generator.CACHE_DTYPES's names
 
 
@@ -213,10 +212,10 @@ def decode_options(f: Callable) -> Callable:
     f = click.option(
         "--cache-type",
         type=click.Choice(list(CACHE_TYPES)),
-        default=DEFAULT_CACHE_TYPE,
-        show_default=True,
+        default=None,
         help="KV cache element type (llama.cpp's names): f32, bf16 or f16 (half the bytes per cell; "
-        "context shifts re-rotate keys in float32 and round once).",
+        "context shifts re-rotate keys in float32 and round once). Default: f16 with --compile, else "
+        "the model's dtype.",
     )(f)
     f = click.option(
         "--compile/--no-compile",

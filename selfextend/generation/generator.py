@@ -14,12 +14,14 @@ import torch
 from torch import nn
 
 from selfextend.core.validate import ValidationError, check_int, check_seed
+from selfextend.generation import compiled
 from selfextend.generation.compiled import fast_decode_for
 from selfextend.generation.decode import decode_step_for
 from selfextend.generation.sampling import SamplingParams, sample
 from selfextend.kv.cache import ContextShiftCache
 
 CACHE_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}  # llama.cpp's names
+COMPILED_CACHE_TYPE = "f16"  # the default with the compiled step (its attention reads f16 cells at no cost)
 PREFILL_CHUNK = 512  # prompt pieces in run(): as llama.cpp's default micro-batch; also the progress step
 
 
@@ -255,6 +257,21 @@ def run(
         stats.seconds = time.perf_counter() - t0
         stats.shifts, stats.n_past = generator.cache.shifts, generator.cache.n_past
         yield token, stats
+
+
+def decode_settings(
+    model: nn.Module, compile: bool | None = None, cache_type: str | None = None
+) -> tuple[bool, torch.dtype | None]:
+    """(compile, KV cache dtype) from the command-line choices, None meaning the default: compile where it
+    pays (:func:`~selfextend.generation.compiled.compile_pays`); a float16 cache with the compiled step
+    (its cost in perplexity and K-shift drift is in the README), else the model's dtype (the eager paths
+    would upcast every cell at every step)."""
+    compile = compiled.compile_pays(model) if compile is None else compile
+    if cache_type is None:
+        return compile, CACHE_DTYPES[COMPILED_CACHE_TYPE] if compile else None
+    if cache_type not in CACHE_DTYPES:
+        raise ValidationError("cache type", f"must be one of {', '.join(CACHE_DTYPES)}, got {cache_type!r}")
+    return compile, CACHE_DTYPES[cache_type]
 
 
 def eos_token_ids(model: nn.Module, tokenizer) -> tuple[int, ...]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -118,3 +119,71 @@ def fuse_int8(layers: Sequence[Int8Linear]) -> Int8Linear:
             m.bias = bias[rows]
         start = rows.stop
     return fused
+
+
+INT4_GROUP = 32  # elements per scale of torch's CPU int4 kernel here, and of every GGUF 4-bit sub-block
+Q4_0, Q4_1, Q4_K = 2, 3, 12  # gguf.GGMLQuantizationType values of the 4-bit formats repacked
+
+
+def _f16(raw: np.ndarray, at: int) -> np.ndarray:
+    """The float16 at byte ``at`` of every block (..., bytes) as float32 (...,)."""
+    return raw[..., at : at + 2].copy().view(np.float16)[..., 0].astype(np.float32)
+
+
+def int4_blocks(kind: int, raw: np.ndarray, columns: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A GGUF 4-bit tensor's rows (N, bytes per row, uint8) -> ``q`` (N, K) int32 in [0, 16) and ``scale``,
+    ``zero`` (N, K / 32) float32 with ``w = (q - 8) * scale + zero``: the form of torch's int4 kernel.
+
+    Q4_0 (``w = (q - 8) d``), Q4_1 (``w = q d + m``) and Q4_K (super-blocks of 256 with 6-bit sub-block
+    scales and mins, ``w = q d sc - dmin m``) all use sub-blocks of 32, so no value is re-quantised.
+    """
+    rows = raw.shape[0]
+    if kind in (Q4_0, Q4_1):
+        blocks = raw.reshape(rows, columns // 32, -1)  # (N, K / 32, 18 or 20)
+        qs = blocks[..., -16:]
+        q = np.concatenate([qs & 0xF, qs >> 4], axis=-1)  # (N, K / 32, 32): low nibbles first
+        d = _f16(blocks, 0)
+        zero = np.zeros_like(d) if kind == Q4_0 else _f16(blocks, 2) + 8 * d
+        return q.reshape(rows, columns).astype(np.int32), d, zero
+    if kind != Q4_K:
+        raise ValueError(f"GGUF type {kind} is not a 4-bit block format this repacks (Q4_0, Q4_1, Q4_K)")
+    blocks = raw.reshape(rows, columns // 256, 144)  # (N, K / 256, 144)
+    d, dmin = _f16(blocks, 0)[..., None], _f16(blocks, 2)[..., None]
+    sc6 = blocks[..., 4:16].astype(np.int32)  # (N, K / 256, 12): 8 scales and 8 mins of 6 bits
+    low, high = sc6[..., :4], sc6[..., 4:8]
+    sc = np.concatenate([low & 63, (sc6[..., 8:] & 0xF) | ((low >> 6) << 4)], axis=-1)  # (N, K / 256, 8)
+    m = np.concatenate([high & 63, (sc6[..., 8:] >> 4) | ((high >> 6) << 4)], axis=-1)
+    qs = blocks[..., 16:].reshape(rows, columns // 256, 4, 32)  # 4 chunks of 64 values, 2 sub-blocks each
+    q = np.stack([qs & 0xF, qs >> 4], axis=3)  # (N, K / 256, 4, 2, 32): sub-block 2j, then 2j + 1
+    scale = (d * sc).astype(np.float32)  # (N, K / 256, 8)
+    zero = (8 * scale - dmin * m).astype(np.float32)
+    return q.reshape(rows, columns).astype(np.int32), scale.reshape(rows, -1), zero.reshape(rows, -1)
+
+
+class Int4Linear(nn.Module):
+    """``y = x W^T + b`` with ``W`` in torch's CPU int4 layout: 4-bit values in groups of 32 along the input,
+    each group with a bfloat16 scale and zero (``w = (q - 8) * scale + zero``), products in bfloat16."""
+
+    def __init__(
+        self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> None:
+        super().__init__()
+        self.out_features, self.in_features = q.shape
+        self.register_buffer("weight_int4", torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1))
+        # (K / 32, N, 2): what the kernel takes
+        self.register_buffer(
+            "scales_zeros", torch.stack([scale.T, zero.T], dim=-1).to(torch.bfloat16).contiguous()
+        )
+        self.register_buffer("bias", bias)
+
+    @classmethod
+    def from_gguf(cls, kind: int, raw: np.ndarray, columns: int) -> Int4Linear:
+        """From a GGUF tensor's stored rows (N, bytes per row) of type ``kind`` (:func:`int4_blocks`)."""
+        q, scale, zero = (torch.from_numpy(a) for a in int4_blocks(kind, raw, columns))
+        return cls(q, scale, zero)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).to(torch.bfloat16)  # (M, K)
+        y = torch._weight_int4pack_mm_for_cpu(rows, self.weight_int4, INT4_GROUP, self.scales_zeros)  # (M, N)
+        y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias

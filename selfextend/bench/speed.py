@@ -1,0 +1,127 @@
+"""Generation speed against llama.cpp on the same GGUF: tokens/s with the bytes each token reads, and the
+time to the first token of long prompts. Rounds are interleaved (every repeat runs every variant in turn)."""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from selfextend.bench.runner import (
+    BenchConfig,
+    _greedy_seconds,
+    _sync,
+    _tokens,
+    average_fill,
+    generator_for,
+    variant,
+)
+from selfextend.kv.cache import ContextShiftCache
+from selfextend.models.quantize import quantize_int8
+
+GENERATE_VARIANTS = ("float", "int8", "int8+selfextend", "llama.cpp")
+FIRST_TOKEN_VARIANTS = ("int8+selfextend", "llama.cpp")
+
+
+def bytes_per_token(model: nn.Module, cache: ContextShiftCache, fill: int) -> int:
+    """Bytes one decode step reads at least: every weight once (of an embedding that is not also the output
+    head, one row) and the K/V cells in use at ``fill`` (a sliding layer at most its capacity)."""
+    embed = model.get_input_embeddings().weight
+    weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    head = model.get_output_embeddings()
+    if getattr(head, "weight", None) is not embed:
+        weights -= (embed.shape[0] - 1) * embed[0].numel() * embed.element_size()
+    cells = sum(
+        2 * layer.keys[..., : min(fill, layer.capacity), :].numel() * layer.keys.element_size()
+        for layer in cache.layers
+    )
+    return weights + cells
+
+
+def read_bandwidth_gbs(mib: int = 512, repeats: int = 5) -> float:
+    """The machine's read bandwidth with the current threads: the best of ``repeats`` sums over a float32
+    tensor of ``mib`` MiB (larger than the caches), in GB/s."""
+    x = torch.ones(mib * 2**20 // 4)
+    x.sum()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t0)
+    return x.numel() * 4 / best / 1e9
+
+
+@torch.no_grad()
+def bench_generate(
+    model: nn.Module, cfg: BenchConfig, gguf: str | Path | None = None, threads: int = 1
+) -> Iterator[dict]:
+    """Greedy tokens/s through a context-shift cache of ``endless_ctx`` cells: our loop with float
+    weights, with int8 weights, with int8 and Self-Extend, and llama.cpp on ``gguf`` (the same model
+    file) when llama-cpp-python is installed. Interleaved per repeat, the same prompt for all."""
+    from selfextend.bench import llamacpp
+
+    ctx, keep = cfg.endless_ctx, cfg.endless_keep
+    quantized = copy.deepcopy(model)
+    quantize_int8(quantized)
+    llama = llamacpp.LlamaCppGenerator(gguf, ctx, keep, threads) if gguf and llamacpp.available() else None
+    for rep in range(cfg.repeats):
+        prompt = _tokens(model, ctx // 2, seed=rep).tolist()[0]
+        for name in GENERATE_VARIANTS:
+            record = {"case": "generate", "variant": name, "length": ctx, "repeat": rep}
+            if name == "llama.cpp":
+                if llama is None:
+                    continue
+                before = llama.shifts
+                record["tokens_per_s"] = llama.tokens_per_second(prompt, cfg.endless_tokens)
+                record["shifts"] = llama.shifts - before
+                yield record
+                continue
+            lm = model if name == "float" else quantized
+            attention = "selfextend" if name.endswith("selfextend") else "plain"
+            with variant(lm, attention, cfg.group_size, cfg.window):
+                gen = generator_for(lm, cfg, ctx)
+                logits = gen.feed(prompt)
+                _greedy_seconds(gen, logits, 2)  # the first steps compile (once per model) or warm up
+                seconds = _greedy_seconds(gen, gen.last_logits, cfg.endless_tokens)
+                record["tokens_per_s"] = cfg.endless_tokens / seconds
+                record["shifts"] = gen.cache.shifts
+                record["mb_per_token"] = bytes_per_token(lm, gen.cache, average_fill(ctx, keep)) / 1e6
+                record["gb_per_s"] = record["mb_per_token"] * record["tokens_per_s"] / 1e3
+            yield record
+
+
+@torch.no_grad()
+def bench_first_token(
+    model: nn.Module, cfg: BenchConfig, gguf: str | Path | None = None, threads: int = 1
+) -> Iterator[dict]:
+    """Seconds to the first token of a prompt of each of ``cfg.prefill_lengths`` tokens: ours (int8 weights,
+    Self-Extend, 512-token pieces) against llama.cpp on ``gguf``, interleaved per repeat."""
+    from selfextend.bench import llamacpp
+
+    quantized = copy.deepcopy(model)
+    quantize_int8(quantized)
+    for rep in range(cfg.repeats):
+        for length in cfg.prefill_lengths:
+            prompt = _tokens(model, length, seed=rep).tolist()[0]
+            for name in FIRST_TOKEN_VARIANTS:
+                record = {"case": "first-token", "variant": name, "length": length, "repeat": rep}
+                if name == "llama.cpp":
+                    if not gguf or not llamacpp.available():
+                        continue
+                    llama = llamacpp.LlamaCppGenerator(gguf, length + 1, cfg.endless_keep, threads)
+                    record["seconds"] = llama.first_token_seconds(prompt)
+                    del llama
+                    yield record
+                    continue
+                with variant(quantized, "selfextend", cfg.group_size, cfg.window):
+                    gen = generator_for(quantized, cfg, length + 1)
+                    _sync(gen.device)
+                    t0 = time.perf_counter()
+                    gen.next_token(gen.feed(prompt, min(512, gen.cache.max_chunk())))
+                    _sync(gen.device)
+                    record["seconds"] = time.perf_counter() - t0
+                yield record
