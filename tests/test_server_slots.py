@@ -135,3 +135,29 @@ def test_remove_move_refuses_what_it_cannot_do():
     assert cache.n_past == 15
     cache.remove(10, 99)  # the tail: a truncation
     assert cache.n_past == 10
+
+
+def test_request_sampling_fields_reach_the_sampler():
+    """Every OpenAI / llama.cpp sampling field of a request lands in SamplingParams (penalties included)."""
+    from selfextend.generation.sampling import SamplingParams
+    from selfextend.server.schemas import CompletionRequest, sampling_params
+
+    request = CompletionRequest(
+        prompt="x",
+        temperature=0.5,
+        top_k=7,
+        top_p=0.9,
+        min_p=0.1,
+        repeat_penalty=1.2,
+        repeat_last_n=16,
+        frequency_penalty=0.5,
+        presence_penalty=-0.25,
+    )
+    got = sampling_params(request, SamplingParams())
+    assert got == SamplingParams(0.5, 7, 0.9, 0.1, 1.2, 16, 0.5, -0.25)
+    assert (
+        sampling_params(
+            CompletionRequest(prompt="x", top_p=1e-6), SamplingParams(temperature=0.8)
+        ).temperature
+        == 0
+    )

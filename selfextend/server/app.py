@@ -31,7 +31,6 @@ from selfextend.server.schemas import (
     CompletionRequest,
     Sampling,
     SlotFile,
-    Unsupported,
     sampling_params,
 )
 from selfextend.server.slotfiles import slot_action
@@ -124,8 +123,6 @@ async def _answer(engine: Engine, settings: Settings, request: Sampling, prompt:
     max_tokens = _check(engine, settings, request, prompt)
     try:
         sampling = sampling_params(request, settings.sampling)
-    except Unsupported as e:
-        raise APIError(400, str(e), e.param, "unsupported") from None
     except ValueError as e:
         raise APIError(400, str(e), None, "invalid_value") from None
     loop = asyncio.get_running_loop()

@@ -90,39 +90,22 @@ REQUEST_FIELDS = {
     "top_k": "top_k",
     "top_p": "top_p",
     "min_p": "min_p",
-    "repeat_penalty": ("repeat_penalty", "repetition_penalty"),
+    "repeat_penalty": "repetition_penalty",
     "repeat_last_n": "repeat_last_n",
     "frequency_penalty": "frequency_penalty",
     "presence_penalty": "presence_penalty",
 }
-"""Request field -> the :class:`SamplingParams` field it sets (the first of the names the class has)."""
-
-
-class Unsupported(ValueError):
-    """A request asks for a sampling setting this build's sampler does not have; ``param`` names it."""
-
-    def __init__(self, param: str) -> None:
-        self.param = param
-        super().__init__(f"{param} other than 0 is not supported by this server's sampler")
+"""Request field -> the :class:`SamplingParams` field it sets (llama.cpp's ``repeat_penalty`` is ours
+``repetition_penalty``)."""
 
 
 def sampling_params(request: Sampling, defaults: SamplingParams) -> SamplingParams:
-    """The request's sampling settings over the server's ``defaults``, as a validated :class:`SamplingParams`.
-
-    A penalty the sampler lacks is refused (:class:`Unsupported`) unless the request leaves it at 0.
-    """
-    have = {f.name for f in dataclasses.fields(SamplingParams)}
-    changes: dict[str, Any] = {}
-    for name, targets in REQUEST_FIELDS.items():
-        value = getattr(request, name)
-        if value is None:
-            continue
-        target = next((t for t in (targets if isinstance(targets, tuple) else (targets,)) if t in have), None)
-        if target is None:
-            if value != 0:
-                raise Unsupported(name)
-            continue
-        changes[target] = value
+    """The request's sampling settings over the server's ``defaults``, validated."""
+    changes: dict[str, Any] = {
+        target: getattr(request, name)
+        for name, target in REQUEST_FIELDS.items()
+        if getattr(request, name) is not None
+    }
     if changes.get("temperature", 1.0) < GREEDY_BELOW or changes.get("top_p", 1.0) < GREEDY_BELOW:
         changes["temperature"], changes["top_p"] = 0.0, 1.0
     params = dataclasses.replace(defaults, **changes)
