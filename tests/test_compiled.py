@@ -226,7 +226,7 @@ def test_generate_compile_flag_falls_back_in_one_line(
 def test_decode_settings_defaults() -> None:
     """f16 cells by default with the compiled step, the model's dtype without; the CLI's names are the
     library's."""
-    from selfextend.cli.options import CACHE_TYPES
+    from selfextend.cli.generation_options import CACHE_TYPES
     from selfextend.core.validate import ValidationError
     from selfextend.generation.generator import CACHE_DTYPES, decode_settings
 
