@@ -233,3 +233,22 @@ def test_real_model_efficient_equals_reference_and_plain_at_g1():
     selfextend.remove_self_extend(model)
     assert (efficient - reference).abs().max() < 1e-3
     assert (efficient - plain).abs().max() > 0.1
+
+
+def test_cuda_fallback_warns_once(monkeypatch):
+    """Fused CUDA kernels that refuse the problem: one warning per kind of refusal, then the portable math
+    (the GPU path's fallback run on CPU tensors, with the fused call made to fail)."""
+    import selfextend.core.attention as attention
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("no kernel for head size 72\ndetails")
+
+    monkeypatch.setattr(attention, "attend_cuda", refuse)
+    monkeypatch.setattr(attention, "_FALLBACK_WARNED", set())
+    q, k, v = (torch.randn(1, 2, 5, 8) for _ in range(3))
+    with pytest.warns(UserWarning, match="no kernel for head size 72") as caught:
+        out = attention.fused_or_portable(q, k, v, 0.3, is_causal=True)
+        attention.fused_or_portable(q, k, v, 0.3, is_causal=True)
+    assert len([w for w in caught if "fused CUDA" in str(w.message)]) == 1
+    want = attention.attend_math(q, k, v, 0.3, True, None)
+    assert (out[0] - want[0]).abs().max() < TOL and (out[1] - want[1]).abs().max() < TOL

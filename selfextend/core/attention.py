@@ -25,6 +25,8 @@ position, query block by query block, so memory stays (block, Lk) there too.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 
@@ -32,6 +34,7 @@ from selfextend.core.cells import KeyCells
 from selfextend.core.masked import attention_by_position, repeat_kv
 from selfextend.core.positions import grouped_key_positions, grouped_query_positions, is_neighbor
 from selfextend.core.rope import RotationTable, rotate
+from selfextend.core.validate import first_line
 
 NEIGHBOR_BLOCK = 256
 
@@ -55,13 +58,39 @@ def attend(
         )
         return out, lse
     if q.device.type == "cuda":
-        try:
-            return attend_cuda(q, k, v, scale, is_causal, mask)
-        except torch.OutOfMemoryError:
-            raise
-        except RuntimeError:  # a head size, dtype or GPU the fused kernels do not take
-            pass
+        return fused_or_portable(q, k, v, scale, is_causal, mask)
     return attend_math(q, k, v, scale, is_causal, mask)
+
+
+def fused_or_portable(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    is_causal: bool = False,
+    mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``attend`` on a GPU: the fused kernels, or the portable math where they refuse the problem (said once
+    per kind of refusal)."""
+    try:
+        return attend_cuda(q, k, v, scale, is_causal, mask)
+    except torch.OutOfMemoryError:
+        raise
+    except RuntimeError as e:  # a head size, dtype or GPU the fused kernels do not take
+        _warn_fallback(e)
+    return attend_math(q, k, v, scale, is_causal, mask)
+
+
+_FALLBACK_WARNED: set[str] = set()
+
+
+def _warn_fallback(error: RuntimeError) -> None:
+    """Say once per kind of failure that the fused CUDA kernels were refused and the portable (slower) math
+    runs instead, so a broken GPU path is seen, not silently slow."""
+    first = first_line(error)
+    if first not in _FALLBACK_WARNED:
+        _FALLBACK_WARNED.add(first)
+        warnings.warn(f"fused CUDA attention refused ({first}); using the portable kernel", stacklevel=3)
 
 
 def attend_cuda(
