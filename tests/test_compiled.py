@@ -240,9 +240,11 @@ def test_decode_settings_defaults() -> None:
         decode_settings(model, True, "q8_0")
 
 
-def test_compile_pays_on_cpu_for_served_families(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_compile_default_is_opt_in_and_only_for_served_families(monkeypatch: pytest.MonkeyPatch) -> None:
     from selfextend.generation.compiled import compile_pays
 
     assert not compile_pays(make_model("llama"))  # conftest: SELFEXTEND_COMPILE=0
     monkeypatch.delenv("SELFEXTEND_COMPILE")
+    assert not compile_pays(make_model("llama"))  # opt-in until it is shown to pay
+    monkeypatch.setenv("SELFEXTEND_COMPILE", "1")
     assert compile_pays(make_model("llama")) and not compile_pays(make_model("phi3"))
