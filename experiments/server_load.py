@@ -1,18 +1,23 @@
 """A bounded loopback load test of ``selfextend serve --parallel 4`` on the default model.
 
-First one client alone (10 streaming requests: aggregate tokens/s at 1 client), then 8 concurrent
-streaming clients x 25 requests each, every client with its own short conversation (its prompts share a
-prefix, so slots get reused). Checks: every request completes or gets a clean 4xx error body, no 5xx;
-the server's resident memory (RSS) at the end within 5% of what it was after the first 10 requests of
-the load phase. Reports p50/p95 time to first token (client side, queueing included) and aggregate
-tokens/s. Loopback only, bounded in count; writes experiments/results/server_load.json.
+First one client alone (10 streaming requests: aggregate tokens/s at 1 client), then 4 clients x 10
+requests (at 4 clients: the 4 slots decode together), then 8 concurrent streaming clients x 25 requests
+each, every client with its own short conversation (its prompts share a prefix, so slots get reused).
+Checks: every request completes or gets a clean 4xx error body, no 5xx; the server's resident memory
+(RSS) at the end within 5% of what it was after the first 10 requests of the load phase (RSS is also
+recorded after every 10 requests, to see where it grows). Reports p50/p95 time to first token (client
+side, queueing included) and aggregate tokens/s. Loopback only, bounded in count; writes
+experiments/results/server_load.json (``--out``). ``--env NAME=VALUE`` sets a variable for the server
+(allocator experiments: ``MALLOC_ARENA_MAX=2``), ``--requests`` shortens the load phase.
 
     python experiments/server_load.py   # ~10-15 minutes on a 2-core CPU
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -83,6 +88,8 @@ def summary(results: list[dict], seconds: float) -> dict:
 
 
 def run_phase(base: str, clients: int, count: int, rss_probe=None) -> dict:
+    """``clients`` conversations of ``count`` requests at once; with ``rss_probe``, the server's RSS after
+    the first 10 requests, after every 10 more and at the end."""
     results: list[dict] = []
     done: list[int] = []
     threads = [
@@ -91,30 +98,39 @@ def run_phase(base: str, clients: int, count: int, rss_probe=None) -> dict:
     t0 = time.perf_counter()
     for t in threads:
         t.start()
-    rss_after_10 = None
+    rss: dict[int, float] = {}  # requests done -> RSS in MiB
     while any(t.is_alive() for t in threads):
-        if rss_probe and rss_after_10 is None and len(done) >= 10:
-            rss_after_10 = rss_probe()
+        if rss_probe and len(done) >= 10 * (len(rss) + 1):
+            rss[len(done)] = round(rss_probe() / 2**20, 1)
         time.sleep(0.2)
     out = summary(results, time.perf_counter() - t0)
     if rss_probe:
-        out["rss_after_10_mib"] = round(rss_after_10 / 2**20, 1)
+        out["rss_after_10_mib"] = next(iter(rss.values()))
         out["rss_end_mib"] = round(rss_probe() / 2**20, 1)
         out["rss_growth_percent"] = round(100 * (out["rss_end_mib"] / out["rss_after_10_mib"] - 1), 2)
+        out["rss_mib_by_requests_done"] = rss
     return out
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--env", action="append", default=[], help="NAME=VALUE for the server process")
+    parser.add_argument("--requests", type=int, default=REQUESTS, help="requests per client under load")
+    parser.add_argument("--out", type=Path, default=OUT)
+    args = parser.parse_args()
+    env = {**os.environ, **dict(e.split("=", 1) for e in args.env)}
     port = free_port()
     cmd = [sys.executable, "-m", "selfextend", "serve", "--port", str(port), "--ctx", str(CTX)]
-    proc = subprocess.Popen([*cmd, "--parallel", str(PARALLEL)], stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([*cmd, "--parallel", str(PARALLEL)], stderr=subprocess.PIPE, text=True, env=env)
     base = f"http://127.0.0.1:{port}"
     server = psutil.Process(proc.pid)
     try:
         wait_healthy(base, 600, proc)
         single = run_phase(base, 1, 10)
         print("1 client:", json.dumps(single), flush=True)
-        load = run_phase(base, CLIENTS, REQUESTS, lambda: server.memory_info().rss)
+        four = run_phase(base, PARALLEL, 10)
+        print(f"{PARALLEL} clients:", json.dumps(four), flush=True)
+        load = run_phase(base, CLIENTS, args.requests, lambda: server.memory_info().rss)
         print(f"{CLIENTS} clients:", json.dumps(load), flush=True)
     finally:
         proc.terminate()
@@ -123,13 +139,15 @@ def main() -> None:
         "parallel": PARALLEL,
         "ctx": CTX,
         "max_tokens": MAX_TOKENS,
+        "server_env": args.env,
         "one_client": single,
+        f"{PARALLEL}_clients": four,
         "load": load,
         "exit_code_after_sigterm": code,
         "load_average_1m_at_end": round(psutil.getloadavg()[0], 2),
     }
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps(result, indent=2) + "\n")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
 
 

@@ -46,7 +46,7 @@ def _logits(model: torch.nn.Module, fast: FastDecode | None, ids: list[int]) -> 
         gen.cache.make_room(1)
         logits = fast(t, gen.cache) if fast is not None else None
         if logits is None:
-            logits = gen._forward([t])
+            logits = gen.write([t])
         else:
             served += 1
         out.append(logits)
@@ -165,7 +165,7 @@ def _cache_logits(model: torch.nn.Module, dtype: torch.dtype | None, fast: FastD
     for t in _ids()[PROMPT:]:
         gen.cache.make_room(1)
         logits = fast(t, gen.cache) if fast is not None else None
-        out.append(gen._forward([t]) if logits is None else logits)
+        out.append(gen.write([t]) if logits is None else logits)
     return torch.stack(out)
 
 

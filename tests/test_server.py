@@ -160,14 +160,27 @@ def test_front_trimmed_chat_moves_chunks(client, tiny):
     assert prefix + 40 < cached <= len(ids)  # the three later exchanges came back by moving
 
 
-def test_parallel_requests_match_sequential_ones(tiny, client):
-    """Two slots decoding in turn give each request the text it gets alone (Self-Extend on: its grouped
-    keys are per cache)."""
+def test_parallel_requests_decode_together_and_match_alone(tiny, client):
+    """Two slots decoding in one batched forward give each request the text it gets alone (Self-Extend on:
+    its grouped keys are per cache). Both requests are queued before the engine takes either, so they
+    run side by side."""
     model, tok = tiny
     prompts = ["A quiet harbour at night", "Numbers: one two three four"]
     with selfextend.self_extend(model, group_size=2, window=8):
         alone = [greedy(model, tok, tok(p).input_ids, 16) for p in prompts]
-        with serving(model, tok, n_ctx=64, parallel=2, max_tokens=64) as (base, _):
+        with serving(model, tok, n_ctx=64, parallel=2, max_tokens=64) as (base, engine):
+            step = engine.batched.fast.step
+            rows, sizes = step.rows, []
+
+            def counted(tokens, *args):
+                sizes.append(tokens.shape[0])
+                return rows(tokens, *args)
+
+            step.rows = counted
+            gate = threading.Event()
+            with engine.wake:  # the engine waits on this until both requests are queued
+                engine.tasks.append(lambda: gate.wait(60))
+                engine.wake.notify()
             c = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
             results: dict[int, str] = {}
 
@@ -179,11 +192,20 @@ def test_parallel_requests_match_sequential_ones(tiny, client):
                 )
 
             threads = [threading.Thread(target=ask, args=(i,)) for i in range(2)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
+            try:
+                for t in threads:
+                    t.start()
+                deadline = time.monotonic() + 30
+                while len(engine.queue) < 2 and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                gate.set()
+                for t in threads:
+                    t.join()
+            finally:
+                gate.set()
+                del step.rows
     assert [results[0], results[1]] == alone
+    assert sizes.count(2) >= 10  # the two replies' tokens came out of shared forwards
 
 
 def test_extreme_but_valid_numbers_do_not_fail(client):

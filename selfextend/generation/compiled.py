@@ -130,6 +130,8 @@ class CompiledStep:
     ``cells``: each layer's buffers, the positions of the slots the query may see (the new token's slot
     among them, at position ``pos``) and the slot where this token's key and value are written
     (:class:`~selfextend.generation.cells.Cells`). ``grouped``: per layer the Self-Extend tables, or None.
+    :meth:`rows` is the same step for B sequences at once (the batched decode of
+    :mod:`selfextend.generation.batched`).
     """
 
     def __init__(self, model: nn.Module) -> None:
@@ -166,10 +168,11 @@ class CompiledStep:
         return [p if isinstance(p, SelfExtendParams) else None for p in found]
 
     def _rotations(self, x: torch.Tensor, pos: torch.Tensor) -> dict[str, Rotation]:
-        """The RoPE rotation of position ``pos`` for each attention kind (the model's own rotary module)."""
-        position_ids = pos.view(1, 1)
+        """The RoPE rotation of each row's position ``pos`` (B,) for each attention kind (the model's own
+        rotary module), (B, 1, 1, D) each."""
+        position_ids = pos.view(-1, 1)  # (B, 1)
         if not self.rope_by_kind:
-            rot = Rotation.from_cos_sin(*(t[:, None] for t in self.rotary(x, position_ids)))  # (1, 1, 1, D)
+            rot = Rotation.from_cos_sin(*(t[:, None] for t in self.rotary(x, position_ids)))
             return dict.fromkeys(set(self.kinds), rot)
         return {
             kind: Rotation.from_cos_sin(*(t[:, None] for t in self.rotary(x, position_ids, kind)))
@@ -180,24 +183,52 @@ class CompiledStep:
         self, token: torch.Tensor, pos: torch.Tensor, cells: Cells, grouped: list[GroupedRotations | None]
     ) -> torch.Tensor:
         """Logits (vocab,) after ``token`` (1, 1) at position ``pos`` (1,); writes its cells."""
-        x = self.embed(token)  # (1, 1, hidden)
+        return self.rows(token, pos, [cells], grouped)[0]
+
+    def rows(
+        self,
+        tokens: torch.Tensor,
+        pos: torch.Tensor,
+        cells: list[Cells],
+        grouped: list[GroupedRotations | None],
+    ) -> torch.Tensor:
+        """Logits (B, vocab) after ``tokens`` (B, 1), row ``b`` at position ``pos[b]`` of its own cache's
+        ``cells[b]``; writes each row's cells. Every projection, the MLP and the output head take the B rows
+        together (the weights are read once for all); attention runs per row over that row's cells.
+        ``grouped`` serves every row (the tables are by position)."""
+        x = self.embed(tokens)  # (B, 1, hidden)
         rotations = self._rotations(x, pos)
-        d, n_q, n_kv = self.head_dim, self.heads[0], self.heads[1]
+        b_rows, d, n_q, n_kv = tokens.shape[0], self.head_dim, self.heads[0], self.heads[1]
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
-            keys, values, positions = cells.keys[i], cells.values[i], cells.positions[i]
-            slot, n = cells.slots[i : i + 1], positions.shape[0]
             h = layer.input_layernorm(x)
-            qkv = project(self.qkv[i], h).view(1, 1, -1, d)  # (1, 1, H + 2 Hkv, D)
+            qkv = project(self.qkv[i], h).view(b_rows, 1, -1, d)  # (B, 1, H + 2 Hkv, D)
             q, k, v = qkv.split([n_q, n_kv, n_kv], dim=2)
             if hasattr(attn, "q_norm"):
                 q, k = attn.q_norm(q), attn.k_norm(k)
             rot = rotations[self.kinds[i]]
-            q, k = rot.apply(q.transpose(1, 2)), rot.apply(k.transpose(1, 2))  # (1, H, 1, D)
-            keys.index_copy_(2, slot, k.to(keys.dtype))
-            values.index_copy_(2, slot, v.transpose(1, 2).to(values.dtype))
-            k, v = keys[:, :, :n], values[:, :, :n]  # (1, Hkv, n, D): the cells in use, the new one included
-            out = attend(q, k, v, positions, pos, attn.scaling, self.windows[i], grouped[i])
+            q, k = rot.apply(q.transpose(1, 2)), rot.apply(k.transpose(1, 2))  # (B, H, 1, D)
+            v = v.transpose(1, 2)  # (B, Hkv, 1, D)
+            outs = []
+            for b, c in enumerate(cells):
+                keys, values, positions = c.keys[i], c.values[i], c.positions[i]
+                slot, n = c.slots[i : i + 1], positions.shape[0]
+                keys.index_copy_(2, slot, k[b : b + 1].to(keys.dtype))
+                values.index_copy_(2, slot, v[b : b + 1].to(values.dtype))
+                kb, vb = keys[:, :, :n], values[:, :, :n]  # (1, Hkv, n, D): the cells in use, the new one too
+                outs.append(
+                    attend(
+                        q[b : b + 1],
+                        kb,
+                        vb,
+                        positions,
+                        pos[b : b + 1],
+                        attn.scaling,
+                        self.windows[i],
+                        grouped[i],
+                    )
+                )
+            out = outs[0] if len(outs) == 1 else torch.cat(outs)  # (B, 1, H * D)
             out = attn.o_proj(out.to(x.dtype))
             if hasattr(layer, "pre_feedforward_layernorm"):  # Gemma: norms after attention and MLP too
                 x = x + layer.post_attention_layernorm(out)
@@ -210,7 +241,7 @@ class CompiledStep:
             x = x + (
                 layer.post_feedforward_layernorm(out) if hasattr(layer, "post_feedforward_layernorm") else out
             )
-        logits = self.head(self.norm(x))[0, -1]
+        logits = self.head(self.norm(x))[:, -1]  # (B, vocab)
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
@@ -249,7 +280,7 @@ class FastDecode:
         self.tables: dict[tuple, GroupedRotations] = {}
         self.cells: StepCells | None = None
 
-    def _grouped(self, n: int) -> list[GroupedRotations | None]:
+    def grouped_tables(self, n: int) -> list[GroupedRotations | None]:
         """Each layer's Self-Extend tables for positions below ``n`` (built once per setting and size)."""
         out: list[GroupedRotations | None] = []
         for params in self.step.self_extend():
@@ -277,7 +308,7 @@ class FastDecode:
             return None
         device = cells.slots.device
         pos = torch.tensor([cache.n_past], device=device)
-        grouped = self._grouped(cache.n_ctx)
+        grouped = self.grouped_tables(cache.n_ctx)
         if self.compile and not self.compiled:
             self.notify(
                 f"compiling the decode step (once; kept in {os.environ['TORCHINDUCTOR_CACHE_DIR']}) ..."

@@ -134,13 +134,23 @@ class Generator:
         self.step = decode_step_for(self.model) if self.direct_decode and single else None
         self.fast = fast_decode_for(self.model) if self.compile and single else None
 
-    @torch.no_grad()
-    def _forward(self, ids: list[int]) -> torch.Tensor:
+    def make_room(self, n: int) -> None:
+        """Shift the cache if ``n`` more tokens do not fit, forgetting the tokens it discards."""
         before = self.cache.n_past
-        if self.cache.make_room(len(ids)):
+        if self.cache.make_room(n):
             discarded = before - self.cache.n_past
             keep = self.cache.n_keep
             self.tokens = self.tokens[:keep] + self.tokens[keep + discarded :]
+
+    def written(self, ids: list[int], logits: torch.Tensor) -> None:
+        """Record that ``ids`` are in the cache now, ``logits`` after the last of them."""
+        self.tokens.extend(ids)
+        self.last_logits = logits
+
+    @torch.no_grad()
+    def write(self, ids: list[int]) -> torch.Tensor:
+        """Write ``ids`` into the cache (shifting it first if they do not fit); the last one's logits."""
+        self.make_room(len(ids))
         logits = None
         if len(ids) == 1 and self.fast is not None:
             logits = self.fast(ids[0], self.cache)  # None where the compiled step does not serve this token
@@ -150,8 +160,7 @@ class Generator:
             x = torch.tensor([ids], device=self.device)
             out = self.model(x, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
             logits = out.logits[0, -1]
-        self.tokens.extend(ids)
-        self.last_logits = logits
+        self.written(ids, logits)
         return logits
 
     def rewind(self, n_past: int) -> None:
@@ -189,7 +198,7 @@ class Generator:
         logits = None
         for a in range(0, len(ids), step):
             piece = list(ids[a : a + step])
-            logits = self._forward(piece)
+            logits = self.write(piece)
             if progress is not None:
                 progress(len(piece))
         return logits
@@ -220,7 +229,7 @@ class Generator:
             yield token
             if token in eos_token_ids:
                 return
-            logits = self._forward([token])
+            logits = self.write([token])
 
 
 def run(

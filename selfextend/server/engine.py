@@ -2,9 +2,12 @@
 
 Requests wait in a queue until a slot is free (the one holding most of their prompt, :func:`pick`). Each
 turn of the loop gives every running request one step: its prompt (in :data:`PREFILL_CHUNK` pieces,
-context shifts included) on its first step, one token after that. So ``--parallel N`` requests progress
-together, and a request whose client left (:attr:`Job.cancelled`) ends within a step and frees its slot.
-Results go back through each job's ``emit`` callback (thread-safe on the caller's side).
+context shifts included) and first token on its first step, one token after that. The requests past
+their prompt decode together, in one batched forward where the model allows
+(:class:`~selfextend.generation.batched.BatchedDecode`: continuous batching), else one after the other.
+So ``--parallel N`` requests progress together, and a request whose client left (:attr:`Job.cancelled`)
+ends within a step and frees its slot. Results go back through each job's ``emit`` callback (thread-safe
+on the caller's side).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from selfextend.generation.batched import BatchedDecode
 from selfextend.generation.decode import decode_step_for
 from selfextend.generation.generator import (
     GenerationStats,
@@ -54,7 +58,7 @@ class Job:
 
 @dataclass
 class Running:
-    """A job on its slot: its token iterator, text state and counts."""
+    """A job on its slot: its prompt's token iterator (prefill and first token), text state and counts."""
 
     job: Job
     slot: Slot
@@ -86,6 +90,7 @@ class Engine:
         self.eos = eos_token_ids(model, tokenizer)
         step = decode_step_for(model)
         self.slots = [Slot(i, model, n_ctx, step) for i in range(parallel)]
+        self.batched = BatchedDecode(model)
         self.queue: deque[Job] = deque()
         self.running: list[Running] = []
         self.tasks: list[Callable[[], None]] = []  # work on idle slots (save, restore), run between steps
@@ -172,8 +177,7 @@ class Engine:
                 task()
             for job, slot in starting:
                 self._start(job, slot)
-            for r in list(self.running):
-                self._step(r)
+            self._turn()
 
     def _assign(self) -> list[tuple[Job, Slot]]:
         """Take queued jobs that have a free slot (in order; a job waiting for a busy slot it asked for
@@ -205,7 +209,7 @@ class Engine:
                 if job.cancelled.is_set():
                     raise Cancelled
 
-            tokens = run(gen, job.prompt, job.max_tokens, self.eos, reuse.tokens, progress=progress)
+            tokens = run(gen, job.prompt, 1, self.eos, reuse.tokens, progress=progress)  # later ones: _decode
         except Exception as e:
             self._fail(job, slot, e)
             return
@@ -220,10 +224,22 @@ class Engine:
         if not isinstance(error, Cancelled):
             job.emit({"type": "error", "message": str(error) or type(error).__name__})
 
-    def _step(self, r: Running) -> None:
-        job = r.job
-        if job.cancelled.is_set():
-            return self._end(r, "cancelled")
+    def _turn(self) -> None:
+        """One step for every running job: the prompt and first token of those that just started, then
+        the next token of all the others in one batched decode."""
+        decoding = []
+        for r in list(self.running):
+            if r.job.cancelled.is_set():
+                self._end(r, "cancelled")
+            elif r.stats is None:
+                self._first(r)
+            else:
+                decoding.append(r)
+        if decoding:
+            self._decode(decoding)
+
+    def _first(self, r: Running) -> None:
+        """The prompt (cancellable between chunks) and the first token."""
         try:
             token, r.stats = next(r.tokens)
         except StopIteration:
@@ -232,8 +248,26 @@ class Engine:
             return self._end(r, "cancelled", complete=False)
         except Exception as e:  # a failure inside the model: this job ends, the server goes on
             self.running.remove(r)
-            self._fail(job, r.slot, e)
+            self._fail(r.job, r.slot, e)
             return
+        r.tokens.close()
+        self._accept(r, token)
+
+    def _decode(self, rs: list[Running]) -> None:
+        """Write each job's last token (one forward for all where the model allows) and sample the next."""
+        try:
+            logits = self.batched([(r.slot.gen, r.generated[-1]) for r in rs])
+        except Exception as e:  # a failure inside the model: these jobs end, the server goes on
+            for r in rs:
+                self.running.remove(r)
+                self._fail(r.job, r.slot, e)
+            return
+        for r, row in zip(rs, logits, strict=True):
+            self._accept(r, r.slot.gen.next_token(row))
+
+    def _accept(self, r: Running, token: int) -> None:
+        """Stream ``token``'s text; end the job on EOS, a stop string or its token limit."""
+        job = r.job
         if r.first_token is None:
             r.first_token = time.perf_counter()
         r.generated.append(token)

@@ -1,0 +1,58 @@
+"""One token for each of several sequences in one forward: the decode step of continuous batching.
+
+Decoding on a CPU is bound by reading the weights, so B sequences that each need a token share one pass
+over them: every projection, the MLP and the output head run on B rows together
+(:meth:`~selfextend.generation.compiled.CompiledStep.rows`), and attention runs per sequence over that
+sequence's own cache cells (its positions, its Self-Extend grouping, its sliding layers). A sequence the
+step does not serve for this token (a model family it does not know, a cache of fewer than two cells, a
+layer whose last slot the token would take) is written alone through its generator's own path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from selfextend.generation.cells import Cells, StepCells
+from selfextend.generation.compiled import FastDecode, fast_decode_for
+from selfextend.generation.generator import Generator
+
+
+class BatchedDecode:
+    """``decode([(generator, token), ...]) -> [logits, ...]``: each token written at its generator's next
+    position (shifting its cache first where it is full), the logits (vocab,) after each, in order."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.fast: FastDecode | None = fast_decode_for(model, compile=False)  # its step, run eagerly
+
+    def serves(self) -> bool:
+        """Whether sequences of this model share a forward (else each is written alone)."""
+        return self.fast is not None and self.fast.step.supported()
+
+    @torch.no_grad()
+    def __call__(self, pairs: Sequence[tuple[Generator, int]]) -> list[torch.Tensor]:
+        out: list[torch.Tensor | None] = [None] * len(pairs)
+        rows: list[tuple[int, StepCells, Cells]] = []
+        for i, (gen, token) in enumerate(pairs):
+            gen.make_room(1)
+            if self.serves() and gen.cache.n_past >= 2:
+                step_cells = StepCells(gen.cache)
+                cells = step_cells.prepare()
+                if cells is not None:
+                    rows.append((i, step_cells, cells))
+                    continue
+            out[i] = gen.write([token])
+        if rows:
+            device = rows[0][2].slots.device
+            tokens = torch.tensor([[pairs[i][1]] for i, _, _ in rows], device=device)  # (B, 1)
+            pos = torch.tensor([pairs[i][0].cache.n_past for i, _, _ in rows], device=device)  # (B,)
+            grouped = self.fast.grouped_tables(max(pairs[i][0].cache.n_ctx for i, _, _ in rows))
+            logits = self.fast.step.rows(tokens, pos, [cells for _, _, cells in rows], grouped)  # (B, vocab)
+            for (i, step_cells, _), row in zip(rows, logits, strict=True):
+                step_cells.commit()
+                gen, token = pairs[i]
+                gen.written([token], row)
+                out[i] = row
+        return out
