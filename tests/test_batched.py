@@ -106,3 +106,24 @@ def test_unserved_model_steps_each_alone() -> None:
     )
     forward, _ = _alone(model, None)
     torch.testing.assert_close(together, forward, atol=1e-5, rtol=1e-5)
+
+
+def test_lone_sequence_takes_its_direct_step() -> None:
+    """One sequence with a direct decode step of its own goes through it; two share the batched forward."""
+    model = make_model("llama")
+    decode = BatchedDecode(model)
+    sizes: list[int] = []
+    rows_fn = decode.fast.step.rows
+    decode.fast.step.rows = lambda tokens, *args: sizes.append(tokens.shape[0]) or rows_fn(tokens, *args)
+    gens = []
+    for seed in range(2):
+        gen = Generator(model, ContextShiftCache(model, n_ctx=N_CTX, n_keep=N_KEEP))
+        gen.feed(_ids(seed)[:10])
+        gens.append(gen)
+    alone = decode([(gens[0], 5)])[0]
+    assert sizes == [] and gens[0].tokens[-1] == 5
+    decode([(gens[0], 6), (gens[1], 6)])
+    assert sizes == [2]
+    want = Generator(model, ContextShiftCache(model, n_ctx=N_CTX, n_keep=N_KEEP), direct_decode=False)
+    want.feed(_ids(0)[:10])
+    torch.testing.assert_close(alone, want.write([5]), atol=1e-5, rtol=1e-5)

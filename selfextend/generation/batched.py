@@ -5,7 +5,9 @@ over them: every projection, the MLP and the output head run on B rows together
 (:meth:`~selfextend.generation.compiled.CompiledStep.rows`), and attention runs per sequence over that
 sequence's own cache cells (its positions, its Self-Extend grouping, its sliding layers). A sequence the
 step does not serve for this token (a model family it does not know, a cache of fewer than two cells, a
-layer whose last slot the token would take) is written alone through its generator's own path.
+layer whose last slot the token would take) is written alone through its generator's own path, and so
+is a sequence that is the only one to decode when its generator has a direct step (a little faster for
+one row than the shared step).
 """
 
 from __future__ import annotations
@@ -34,10 +36,14 @@ class BatchedDecode:
     @torch.no_grad()
     def __call__(self, pairs: Sequence[tuple[Generator, int]]) -> list[torch.Tensor]:
         out: list[torch.Tensor | None] = [None] * len(pairs)
+        for gen, _ in pairs:
+            gen.make_room(1)
+        shared = [self.serves() and gen.cache.n_past >= 2 for gen, _ in pairs]
+        if sum(shared) == 1 and _direct(pairs[shared.index(True)][0]):
+            shared = [False] * len(pairs)  # one sequence alone: its own direct step is a little faster
         rows: list[tuple[int, StepCells, Cells]] = []
         for i, (gen, token) in enumerate(pairs):
-            gen.make_room(1)
-            if self.serves() and gen.cache.n_past >= 2:
+            if shared[i]:
                 step_cells = StepCells(gen.cache)
                 cells = step_cells.prepare()
                 if cells is not None:
@@ -56,3 +62,8 @@ class BatchedDecode:
                 gen.written([token], row)
                 out[i] = row
         return out
+
+
+def _direct(gen: Generator) -> bool:
+    """Whether ``gen`` writes a single token through a direct decode step of its own."""
+    return gen.step is not None and gen.step.supported()
