@@ -5,15 +5,18 @@
 #   CTX=2048 WEIGHTS=int8  bash experiments/endless_generation.sh   # the default weights, ~8 minutes
 #   TOKENS=100000 bash experiments/endless_generation.sh            # the 100k-token run (~30-40 minutes):
 #       prints RSS at 5k and at the end, and tokens/s of tokens 5k-10k against the last 5k
+#   COMPILE=1 ...                                                    # decode through the compiled step
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ctx=${CTX:-2048}
 weights=${WEIGHTS:-int8}
 tokens=${TOKENS:-20000}
+compile=--no-compile
 name=experiments/results/endless_generation_ctx${ctx}_${weights}
+if [ "${COMPILE:-0}" = 1 ]; then compile=--compile; name=${name}_compiled; fi
 if [ "$tokens" != 20000 ]; then name=${name}_${tokens}; fi
 selfextend generate -p "Tell me a long story about a lighthouse keeper and the sea." --ctx "$ctx" \
-    --weights "$weights" --max-new-tokens "$tokens" --ignore-eos --seed 1 --stats-every 1000 \
+    --weights "$weights" --max-new-tokens "$tokens" --ignore-eos --seed 1 --stats-every 1000 "$compile" \
     2> >(tee "$name.log" >&2) > /dev/null
 grep '^{' "$name.log" > "$name.jsonl"
 tail -n 1 "$name.log" | tee "${name}_summary.txt"

@@ -17,6 +17,19 @@ import numpy as np
 from selfextend.kv.cache import discard_count
 
 
+def gguf_weight_bytes(gguf: str | Path) -> int:
+    """Bytes of weights one llama.cpp decode step reads from ``gguf``: every tensor as stored, of a token
+    embedding with a separate output head one row."""
+    from selfextend.models.gguf import GGUFTable
+
+    tensors = {t.name: t for t in GGUFTable.read(gguf).tensors}
+    total = sum(int(np.prod(t.raw_shape)) * t.raw_dtype.itemsize for t in tensors.values())
+    embed = tensors.get("token_embd.weight")
+    if embed is not None and "output.weight" in tensors:
+        total -= (embed.raw_shape[0] - 1) * int(np.prod(embed.raw_shape[1:])) * embed.raw_dtype.itemsize
+    return total
+
+
 def available() -> bool:
     """Whether llama-cpp-python is installed."""
     return importlib.util.find_spec("llama_cpp") is not None

@@ -27,19 +27,23 @@ GENERATE_VARIANTS = ("float", "int8", "int8+selfextend", "llama.cpp")
 FIRST_TOKEN_VARIANTS = ("int8+selfextend", "llama.cpp")
 
 
+def cell_bytes(cache: ContextShiftCache, fill: int) -> int:
+    """Bytes of the K/V cells one decode step reads at ``fill`` (a sliding layer at most its capacity)."""
+    return sum(
+        2 * layer.keys[..., : min(fill, layer.capacity), :].numel() * layer.keys.element_size()
+        for layer in cache.layers
+    )
+
+
 def bytes_per_token(model: nn.Module, cache: ContextShiftCache, fill: int) -> int:
     """Bytes one decode step reads at least: every weight once (of an embedding that is not also the output
-    head, one row) and the K/V cells in use at ``fill`` (a sliding layer at most its capacity)."""
+    head, one row) and the K/V cells in use at ``fill``."""
     embed = model.get_input_embeddings().weight
     weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
     head = model.get_output_embeddings()
     if getattr(head, "weight", None) is not embed:
         weights -= (embed.shape[0] - 1) * embed[0].numel() * embed.element_size()
-    cells = sum(
-        2 * layer.keys[..., : min(fill, layer.capacity), :].numel() * layer.keys.element_size()
-        for layer in cache.layers
-    )
-    return weights + cells
+    return weights + cell_bytes(cache, fill)
 
 
 def read_bandwidth_gbs(mib: int = 512, repeats: int = 5) -> float:
@@ -68,6 +72,10 @@ def bench_generate(
     quantized = copy.deepcopy(model)
     quantize_int8(quantized)
     llama = llamacpp.LlamaCppGenerator(gguf, ctx, keep, threads) if gguf and llamacpp.available() else None
+    if llama is not None:  # its weights as the file stores them, its cells in f16 (llama.cpp's default)
+        f16 = ContextShiftCache(model, n_ctx=ctx, dtype=torch.float16)
+        llama_mb = (llamacpp.gguf_weight_bytes(gguf) + cell_bytes(f16, average_fill(ctx, keep))) / 1e6
+        del f16
     for rep in range(cfg.repeats):
         prompt = _tokens(model, ctx // 2, seed=rep).tolist()[0]
         for name in GENERATE_VARIANTS:
@@ -78,6 +86,8 @@ def bench_generate(
                 before = llama.shifts
                 record["tokens_per_s"] = llama.tokens_per_second(prompt, cfg.endless_tokens)
                 record["shifts"] = llama.shifts - before
+                record["mb_per_token"] = llama_mb
+                record["gb_per_s"] = llama_mb * record["tokens_per_s"] / 1e3
                 yield record
                 continue
             lm = model if name == "float" else quantized

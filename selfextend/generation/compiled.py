@@ -1,4 +1,4 @@
-"""A decode step that ``torch.compile`` takes whole: one graph for every fill, shift and Self-Extend group.
+"""A decode step that ``torch.compile`` takes: one graph for every layer, fill, shift and Self-Extend group.
 
 The step reads the model's weights and modules (embedding, norms, projections, MLP, output head) and
 writes each layer's new key and value into the cache's preallocated cells; attention is written as
@@ -14,7 +14,10 @@ which cells a query sees comes from the cells' positions, not from their slots:
 
 So a context shift (done by the cache, outside the step) and Self-Extend's grouping never change the
 graph. Families: Llama, Mistral, Qwen2, Qwen3 (q/k norms) and Gemma 3 (norms around attention and MLP,
-GELU-tanh, per-layer RoPE base, sliding layers, q/k norms, scaled embedding). :class:`StepCells` (in
+GELU-tanh, per-layer RoPE base, sliding layers, q/k norms, scaled embedding). What is compiled is one
+decoder layer (:func:`layer_rows`), called for every layer with that layer's weights: all layers share
+its graph (one per kind of attention: sliding, full, grouped), so the first compile traces one layer,
+not the model, and a later process's start, which dynamo traces again, costs as little. :class:`StepCells` (in
 :mod:`selfextend.generation.cells`) hands the step each layer's cells.
 """
 
@@ -26,6 +29,7 @@ import weakref
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -43,6 +47,7 @@ from selfextend.models.sources import cache_root
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 ATTENTION = ("sdpa", "eager", IMPLEMENTATION)
+RECOMPILE_LIMIT = 64  # graphs of the layer function per process (dynamo's default, 8, is per code object)
 
 
 def why_not(model: nn.Module) -> str | None:
@@ -125,7 +130,7 @@ def attend(
 
 
 class CompiledStep:
-    """``step(token, pos, cells, grouped) -> logits``: the whole decode step as one function to compile.
+    """``step(token, pos, cells, grouped) -> logits``: the decode step, each layer through :attr:`layer_fn`.
 
     ``cells``: each layer's buffers, the positions of the slots the query may see (the new token's slot
     among them, at position ``pos``) and the slot where this token's key and value are written
@@ -152,9 +157,7 @@ class CompiledStep:
             fuse_projections([a.q_proj, a.k_proj, a.v_proj]) for a in (m.self_attn for m in self.layers)
         ]
         self.gate_up = [fuse_projections([m.mlp.gate_proj, m.mlp.up_proj]) for m in self.layers]
-        attn = self.layers[0].self_attn
-        self.head_dim = attn.head_dim
-        self.heads = [p.out_features // self.head_dim for p in (attn.q_proj, attn.k_proj, attn.v_proj)]
+        self.layer_fn: Callable[..., torch.Tensor] = layer_rows
 
     def supported(self) -> bool:
         """Whether the model's current attention implementation is one this step computes."""
@@ -195,56 +198,86 @@ class CompiledStep:
         """Logits (B, vocab) after ``tokens`` (B, 1), row ``b`` at position ``pos[b]`` of its own cache's
         ``cells[b]``; writes each row's cells. Every projection, the MLP and the output head take the B rows
         together (the weights are read once for all); attention runs per row over that row's cells.
-        ``grouped`` serves every row (the tables are by position)."""
+        ``grouped`` serves every row (the tables are by position). Each layer goes through
+        :attr:`layer_fn` (:func:`layer_rows`, or its compiled form)."""
         x = self.embed(tokens)  # (B, 1, hidden)
         rotations = self._rotations(x, pos)
-        b_rows, d, n_q, n_kv = tokens.shape[0], self.head_dim, self.heads[0], self.heads[1]
         for i, layer in enumerate(self.layers):
-            attn = layer.self_attn
-            h = layer.input_layernorm(x)
-            qkv = project(self.qkv[i], h).view(b_rows, 1, -1, d)  # (B, 1, H + 2 Hkv, D)
-            q, k, v = qkv.split([n_q, n_kv, n_kv], dim=2)
-            if hasattr(attn, "q_norm"):
-                q, k = attn.q_norm(q), attn.k_norm(k)
-            rot = rotations[self.kinds[i]]
-            q, k = rot.apply(q.transpose(1, 2)), rot.apply(k.transpose(1, 2))  # (B, H, 1, D)
-            v = v.transpose(1, 2)  # (B, Hkv, 1, D)
-            outs = []
-            for b, c in enumerate(cells):
-                keys, values, positions = c.keys[i], c.values[i], c.positions[i]
-                slot, n = c.slots[i : i + 1], positions.shape[0]
-                keys.index_copy_(2, slot, k[b : b + 1].to(keys.dtype))
-                values.index_copy_(2, slot, v[b : b + 1].to(values.dtype))
-                kb, vb = keys[:, :, :n], values[:, :, :n]  # (1, Hkv, n, D): the cells in use, the new one too
-                outs.append(
-                    attend(
-                        q[b : b + 1],
-                        kb,
-                        vb,
-                        positions,
-                        pos[b : b + 1],
-                        attn.scaling,
-                        self.windows[i],
-                        grouped[i],
-                    )
-                )
-            out = outs[0] if len(outs) == 1 else torch.cat(outs)  # (B, 1, H * D)
-            out = attn.o_proj(out.to(x.dtype))
-            if hasattr(layer, "pre_feedforward_layernorm"):  # Gemma: norms after attention and MLP too
-                x = x + layer.post_attention_layernorm(out)
-                h = layer.pre_feedforward_layernorm(x)
-            else:
-                x = x + out
-                h = layer.post_attention_layernorm(x)
-            gate, up = project(self.gate_up[i], h).chunk(2, dim=-1)
-            out = layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
-            x = x + (
-                layer.post_feedforward_layernorm(out) if hasattr(layer, "post_feedforward_layernorm") else out
+            layer_cells = [
+                LayerCells(c.keys[i], c.values[i], c.positions[i], c.slots[i : i + 1]) for c in cells
+            ]
+            x = self.layer_fn(
+                layer,
+                self.qkv[i],
+                self.gate_up[i],
+                x,
+                rotations[self.kinds[i]],
+                pos,
+                layer_cells,
+                self.windows[i],
+                grouped[i],
             )
         logits = self.head(self.norm(x))[:, -1]  # (B, vocab)
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
+
+
+class LayerCells(NamedTuple):
+    """One row's cells in one layer: keys and values (1, Hkv, capacity, D), positions (n,) of the first
+    ``n`` slots, and the slot (1,) where the new token's key and value go."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    positions: torch.Tensor
+    slot: torch.Tensor
+
+
+def layer_rows(
+    layer: nn.Module,
+    qkv_parts: tuple[nn.Module, ...],
+    gate_up_parts: tuple[nn.Module, ...],
+    x: torch.Tensor,
+    rot: Rotation,
+    pos: torch.Tensor,
+    cells: list[LayerCells],
+    window: int | None,
+    grouped: GroupedRotations | None,
+) -> torch.Tensor:
+    """One decoder layer for B rows: the residual stream ``x`` (B, 1, hidden) after the layer, each row's
+    key and value written into its ``cells``. The unit that is compiled: every layer of a model has the
+    same code and the same shapes, so one graph serves them all (the layer's weights are its inputs), and
+    compiling it costs one layer's trace, not the whole model's."""
+    attn = layer.self_attn
+    b_rows, d = x.shape[0], attn.head_dim
+    h = layer.input_layernorm(x)
+    qkv = project(qkv_parts, h).view(b_rows, 1, -1, d)  # (B, 1, H + 2 Hkv, D)
+    n_kv = cells[0].keys.shape[1]
+    q, k, v = qkv.split([qkv.shape[2] - 2 * n_kv, n_kv, n_kv], dim=2)
+    if hasattr(attn, "q_norm"):
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    q, k = rot.apply(q.transpose(1, 2)), rot.apply(k.transpose(1, 2))  # (B, H, 1, D)
+    v = v.transpose(1, 2)  # (B, Hkv, 1, D)
+    outs = []
+    for b, c in enumerate(cells):
+        n = c.positions.shape[0]
+        c.keys.index_copy_(2, c.slot, k[b : b + 1].to(c.keys.dtype))
+        c.values.index_copy_(2, c.slot, v[b : b + 1].to(c.values.dtype))
+        kb, vb = c.keys[:, :, :n], c.values[:, :, :n]  # (1, Hkv, n, D): the cells in use, the new one too
+        outs.append(attend(q[b : b + 1], kb, vb, c.positions, pos[b : b + 1], attn.scaling, window, grouped))
+    out = outs[0] if len(outs) == 1 else torch.cat(outs)  # (B, 1, H * D)
+    out = attn.o_proj(out.to(x.dtype))
+    if hasattr(layer, "pre_feedforward_layernorm"):  # Gemma: norms after attention and MLP too
+        x = x + layer.post_attention_layernorm(out)
+        h = layer.pre_feedforward_layernorm(x)
+    else:
+        x = x + out
+        h = layer.post_attention_layernorm(x)
+    gate, up = project(gate_up_parts, h).chunk(2, dim=-1)
+    out = layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
+    if hasattr(layer, "post_feedforward_layernorm"):
+        out = layer.post_feedforward_layernorm(out)
+    return x + out
 
 
 def no_duck_shapes() -> AbstractContextManager:
@@ -276,7 +309,9 @@ class FastDecode:
         self.compiled = False  # whether the compiled function has run once
         if compile:
             os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
-            self.fn = torch.compile(self.step.__call__, dynamic=True)
+            # every model and weight format a process decodes adds graphs for the one layer function
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+            self.step.layer_fn = torch.compile(layer_rows, dynamic=True)
         self.tables: dict[tuple, GroupedRotations] = {}
         self.cells: StepCells | None = None
 
