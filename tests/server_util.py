@@ -69,7 +69,7 @@ def serving(model, tokenizer, n_ctx=128, parallel=1, cache_reuse=4, **settings) 
     from selfextend.server.engine import Engine
 
     engine = Engine(model, tokenizer, n_ctx, parallel, cache_reuse)
-    app = create_app(engine, Settings(model_name="tiny", **settings))
+    app = create_app(engine, Settings(**{"model_name": "tiny", **settings}))
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     engine.start()

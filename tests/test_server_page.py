@@ -100,11 +100,25 @@ def send(browser: Browser, text: str, max_tokens: int) -> None:
     )
 
 
-def test_chat_page_streams_and_stops(tiny_dir, tmp_path):
+def _tiny(tiny_dir) -> tuple:
     model = LlamaForCausalLM.from_pretrained(tiny_dir).eval()
     model.requires_grad_(False)
-    tok = AutoTokenizer.from_pretrained(tiny_dir)
-    with serving(model, tok, n_ctx=512, max_tokens=4000) as (base, engine):
+    return model, AutoTokenizer.from_pretrained(tiny_dir), "tiny"
+
+
+def _smollm2(tiny_dir) -> tuple:
+    from selfextend.models import load_model
+
+    return (*load_model("smollm2-135m", weights="int8"), "smollm2-135m")
+
+
+@pytest.mark.parametrize(
+    "load", [_tiny, pytest.param(_smollm2, marks=pytest.mark.real)], ids=["tiny", "real"]
+)
+def test_chat_page_streams_and_stops(load, tiny_dir, tmp_path):
+    """The page on a tiny random model and on the real default model (whose screenshot shows real text)."""
+    model, tok, name = load(tiny_dir)
+    with serving(model, tok, n_ctx=512, max_tokens=4000, model_name=name) as (base, engine):
         browser = Browser(str(tmp_path / "profile"))
         try:
             browser.call("Page.enable")
