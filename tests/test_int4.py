@@ -228,3 +228,22 @@ def test_real_gemma3_q4k_blocks_repack() -> None:
         want = torch.from_numpy(quants.dequantize(raw, t.tensor_type))
         layer = Int4Linear.from_gguf(int(t.tensor_type), raw, want.shape[1])
         _bf16_close(layer.dequantized(), want)
+
+
+@pytest.mark.compile
+def test_compiled_int4_step_is_one_graph(tiny_pair, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch.compile takes the int4 step whole (the int4 kernel has no graph break): one graph through
+    shifts, and the model's own int4 forward's logits."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    _, int4, _ = tiny_pair
+    ids = torch.randint(3, 250, (70,), generator=torch.Generator().manual_seed(2)).tolist()
+    want, _ = _teacher_forced(int4, ids)
+    fast = FastDecode(int4, compile=True, notify=lambda line: None)
+    graphs, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+    got, served = _teacher_forced(int4, ids, fast)
+    assert served >= 30
+    assert counters["stats"]["unique_graphs"] - graphs == 1
+    assert sum(counters["graph_break"].values()) == breaks
+    torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
