@@ -247,3 +247,10 @@ def test_compiled_int4_step_is_one_graph(tiny_pair, tmp_path: Path, monkeypatch:
     assert counters["stats"]["unique_graphs"] - graphs == 1
     assert sum(counters["graph_break"].values()) == breaks
     torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
+
+
+def test_int4_refuses_a_gpu_in_one_line(tiny_q4: Path) -> None:
+    from selfextend.hf.facts import ModelError
+
+    with pytest.raises(ModelError, match="CPU only"):
+        load_model(str(tiny_q4), weights="int4", device="meta")

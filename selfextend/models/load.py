@@ -140,6 +140,8 @@ def load_model(
     source = resolve_model(name_or_path)
     form = run_form(weights, dtype)
     target = _parse_device(device)
+    if form.weights == "int4" and target.type != "cpu":
+        raise ModelError(f"--weights int4 runs on the CPU only (torch's int4 kernel here), not on {target}")
     if device_map is not None and form.quantized:
         raise ModelError(
             f"a device map needs float weights: {form.weights} layers are not placed by accelerate"
