@@ -85,7 +85,7 @@ class GGUFTable:
 def gguf_tensors(
     path: str | Path, model: nn.Module, table: GGUFTable | None = None, int4: bool = False
 ) -> Iterator[tuple[str, torch.Tensor | RowBlocks | Int4Blocks]]:
-    """The tensors of a GGUF as ``(transformers name, float32 tensor or RowBlocks)``, one at a time.
+    """The tensors of a GGUF as ``(transformers name, float32 tensor, RowBlocks or Int4Blocks)``, one by one.
 
     ``model`` is the (meta) skeleton with plain ``nn.Linear`` layers, whose state names give the map
     (made at once, so the skeleton may be changed before the tensors are read); ``table`` is the
@@ -155,7 +155,7 @@ def gguf_tensors(
         for a in range(start, t.raw_shape[0], step):
             yield a, dequantize(t.read(f, a, min(a + step, t.raw_shape[0])), t.kind)
 
-    def stream() -> Iterator[tuple[str, torch.Tensor | RowBlocks]]:
+    def stream() -> Iterator[tuple[str, torch.Tensor | RowBlocks | Int4Blocks]]:
         with open(path, "rb") as f:
             for t in table.tensors:
                 packed = as_int4(f, t) if int4 else None

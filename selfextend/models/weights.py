@@ -1,12 +1,13 @@
 """A model's run form: the skeleton built on the meta device and filled tensor by tensor, and its file.
 
 Each tensor goes into its run form before the next one is read: per-row int8 plus scales
-(:mod:`selfextend.models.quantize`) for linear weights when the form is int8, and in the int4 form for
-those not handed over as a GGUF's 4-bit blocks (:class:`Int4Blocks`, repacked as they are); the asked
-dtype for everything else. The skeleton is built with accelerate's ``init_empty_weights`` and filled in place,
-so neither a float32 copy of the whole model nor a second copy of any kind exists while loading
-(:mod:`selfextend.models.gguf` feeds it from a GGUF). A saved run form (one safetensors file of the
-model's own state) is read back through the same filling.
+(:mod:`selfextend.models.quantize`) for linear weights when the form is int8 (in the int4 form, those
+handed over as a GGUF's 4-bit blocks, :class:`Int4Blocks`, are repacked as they are, and the other
+linear weights are int8); the asked dtype for everything else. The skeleton is built with
+accelerate's ``init_empty_weights`` and filled in place, so neither a float32 copy of the whole model
+nor a second copy of any kind exists while loading (:mod:`selfextend.models.gguf` feeds it from a
+GGUF). A saved run form (one safetensors file of the model's own state) is read back through the
+same filling.
 """
 
 from __future__ import annotations
