@@ -74,7 +74,7 @@ def trial(model, ids: list[int], args) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--weights", default="float", choices=["float", "int8"])
+    p.add_argument("--weights", default="float", choices=["float", "int8", "int4"])
     p.add_argument("--trials", type=int, default=8)
     p.add_argument("--system", type=int, default=64, help="tokens of the system part S")
     p.add_argument("--messages", type=int, default=8, help="messages K in the old prompt")

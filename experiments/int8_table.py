@@ -1,4 +1,4 @@
-"""Print int8-weight perplexities next to float32 ones from one JSONL file, with their ratio.
+"""Print int8- and int4-weight perplexities next to float32 ones from one JSONL file, with their ratios.
 
 python experiments/int8_table.py experiments/results/int8_quality.jsonl
 """
@@ -9,22 +9,29 @@ import sys
 
 from selfextend.evaluation.results import read_jsonl
 
+FORMATS = ("int8", "int4")
+
 
 def main(path: str) -> None:
     records = read_jsonl(path)
-    floats = {(r["doc"], r["method"], r["length"]): r for r in records if "+" not in r["model"]}
-    print("| document | method | length | PPL float32 | PPL int8 | int8 / float32 |")
-    print("|---|---|---:|---:|---:|---:|")
+    by_weights: dict[str, dict[tuple, float]] = {}
     for r in records:
-        if "+int8" not in r["model"]:
-            continue
-        base = floats.get((r["doc"], r["method"], r["length"]))
-        if base:
-            ratio = r["ppl"] / base["ppl"]
-            print(
-                f"| {r['doc']} | {r['method']} | {r['length']} | {base['ppl']:.3f} | {r['ppl']:.3f} "
-                f"| {ratio:.4f} |"
-            )
+        _, _, weights = r["model"].partition("+")
+        by_weights.setdefault(weights or "float32", {})[(r["doc"], r["method"], r["length"])] = r["ppl"]
+    floats = by_weights.get("float32", {})
+    shown = [w for w in FORMATS if w in by_weights]
+    print(
+        "| document | method | length | PPL float32 | "
+        + " | ".join(f"PPL {w} | {w} / float32" for w in shown)
+        + " |"
+    )
+    print("|---|---|---:|---:|" + "---:|---:|" * len(shown))
+    for key, base in floats.items():
+        cells = []
+        for w in shown:
+            ppl = by_weights[w].get(key)
+            cells += ["", ""] if ppl is None else [f"{ppl:.3f}", f"{ppl / base:.4f}"]
+        print(f"| {key[0]} | {key[1]} | {key[2]} | {base:.3f} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

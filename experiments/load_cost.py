@@ -11,7 +11,7 @@ few tokens of a fixed prompt, so a later run of the same command shows whether t
 still give the same tokens.
 
     python experiments/load_cost.py --label after [--models smollm2-135m gemma3-270m]
-        [--forms int8 float32 bfloat16] [--out experiments/results/load_cost.jsonl]
+        [--forms int8 int4 float32 bfloat16] [--out experiments/results/load_cost.jsonl]
     python experiments/load_cost.py --table     # the README's before/after table
 
 A model may also be a .gguf path (``--name`` then labels it). Loads go through
@@ -50,7 +50,7 @@ def worker(model: str, form: str) -> None:
     from selfextend.cli.options import load_with_self_extend
 
     rss_imports = _vm("VmRSS")
-    weights, dtype = ("int8", "float32") if form == "int8" else ("float", form)
+    weights, dtype = (form, "float32") if form in ("int8", "int4") else ("float", form)
     start, cpu_start = time.perf_counter(), time.process_time()
     lm, tokenizer = load_with_self_extend(model, dtype, "cpu", None, None, weights)
     seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start

@@ -67,7 +67,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("model", help="an alias or a .gguf path")
-    parser.add_argument("--weights", default="float", choices=["float", "int8"])
+    parser.add_argument("--weights", default="float", choices=["float", "int8", "int4"])
     parser.add_argument("--dtype", default="float32")
     parser.add_argument(
         "--cache", type=Path, default=None, help="cache folder (default: a fresh one, removed)"

@@ -74,11 +74,11 @@ def info(model_arg: str | None, model_opt: str | None, group_size: int, window: 
         (
             "weights in memory",
             ", ".join(
-                f"{_mib(form_bytes(config, RunForm(int8, dtype)))} ({label})"
-                for label, int8, dtype in (
-                    ("--weights int8", True, torch.float32),
-                    ("float32", False, torch.float32),
-                    ("bfloat16", False, torch.bfloat16),
+                f"{_mib(form_bytes(config, RunForm(weights, dtype)))} ({label})"
+                for label, weights, dtype in (
+                    ("--weights int8", "int8", torch.float32),
+                    ("float32", "float", torch.float32),
+                    ("bfloat16", "float", torch.bfloat16),
                 )
             ),
         ),

@@ -84,14 +84,18 @@ def model_options(f: Callable) -> Callable:
 
 
 def weights_option(default: str) -> Callable[[Callable], Callable]:
-    """--weights: float (the model's dtype) or int8 (weight-only, a quarter of float32's bytes)."""
+    """--weights: float (the model's dtype), int8 (weight-only, a quarter of float32's bytes) or int4 (a
+    GGUF's own 4-bit blocks). The choices are ``quantize.WEIGHT_FORMATS``, not imported here so that
+    ``--help`` stays quick (tests/test_quantize.py holds them equal)."""
     return click.option(
         "--weights",
-        type=click.Choice(["float", "int8"]),
+        type=click.Choice(["float", "int8", "int4"]),
         default=default,
         show_default=True,
-        help="Linear-layer weights: float (as --dtype) or int8 (per-row weight-only, bfloat16 products; "
-        "decoding reads 4x fewer bytes than float32).",
+        help="Linear-layer weights: float (as --dtype), int8 (per-row weight-only, bfloat16 products; "
+        "decoding reads 4x fewer bytes than float32) or int4 (a GGUF's Q4_0/Q4_1/Q4_K weights repacked "
+        "as stored, groups of 32, about 8x fewer bytes; its other linear layers int8; a non-GGUF "
+        "model: all int8).",
     )
 
 
@@ -172,7 +176,7 @@ def load_with_self_extend(
     device_map = ctx.meta.get("device_map") if ctx else None
     if device_map and weights != "float":
         raise click.UsageError(
-            "--device-map needs --weights float (int8 layers are not placed by accelerate)"
+            "--device-map needs --weights float (int8 and int4 layers are not placed by accelerate)"
         )
     transformers.utils.logging.disable_progress_bar()
     lm, tokenizer = load_model(model, dtype=dtype, device=device, weights=weights, device_map=device_map)

@@ -5,7 +5,7 @@ mask and position plumbing and an attention dispatch by name. For a single token
 that glue costs about as much as the attention itself. :class:`DecodeStep` reads the same
 weights and writes the same :class:`~selfextend.kv.cache.ContextShiftCache`, and computes the same
 math as the model's forward (tests hold it to the model's own logits) with fewer operations:
-the query/key/value and gate/up projections of int8 models run as one fused product each, and
+the query/key/value and gate/up projections of int8 and int4 models run as one fused product each, and
 attention is the model's choice, plain SDPA or Self-Extend, called directly.
 
 It serves models whose layers are plain Llama blocks (Llama, Mistral and Qwen2 without
@@ -24,26 +24,29 @@ from selfextend.core.cells import cells_of
 from selfextend.core.rope import Rotation
 from selfextend.hf.patch import IMPLEMENTATION
 from selfextend.kv.cache import ContextShiftCache
-from selfextend.models.quantize import Int8Linear, fuse_int8
+from selfextend.models.quantize import Int4Linear, Int8Linear, fuse_int4, fuse_int8
 
 FAMILIES = ("llama", "mistral", "qwen2")
 ATTENTION = ("sdpa", IMPLEMENTATION)
 
 
 def fuse_projections(projections: list[nn.Module]) -> tuple[nn.Module, ...]:
-    """One fused int8 projection when all are int8 (no second copy of the weights), else all of them.
+    """One fused projection when all are int8, or all int4 in blocks that concatenate (no second copy of
+    the weights), else all of them.
 
     Fused once per set of layers (remembered on the first one): a second decode step over the same model
     gets the same fused layer, where fusing the views again would copy the weights.
     """
-    if not all(isinstance(p, Int8Linear) for p in projections):
+    kinds = {type(p) for p in projections}
+    fuse = {Int8Linear: fuse_int8, Int4Linear: fuse_int4}.get(kinds.pop()) if len(kinds) == 1 else None
+    if fuse is None:
         return tuple(projections)
     ids = tuple(id(p) for p in projections)
     found = getattr(projections[0], "_fused_with", None)
     if found is None or found[0] != ids:
-        found = (ids, fuse_int8(projections))
+        found = (ids, fuse(projections))
         projections[0]._fused_with = found  # a tuple: not registered as a submodule
-    return (found[1],)
+    return tuple(projections) if found[1] is None else (found[1],)
 
 
 def project(parts: tuple[nn.Module, ...], x: torch.Tensor) -> torch.Tensor:

@@ -96,7 +96,7 @@ def run_form(weights: str = "float", dtype: torch.dtype | str = torch.float32) -
     if weights not in WEIGHT_FORMATS:
         raise ModelError(f"unknown weight format '{weights}': choose one of {', '.join(WEIGHT_FORMATS)}")
     wanted = parse_dtype(dtype)
-    return RunForm(weights == "int8", torch.float32 if wanted == "auto" else wanted)
+    return RunForm(weights, torch.float32 if wanted == "auto" else wanted)
 
 
 def gguf_cache_dir(source: ModelSource | str | os.PathLike[str], form: RunForm | None = None) -> Path:

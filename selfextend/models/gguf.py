@@ -25,7 +25,8 @@ if TYPE_CHECKING:
     from gguf import GGUFReader
     from transformers import PretrainedConfig, PreTrainedModel
 
-from selfextend.models.weights import RowBlocks, RunForm, empty_model, fill, int8_placeholders
+from selfextend.models.quantize import int4_packable
+from selfextend.models.weights import Int4Blocks, RowBlocks, RunForm, empty_model, fill, int8_placeholders
 
 _BLOCK_BYTES = 4 << 20  # float32 bytes of one block of rows read from a GGUF
 
@@ -82,9 +83,9 @@ class GGUFTable:
 
 
 def gguf_tensors(
-    path: str | Path, model: nn.Module, table: GGUFTable | None = None
-) -> Iterator[tuple[str, torch.Tensor | RowBlocks]]:
-    """The tensors of a GGUF as ``(transformers name, float32 tensor or RowBlocks)``, one at a time.
+    path: str | Path, model: nn.Module, table: GGUFTable | None = None, int4: bool = False
+) -> Iterator[tuple[str, torch.Tensor | RowBlocks | Int4Blocks]]:
+    """The tensors of a GGUF as ``(transformers name, float32 tensor, RowBlocks or Int4Blocks)``, one by one.
 
     ``model`` is the (meta) skeleton with plain ``nn.Linear`` layers, whose state names give the map
     (made at once, so the skeleton may be changed before the tensors are read); ``table`` is the
@@ -97,6 +98,12 @@ def gguf_tensors(
     processed whole, as transformers does. Each yielded item must be consumed before the next is
     asked for. Tensors the model has no place for (e.g. llama.cpp's precomputed ``rope_freqs``) are
     skipped, as transformers does.
+
+    With ``int4``, a linear layer's weight stored in a 4-bit block format comes as :class:`Int4Blocks`,
+    its stored bytes as they are, when the processor does nothing to it but reorder its rows (llama.cpp
+    permutes the q and k rows of Llama-family models; transformers' processor undoes it): the rows of a
+    block format are independent, so the stored rows are put in the processor's order (found by passing
+    it the row numbers). Anything else the processor does to a tensor sends it down the float path.
     """
     from gguf import dequantize
     from transformers.modeling_gguf_pytorch_utils import (
@@ -108,6 +115,7 @@ def gguf_tensors(
     table = table or GGUFTable.read(path)
     processor = TENSOR_PROCESSORS.get(table.architecture, TensorProcessor)(config=model.config.to_dict())
     mapping = get_gguf_hf_weights_map(model, processor)
+    linear = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, nn.Linear)}
     parsed: dict[str, dict] = {"config": model.config.to_dict(), "tensors": {}}
 
     def process(weights: np.ndarray, name: str) -> tuple[np.ndarray, str]:
@@ -116,13 +124,44 @@ def gguf_tensors(
         )
         return result.weights, result.name
 
+    def row_order(t: _Stored) -> tuple[np.ndarray | None, str] | None:
+        """The processor's row order for ``t`` (None: as stored) and its name, or None when the processor
+        does more than reorder rows."""
+        index = np.arange(t.raw_shape[0], dtype=np.float32)[:, None]  # (N, 1): row numbers, exact in float32
+        try:
+            out, name = process(index, t.name)
+        except (ValueError, IndexError):
+            return None
+        if out is index:
+            return None, name
+        out = np.asarray(out)
+        if out.shape != index.shape or not np.array_equal(np.sort(out[:, 0]), index[:, 0]):
+            return None
+        return out[:, 0].astype(np.int64), name
+
+    def as_int4(f: BinaryIO, t: _Stored) -> tuple[str, Int4Blocks] | None:
+        """``t`` as :class:`Int4Blocks` under its model name, or None when it goes the float way."""
+        columns = _value_shape(t)[-1]
+        if len(t.raw_shape) != 2 or not int4_packable(t.kind, t.raw_shape[0], columns):
+            return None
+        found = row_order(t)
+        if found is None or mapping.get(found[1]) not in linear:
+            return None
+        order, name = found
+        raw = t.read(f, 0, t.raw_shape[0])  # (N, bytes per row): the 4-bit bytes, no float copy
+        return mapping[name], Int4Blocks(t.kind, raw if order is None else raw[order], columns)
+
     def blocks(f: BinaryIO, t: _Stored, step: int, start: int = 0) -> Iterator[tuple[int, np.ndarray]]:
         for a in range(start, t.raw_shape[0], step):
             yield a, dequantize(t.read(f, a, min(a + step, t.raw_shape[0])), t.kind)
 
-    def stream() -> Iterator[tuple[str, torch.Tensor | RowBlocks]]:
+    def stream() -> Iterator[tuple[str, torch.Tensor | RowBlocks | Int4Blocks]]:
         with open(path, "rb") as f:
             for t in table.tensors:
+                packed = as_int4(f, t) if int4 else None
+                if packed is not None:
+                    yield packed
+                    continue
                 rows = t.raw_shape[0]
                 # a 1-D tensor is read whole (a block format's bytes cannot be cut between values)
                 step = max(1, _BLOCK_BYTES // (4 * math.prod(_value_shape(t)))) if t.raw_shape[1:] else rows
@@ -172,8 +211,8 @@ def load_gguf(
 ) -> PreTrainedModel:
     """A GGUF's model in ``form``, tensor by tensor (see the module docstring); ``table`` as in
     :func:`gguf_tensors`."""
-    model = empty_model(config, RunForm(False, form.dtype))
-    tensors = gguf_tensors(path, model, table)  # the name map needs the plain linear layers
-    if form.int8:
+    model = empty_model(config, RunForm("float", form.dtype))
+    tensors = gguf_tensors(path, model, table, int4=form.weights == "int4")  # the map needs plain linears
+    if form.quantized:
         int8_placeholders(model, form.dtype)
     return fill(model, tensors, form)

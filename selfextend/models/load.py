@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -28,6 +29,8 @@ from selfextend.models.weights import (
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
+
+log = logging.getLogger(__name__)
 
 
 def _parse_device(device: str | torch.device) -> torch.device:
@@ -123,28 +126,43 @@ def load_model(
     :func:`ensure_converted`; ``"auto"`` means float32). A model directory or hub id loads in ``dtype``;
     with int8 it loads in its checkpoint's own dtype, each linear layer is quantised in place (its float
     weight freed as it goes) and only the rest is cast to ``dtype``, so a bfloat16 checkpoint never
-    exists in float32. Raises :class:`ModelError` for non-RoPE models and anything that cannot be read.
+    exists in float32.
+
+    ``weights="int4"`` holds a GGUF's linear weights stored in 4-bit blocks (Q4_0, Q4_1, Q4_K) as
+    :class:`~selfextend.models.quantize.Int4Linear`, repacked from the blocks themselves (no value is
+    rounded again and no float copy is made), and every other linear layer as int8. A source without
+    4-bit blocks (a model directory, a hub id) loads as int8, saying so in one logged warning: 4-bit
+    weights made by rounding float ones would be another model than the one the user picked.
+    Raises :class:`ModelError` for non-RoPE models and anything that cannot be read.
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     source = resolve_model(name_or_path)
     form = run_form(weights, dtype)
     target = _parse_device(device)
-    if device_map is not None and form.int8:
-        raise ModelError("a device map needs float weights: int8 layers are not placed by accelerate")
+    if form.weights == "int4" and target.type != "cpu":
+        raise ModelError(f"--weights int4 runs on the CPU only (torch's int4 kernel here), not on {target}")
+    if device_map is not None and form.quantized:
+        raise ModelError(
+            f"a device map needs float weights: {form.weights} layers are not placed by accelerate"
+        )
     if source.kind == "gguf":
         model, tokenizer = _load_gguf_model(source, form)
     else:
         check_rope(hub_load(source, AutoConfig.from_pretrained), source.name)
         wanted = parse_dtype(dtype)
-        kwargs: dict[str, Any] = {"dtype": "auto" if form.int8 else wanted}
+        kwargs: dict[str, Any] = {"dtype": "auto" if form.quantized else wanted}
         if attn_implementation:
             kwargs["attn_implementation"] = attn_implementation
         if device_map is not None:
             kwargs["device_map"] = device_map
         model = hub_load(source, AutoModelForCausalLM.from_pretrained, **kwargs)
         tokenizer = hub_load(source, AutoTokenizer.from_pretrained)
-        if form.int8:
+        if form.weights == "int4":
+            log.warning(
+                "--weights int4 repacks a GGUF's 4-bit blocks; %s has none: int8 weights", source.name
+            )
+        if form.quantized:
             quantize_int8(model)
             if wanted != "auto":
                 _cast_float_weights(model, wanted)

@@ -1,4 +1,4 @@
-"""Weight-only int8 linear layers: a quarter of float32's bytes per generated token.
+"""Weight-only int8 and int4 linear layers: a quarter (an eighth) of float32's bytes per generated token.
 
 Decoding one token reads every weight once, so on a CPU it is bound by memory bandwidth, not
 arithmetic, and int8 weights are a quarter of float32's bytes to read. Each output row
@@ -8,6 +8,10 @@ torch's fused int8 x bfloat16 kernel, which reads the int8 weight directly; for 
 (prefill) as a bfloat16 GEMM on the weight dequantised for that call. Both paths compute the
 same products, so prefill and decode agree. Everything else (norms, RoPE, attention, the KV
 cache, the residual stream) keeps the model's dtype.
+
+Int4 layers (:class:`Int4Linear`) are never quantised here: they are repacked from a GGUF's own 4-bit
+blocks (Q4_0, Q4_1, Q4_K), whose groups of 32 values with a scale and an offset are exactly the
+groups of torch's CPU int4 kernel, so no value is rounded again (the scales are held in bfloat16).
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import numpy as np
 import torch
 from torch import nn
 
-WEIGHT_FORMATS = ("float", "int8")
+WEIGHT_FORMATS = ("float", "int8", "int4")
 FUSED_MAX_ROWS = 16  # up to this many input rows the fused int8 kernel beats dequantise + GEMM
 
 
@@ -91,8 +95,10 @@ def quantize_int8(model: nn.Module) -> int:
 
 
 def weight_format(model: nn.Module) -> str:
-    """``int8`` when :func:`quantize_int8` has run on ``model``, else ``float``."""
-    return "int8" if any(isinstance(m, Int8Linear) for m in model.modules()) else "float"
+    """``int4`` when some linear layer holds 4-bit weights, ``int8`` when some holds int8 ones (as
+    :func:`quantize_int8` makes them), else ``float``."""
+    kinds = {type(m) for m in model.modules()}
+    return "int4" if Int4Linear in kinds else "int8" if Int8Linear in kinds else "float"
 
 
 def fuse_int8(layers: Sequence[Int8Linear]) -> Int8Linear:
@@ -106,10 +112,7 @@ def fuse_int8(layers: Sequence[Int8Linear]) -> Int8Linear:
         raise ValueError("layers to fuse must share their input size")
     weight = torch.cat([m.weight_int8 for m in layers])
     scale = torch.cat([m.scale for m in layers])
-    bias = None
-    biases = [m.bias for m in layers if m.bias is not None]
-    if biases:
-        bias = torch.cat([biases[0].new_zeros(m.out_features) if m.bias is None else m.bias for m in layers])
+    bias = _fused_bias(layers)
     fused = Int8Linear(weight, scale, bias)
     start = 0
     for m in layers:
@@ -121,8 +124,18 @@ def fuse_int8(layers: Sequence[Int8Linear]) -> Int8Linear:
     return fused
 
 
+def _fused_bias(layers: Sequence[nn.Module]) -> torch.Tensor | None:
+    """The biases of ``layers`` side by side (a missing one as zeros), or None when none has one."""
+    biases = [m.bias for m in layers if m.bias is not None]
+    if not biases:
+        return None
+    return torch.cat([biases[0].new_zeros(m.out_features) if m.bias is None else m.bias for m in layers])
+
+
 INT4_GROUP = 32  # elements per scale of torch's CPU int4 kernel here, and of every GGUF 4-bit sub-block
 Q4_0, Q4_1, Q4_K = 2, 3, 12  # gguf.GGMLQuantizationType values of the 4-bit formats repacked
+INT4_KINDS = (Q4_0, Q4_1, Q4_K)
+_PACK_ROWS = 1024  # rows packed at a time: a multiple of the int4 packing's 64-row blocks
 
 
 def _f16(raw: np.ndarray, at: int) -> np.ndarray:
@@ -162,28 +175,78 @@ def int4_blocks(kind: int, raw: np.ndarray, columns: int) -> tuple[np.ndarray, n
 
 class Int4Linear(nn.Module):
     """``y = x W^T + b`` with ``W`` in torch's CPU int4 layout: 4-bit values in groups of 32 along the input,
-    each group with a bfloat16 scale and zero (``w = (q - 8) * scale + zero``), products in bfloat16."""
+    each group with a bfloat16 scale and zero (``w = (q - 8) * scale + zero``), products in bfloat16.
+
+    One kernel for any number of rows: it keeps up with a bfloat16 GEMM on prefill-sized inputs, so
+    prefill and decode compute the same products. Built from already-packed buffers (:meth:`from_gguf`
+    packs them), so a saved layer loads without repacking.
+    """
 
     def __init__(
-        self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bias: torch.Tensor | None = None
+        self, weight_int4: torch.Tensor, scales_zeros: torch.Tensor, bias: torch.Tensor | None = None
     ) -> None:
         super().__init__()
-        self.out_features, self.in_features = q.shape
-        self.register_buffer("weight_int4", torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1))
-        # (K / 32, N, 2): what the kernel takes
-        self.register_buffer(
-            "scales_zeros", torch.stack([scale.T, zero.T], dim=-1).to(torch.bfloat16).contiguous()
-        )
+        self.out_features = weight_int4.shape[0]
+        self.in_features = 2 * weight_int4.shape[1]
+        self.register_buffer("weight_int4", weight_int4)  # (N, K / 2) uint8, in blocks of 64 rows
+        self.register_buffer("scales_zeros", scales_zeros)  # (K / 32, N, 2) bfloat16
         self.register_buffer("bias", bias)
 
     @classmethod
     def from_gguf(cls, kind: int, raw: np.ndarray, columns: int) -> Int4Linear:
-        """From a GGUF tensor's stored rows (N, bytes per row) of type ``kind`` (:func:`int4_blocks`)."""
-        q, scale, zero = (torch.from_numpy(a) for a in int4_blocks(kind, raw, columns))
-        return cls(q, scale, zero)
+        """From a GGUF tensor's stored rows (N, bytes per row) of type ``kind`` (:func:`int4_blocks`), a
+        block of rows at a time: the int32 values of the whole weight never exist at once."""
+        rows = raw.shape[0]
+        packed = torch.empty(rows, columns // 2, dtype=torch.uint8)
+        scales_zeros = torch.empty(columns // INT4_GROUP, rows, 2, dtype=torch.bfloat16)
+        for a in range(0, rows, _PACK_ROWS):
+            q, scale, zero = (
+                torch.from_numpy(x) for x in int4_blocks(kind, raw[a : a + _PACK_ROWS], columns)
+            )
+            b = a + q.shape[0]
+            packed[a:b] = torch._convert_weight_to_int4pack_for_cpu(q, 1)
+            scales_zeros[:, a:b] = torch.stack([scale.T, zero.T], dim=-1)
+        return cls(packed, scales_zeros)
+
+    def dequantized(self) -> torch.Tensor:
+        """The (N, K) bfloat16 weight this layer multiplies by (the product with the identity)."""
+        eye = torch.eye(self.in_features, dtype=torch.bfloat16, device=self.weight_int4.device)
+        return self._product(eye).T
+
+    def _product(self, rows: torch.Tensor) -> torch.Tensor:
+        # contiguous: the kernel silently misreads a strided view (the buffers of a fused layer's parts)
+        return torch._weight_int4pack_mm_for_cpu(
+            rows, self.weight_int4.contiguous(), INT4_GROUP, self.scales_zeros.contiguous()
+        )  # (M, N)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features).to(torch.bfloat16)  # (M, K)
-        y = torch._weight_int4pack_mm_for_cpu(rows, self.weight_int4, INT4_GROUP, self.scales_zeros)  # (M, N)
+        y = self._product(x.reshape(-1, self.in_features).to(torch.bfloat16))  # (M, K) -> (M, N)
         y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int4 groups of 32"
+
+
+def int4_packable(kind: int, rows: int, columns: int) -> bool:
+    """Whether a GGUF weight of type ``kind`` and (rows, columns) goes into :class:`Int4Linear` as it is
+    stored: a 4-bit block format, and a shape the int4 packing takes (rows a multiple of 16)."""
+    return kind in INT4_KINDS and rows % 16 == 0 and columns % INT4_GROUP == 0
+
+
+def fuse_int4(layers: Sequence[Int4Linear]) -> Int4Linear | None:
+    """:func:`fuse_int8` for int4 layers; None when they cannot be fused without repacking (an output
+    size before the last that is not a multiple of the packing's 64-row blocks)."""
+    if len({m.in_features for m in layers}) != 1 or any(m.out_features % 64 for m in layers[:-1]):
+        return None
+    weight = torch.cat([m.weight_int4 for m in layers])
+    scales_zeros = torch.cat([m.scales_zeros for m in layers], dim=1)
+    fused = Int4Linear(weight, scales_zeros, _fused_bias(layers))
+    start = 0
+    for m in layers:
+        rows = slice(start, start + m.out_features)
+        m.weight_int4, m.scales_zeros = weight[rows], scales_zeros[:, rows]
+        if m.bias is not None:
+            m.bias = fused.bias[rows]
+        start = rows.stop
+    return fused

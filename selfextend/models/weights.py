@@ -1,11 +1,13 @@
 """A model's run form: the skeleton built on the meta device and filled tensor by tensor, and its file.
 
 Each tensor goes into its run form before the next one is read: per-row int8 plus scales
-(:mod:`selfextend.models.quantize`) for linear weights when the form is int8, the asked dtype for
-everything else. The skeleton is built with accelerate's ``init_empty_weights`` and filled in place,
-so neither a float32 copy of the whole model nor a second copy of any kind exists while loading
-(:mod:`selfextend.models.gguf` feeds it from a GGUF). A saved run form (one safetensors file of the
-model's own state) is read back through the same filling.
+(:mod:`selfextend.models.quantize`) for linear weights when the form is int8 (in the int4 form, those
+handed over as a GGUF's 4-bit blocks, :class:`Int4Blocks`, are repacked as they are, and the other
+linear weights are int8); the asked dtype for everything else. The skeleton is built with
+accelerate's ``init_empty_weights`` and filled in place, so neither a float32 copy of the whole model
+nor a second copy of any kind exists while loading (:mod:`selfextend.models.gguf` feeds it from a
+GGUF). A saved run form (one safetensors file of the model's own state) is read back through the
+same filling.
 """
 
 from __future__ import annotations
@@ -18,15 +20,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from torch import nn
 
-from selfextend.models.quantize import Int8Linear, quantize_rows
+from selfextend.models.quantize import INT4_GROUP, Int4Linear, Int8Linear, quantize_rows
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
 
 __all__ = [
+    "Int4Blocks",
     "RowBlocks",
     "RunForm",
     "empty_model",
@@ -42,26 +46,33 @@ __all__ = [
 
 @dataclass(frozen=True)
 class RunForm:
-    """How a model's weights are held while it runs: linear layers int8 or not, and the dtype of the rest."""
+    """How a model's weights are held while it runs: linear layers as ``weights`` (``float``, ``int8``, or
+    ``int4``: int4 where the source stores 4-bit blocks, int8 elsewhere), and the dtype of the rest."""
 
-    int8: bool
+    weights: str
     dtype: torch.dtype
+
+    @property
+    def quantized(self) -> bool:
+        """Whether linear layers are held quantised (int8 or int4), not in ``dtype``."""
+        return self.weights != "float"
 
     @property
     def name(self) -> str:
         """``int8-float32``, ``float-bfloat16``...: the cache key's form part."""
-        return f"{'int8' if self.int8 else 'float'}-{str(self.dtype).removeprefix('torch.')}"
+        return f"{self.weights}-{str(self.dtype).removeprefix('torch.')}"
 
 
 def empty_model(config: PretrainedConfig, form: RunForm) -> PreTrainedModel:
     """The model for ``config`` with every weight on the meta device (no memory), linear layers as
-    int8 placeholders when ``form.int8``. Buffers computed from the config (rotary frequencies) are real."""
+    int8 placeholders when ``form.quantized`` (an int4 layer's placeholder is swapped in when its weights
+    come). Buffers computed from the config (rotary frequencies) are real."""
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
     with init_empty_weights():
         model = AutoModelForCausalLM.from_config(config, dtype=form.dtype)
-    if form.int8:
+    if form.quantized:
         int8_placeholders(model, form.dtype)
     return model
 
@@ -91,6 +102,33 @@ class RowBlocks:
         return self._blocks
 
 
+@dataclass(frozen=True)
+class Int4Blocks:
+    """A linear weight as a GGUF stores it in a 4-bit block format: ``raw`` (N, bytes per row) of type
+    ``kind``, rows already in the model's order; :func:`fill` repacks it into an :class:`Int4Linear`."""
+
+    kind: int
+    raw: np.ndarray
+    columns: int
+
+
+def _int4_placeholder(model: nn.Module, path: str) -> Int4Linear:
+    """The int8 placeholder at ``path`` swapped for an empty (meta) :class:`Int4Linear` of its shape, its
+    bias (loaded or not) kept; an int4 layer already there is returned as it is."""
+    module = model.get_submodule(path)
+    if isinstance(module, Int4Linear):
+        return module
+    n, k = module.out_features, module.in_features
+    layer = Int4Linear(
+        torch.empty(n, k // 2, dtype=torch.uint8, device="meta"),
+        torch.empty(k // INT4_GROUP, n, 2, dtype=torch.bfloat16, device="meta"),
+        module.bias,
+    )
+    parent, _, child = path.rpartition(".")
+    setattr(model.get_submodule(parent), child, layer)
+    return layer
+
+
 def _materialise(value: torch.Tensor | RowBlocks, dtype: torch.dtype | None) -> torch.Tensor:
     """``value`` as one tensor, floating values cast to ``dtype`` (None: kept as they are)."""
     if isinstance(value, torch.Tensor):
@@ -113,12 +151,21 @@ def _quantize(value: torch.Tensor | RowBlocks) -> tuple[torch.Tensor, torch.Tens
     return q, scale
 
 
-def _assign(model: nn.Module, name: str, tensor: torch.Tensor | RowBlocks, dtype: torch.dtype) -> None:
+def _assign(
+    model: nn.Module, name: str, tensor: torch.Tensor | RowBlocks | Int4Blocks, dtype: torch.dtype
+) -> None:
     """Put one checkpoint tensor into ``model`` in its run form (a float weight of an int8 layer is
-    quantised here; an int8 layer's own ``weight_int8``/``scale`` go in as they are)."""
+    quantised here; 4-bit blocks are repacked into an int4 layer that replaces the int8 placeholder; an
+    int8 or int4 layer's own buffers go in as they are)."""
     path, _, attr = name.rpartition(".")
     module = model.get_submodule(path)
-    if isinstance(module, Int8Linear) and attr == "weight":
+    if isinstance(tensor, Int4Blocks):
+        layer = _int4_placeholder(model, path)
+        built = Int4Linear.from_gguf(tensor.kind, tensor.raw, tensor.columns)
+        layer.weight_int4, layer.scales_zeros = built.weight_int4, built.scales_zeros
+    elif attr in ("weight_int4", "scales_zeros"):  # a saved int4 layer
+        _int4_placeholder(model, path)._buffers[attr] = _materialise(tensor, None)
+    elif isinstance(module, Int8Linear) and attr == "weight":
         q, scale = _quantize(tensor)
         module.weight_int8, module.scale = q, scale.to(torch.bfloat16)
     elif attr in module._parameters:
@@ -131,9 +178,11 @@ def _assign(model: nn.Module, name: str, tensor: torch.Tensor | RowBlocks, dtype
 
 
 def _tie_head(model: nn.Module) -> None:
-    """A tied output head shares the embedding (float) or is quantised from it (int8, if still empty)."""
+    """A tied output head shares the embedding (float) or is quantised from it (int8, if still empty;
+    an int4 head was filled from its own blocks)."""
     head, embed = model.get_output_embeddings(), model.get_input_embeddings()
-    if not getattr(model.config.get_text_config(), "tie_word_embeddings", False) or head is None:
+    tied = getattr(model.config.get_text_config(), "tie_word_embeddings", False)
+    if not tied or head is None or isinstance(head, Int4Linear):
         return
     if not isinstance(head, Int8Linear):
         head.weight = embed.weight
@@ -143,7 +192,9 @@ def _tie_head(model: nn.Module) -> None:
 
 
 def fill(
-    model: PreTrainedModel, tensors: Iterable[tuple[str, torch.Tensor | RowBlocks]], form: RunForm
+    model: PreTrainedModel,
+    tensors: Iterable[tuple[str, torch.Tensor | RowBlocks | Int4Blocks]],
+    form: RunForm,
 ) -> PreTrainedModel:
     """Fill a model from :func:`empty_model` with ``(name, tensor)`` pairs, each turned into its run form
     as it arrives; a tied output head is then tied (float) or quantised from the embedding (int8).
