@@ -115,7 +115,7 @@ def test_bench_generate_bandwidth_and_first_token(tiny_dir, tmp_path):
     """Generate rows carry the bytes a token reads and the rate they are read at; first-token rows time a
     prompt per length; the machine's read bandwidth is printed beside them."""
     from selfextend.bench.runner import average_fill
-    from selfextend.bench.speed import bytes_per_token
+    from selfextend.bench.speed import bytes_per_token, cell_bytes
     from selfextend.kv.cache import ContextShiftCache
     from selfextend.models import load_model
 
@@ -129,12 +129,19 @@ def test_bench_generate_bandwidth_and_first_token(tiny_dir, tmp_path):
     first = {(x["variant"], x["length"]) for x in runs if x["case"] == "first-token"}
     assert first == {("int8+selfextend", 64), ("int8+selfextend", 96)}
     generate = [x for x in runs if x["case"] == "generate"]
+    assert {x["variant"] for x in generate} == {
+        "int8",
+        "int8+selfextend",
+    }  # not a GGUF: no int4, no llama.cpp
     model, _ = load_model(str(tiny_dir))
     weights = sum(t.numel() * 4 for t in (*model.parameters(), *model.buffers()))  # tied head: all read
-    float_mb = [x["mb_per_token"] for x in generate if x["variant"] == "float"]
     fill = average_fill(64, 4)
-    cells = bytes_per_token(model, ContextShiftCache(model, 64, 4, dtype=torch.bfloat16), fill) - weights
-    assert cells == 2 * 2 * model.config.num_hidden_layers * fill * model.config.hidden_size // 2  # K+V, bf16
-    assert float_mb and all(abs(mb - (weights + cells) / 1e6) < 1e-9 for mb in float_mb)
+    cache = ContextShiftCache(model, 64, 4, dtype=torch.bfloat16)
+    cells = 2 * 2 * model.config.num_hidden_layers * fill * model.config.hidden_size // 2  # K+V, bf16
+    assert cell_bytes(cache, fill) == cells
+    assert bytes_per_token(model, cache, fill) == weights + cells
+    int8, _ = load_model(str(tiny_dir), weights="int8")
+    int8_mb = [x["mb_per_token"] for x in generate if x["variant"] == "int8"]
+    assert int8_mb and all(abs(mb - bytes_per_token(int8, cache, fill) / 1e6) < 1e-9 for mb in int8_mb)
     assert all(x["gb_per_s"] == x["mb_per_token"] * x["tokens_per_s"] / 1e3 for x in generate)
     assert "machine read bandwidth" in r.stdout and "GB/s" in r.stdout

@@ -3,7 +3,6 @@ time to the first token of long prompts. Rounds are interleaved (every repeat ru
 
 from __future__ import annotations
 
-import copy
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,10 +20,6 @@ from selfextend.bench.runner import (
     variant,
 )
 from selfextend.kv.cache import ContextShiftCache
-from selfextend.models.quantize import quantize_int8
-
-GENERATE_VARIANTS = ("float", "int8", "int8+selfextend", "llama.cpp")
-FIRST_TOKEN_VARIANTS = ("int8+selfextend", "llama.cpp")
 
 
 def cell_bytes(cache: ContextShiftCache, fill: int) -> int:
@@ -59,26 +54,33 @@ def read_bandwidth_gbs(mib: int = 512, repeats: int = 5) -> float:
     return x.numel() * 4 / best / 1e9
 
 
+def generate_variants(weights: list[str]) -> list[str]:
+    """The generate case's variants, in the order each round runs them: each weight form plain and with
+    Self-Extend, then llama.cpp."""
+    return [v for w in weights for v in (w, f"{w}+selfextend")] + ["llama.cpp"]
+
+
 @torch.no_grad()
 def bench_generate(
-    model: nn.Module, cfg: BenchConfig, gguf: str | Path | None = None, threads: int = 1
+    models: dict[str, nn.Module], cfg: BenchConfig, gguf: str | Path | None = None, threads: int = 1
 ) -> Iterator[dict]:
-    """Greedy tokens/s through a context-shift cache of ``endless_ctx`` cells: our loop with float
-    weights, with int8 weights, with int8 and Self-Extend, and llama.cpp on ``gguf`` (the same model
-    file) when llama-cpp-python is installed. Interleaved per repeat, the same prompt for all."""
+    """Greedy tokens/s through a context-shift cache of ``endless_ctx`` cells: our loop with each of
+    ``models`` (by weight form: float, int8, int4), plain and with Self-Extend, and llama.cpp on ``gguf``
+    (the same model file) when llama-cpp-python is installed. Interleaved per repeat, the same prompt for
+    all; every record has the bytes a step reads (MB/token) and the rate that makes (GB/s)."""
     from selfextend.bench import llamacpp
 
     ctx, keep = cfg.endless_ctx, cfg.endless_keep
-    quantized = copy.deepcopy(model)
-    quantize_int8(quantized)
+    fill = average_fill(ctx, keep)
+    first = next(iter(models.values()))
     llama = llamacpp.LlamaCppGenerator(gguf, ctx, keep, threads) if gguf and llamacpp.available() else None
     if llama is not None:  # its weights as the file stores them, its cells in f16 (llama.cpp's default)
-        f16 = ContextShiftCache(model, n_ctx=ctx, dtype=torch.float16)
-        llama_mb = (llamacpp.gguf_weight_bytes(gguf) + cell_bytes(f16, average_fill(ctx, keep))) / 1e6
+        f16 = ContextShiftCache(first, n_ctx=ctx, dtype=torch.float16)
+        llama_mb = (llamacpp.gguf_weight_bytes(gguf) + cell_bytes(f16, fill)) / 1e6
         del f16
     for rep in range(cfg.repeats):
-        prompt = _tokens(model, ctx // 2, seed=rep).tolist()[0]
-        for name in GENERATE_VARIANTS:
+        prompt = _tokens(first, ctx // 2, seed=rep).tolist()[0]
+        for name in generate_variants(list(models)):
             record = {"case": "generate", "variant": name, "length": ctx, "repeat": rep}
             if name == "llama.cpp":
                 if llama is None:
@@ -87,37 +89,35 @@ def bench_generate(
                 record["tokens_per_s"] = llama.tokens_per_second(prompt, cfg.endless_tokens)
                 record["shifts"] = llama.shifts - before
                 record["mb_per_token"] = llama_mb
-                record["gb_per_s"] = llama_mb * record["tokens_per_s"] / 1e3
-                yield record
-                continue
-            lm = model if name == "float" else quantized
-            attention = "selfextend" if name.endswith("selfextend") else "plain"
-            with variant(lm, attention, cfg.group_size, cfg.window):
-                gen = generator_for(lm, cfg, ctx)
-                logits = gen.feed(prompt)
-                _greedy_seconds(gen, logits, 2)  # the first steps compile (once per model) or warm up
-                seconds = _greedy_seconds(gen, gen.last_logits, cfg.endless_tokens)
-                record["tokens_per_s"] = cfg.endless_tokens / seconds
-                record["shifts"] = gen.cache.shifts
-                record["mb_per_token"] = bytes_per_token(lm, gen.cache, average_fill(ctx, keep)) / 1e6
-                record["gb_per_s"] = record["mb_per_token"] * record["tokens_per_s"] / 1e3
+            else:
+                lm = models[name.removesuffix("+selfextend")]
+                attention = "selfextend" if name.endswith("selfextend") else "plain"
+                with variant(lm, attention, cfg.group_size, cfg.window):
+                    gen = generator_for(lm, cfg, ctx)
+                    logits = gen.feed(prompt)
+                    _greedy_seconds(gen, logits, 2)  # the first steps compile (once per model) or warm up
+                    seconds = _greedy_seconds(gen, gen.last_logits, cfg.endless_tokens)
+                    record["tokens_per_s"] = cfg.endless_tokens / seconds
+                    record["shifts"] = gen.cache.shifts
+                    record["mb_per_token"] = bytes_per_token(lm, gen.cache, fill) / 1e6
+            record["gb_per_s"] = record["mb_per_token"] * record["tokens_per_s"] / 1e3
             yield record
 
 
 @torch.no_grad()
 def bench_first_token(
-    model: nn.Module, cfg: BenchConfig, gguf: str | Path | None = None, threads: int = 1
+    models: dict[str, nn.Module], cfg: BenchConfig, gguf: str | Path | None = None, threads: int = 1
 ) -> Iterator[dict]:
-    """Seconds to the first token of a prompt of each of ``cfg.prefill_lengths`` tokens: ours (int8 weights,
-    Self-Extend, 512-token pieces) against llama.cpp on ``gguf``, interleaved per repeat."""
+    """Seconds to the first token of a prompt of each of ``cfg.prefill_lengths`` tokens: ours (each of
+    ``models`` by weight form, with Self-Extend, 512-token pieces) against llama.cpp on ``gguf``,
+    interleaved per repeat."""
     from selfextend.bench import llamacpp
 
-    quantized = copy.deepcopy(model)
-    quantize_int8(quantized)
+    first = next(iter(models.values()))
     for rep in range(cfg.repeats):
         for length in cfg.prefill_lengths:
-            prompt = _tokens(model, length, seed=rep).tolist()[0]
-            for name in FIRST_TOKEN_VARIANTS:
+            prompt = _tokens(first, length, seed=rep).tolist()[0]
+            for name in [f"{w}+selfextend" for w in models] + ["llama.cpp"]:
                 record = {"case": "first-token", "variant": name, "length": length, "repeat": rep}
                 if name == "llama.cpp":
                     if not gguf or not llamacpp.available():
@@ -127,8 +127,9 @@ def bench_first_token(
                     del llama
                     yield record
                     continue
-                with variant(quantized, "selfextend", cfg.group_size, cfg.window):
-                    gen = generator_for(quantized, cfg, length + 1)
+                lm = models[name.removesuffix("+selfextend")]
+                with variant(lm, "selfextend", cfg.group_size, cfg.window):
+                    gen = generator_for(lm, cfg, length + 1)
                     _sync(gen.device)
                     t0 = time.perf_counter()
                     gen.next_token(gen.feed(prompt, min(512, gen.cache.max_chunk())))

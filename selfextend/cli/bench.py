@@ -63,8 +63,9 @@ from selfextend.core.validate import plural
     default="prefill,decode,endless,generate",
     show_default=True,
     help="Which measurements to run: prefill, decode, endless (shift cache against plain decoding), "
-    "generate (float against int8 weights and llama.cpp, when llama-cpp-python is installed), first-token "
-    "(seconds to the first token of a --lengths prompt, int8 + Self-Extend against llama.cpp; not default).",
+    "generate (int8 and, for a GGUF, int4 weights, each plain and with Self-Extend, against llama.cpp when "
+    "llama-cpp-python is installed), first-token (seconds to the first token of a --lengths prompt, int8 and "
+    "int4 with Self-Extend against llama.cpp; not default).",
 )
 @click.option(
     "-o", "--out", type=click.Path(dir_okay=False), help="Also write every run and the summary as JSON Lines."
@@ -92,9 +93,9 @@ def bench(
     Prefill: seconds and peak memory the forward adds (MiB). Decode: milliseconds per token at
     a cache length. Endless: tokens/s through a context-shift cache of --ctx tokens against
     plain decoding at the same average fill, resident memory at start and end, and the cost of
-    one shift. Generate: tokens/s of greedy generation through the shift cache with float weights,
-    int8 weights and int8 + Self-Extend, against llama.cpp on the same GGUF (ratio column: to
-    llama.cpp). Other ratios compare each variant with plain at the same length, in the same run.
+    one shift. Generate: tokens/s of greedy generation through the shift cache with int8 weights and (for a
+    GGUF) int4 weights, each plain and with Self-Extend, against llama.cpp on the same GGUF (ratio column:
+    to llama.cpp). Other ratios compare each variant with plain at the same length, in the same run.
     """
     import psutil
     import torch
@@ -171,11 +172,16 @@ def bench(
         gguf = resolve_model(model).gguf_path
         if gguf is None or not llamacpp_available():
             click.echo("llama.cpp: skipped (needs a GGUF model and llama-cpp-python installed)", err=True)
+        forms = {}
+        for form in ("int8", "int4") if gguf is not None else ("int8",):
+            forms[form] = (
+                lm if form == weights else load_with_self_extend(model, dtype, device, None, None, form)[0]
+            )
         if "generate" in wanted and endless_tokens > 0:
-            for r in bench_generate(lm, cfg, gguf, torch.get_num_threads()):
+            for r in bench_generate(forms, cfg, gguf, torch.get_num_threads()):
                 record(r)
         if "first-token" in wanted:
-            for r in bench_first_token(lm, cfg, gguf, torch.get_num_threads()):
+            for r in bench_first_token(forms, cfg, gguf, torch.get_num_threads()):
                 record(r)
     bandwidth = read_bandwidth_gbs() if "generate" in wanted else None
     click.echo(
