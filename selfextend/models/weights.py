@@ -201,14 +201,19 @@ def bound_heap_growth(mmap_threshold: int = 64 * 2**10) -> None:
     - at most :data:`ONEDNN_CACHE` oneDNN primitives cached per thread (one is built per matrix shape, and
       every prompt length is a new shape), unless ``$LRU_CACHE_CAPACITY`` says otherwise; read by
       torch when a thread first runs a oneDNN product, so call this before the model runs.
+
+    A setting given in the environment (``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_ARENA_MAX``,
+    ``LRU_CACHE_CAPACITY``) is left as it is.
     """
     os.environ.setdefault("LRU_CACHE_CAPACITY", str(ONEDNN_CACHE))
     try:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):  # not glibc
         return
-    mallopt(M_MMAP_THRESHOLD, mmap_threshold)
-    mallopt(M_ARENA_MAX, 1)
+    if "MALLOC_MMAP_THRESHOLD_" not in os.environ:
+        mallopt(M_MMAP_THRESHOLD, mmap_threshold)
+    if "MALLOC_ARENA_MAX" not in os.environ:
+        mallopt(M_ARENA_MAX, 1)
 
 
 def _state(model: nn.Module) -> dict[str, torch.Tensor]:
