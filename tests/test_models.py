@@ -615,3 +615,30 @@ def test_real_cold_int8_load_within_memory_target(tmp_path: Path) -> None:
         r for r in records if (r["label"], r["model"], r["form"]) == ("before", DEFAULT_MODEL, "int8")
     )
     assert cold["tokens"] == warm["tokens"] == before["cold"]["tokens"]
+
+
+def test_bound_heap_growth_sets_the_allocator(monkeypatch: pytest.MonkeyPatch) -> None:
+    """glibc gets a fixed mmap threshold and one arena, the oneDNN cache a bound; each only where the
+    environment does not set it."""
+    from selfextend.models import weights
+
+    calls: list[tuple[int, int]] = []
+
+    class Libc:
+        @staticmethod
+        def mallopt(param: int, value: int) -> int:
+            calls.append((param, value))
+            return 1
+
+    monkeypatch.setattr(weights.ctypes, "CDLL", lambda name: Libc)
+    for name in ("LRU_CACHE_CAPACITY", "MALLOC_MMAP_THRESHOLD_", "MALLOC_ARENA_MAX"):
+        monkeypatch.delenv(name, raising=False)
+    weights.bound_heap_growth()
+    assert calls == [(-3, 64 * 1024), (-8, 1)]  # M_MMAP_THRESHOLD, M_ARENA_MAX in glibc's malloc.h
+    assert os.environ["LRU_CACHE_CAPACITY"] == str(weights.ONEDNN_CACHE)
+    monkeypatch.setenv("LRU_CACHE_CAPACITY", "7")
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "4")
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    weights.bound_heap_growth()
+    assert os.environ["LRU_CACHE_CAPACITY"] == "7"
+    assert calls[2:] == [(-3, 64 * 1024)]  # the arena count the environment gives is glibc's already

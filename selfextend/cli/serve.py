@@ -107,9 +107,11 @@ def serve(
 
     from selfextend.cli.generate import warn_beyond_reach
     from selfextend.cli.options import load_with_self_extend
+    from selfextend.models.weights import bound_heap_growth
     from selfextend.server.app import Settings, create_app
     from selfextend.server.engine import Engine
 
+    bound_heap_growth()
     if seed is not None:
         raise click.UsageError("--seed is per request here (the 'seed' field)")
     if slot_save_path:

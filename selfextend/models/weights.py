@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import json
+import os
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -234,6 +235,36 @@ def release_free_memory() -> None:
     trim = _malloc_trim()
     if trim is not None:
         trim(0)
+
+
+M_MMAP_THRESHOLD, M_ARENA_MAX = -3, -8  # glibc's mallopt parameters
+ONEDNN_CACHE = 16  # oneDNN primitives kept per thread by torch's ideep (its default: 1024)
+
+
+def bound_heap_growth(mmap_threshold: int = 64 * 2**10) -> None:
+    """For a long-running process that runs prompts of every length (the server): keep its resident memory
+    from creeping up request after request. Only glibc's ``mallopt`` and an environment variable.
+
+    - blocks of ``mmap_threshold`` bytes and more get their own mappings, handed back when freed: glibc
+      otherwise raises its threshold up to 32 MiB as large blocks are freed and then serves tensors of
+      that size from heaps whose free pages stay resident between live blocks;
+    - one heap (arena) for all threads, which :func:`release_free_memory` trims from the top too;
+    - at most :data:`ONEDNN_CACHE` oneDNN primitives cached per thread (one is built per matrix shape, and
+      every prompt length is a new shape), unless ``$LRU_CACHE_CAPACITY`` says otherwise; read by
+      torch when a thread first runs a oneDNN product, so call this before the model runs.
+
+    A setting given in the environment (``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_ARENA_MAX``,
+    ``LRU_CACHE_CAPACITY``) is left as it is.
+    """
+    os.environ.setdefault("LRU_CACHE_CAPACITY", str(ONEDNN_CACHE))
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):  # not glibc
+        return
+    if "MALLOC_MMAP_THRESHOLD_" not in os.environ:
+        mallopt(M_MMAP_THRESHOLD, mmap_threshold)
+    if "MALLOC_ARENA_MAX" not in os.environ:
+        mallopt(M_ARENA_MAX, 1)
 
 
 def _state(model: nn.Module) -> dict[str, torch.Tensor]:
