@@ -106,13 +106,16 @@ def test_system_file_that_contradicts_is_refused(runs, tmp_path):
     assert r.exit_code == 2 and "--system 'Be brief.'" in r.stderr and digest(session) == before
 
 
-def test_agreeing_flags_and_sampling_flags_accepted(runs, tiny_dir, tmp_path):
+def test_agreeing_flags_and_sampling_flags_accepted(runs, tiny_dir, tmp_path, monkeypatch):
     whole, first, saved = runs
     session = tmp_path / "talk.pt"
     session.write_bytes(saved.read_bytes())
     r = chat(["--session", str(session), "-m", str(tiny_dir), *SAVED], [TURNS[1]])
     assert r.exit_code == 0, r.output
     assert first + r.stdout == whole
+    monkeypatch.chdir(tiny_dir.parent)  # the same model named by a relative path agrees
+    session.write_bytes(saved.read_bytes())
+    assert chat(["--session", str(session), "-m", tiny_dir.name], []).exit_code == 0
     session.write_bytes(saved.read_bytes())
     r = chat(["--session", str(session), "--temperature", "1.5", "--top-k", "0", "--seed", "5"], ["/stats"])
     assert r.exit_code == 0 and "resumed" in r.stderr

@@ -40,7 +40,9 @@ class _Terminate(Exception):
     "--session",
     "session_file",
     type=click.Path(dir_okay=False),
-    help="Session file: loaded at the start if it exists, written at the end (also on SIGTERM).",
+    help="Session file: resumed at the start if it exists, with the model, --ctx, --keep, system prompt, "
+    "-g/-w, --weights and --cache-type it was saved with (a flag that contradicts them is refused); "
+    "written at the end (also on SIGTERM).",
 )
 @click.option(
     "-q", "--quiet", is_flag=True, help="No context-shift notes, no prompt progress bar, no banner."
