@@ -123,6 +123,15 @@ def test_agreeing_flags_and_sampling_flags_accepted(runs, tiny_dir, tmp_path, mo
         state(session)["sampling"]["temperature"] == 1.5
     )  # an explicit sampling flag replaces the saved one
     assert state(session)["sampling"]["top_p"] == 0.95
+    replies = []
+    for seed in (["--seed", "5"], ["--seed", "5"], ["--seed", "6"], []):
+        session.write_bytes(saved.read_bytes())
+        r = chat(["--session", str(session), "--temperature", "1.5", "--top-k", "0", *seed], [TURNS[1]])
+        assert r.exit_code == 0, r.output
+        replies.append(r.stdout)
+    assert (
+        replies[0] == replies[1] != replies[2] and replies[3] not in replies[:3]
+    )  # --seed replaces the file's
 
 
 def test_keep_given_as_the_count_the_default_kept_agrees(tiny_dir, tmp_path):

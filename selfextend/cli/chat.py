@@ -150,6 +150,8 @@ def chat(
     )
     if session_file and Path(session_file).exists():
         session.load(session_file)
+        if seed is not None:  # the sampler goes on from the file's random state unless --seed says otherwise
+            session.gen.rng.manual_seed(seed)
         if not quiet:
             click.echo(f"resumed {session_file} ({in_use(session)}): {_fill(session)}", err=True)
     saved = True
