@@ -244,3 +244,35 @@ def test_slot_file_of_the_previous_format_restores(tiny, tmp_path):
         torch.save(payload, tmp_path / "old.bin")
         status, body = request(base, "POST", "/slots/0?action=restore", {"filename": "old.bin"})
         assert status == 200 and body["n_restored"] == n
+
+
+def _damaged(payload: dict) -> dict[str, object]:
+    extra = json.loads(payload["extra"])
+    settings = json.loads(payload["settings"])
+    return {
+        "garbage": b"\x00 not a torch file",
+        "prompt-cache": {k: v for k, v in payload.items() if k != "extra"},
+        "other-kind": {**payload, "extra": json.dumps({**extra, "kind": "selfextend-chat/9"})},
+        "ctx-not-int": {**payload, "extra": json.dumps({**extra, "n_ctx": "200"})},
+        "cache-type": {**payload, "extra": json.dumps({**extra, "cache_type": 16})},
+        "self-extend": {**payload, "settings": json.dumps({**settings, "self_extend": "4x32"})},
+        "other-model": {**payload, "settings": json.dumps({**settings, "model": "0123456789abcdef"})},
+    }
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["garbage", "prompt-cache", "other-kind", "ctx-not-int", "cache-type", "self-extend", "other-model"],
+)
+def test_damaged_session_file_refused_in_one_line_and_left_alone(runs, tmp_path, case):
+    content = _damaged(torch.load(runs[2], weights_only=True))[case]
+    session = tmp_path / "bad.pt"
+    if isinstance(content, bytes):
+        session.write_bytes(content)
+    else:
+        torch.save(content, session)
+    before = digest(session)
+    r = chat(["--session", str(session)], ["Hello"])
+    lines = r.stderr.strip().splitlines()
+    assert r.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error: "), r.output
+    assert "bad.pt" in lines[0] and digest(session) == before and r.stdout == ""

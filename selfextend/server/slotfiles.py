@@ -49,12 +49,12 @@ FLAGS = {"model": "-m", "ctx": "--ctx", "cache_type": "a KV cache of"}
 def _check_setup(name: str, payload: dict[str, Any], saved: dict[str, Any], now: dict[str, Any]) -> None:
     """A 400 naming both values where the file's model, settings or server settings differ from the
     server's (the model by its fingerprint: the same model named another way restores)."""
-    model = saved.get("model", "?")
     ours, theirs = now["cache"], json.loads(payload["settings"])
     if theirs.get("model") != ours["model"]:
+        named = f"-m {saved['model']}, " if "model" in saved else ""  # a /1 file does not say
         raise APIError(
             400,
-            f"slot file {name} was saved with another model (-m {model}, fingerprint {theirs.get('model')}); "
+            f"slot file {name} was saved with another model ({named}fingerprint {theirs.get('model')}); "
             f"this server runs -m {now['model']} (fingerprint {ours['model']})",
             "filename",
         )
