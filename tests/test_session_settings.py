@@ -113,9 +113,9 @@ def test_agreeing_flags_and_sampling_flags_accepted(runs, tiny_dir, tmp_path, mo
     r = chat(["--session", str(session), "-m", str(tiny_dir), *SAVED], [TURNS[1]])
     assert r.exit_code == 0, r.output
     assert first + r.stdout == whole
-    monkeypatch.chdir(tiny_dir.parent)  # the same model named by a relative path agrees
+    monkeypatch.chdir(tiny_dir.parent)  # the same model by a relative path, the same dtype by another name
     session.write_bytes(saved.read_bytes())
-    assert chat(["--session", str(session), "-m", tiny_dir.name], []).exit_code == 0
+    assert chat(["--session", str(session), "-m", tiny_dir.name, "--dtype", "fp32"], []).exit_code == 0
     session.write_bytes(saved.read_bytes())
     r = chat(["--session", str(session), "--temperature", "1.5", "--top-k", "0", "--seed", "5"], ["/stats"])
     assert r.exit_code == 0 and "resumed" in r.stderr

@@ -9,6 +9,7 @@ defaults, and a sampling flag given explicitly replaces its saved value.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -52,10 +53,6 @@ def _system(text: str | None) -> str:
     return f"--system {text if len(text) <= 40 else text[:39] + '…'!r}"
 
 
-def _self_extend(g: int | None, w: int | None) -> str:
-    return "no Self-Extend (no -g/-w)" if g is None else f"-g {g} -w {w}"
-
-
 def _keep(saved: SavedSettings) -> str:
     if saved.keep in (None, -1):
         return f"the default --keep (the system prompt, {saved.n_keep} tokens)"
@@ -76,29 +73,29 @@ def resume(path: str, given: dict[str, Any], ctx: click.Context | None = None) -
     that differs from the file's."""
     from selfextend.chat import saved_settings
     from selfextend.generation.sampling import SamplingParams
+    from selfextend.kv.promptcache import describe
+    from selfextend.models.diskcache import parse_dtype
 
     ctx = ctx or click.get_current_context()
     saved = saved_settings(path)
     out = dict(given)
 
-    def take(name: str, value: Any, shown: str) -> None:
-        if _explicit(ctx, name) and given[name] != value:
-            raise _refuse(f"--{name.replace('_', '-')} {given[name]}", shown)
+    def take(name: str, value: Any, flag: str, shown: str, same: Callable[[Any], bool] | None = None) -> None:
+        """The saved ``value`` for ``name``, unless given explicitly: then it must be the same."""
+        if _explicit(ctx, name) and not (same(given[name]) if same else given[name] == value):
+            raise _refuse(f"{flag} {given[name]}", shown)
         out[name] = value
 
     if saved.model is not None:
-        if _explicit(ctx, "model") and model_id(given["model"]) != saved.model:
-            raise _refuse(f"-m {given['model']}", f"-m {saved.model}")
-        out["model"] = saved.model
+        take("model", saved.model, "-m", f"-m {saved.model}", lambda m: model_id(m) == saved.model)
     if not (_explicit(ctx, "dtype") and given["dtype"] == "auto"):  # auto: the model's own, checked on load
-        take("dtype", saved.dtype, f"--dtype {saved.dtype}")
-    take("weights", saved.weights, f"--weights {saved.weights}")
-    se = _self_extend(saved.group_size, saved.window)
-    for flag, name, value in (("-g", "group_size", saved.group_size), ("-w", "window", saved.window)):
-        if _explicit(ctx, name) and given[name] != value:
-            raise _refuse(f"{flag} {given[name]}", se)
-        out[name] = value
-    take("ctx", saved.ctx, f"--ctx {saved.ctx}")
+        same_dtype = lambda d: parse_dtype(d) == parse_dtype(saved.dtype)  # noqa: E731
+        take("dtype", saved.dtype, "--dtype", f"--dtype {saved.dtype}", same_dtype)
+    take("weights", saved.weights, "--weights", f"--weights {saved.weights}")
+    se = describe("self_extend", None if saved.group_size is None else [saved.group_size, saved.window])
+    take("group_size", saved.group_size, "-g", se)
+    take("window", saved.window, "-w", se)
+    take("ctx", saved.ctx, "--ctx", f"--ctx {saved.ctx}")
     if _explicit(ctx, "keep") and given["keep"] not in (saved.keep, saved.n_keep):
         if not (given["keep"] == -1 and saved.keep is None):  # -1 and the default both keep the system part
             raise _refuse(f"--keep {given['keep']}", _keep(saved))
@@ -106,7 +103,7 @@ def resume(path: str, given: dict[str, Any], ctx: click.Context | None = None) -
     if _explicit(ctx, "system", "system_file") and given["system"] != saved.system:
         raise _refuse(_system(given["system"]), _system(saved.system))
     out["system"] = saved.system
-    take("cache_type", saved.cache_type, f"--cache-type {saved.cache_type}")
+    take("cache_type", saved.cache_type, "--cache-type", f"--cache-type {saved.cache_type}")
     kept = {
         f.name: saved.sampling[f.name]
         for f in fields(SamplingParams)
