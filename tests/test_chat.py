@@ -186,9 +186,10 @@ def test_chat_through_a_pipe_shifts_saves_and_resumes(tiny, tmp_path):
     for k0, k in zip(s0["keys"] + s0["values"], saved["keys"] + saved["values"], strict=True):
         assert torch.equal(k[..., :n_keep, :], k0)  # the system prompt's cells, bit for bit, after the shifts
 
-    # a new process resumes from s1.pt, is stopped by SIGTERM at the prompt, and saves on the way out
+    # a new process resumes from s1.pt with no settings given (--ctx, the system prompt and --temperature come
+    # from the file), is stopped by SIGTERM at the prompt, and saves on the way out
     b = subprocess.Popen(
-        [*args, "--session", str(tmp_path / "s1.pt")],
+        [*CHAT[:4], "-n", "12", "--session", str(tmp_path / "s1.pt")],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

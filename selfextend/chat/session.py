@@ -20,6 +20,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from selfextend.chat.sessionfile import (
+    SESSION_KIND,
+    ChatError,
+    cache_type_name,
+    check_positions,
+    session_state,
+)
 from selfextend.chat.template import ChatTemplate
 from selfextend.chat.turns import Exchange, ShiftReport, TurnLedger
 from selfextend.core.validate import first_line
@@ -28,14 +35,8 @@ from selfextend.generation.sampling import SamplingParams
 from selfextend.kv import promptcache
 from selfextend.kv.cache import ContextShiftCache
 
-SESSION_KIND = "selfextend-chat/1"
-
 Progress = Callable[[int], AbstractContextManager[Callable[[int], object] | None]]
 """Called with the tokens about to be prefilled; the context's value (if any) gets each piece's length."""
-
-
-class ChatError(ValueError):
-    """A chat request that cannot be done (nothing to undo, a session file that does not fit); one line."""
 
 
 @dataclass
@@ -59,7 +60,8 @@ class ChatSession:
     """One conversation in a fixed-size cache: :meth:`reply` streams the answer to a user turn.
 
     ``keep``: cells kept at every shift; ``None`` or -1 keeps the system part (BOS, system prompt or
-    the template's default one). ``on_shift`` hears about every context shift.
+    the template's default one). ``on_shift`` hears about every context shift. ``model_name``: the model
+    as the user named it, recorded in session files so that a resumed chat loads it again.
     """
 
     def __init__(
@@ -78,6 +80,7 @@ class ChatSession:
         progress: Progress | None = None,
         compile: bool = False,
         cache_dtype: torch.dtype | None = None,
+        model_name: str | None = None,
     ) -> None:
         self.model, self.tokenizer, self.n_ctx = model, tokenizer, n_ctx
         self.sampling = sampling or SamplingParams()
@@ -91,6 +94,7 @@ class ChatSession:
             compile,
             cache_dtype,
         )  # decode path and KV element type (model's: None)
+        self.model_name = model_name
         self.stop_requested = False
         self.start(system)
 
@@ -234,6 +238,8 @@ class ChatSession:
         """Everything besides the cells that a later process needs to continue exactly."""
         return {
             "kind": SESSION_KIND,
+            "model": self.model_name,
+            "cache_type": cache_type_name(self.cache.layers[0].keys.dtype),
             "n_ctx": self.n_ctx,
             "n_keep": self.n_keep,
             "keep": self.keep,
@@ -264,17 +270,22 @@ class ChatSession:
 
     def load(self, path: str | Path) -> None:
         """Replace this session with the one saved in ``path``; the file must come from the same model,
-        dtype, weight format, Self-Extend settings and ``--ctx``, else :class:`ChatError` (and nothing
-        changes)."""
+        dtype, weight format, Self-Extend settings, ``--ctx`` and cache type, else :class:`ChatError` (and
+        nothing changes)."""
         try:
             payload = promptcache.read(path, self.model, self.cache)
         except promptcache.PromptCacheError as e:
             raise ChatError(str(e)) from None
-        state = _session_state(payload, path)
+        state = session_state(payload, path)
         if state["n_ctx"] != self.n_ctx:
             raise ChatError(f"{path} was saved with --ctx {state['n_ctx']}, this session has {self.n_ctx}")
+        cache_type = cache_type_name(self.cache.layers[0].keys.dtype)
+        if state["cache_type"] != cache_type:
+            raise ChatError(
+                f"{path} was saved with --cache-type {state['cache_type']}, this session has {cache_type}"
+            )
         tokens = payload["tokens"].tolist()
-        _check_positions(len(tokens), state, path)
+        check_positions(len(tokens), state, path)
         try:
             exchanges = [Exchange(**e) for e in state["exchanges"]]
             stats = ChatStats(**state["stats"])
@@ -300,48 +311,3 @@ class ChatSession:
         self.cache.shifts, self.cache.discarded = state["shifts"], state["discarded"]
         self.ledger.dropped_exchanges = state["dropped_exchanges"]
         self.stats = stats
-
-
-STATE_FIELDS = {
-    "n_ctx": int,
-    "n_keep": int,
-    "keep": (int, type(None)),
-    "system": (str, type(None)),
-    "closed": bool,
-    "exchanges": list,
-    "shifts": int,
-    "discarded": int,
-    "dropped_exchanges": int,
-    "stats": dict,
-    "rng": list,
-}
-
-
-def _session_state(payload: dict[str, Any], path: str | Path) -> dict[str, Any]:
-    """The chat's state saved beside the cells, with every field of the type it must have."""
-    import json
-
-    if "extra" not in payload:
-        raise ChatError(f"{path} is a prompt cache, not a chat session")
-    try:
-        state = json.loads(payload["extra"])
-    except (TypeError, ValueError):
-        raise ChatError(f"{path}: unreadable session state") from None
-    if not isinstance(state, dict) or state.get("kind") != SESSION_KIND:
-        raise ChatError(f"{path} is not a {SESSION_KIND} session")
-    for name, kind in STATE_FIELDS.items():
-        if not isinstance(state.get(name), kind) or (kind is int and isinstance(state[name], bool)):
-            raise ChatError(f"{path}: damaged session state ({name})")
-    return state
-
-
-def _check_positions(n: int, state: dict[str, Any], path: str | Path) -> None:
-    """The kept count and every exchange's cells must lie among the ``n`` saved cells."""
-    if n > state["n_ctx"] or not 0 <= state["n_keep"] <= n or state["n_keep"] >= state["n_ctx"] - 1:
-        raise ChatError(f"{path}: {n} cells, {state['n_keep']} kept: no cache of {state['n_ctx']} holds that")
-    for e in state["exchanges"]:
-        if not isinstance(e, dict):
-            raise ChatError(f"{path}: damaged session state (exchanges)")
-        for p in (e.get("start"), e.get("reply_start")):
-            if p is not None and (not isinstance(p, int) or not 0 <= p <= n):
-                raise ChatError(f"{path}: an exchange points outside the saved cells")

@@ -40,7 +40,9 @@ class _Terminate(Exception):
     "--session",
     "session_file",
     type=click.Path(dir_okay=False),
-    help="Session file: loaded at the start if it exists, written at the end (also on SIGTERM).",
+    help="Session file: resumed at the start if it exists, with the model, --ctx, --keep, system prompt, "
+    "-g/-w, --weights and --cache-type it was saved with (a flag that contradicts them is refused); "
+    "written at the end (also on SIGTERM).",
 )
 @click.option(
     "-q", "--quiet", is_flag=True, help="No context-shift notes, no prompt progress bar, no banner."
@@ -81,21 +83,38 @@ def chat(
 
       printf 'Hi\\nWhat did I say?\\n' | selfextend chat -n 64 --temperature 0
 
-      selfextend chat --session talk.pt    # resumes where the last run ended
+      selfextend chat --session talk.pt    # resumes where the last run ended, with its settings
     """
     from selfextend.chat import ChatSession, ShiftReport
     from selfextend.cli.generate import warn_beyond_reach
     from selfextend.cli.generation_options import check_cache, system_prompt
     from selfextend.cli.options import load_with_self_extend
+    from selfextend.cli.resume import in_use, model_id, resume
     from selfextend.cli.stream import Output, prefill_bar
     from selfextend.generation.generator import decode_settings
 
-    check_cache(ctx, keep)
     system = system_prompt(system, system_file)
     if session_file:
         folder = Path(session_file).absolute().parent
         if not folder.is_dir() or not os.access(folder, os.W_OK):
             raise click.BadParameter(f"no writable folder {folder} to save it in", param_hint="--session")
+    if session_file and Path(session_file).exists():  # its settings, unless a flag contradicts them
+        given = dict(
+            model=model,
+            dtype=dtype,
+            weights=weights,
+            group_size=group_size,
+            window=window,
+            ctx=ctx,
+            keep=keep,
+            system=system,
+            cache_type=cache_type,
+            sampling=sampling,
+        )
+        model, dtype, weights, group_size, window, ctx, keep, system, cache_type, sampling = resume(
+            session_file, given
+        ).values()
+    check_cache(ctx, keep)
     lm, tokenizer = load_with_self_extend(model, dtype, device, group_size, window, weights)
     warn_beyond_reach(lm, ctx, group_size, window)
     out = Output(output, stats_every)
@@ -127,11 +146,14 @@ def chat(
         progress=lambda n: prefill_bar(n, quiet),
         compile=compile_step,
         cache_dtype=cache_dtype,
+        model_name=model_id(model),
     )
     if session_file and Path(session_file).exists():
         session.load(session_file)
+        if seed is not None:  # the sampler goes on from the file's random state unless --seed says otherwise
+            session.gen.rng.manual_seed(seed)
         if not quiet:
-            click.echo(f"resumed {session_file}: {_fill(session)}", err=True)
+            click.echo(f"resumed {session_file} ({in_use(session)}): {_fill(session)}", err=True)
     saved = True
     try:
         Repl(session, out, quiet, sys.stdin.isatty(), notes).run()

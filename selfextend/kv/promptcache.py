@@ -200,6 +200,41 @@ def load(
 def read(path: str | Path, model: nn.Module, cache: ContextShiftCache) -> dict[str, Any]:
     """The file's contents, once it is known to be ours, intact, shaped for ``cache``'s layers and made
     with this model and these settings; PromptCacheError if not."""
+    payload = peek(path)
+    check(path, payload, model, cache)
+    return payload
+
+
+def check(path: str | Path, payload: dict[str, Any], model: nn.Module, cache: ContextShiftCache) -> None:
+    """PromptCacheError unless the (peeked) payload was made with ``model`` and its settings and is shaped
+    for ``cache``'s layers; the error names each differing setting's value in the file and now."""
+    ours, theirs = settings(model), json.loads(payload["settings"])
+    if ours != theirs:
+        diff = ", ".join(
+            f"{describe(k, theirs.get(k))} in the file, {describe(k, v)} now"
+            for k, v in ours.items()
+            if theirs.get(k) != v
+        )
+        raise PromptCacheError(f"{path} was made with another model or settings ({diff})")
+    _check_shapes(path, payload, cache)
+
+
+def describe(name: str, value: object) -> str:
+    """A :func:`settings` entry as the flags that set it (``-g 4 -w 64``, ``--weights int8``)."""
+    if name == "self_extend":
+        if isinstance(value, list) and len(value) == 2:
+            return "-g {} -w {}".format(*value)
+        return "no Self-Extend" if value is None else f"-g/-w {value}"
+    if name == "model":
+        return f"model fingerprint {value}"
+    if name == "dtype":
+        return f"--dtype {str(value).removeprefix('torch.')}"
+    return f"--{name.replace('_', '-')} {value}"
+
+
+def peek(path: str | Path) -> dict[str, Any]:
+    """The file's contents once it is known to be ours and intact, before any model is there: what a
+    resumed session reads its settings from (:func:`read` then checks them against the model)."""
     try:
         payload = torch.load(Path(path), map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises many types for a file that is not its own
@@ -208,11 +243,4 @@ def read(path: str | Path, model: nn.Module, cache: ContextShiftCache) -> dict[s
     if not isinstance(payload, dict) or payload.get("format") not in READABLE:
         raise PromptCacheError(f"{path} is not a {FORMAT} file (another version or another program)")
     _check_payload(path, payload)
-    ours, theirs = settings(model), json.loads(payload["settings"])
-    if ours != theirs:
-        diff = ", ".join(
-            f"{k}: file {theirs.get(k)} != now {v}" for k, v in ours.items() if theirs.get(k) != v
-        )
-        raise PromptCacheError(f"{path} was made with another model or settings ({diff})")
-    _check_shapes(path, payload, cache)
     return payload

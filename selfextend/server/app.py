@@ -93,7 +93,7 @@ def create_app(engine: Engine, settings: Settings) -> FastAPI:
 
     @app.post("/slots/{slot_id}")
     async def slot(slot_id: int, action: str, body: SlotFile | None = None) -> dict[str, Any]:
-        return await slot_action(engine, settings.slot_save_path, slot_id, action, body)
+        return await slot_action(engine, settings.slot_save_path, slot_id, action, body, settings.model_name)
 
     return app
 

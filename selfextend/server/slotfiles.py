@@ -1,8 +1,11 @@
 """Slot save, restore and erase (``POST /slots/{id}?action=...``), as llama-server's, in prompt-cache files.
 
 A file is named by the request (a plain name, no folders) and lives under ``--slot-save-path``. It holds
-the slot's cells and tokens in the prompt-cache format (:mod:`selfextend.kv.promptcache`), so it loads
-only into the same model and settings, and the slot's kept count and history beside them.
+the slot's cells and tokens in the prompt-cache format (:mod:`selfextend.kv.promptcache`), with the model's
+fingerprint, dtype, weight format and Self-Extend settings, and beside them the slot's kept count and
+history and the server's settings: the model as named by ``-m``, ``--ctx`` and the cache's element type.
+It restores only into a server with the same settings; a difference is a 400 naming both values. A
+``selfextend-slot/1`` file (without the server's settings) is checked on the cache's settings alone.
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ from selfextend.server.guard import APIError
 from selfextend.server.schemas import SlotFile
 from selfextend.server.slots import Slot
 
-SLOT_KIND = "selfextend-slot/1"
+SLOT_KIND = "selfextend-slot/2"
+OLD_KINDS = ("selfextend-slot/1",)
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
@@ -33,27 +37,70 @@ def _path(folder: str | None, body: SlotFile | None) -> Path:
     return Path(folder) / body.filename
 
 
-def save(slot: Slot, path: Path) -> dict[str, Any]:
-    """Write the slot's cache, tokens and history to ``path``."""
+def setup(slot: Slot, model_name: str) -> dict[str, Any]:
+    """The server settings a slot file records besides :func:`~selfextend.kv.promptcache.settings`."""
+    cache_type = str(slot.gen.cache.layers[0].keys.dtype if slot.gen else next(slot.model.parameters()).dtype)
+    return {"model": model_name, "ctx": slot.n_ctx, "cache_type": cache_type.removeprefix("torch.")}
+
+
+FLAGS = {"model": "-m", "ctx": "--ctx", "cache_type": "a KV cache of"}
+
+
+def _check_setup(name: str, payload: dict[str, Any], saved: dict[str, Any], now: dict[str, Any]) -> None:
+    """A 400 naming both values where the file's model, settings or server settings differ from the
+    server's (the model by its fingerprint: the same model named another way restores)."""
+    ours, theirs = now["cache"], json.loads(payload["settings"])
+    if theirs.get("model") != ours["model"]:
+        named = f"-m {saved['model']}, " if "model" in saved else ""  # a /1 file does not say
+        raise APIError(
+            400,
+            f"slot file {name} was saved with another model ({named}fingerprint {theirs.get('model')}); "
+            f"this server runs -m {now['model']} (fingerprint {ours['model']})",
+            "filename",
+        )
+    diffs = [
+        (promptcache.describe(k, theirs.get(k)), promptcache.describe(k, v))
+        for k, v in ours.items()
+        if theirs.get(k) != v
+    ]
+    diffs += [
+        (f"{FLAGS[k]} {saved[k]}", f"{FLAGS[k]} {now[k]}")
+        for k in ("ctx", "cache_type")
+        if k in saved and saved[k] != now[k]
+    ]
+    if diffs:
+        file, server = (", ".join(d[i] for d in diffs) for i in (0, 1))
+        raise APIError(400, f"slot file {name} was saved with {file}; this server runs {server}", "filename")
+
+
+def save(slot: Slot, path: Path, model_name: str) -> dict[str, Any]:
+    """Write the slot's cache, tokens, history and settings to ``path``."""
     gen = slot.gen
     if gen is None or not gen.tokens:
         raise APIError(400, f"slot {slot.id} holds nothing to save", "id_slot")
     logits = gen.last_logits if gen.last_logits is not None else torch.zeros(0)
     extra = {"kind": SLOT_KIND, "n_keep": gen.cache.n_keep, "history": slot.history}
+    extra["setup"] = setup(slot, model_name)
     promptcache.save(path, slot.model, gen.cache, gen.tokens, logits, extra=extra)
     return {"id_slot": slot.id, "filename": path.name, "n_saved": len(gen.tokens)}
 
 
-def restore(slot: Slot, path: Path) -> dict[str, Any]:
+def restore(slot: Slot, path: Path, model_name: str) -> dict[str, Any]:
     """Replace the slot's cache by the one saved in ``path`` (same model and settings only)."""
     if not path.is_file():
         raise APIError(404, f"no slot file {path.name}", "filename")
     gen = slot.generator(slot.gen.cache.n_keep if slot.gen else 0)
     try:
-        payload = promptcache.read(path, slot.model, gen.cache)
+        payload = promptcache.peek(path)
         extra = json.loads(payload.get("extra") or "{}")
-        if not isinstance(extra, dict) or extra.get("kind") != SLOT_KIND:
+        if not isinstance(extra, dict) or extra.get("kind") not in (SLOT_KIND, *OLD_KINDS):
             raise promptcache.PromptCacheError(f"{path.name} is not a slot file")
+        saved = extra.get("setup", {})
+        if not isinstance(saved, dict):
+            raise promptcache.PromptCacheError(f"{path.name}: damaged slot state")
+        now = {**setup(slot, model_name), "cache": promptcache.settings(slot.model)}
+        _check_setup(path.name, payload, saved, now)
+        promptcache.check(path, payload, slot.model, gen.cache)
         tokens = payload["tokens"].tolist()
         n_keep, history = extra.get("n_keep"), extra.get("history")
         ok = isinstance(history, list) and all(type(t) is int for t in history)
@@ -61,6 +108,9 @@ def restore(slot: Slot, path: Path) -> dict[str, Any]:
             raise promptcache.PromptCacheError(f"{path.name}: damaged slot state")
         gen = slot.generator(n_keep)
         gen.cache.load_prefix(payload["keys"], payload["values"], len(tokens), promptcache.positions(payload))
+    except APIError:
+        slot.reset()
+        raise
     except (promptcache.PromptCacheError, ValueError) as e:
         slot.reset()
         raise APIError(400, str(e), "filename") from None
@@ -77,16 +127,18 @@ def erase(slot: Slot) -> dict[str, Any]:
 
 
 async def slot_action(
-    engine: Engine, folder: str | None, slot_id: int, action: str, body: SlotFile | None
+    engine: Engine, folder: str | None, slot_id: int, action: str, body: SlotFile | None, model_name: str
 ) -> dict[str, Any]:
-    """Run ``action`` (save, restore, erase) on an idle slot, on the engine's thread."""
+    """Run ``action`` (save, restore, erase) on an idle slot, on the engine's thread; ``model_name``: the
+    model as the server was told it (recorded in slot files)."""
     if not 0 <= slot_id < len(engine.slots):
         raise APIError(404, f"no slot {slot_id}", "id_slot")
     if action == "erase":
         work = erase
     elif action in ("save", "restore"):
         path = _path(folder, body)
-        work = (lambda s: save(s, path)) if action == "save" else (lambda s: restore(s, path))
+        act = save if action == "save" else restore
+        work = lambda s: act(s, path, model_name)  # noqa: E731
     else:
         raise APIError(400, f"action must be save, restore or erase, got {action!r}", "action")
     try:
