@@ -114,7 +114,7 @@ def _teacher_forced(model: torch.nn.Module, ids: list[int], step=None) -> tuple[
         gen.cache.make_room(1)
         logits = step(t, gen.cache) if step is not None else None
         served += logits is not None
-        out.append(gen._forward([t]) if logits is None else logits)
+        out.append(gen.write([t]) if logits is None else logits)
     assert gen.cache.shifts >= 2
     return torch.stack(out), served
 
