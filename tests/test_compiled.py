@@ -252,3 +252,22 @@ def test_compile_default_is_opt_in_and_only_for_served_families(monkeypatch: pyt
     assert not compile_pays(make_model("llama"))  # opt-in until it is shown to pay
     monkeypatch.setenv("SELFEXTEND_COMPILE", "1")
     assert compile_pays(make_model("llama")) and not compile_pays(make_model("phi3"))
+
+
+def test_inductor_cache_dir_is_ours_unless_the_user_names_one(
+    monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:
+    """torch writes its own default into $TORCHINDUCTOR_CACHE_DIR when parts of it are imported: that value
+    counts as unset (the graphs go under the selfextend cache root); a folder the user names is kept."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    from selfextend.generation.compiled import inductor_cache_dir
+    from selfextend.models.sources import cache_root
+
+    ours = str(cache_root() / "inductor")
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    assert inductor_cache_dir() == ours
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
+    assert inductor_cache_dir() == ours
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    assert inductor_cache_dir() == str(tmp_path)

@@ -286,6 +286,18 @@ def no_duck_shapes() -> AbstractContextManager:
     return fx_config.patch(use_duck_shape=False)
 
 
+def inductor_cache_dir() -> str:
+    """Where inductor keeps compiled graphs: ``$TORCHINDUCTOR_CACHE_DIR`` where the user set it, else
+    ``inductor`` under the selfextend cache root. Importing parts of torch writes torch's own default into
+    that variable, so a value equal to torch's default counts as not set."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    given = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if given and os.path.abspath(given) != os.path.abspath(default_cache_dir()):
+        return given
+    return str(cache_root() / "inductor")
+
+
 def _stderr(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
@@ -308,7 +320,7 @@ class FastDecode:
         self.fn: Callable[..., torch.Tensor] | None = self.step.__call__
         self.compiled = False  # whether the compiled function has run once
         if compile:
-            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = inductor_cache_dir()
             # every model and weight format a process decodes adds graphs for the one layer function
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
             self.step.layer_fn = torch.compile(layer_rows, dynamic=True)
