@@ -221,8 +221,9 @@ def decode_options(f: Callable) -> Callable:
         "--compile/--no-compile",
         "compile_step",
         default=None,
-        help="Decode through one torch.compile'd step (compiled once, kept on disk for later runs). "
-        "Default: on for CPU, off elsewhere; falls back to eager with a warning if compiling fails.",
+        help="Decode through the torch.compile'd step (one decoder layer compiled, its graph kept on disk "
+        "for later runs). Default: off (SELFEXTEND_COMPILE=1 turns it on for a CPU); falls back to eager "
+        "with a warning if compiling fails.",
     )(f)
     return f
 
