@@ -44,7 +44,7 @@ def test_bench_records_and_plot(tiny_dir, tmp_path):
     endless = [x for x in runs if x["case"] == "endless" and x["variant"] == "shift"]
     assert endless and endless[0]["shifts"] >= 1
     generate = {x["variant"]: x for x in runs if x["case"] == "generate"}
-    assert set(generate) == {"float", "int8", "int8+selfextend"}  # no GGUF here: no llama.cpp
+    assert set(generate) == {"int8", "int8+selfextend"}  # no GGUF here: no int4, no llama.cpp
     assert all(x["tokens_per_s"] > 0 and x["shifts"] >= 1 for x in generate.values())
     summary = [x for x in records if x.get("summary")]
     assert any("ratio" in x for x in summary if x["case"] == "prefill")
