@@ -38,7 +38,7 @@ from torch.fx.experimental import _config as fx_config
 from selfextend.core.positions import grouped_key_positions, grouped_query_positions, is_neighbor
 from selfextend.core.rope import Rotation
 from selfextend.generation.cells import Cells, StepCells
-from selfextend.generation.decode import fuse_projections, project
+from selfextend.generation.decode import fuse_projections, layout_problem, project
 from selfextend.hf.facts import layer_kinds, sliding_windows
 from selfextend.hf.patch import IMPLEMENTATION, SelfExtendParams
 from selfextend.kv.cache import ContextShiftCache
@@ -60,12 +60,7 @@ def why_not(model: nn.Module) -> str | None:
         return "activation or tensor-parallel layout"
     if getattr(config, "attn_logit_softcapping", None) is not None:
         return "attention logit soft-capping"
-    if len(set((getattr(model, "hf_device_map", None) or {}).values())) > 1:
-        return "layers placed by a device map (accelerate's hooks run only through the modules' forwards)"
-    inner = getattr(model, "model", None)
-    if inner is None or not all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")):
-        return "module layout"
-    return None
+    return layout_problem(model)
 
 
 def compile_pays(model: nn.Module) -> bool:

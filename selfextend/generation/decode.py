@@ -65,6 +65,12 @@ def _why_not(model: nn.Module) -> str | None:
         return "sliding-window attention"
     if config.hidden_act != "silu" or getattr(config, "pretraining_tp", 1) > 1:
         return "activation or tensor-parallel layout"
+    return layout_problem(model)
+
+
+def layout_problem(model: nn.Module) -> str | None:
+    """Why a step that reads the model's modules directly cannot run it (accelerate's device map, or not
+    the ``model.model.{embed_tokens, layers, norm, rotary_emb}`` layout), or None."""
     if len(set((getattr(model, "hf_device_map", None) or {}).values())) > 1:
         return "layers placed by a device map (accelerate's hooks run only through the modules' forwards)"
     inner = getattr(model, "model", None)
