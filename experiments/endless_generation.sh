@@ -2,14 +2,15 @@
 # Endless generation on the default model: TOKENS tokens (default 20,000) through a context-shift cache.
 # Every 1000 tokens a JSON line (tokens/s over those 1000, resident MiB, shifts) goes to the results.
 #   CTX=1024 WEIGHTS=float bash experiments/endless_generation.sh   # ~15 minutes on a 2-core CPU
-#   CTX=2048 WEIGHTS=int8  bash experiments/endless_generation.sh   # the default weights, ~8 minutes
-#   TOKENS=100000 bash experiments/endless_generation.sh            # the 100k-token run (~30-40 minutes):
+#   CTX=2048 WEIGHTS=int8  bash experiments/endless_generation.sh   # int8 weights, ~8 minutes
+#   TOKENS=100000 bash experiments/endless_generation.sh            # the 100k-token run (~30-40 minutes;
+#       the default weights: int4 from the GGUF's 4-bit blocks, which generate's auto picks here):
 #       prints RSS at 5k and at the end, and tokens/s of tokens 5k-10k against the last 5k
 #   COMPILE=1 ...                                                    # decode through the compiled step
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ctx=${CTX:-2048}
-weights=${WEIGHTS:-int8}
+weights=${WEIGHTS:-int4}
 tokens=${TOKENS:-20000}
 compile=--no-compile
 name=experiments/results/endless_generation_ctx${ctx}_${weights}

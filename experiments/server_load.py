@@ -87,6 +87,23 @@ def summary(results: list[dict], seconds: float) -> dict:
     }
 
 
+def rss_parts(pid: int) -> dict[str, float]:
+    """The server's resident memory by kind (Linux): anonymous (heaps, tensors made at run time) and
+    file-backed (pages of memory-mapped weight files, resident once touched), MiB."""
+    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
+    return {k: round(int(fields[k].split()[0]) / 1024, 1) for k in ("RssAnon", "RssFile") if k in fields}
+
+
+class RssProbe:
+    """The server's RSS in bytes when called; ``pid`` for :func:`rss_parts`."""
+
+    def __init__(self, process: psutil.Process) -> None:
+        self.process, self.pid = process, process.pid
+
+    def __call__(self) -> int:
+        return self.process.memory_info().rss
+
+
 def run_phase(base: str, clients: int, count: int, rss_probe=None) -> dict:
     """``clients`` conversations of ``count`` requests at once; with ``rss_probe``, the server's RSS after
     the first 10 requests, after every 10 more and at the end."""
@@ -99,9 +116,11 @@ def run_phase(base: str, clients: int, count: int, rss_probe=None) -> dict:
     for t in threads:
         t.start()
     rss: dict[int, float] = {}  # requests done -> RSS in MiB
+    parts: dict[int, dict[str, float]] = {}  # requests done -> anonymous and file-backed RSS in MiB
     while any(t.is_alive() for t in threads):
         if rss_probe and len(done) >= 10 * (len(rss) + 1):
             rss[len(done)] = round(rss_probe() / 2**20, 1)
+            parts[len(done)] = rss_parts(rss_probe.pid)
         time.sleep(0.2)
     out = summary(results, time.perf_counter() - t0)
     if rss_probe:
@@ -109,6 +128,8 @@ def run_phase(base: str, clients: int, count: int, rss_probe=None) -> dict:
         out["rss_end_mib"] = round(rss_probe() / 2**20, 1)
         out["rss_growth_percent"] = round(100 * (out["rss_end_mib"] / out["rss_after_10_mib"] - 1), 2)
         out["rss_mib_by_requests_done"] = rss
+        out["rss_parts_mib_by_requests_done"] = parts
+        out["rss_parts_end_mib"] = rss_parts(rss_probe.pid)
     return out
 
 
@@ -130,7 +151,7 @@ def main() -> None:
         print("1 client:", json.dumps(single), flush=True)
         four = run_phase(base, PARALLEL, 10)
         print(f"{PARALLEL} clients:", json.dumps(four), flush=True)
-        load = run_phase(base, CLIENTS, args.requests, lambda: server.memory_info().rss)
+        load = run_phase(base, CLIENTS, args.requests, RssProbe(server))
         print(f"{CLIENTS} clients:", json.dumps(load), flush=True)
     finally:
         proc.terminate()

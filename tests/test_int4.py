@@ -24,7 +24,9 @@ from selfextend.generation.generator import Generator
 from selfextend.hf.patch import apply_self_extend
 from selfextend.kv.cache import ContextShiftCache
 from selfextend.models import load_model
+from selfextend.models.load import auto_weights
 from selfextend.models.quantize import WEIGHT_FORMATS, Int4Linear, Int8Linear, weight_format
+from selfextend.models.sources import resolve_model
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -59,7 +61,7 @@ def test_weight_choices_are_the_library_formats() -> None:
     from selfextend.cli.options import weights_option
 
     option = weights_option("float")(lambda weights: None).__click_params__[0]
-    assert tuple(option.type.choices) == WEIGHT_FORMATS
+    assert tuple(option.type.choices) == ("auto", *WEIGHT_FORMATS)
 
 
 def test_int4_layers_are_transformers_weights(tiny_pair, tiny_q4: Path) -> None:
@@ -169,6 +171,19 @@ def test_int4_without_gguf_blocks_is_int8_with_a_warning(tiny_dir: Path, caplog)
     assert any(isinstance(m, Int8Linear) for m in model.modules())
     assert not any(isinstance(m, Int4Linear) for m in model.modules())
     assert [r.getMessage() for r in caplog.records if "int4" in r.getMessage()] != []
+
+
+def test_auto_weights_are_int4_for_a_gguf_on_the_cpu_only(tiny_q4: Path, tiny_dir: Path, caplog) -> None:
+    """``--weights auto`` (the default of generate, chat and serve): a GGUF's own 4-bit blocks on the CPU, and
+    int8 without a word for a model directory (no 4-bit blocks to keep) or another device."""
+    assert auto_weights("auto", resolve_model(str(tiny_q4)), torch.device("cpu")) == "int4"
+    assert auto_weights("auto", resolve_model(str(tiny_q4)), torch.device("cuda")) == "int8"
+    assert auto_weights("auto", resolve_model(str(tiny_dir)), torch.device("cpu")) == "int8"
+    assert auto_weights("float", resolve_model(str(tiny_q4)), torch.device("cpu")) == "float"
+    assert weight_format(load_model(str(tiny_q4), weights="auto")[0]) == "int4"
+    with caplog.at_level(logging.WARNING, logger="selfextend"):
+        assert weight_format(load_model(str(tiny_dir), weights="auto")[0]) == "int8"
+    assert not [r for r in caplog.records if "int4" in r.getMessage()]
 
 
 @pytest.mark.real

@@ -35,7 +35,7 @@ class _Terminate(Exception):
 
 
 @click.command()
-@generation_options("int8")
+@generation_options("auto")
 @click.option(
     "--session",
     "session_file",

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 
 @click.command()
-@generation_options("int8")
+@generation_options("auto")
 @device_map_option
 @click.option("-p", "--prompt", help="Prompt text. Default: --prompt-file, else standard input.")
 @click.option(

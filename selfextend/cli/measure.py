@@ -183,7 +183,7 @@ def ppl(
     from selfextend.evaluation.sweep import point_key, run_cost
 
     procs, device = _join(out, point_key)
-    name = run_name(model, weights)
+    name = run_name(model, weights, device)
     runs = plan(name, list(texts), parsed_methods, parsed_lengths, out, dtype_name(dtype))
     if not runs:
         click.echo(f"all points already in {out}", err=True)
@@ -262,7 +262,7 @@ def passkey(
     if trials < 1:
         raise click.BadParameter("at least 1", param_hint="--trials")
     procs, device = _join(out, point_key)
-    name = run_name(model, weights)
+    name = run_name(model, weights, device)
     done = len(read_jsonl(out))
     points = passkey_plan(
         name, parsed_methods, parsed_lengths, parsed_depths, trials, out, dtype_name(dtype), seed

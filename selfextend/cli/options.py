@@ -84,23 +84,31 @@ def model_options(f: Callable) -> Callable:
 
 
 def weights_option(default: str) -> Callable[[Callable], Callable]:
-    """--weights: float (the model's dtype), int8 (weight-only, a quarter of float32's bytes) or int4 (a
-    GGUF's own 4-bit blocks). The choices are ``quantize.WEIGHT_FORMATS``, not imported here so that
-    ``--help`` stays quick (tests/test_quantize.py holds them equal)."""
+    """--weights: auto, float (the model's dtype), int8 (weight-only, a quarter of float32's bytes) or int4
+    (a GGUF's own 4-bit blocks). The choices are ``auto`` and ``quantize.WEIGHT_FORMATS``, not imported here
+    so that ``--help`` stays quick (tests/test_int4.py holds them equal)."""
     return click.option(
         "--weights",
-        type=click.Choice(["float", "int8", "int4"]),
+        type=click.Choice(["auto", "float", "int8", "int4"]),
         default=default,
         show_default=True,
-        help="Linear-layer weights: float (as --dtype), int8 (per-row weight-only, bfloat16 products; "
-        "decoding reads 4x fewer bytes than float32) or int4 (a GGUF's Q4_0/Q4_1/Q4_K weights repacked "
-        "as stored, groups of 32, about 8x fewer bytes; its other linear layers int8; a non-GGUF "
-        "model: all int8).",
+        help="Linear-layer weights: auto (int4 for a GGUF on the CPU, int8 otherwise), float (as --dtype), "
+        "int8 (per-row weight-only, bfloat16 products; decoding reads 4x fewer bytes than float32) or int4 "
+        "(a GGUF's Q4_0/Q4_1/Q4_K weights repacked as stored, groups of 32, about 8x fewer bytes; its other "
+        "linear layers int8; a non-GGUF model: all int8).",
     )
 
 
-def run_name(model: str, weights: str) -> str:
-    """The model's name in result records: int8 weights are another model for resuming and plotting."""
+def run_name(model: str, weights: str, device: str | object = "cpu") -> str:
+    """The model's name in result records: int8 weights are another model for resuming and plotting
+    (``auto`` is named by the form it means for ``model`` on ``device``)."""
+    if weights == "auto":
+        import torch
+
+        from selfextend.models.load import auto_weights
+        from selfextend.models.sources import resolve_model
+
+        weights = auto_weights(weights, resolve_model(model), torch.device(str(device)))
     return model if weights == "float" else f"{model}+{weights}"
 
 

@@ -91,7 +91,10 @@ def resume(path: str, given: dict[str, Any], ctx: click.Context | None = None) -
     if not (_explicit(ctx, "dtype") and given["dtype"] == "auto"):  # auto: the model's own, checked on load
         same_dtype = lambda d: parse_dtype(d) == parse_dtype(saved.dtype)  # noqa: E731
         take("dtype", saved.dtype, "--dtype", f"--dtype {saved.dtype}", same_dtype)
-    take("weights", saved.weights, "--weights", f"--weights {saved.weights}")
+    if _explicit(ctx, "weights") and given["weights"] == "auto":  # auto: whatever fits, so the file's
+        out["weights"] = saved.weights
+    else:
+        take("weights", saved.weights, "--weights", f"--weights {saved.weights}")
     se = describe("self_extend", None if saved.group_size is None else [saved.group_size, saved.window])
     take("group_size", saved.group_size, "-g", se)
     take("window", saved.window, "-w", se)

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 @click.command()
 @model_options
-@weights_option("int8")
+@weights_option("auto")
 @self_extend_options
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0: all).")
 @click.option("--port", type=integer(1, hi=65535), default=8080, show_default=True, help="TCP port.")

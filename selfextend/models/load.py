@@ -104,6 +104,15 @@ def _place(model: PreTrainedModel, device_map: str | dict[str, Any]) -> None:
     dispatch_model(model, device_map)
 
 
+def auto_weights(weights: str, source: ModelSource, device: torch.device) -> str:
+    """``weights`` itself, or for ``"auto"`` the fastest form that keeps the source's own numbers: int4 for
+    a GGUF on the CPU (its 4-bit blocks as stored, every other linear layer int8: on a GGUF of other block
+    types that is all int8), int8 otherwise."""
+    if weights != "auto":
+        return weights
+    return "int4" if source.kind == "gguf" and device.type == "cpu" else "int8"
+
+
 def load_model(
     name_or_path: str = DEFAULT_MODEL,
     dtype: torch.dtype | str = torch.float32,
@@ -128,6 +137,8 @@ def load_model(
     weight freed as it goes) and only the rest is cast to ``dtype``, so a bfloat16 checkpoint never
     exists in float32.
 
+    ``weights="auto"`` is int4 for a GGUF on the CPU and int8 otherwise (:func:`auto_weights`).
+
     ``weights="int4"`` holds a GGUF's linear weights stored in 4-bit blocks (Q4_0, Q4_1, Q4_K) as
     :class:`~selfextend.models.quantize.Int4Linear`, repacked from the blocks themselves (no value is
     rounded again and no float copy is made), and every other linear layer as int8. A source without
@@ -138,8 +149,8 @@ def load_model(
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     source = resolve_model(name_or_path)
-    form = run_form(weights, dtype)
     target = _parse_device(device)
+    form = run_form(auto_weights(weights, source, target), dtype)
     if form.weights == "int4" and target.type != "cpu":
         raise ModelError(f"--weights int4 runs on the CPU only (torch's int4 kernel here), not on {target}")
     if device_map is not None and form.quantized:
