@@ -160,6 +160,29 @@ def test_gemma3_generation_through_shifts_matches_reference():
     assert (runs[0] - runs[1]).abs().max() < TOL
 
 
+@pytest.mark.parametrize("extend", [False, True])
+def test_gemma3_single_tokens_go_through_the_eager_step(extend):
+    """Gemma 3 has no DecodeStep: a generator writes its single tokens through the compiled step's code run
+    eagerly (not compiled), and gets the model's forward's logits at every step through shifts."""
+    ids = torch.randint(3, 97, (100,)).tolist()
+    model = gemma3()
+    if extend:
+        selfextend.apply_self_extend(model, group_size=3, window=7)
+    runs = []
+    for direct in (True, False):
+        gen = Generator(model, ContextShiftCache(model, n_ctx=48, n_keep=4), direct_decode=direct)
+        assert (gen.fast is not None and not gen.fast.compile) == direct
+        stepped = []
+        if direct:
+            rows = gen.fast.step.rows
+            gen.fast.step.rows = lambda *args, rows=rows, stepped=stepped: stepped.append(1) or rows(*args)
+        steps = [gen.feed(ids[:30])] + [gen.feed([t]) for t in ids[30:]]
+        assert gen.cache.shifts >= 3
+        assert len(stepped) >= (50 if direct else 0)  # most of the 70 tokens (not those after a shift)
+        runs.append(torch.stack(steps))
+    assert (runs[0] - runs[1]).abs().max() < TOL
+
+
 def test_soft_capping_and_all_sliding_refused():
     with pytest.raises(ValueError, match="soft-capping"):
         selfextend.apply_self_extend(gemma2(softcap=50.0), group_size=3, window=7)
