@@ -17,9 +17,11 @@ from selfextend.models.quantize import Int8Linear, fuse_int8, quantize_int8
 TOL = 1e-4
 
 
-def decoded_logits(model: nn.Module, ids: list[int], direct: bool, n_ctx: int = 40) -> torch.Tensor:
-    """Logits of every token after the first 20, fed one by one through a shifting cache."""
-    gen = Generator(model, ContextShiftCache(model, n_ctx=n_ctx, n_keep=3), direct_decode=direct)
+def decoded_logits(
+    model: nn.Module, ids: list[int], direct: bool, n_ctx: int = 40, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """Logits of every token after the first 20, fed one by one through a shifting cache (of ``dtype``)."""
+    gen = Generator(model, ContextShiftCache(model, n_ctx=n_ctx, n_keep=3, dtype=dtype), direct_decode=direct)
     assert (gen.step is not None) == (direct and decode_step_for(model) is not None)
     gen.feed(ids[:20])
     out = torch.stack([gen.feed([t]) for t in ids[20:]])
@@ -44,6 +46,25 @@ def test_direct_decode_follows_every_rope_type(rope):
     model = make_model("llama", rope=rope)
     ids = torch.randint(3, 97, (60,), generator=torch.Generator().manual_seed(2)).tolist()
     assert (decoded_logits(model, ids, True) - decoded_logits(model, ids, False)).abs().max() < TOL
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("self_extend", [False, True])
+def test_direct_decode_over_a_reduced_cache(dtype, self_extend):
+    """A bf16/f16 cache: the direct step (plain attention reads the cells as stored, the query rounded to
+    their type) against the model's forward over the same cache (upcast cells), and both against a float32
+    cache: within test_compiled's tolerance for the type, the same greedy tokens."""
+    from test_compiled import CACHE_TOLERANCE
+
+    model = make_model("llama")
+    if self_extend:
+        selfextend.apply_self_extend(model, group_size=3, window=12)
+    ids = torch.randint(3, 97, (70,), generator=torch.Generator().manual_seed(4)).tolist()
+    want = decoded_logits(model, ids, direct=False)
+    for direct in (False, True):
+        got = decoded_logits(model, ids, direct=direct, dtype=dtype)
+        assert (got - want).abs().max() <= CACHE_TOLERANCE[dtype] * want.abs().max()
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
 @pytest.mark.parametrize("self_extend", [False, True])

@@ -229,8 +229,8 @@ def test_output_file_appends_and_shifts_reported(tmp_path):
     text = out.read_text()
     assert text.startswith("before\n") and text[len("before\n") :] + "\n" == r.stdout
     summary = r.stderr.strip().splitlines()[-1]
-    assert "120 tokens" in summary and "context shifts" in summary
-    assert int(summary.split(" context shifts")[0].rsplit(" ", 1)[-1]) >= 1
+    assert "120 tokens" in summary and "context shift" in summary
+    assert int(summary.split(" context shift")[0].rsplit(" ", 1)[-1]) >= 1
 
 
 def test_zero_new_tokens_reads_the_prompt_and_prints_the_summary(tiny_dir, tmp_path):

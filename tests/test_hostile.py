@@ -613,5 +613,5 @@ def test_sigterm_stops_generate_like_ctrl_c(tiny_dir, tmp_path):
     assert proc.returncode == 0, stderr
     assert "Traceback" not in stderr.decode()
     summary = stderr.decode().strip().splitlines()[-1]
-    assert "stopped: interrupted" in summary and "context shifts" in summary
+    assert "stopped: interrupted" in summary and "context shift" in summary
     assert out.read_text() and out.read_text() in stdout.decode()  # everything streamed was flushed

@@ -123,13 +123,22 @@ class DecodeStep:
         position_ids = torch.tensor([[pos]], device=x.device)
         rot = Rotation.from_cos_sin(*(t[:, None] for t in self.rotary(x, position_ids)))  # (1, 1, 1, D)
         d, n_qk = self.head_dim, self.heads[0] + self.heads[1]
+        # plain attention over a bf16/f16 cache reads the cells as stored: half the bytes, no float32 copy
+        cells_type = cache.layers[0].keys.dtype if not self_extend else x.dtype
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             h = layer.input_layernorm.forward(x)
             qkv = project(self.qkv[i], h).view(1, 1, -1, d).transpose(1, 2)  # (1, H + 2 Hkv, 1, D)
             q, k = rot.apply(qkv[:, :n_qk]).split(self.heads[:2], dim=1)  # one rotation for both
-            k, v = cache.layers[i].update(k, qkv[:, n_qk:])  # (1, Hkv, cells, D)
-            if self_extend:
+            k, v = cache.layers[i].update(
+                k.to(cells_type), qkv[:, n_qk:].to(cells_type)
+            )  # (1, Hkv, cells, D)
+            if cells_type != x.dtype:
+                out = F.scaled_dot_product_attention(
+                    q.to(cells_type), k, v, scale=attn.scaling, enable_gqa=True
+                )
+                out = out.to(x.dtype)
+            elif self_extend:
                 p = attn.self_extend
                 out = self_extend_decode(
                     q, k, v, pos, p.group_size, p.window, p.inv_freq, attn.scaling, cells_of(k), p.rotations

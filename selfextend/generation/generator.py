@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from selfextend.core.validate import ValidationError, check_int, check_seed
+from selfextend.core.validate import ValidationError, check_int, check_seed, plural
 from selfextend.generation import compiled
 from selfextend.generation.compiled import fast_decode_for
 from selfextend.generation.decode import decode_step_for
@@ -22,6 +22,7 @@ from selfextend.kv.cache import ContextShiftCache
 
 CACHE_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}  # llama.cpp's names
 COMPILED_CACHE_TYPE = "f16"  # the default with the compiled step (its attention reads f16 cells at no cost)
+EAGER_CACHE_TYPE = "bf16"  # the default of a float32 model decoding eagerly on the CPU (see decode_settings)
 PREFILL_CHUNK = 512  # prompt pieces in run(): as llama.cpp's default micro-batch; also the progress step
 
 
@@ -45,10 +46,11 @@ class GenerationStats:
 
     def summary(self) -> str:
         return (
-            f"{self.tokens} tokens in {self.seconds:.1f} s ({self.tokens_per_second:.2f} tokens/s), "
-            f"prompt {self.prompt_tokens} tokens in {self.prompt_seconds:.1f} s"
+            f"{plural(self.tokens, 'token')} in {self.seconds:.1f} s "
+            f"({self.tokens_per_second:.2f} tokens/s), "
+            f"prompt {plural(self.prompt_tokens, 'token')} in {self.prompt_seconds:.1f} s"
             + (f" ({self.reused_tokens} from the prompt cache)" if self.reused_tokens else "")
-            + f", {self.shifts} context shifts, cache {self.n_past}/{self.n_ctx}"
+            + f", {plural(self.shifts, 'context shift')}, cache {self.n_past}/{self.n_ctx}"
             + (f", stopped: {self.stop_reason}" if self.stop_reason else "")
         )
 
@@ -279,12 +281,18 @@ def decode_settings(
     model: nn.Module, compile: bool | None = None, cache_type: str | None = None
 ) -> tuple[bool, torch.dtype | None]:
     """(compile, KV cache dtype) from the command-line choices, None meaning the default: compile where it
-    pays (:func:`~selfextend.generation.compiled.compile_pays`); a float16 cache with the compiled step
-    (its cost in perplexity and K-shift drift is in the README), else the model's dtype (the eager paths
-    would upcast every cell at every step)."""
+    pays (:func:`~selfextend.generation.compiled.compile_pays`); a float16 cache with the compiled step; a
+    bfloat16 cache for a float32 model decoding eagerly on the CPU (the direct step's plain attention reads
+    its cells as stored: 1.14x the tokens/s of a float32 cache for SmolLM2, and no slower with Self-Extend);
+    else the model's dtype. What the reduced types cost in perplexity and K-shift drift is in the README
+    (``experiments/cache_type_ppl.py``, ``experiments/decode_cache_nll.py``)."""
     compile = compiled.compile_pays(model) if compile is None else compile
     if cache_type is None:
-        return compile, CACHE_DTYPES[COMPILED_CACHE_TYPE] if compile else None
+        if compile:
+            return compile, CACHE_DTYPES[COMPILED_CACHE_TYPE]
+        param = next(model.parameters())
+        eager_cpu = param.device.type == "cpu" and param.dtype == torch.float32
+        return compile, CACHE_DTYPES[EAGER_CACHE_TYPE] if eager_cpu else None
     if cache_type not in CACHE_DTYPES:
         raise ValidationError("cache type", f"must be one of {', '.join(CACHE_DTYPES)}, got {cache_type!r}")
     return compile, CACHE_DTYPES[cache_type]
