@@ -22,7 +22,7 @@ from selfextend.kv.cache import ContextShiftCache
 
 CACHE_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}  # llama.cpp's names
 COMPILED_CACHE_TYPE = "f16"  # the default with the compiled step (its attention reads f16 cells at no cost)
-EAGER_CACHE_TYPE = "bf16"  # the default of a float32 model decoding eagerly on the CPU (see decode_settings)
+EAGER_CACHE_TYPE = "bf16"  # default of a float32 model the direct step decodes on the CPU (decode_settings)
 PREFILL_CHUNK = 512  # prompt pieces in run(): as llama.cpp's default micro-batch; also the progress step
 
 
@@ -282,17 +282,17 @@ def decode_settings(
 ) -> tuple[bool, torch.dtype | None]:
     """(compile, KV cache dtype) from the command-line choices, None meaning the default: compile where it
     pays (:func:`~selfextend.generation.compiled.compile_pays`); a float16 cache with the compiled step; a
-    bfloat16 cache for a float32 model decoding eagerly on the CPU (the direct step's plain attention reads
-    its cells as stored: 1.14x the tokens/s of a float32 cache for SmolLM2, and no slower with Self-Extend);
-    else the model's dtype. What the reduced types cost in perplexity and K-shift drift is in the README
-    (``experiments/cache_type_ppl.py``, ``experiments/decode_cache_nll.py``)."""
+    bfloat16 cache for a float32 model that the direct :class:`DecodeStep` decodes on the CPU (its plain
+    attention reads the cells as stored, where the other eager paths would upcast every cell at every
+    step); else the model's dtype. What the reduced types cost in perplexity and K-shift drift is in the
+    README (``experiments/cache_type_ppl.py``, ``experiments/decode_cache_nll.py``)."""
     compile = compiled.compile_pays(model) if compile is None else compile
     if cache_type is None:
         if compile:
             return compile, CACHE_DTYPES[COMPILED_CACHE_TYPE]
         param = next(model.parameters())
-        eager_cpu = param.device.type == "cpu" and param.dtype == torch.float32
-        return compile, CACHE_DTYPES[EAGER_CACHE_TYPE] if eager_cpu else None
+        direct = param.device.type == "cpu" and param.dtype == torch.float32 and decode_step_for(model)
+        return compile, CACHE_DTYPES[EAGER_CACHE_TYPE] if direct else None
     if cache_type not in CACHE_DTYPES:
         raise ValidationError("cache type", f"must be one of {', '.join(CACHE_DTYPES)}, got {cache_type!r}")
     return compile, CACHE_DTYPES[cache_type]
