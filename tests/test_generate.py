@@ -112,6 +112,24 @@ def test_text_stream_never_splits_characters():
     assert all("\ufffd" not in p for p in pieces)
 
 
+def test_text_stream_keeps_a_short_window_on_the_real_tokenizer():
+    """An endless run's detokenizer holds a few ids, not every token it wrote, and still gives the text of
+    decoding all of them at once (the real SmolLM2 tokenizer: its spacing rules need the prefix)."""
+    from transformers import AutoTokenizer
+
+    from selfextend.models.diskcache import ensure_converted
+
+    tokenizer = AutoTokenizer.from_pretrained(ensure_converted("smollm2-135m"))
+    ids = tokenizer("Once upon a time, naïve café owners — 日本 — wrote 12,345 lines.\n" * 40)["input_ids"]
+    stream = TextStream(tokenizer)
+    pieces, longest = [], 0
+    for t in ids:
+        pieces.append(stream.push(t))
+        longest = max(longest, len(stream.ids))
+    assert "".join(pieces) == tokenizer.decode(ids, skip_special_tokens=True)
+    assert longest <= 8 < len(ids)
+
+
 # The command, on the real default model (converted once, then loaded from the user cache).
 
 

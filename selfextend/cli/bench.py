@@ -113,7 +113,7 @@ def bench(
     from selfextend.cli.options import load_with_self_extend
     from selfextend.evaluation.results import append_jsonl
     from selfextend.evaluation.sweep import parse_lengths
-    from selfextend.generation.generator import decode_settings
+    from selfextend.generation.generator import decode_settings, default_cache_dtype
 
     wanted = {c.strip() for c in cases.split(",") if c.strip()}
     unknown = wanted - {"prefill", "decode", "endless", "generate", "first-token"}
@@ -132,6 +132,8 @@ def bench(
     )
     lm, _ = load_with_self_extend(model, dtype, device, None, None, weights)
     cfg.compile, cfg.cache_dtype = decode_settings(lm, compile_step, cache_type)
+    if cache_type is None and not cfg.compile:
+        cfg.cache_dtype = None  # each variant's own default: it depends on Self-Extend (default_cache_dtype)
     from selfextend.core.positions import validate
     from selfextend.hf.facts import trained_window
 
@@ -188,7 +190,12 @@ def bench(
         f"\n{model}, {dtype}, {weights} weights, {device_name}, G={group_size}, W={window}, "
         f"{plural(repeats, 'repeat')} (medians; prefill after one untimed warm-up run per variant), "
         f"{'compiled' if cfg.compile else 'eager'} decode, "
-        f"{str(cfg.cache_dtype or lm.dtype).removeprefix('torch.')} cache"
+        + (
+            f"{str(cfg.cache_dtype).removeprefix('torch.')} cache"
+            if cfg.cache_dtype is not None
+            else f"default cache ({str(default_cache_dtype(lm) or lm.dtype).removeprefix('torch.')}; the "
+            f"model's dtype with Self-Extend)"
+        )
         + (f", machine read bandwidth {bandwidth:.1f} GB/s" if bandwidth else "")
     )
     click.echo(

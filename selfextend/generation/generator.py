@@ -18,11 +18,12 @@ from selfextend.generation import compiled
 from selfextend.generation.compiled import fast_decode_for
 from selfextend.generation.decode import decode_step_for
 from selfextend.generation.sampling import SamplingParams, sample
+from selfextend.hf.patch import IMPLEMENTATION
 from selfextend.kv.cache import ContextShiftCache
 
 CACHE_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}  # llama.cpp's names
 COMPILED_CACHE_TYPE = "f16"  # the default with the compiled step (its attention reads f16 cells at no cost)
-EAGER_CACHE_TYPE = "bf16"  # default of a float32 model the direct step decodes on the CPU (decode_settings)
+EAGER_CACHE_TYPE = "bf16"  # default where the direct step decodes plain attention (default_cache_dtype)
 PREFILL_CHUNK = 512  # prompt pieces in run(): as llama.cpp's default micro-batch; also the progress step
 
 
@@ -72,8 +73,10 @@ class TextStream:
         prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
         text = self._decode(self.ids[self.prefix_offset :])
         if len(text) > len(prefix) and not text.endswith("\ufffd"):
-            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-            # keep the windows short: the prefix is only context for the tokenizer's spacing rules
+            # keep the windows short: the prefix is only context for the tokenizer's spacing rules, and
+            # the ids before it are dropped (an endless run would otherwise keep every token it wrote)
+            del self.ids[: self.read_offset]
+            self.prefix_offset, self.read_offset = 0, len(self.ids)
             return text[len(prefix) :]
         return ""
 
@@ -277,22 +280,31 @@ def run(
         yield token, stats
 
 
+def default_cache_dtype(model: nn.Module) -> torch.dtype | None:
+    """The KV cache's element type when none is asked for and the step is not compiled: bfloat16 for a
+    float32 model that the direct :class:`DecodeStep` decodes on the CPU with plain attention (it reads
+    reduced cells as stored: side by side in ``selfextend bench --cases generate``, faster than float32
+    cells), else None, the model's dtype (the Self-Extend and other eager paths upcast every cell at every
+    step, which costs more than the bytes it saves)."""
+    param = next(model.parameters())
+    plain = model.config._attn_implementation != IMPLEMENTATION
+    direct = (
+        param.device.type == "cpu" and param.dtype == torch.float32 and decode_step_for(model) is not None
+    )
+    return CACHE_DTYPES[EAGER_CACHE_TYPE] if plain and direct else None
+
+
 def decode_settings(
     model: nn.Module, compile: bool | None = None, cache_type: str | None = None
 ) -> tuple[bool, torch.dtype | None]:
     """(compile, KV cache dtype) from the command-line choices, None meaning the default: compile where it
-    pays (:func:`~selfextend.generation.compiled.compile_pays`); a float16 cache with the compiled step; a
-    bfloat16 cache for a float32 model that the direct :class:`DecodeStep` decodes on the CPU (its plain
-    attention reads the cells as stored, where the other eager paths would upcast every cell at every
-    step); else the model's dtype. What the reduced types cost in perplexity and K-shift drift is in the
-    README (``experiments/cache_type_ppl.py``, ``experiments/decode_cache_nll.py``)."""
+    pays (:func:`~selfextend.generation.compiled.compile_pays`); a float16 cache with the compiled step,
+    else :func:`default_cache_dtype` (``model`` as it will run: Self-Extend applied or not). What the reduced
+    types cost in perplexity and K-shift drift is in the README (``experiments/cache_type_ppl.py``,
+    ``experiments/decode_cache_nll.py``)."""
     compile = compiled.compile_pays(model) if compile is None else compile
     if cache_type is None:
-        if compile:
-            return compile, CACHE_DTYPES[COMPILED_CACHE_TYPE]
-        param = next(model.parameters())
-        direct = param.device.type == "cpu" and param.dtype == torch.float32 and decode_step_for(model)
-        return compile, CACHE_DTYPES[EAGER_CACHE_TYPE] if direct else None
+        return compile, CACHE_DTYPES[COMPILED_CACHE_TYPE] if compile else default_cache_dtype(model)
     if cache_type not in CACHE_DTYPES:
         raise ValidationError("cache type", f"must be one of {', '.join(CACHE_DTYPES)}, got {cache_type!r}")
     return compile, CACHE_DTYPES[cache_type]
