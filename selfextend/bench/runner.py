@@ -22,7 +22,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from selfextend.core.validate import check_int
-from selfextend.generation.generator import Generator, default_cache_dtype
+from selfextend.generation.generator import Generator, decode_settings
 from selfextend.hf.patch import REFERENCE_IMPLEMENTATION, apply_self_extend, remove_self_extend
 from selfextend.kv.cache import ContextShiftCache
 from selfextend.models.weights import release_free_memory
@@ -101,7 +101,7 @@ class BenchConfig:
     endless_keep: int = 4
     endless_plain_tokens: int = 256  # plain decoding at the average fill: tokens timed
     compile: bool = False  # decode through the compiled step (generation.compiled)
-    cache_dtype: torch.dtype | None = None  # KV cache element type (None: default_cache_dtype per variant)
+    cache_type: str | None = None  # --cache-type (None: decode_settings' default for each variant as it runs)
 
     def __post_init__(self) -> None:
         """Every setting checked (:class:`~selfextend.core.validate.ValidationError`), so no case runs zero
@@ -134,7 +134,7 @@ def average_fill(ctx: int, keep: int) -> int:
 
 def generator_for(model: nn.Module, cfg: BenchConfig, n_ctx: int) -> Generator:
     """A generator over a fresh context-shift cache of ``n_ctx`` cells, decoding as ``cfg`` says."""
-    dtype = cfg.cache_dtype if cfg.cache_dtype is not None else default_cache_dtype(model)
+    _, dtype = decode_settings(model, cfg.compile, cfg.cache_type)
     cache = ContextShiftCache(model, n_ctx=n_ctx, n_keep=cfg.endless_keep, dtype=dtype)
     return Generator(model, cache, compile=cfg.compile)
 

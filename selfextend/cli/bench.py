@@ -113,7 +113,7 @@ def bench(
     from selfextend.cli.options import load_with_self_extend
     from selfextend.evaluation.results import append_jsonl
     from selfextend.evaluation.sweep import parse_lengths
-    from selfextend.generation.generator import decode_settings, default_cache_dtype
+    from selfextend.generation.generator import decode_settings
 
     wanted = {c.strip() for c in cases.split(",") if c.strip()}
     unknown = wanted - {"prefill", "decode", "endless", "generate", "first-token"}
@@ -131,9 +131,8 @@ def bench(
         endless_keep=min(4, ctx - 2),
     )
     lm, _ = load_with_self_extend(model, dtype, device, None, None, weights)
-    cfg.compile, cfg.cache_dtype = decode_settings(lm, compile_step, cache_type)
-    if cache_type is None and not cfg.compile:
-        cfg.cache_dtype = None  # each variant's own default: it depends on Self-Extend (default_cache_dtype)
+    cfg.compile, cache_dtype = decode_settings(lm, compile_step, cache_type)
+    cfg.cache_type = cache_type
     from selfextend.core.positions import validate
     from selfextend.hf.facts import trained_window
 
@@ -190,12 +189,8 @@ def bench(
         f"\n{model}, {dtype}, {weights} weights, {device_name}, G={group_size}, W={window}, "
         f"{plural(repeats, 'repeat')} (medians; prefill after one untimed warm-up run per variant), "
         f"{'compiled' if cfg.compile else 'eager'} decode, "
-        + (
-            f"{str(cfg.cache_dtype).removeprefix('torch.')} cache"
-            if cfg.cache_dtype is not None
-            else f"default cache ({str(default_cache_dtype(lm) or lm.dtype).removeprefix('torch.')}; the "
-            f"model's dtype with Self-Extend)"
-        )
+        + f"{str(cache_dtype or lm.dtype).removeprefix('torch.')} cache"
+        + ("" if cache_type or cfg.compile else " (the model's dtype with Self-Extend)")
         + (f", machine read bandwidth {bandwidth:.1f} GB/s" if bandwidth else "")
     )
     click.echo(

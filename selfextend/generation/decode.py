@@ -79,9 +79,14 @@ def layout_problem(model: nn.Module) -> str | None:
     return None
 
 
+def serves(model: nn.Module) -> bool:
+    """Whether :class:`DecodeStep` runs ``model`` (plain Llama blocks), without building one."""
+    return _why_not(model) is None
+
+
 def decode_step_for(model: nn.Module) -> DecodeStep | None:
     """A :class:`DecodeStep` for ``model``, or None when its architecture is not a plain Llama block."""
-    return None if _why_not(model) else DecodeStep(model)
+    return DecodeStep(model) if serves(model) else None
 
 
 class DecodeStep:
