@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from selfextend.evaluation.corpus import default_books
+from selfextend.hf.facts import cache_kwargs
 from selfextend.hf.patch import apply_self_extend
 from selfextend.models import load_model
 from selfextend.server.slots import Slot
@@ -38,7 +39,7 @@ OUT = Path(__file__).parent / "results" / "cache_reuse_quality.jsonl"
 def score(model, cache, cont: list[int]) -> torch.Tensor:
     """Logits (len(cont), vocab) of a forward over ``cont`` after what ``cache`` holds (or nothing)."""
     with torch.no_grad():
-        out = model(torch.tensor([cont]), past_key_values=cache, use_cache=cache is not None)
+        out = model(torch.tensor([cont]), **cache_kwargs(model, cache), use_cache=cache is not None)
     return out.logits[0].float()
 
 

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from selfextend.evaluation.corpus import default_books
 from selfextend.generation.generator import CACHE_DTYPES
+from selfextend.hf.facts import cache_kwargs
 from selfextend.hf.patch import apply_self_extend
 from selfextend.kv.cache import ContextShiftCache
 from selfextend.models import load_model
@@ -36,7 +37,7 @@ def ppl(model, ids: torch.Tensor, dtype: torch.dtype) -> float:
     nll, count = 0.0, 0
     for a in range(0, ids.shape[1], PIECE):
         piece = ids[:, a : a + PIECE]
-        logits = model(piece, past_key_values=cache, use_cache=True).logits[0]  # (piece, vocab)
+        logits = model(piece, **cache_kwargs(model, cache), use_cache=True).logits[0]  # (piece, vocab)
         targets = ids[0, a + 1 : a + 1 + piece.shape[1]]
         nll += float(F.cross_entropy(logits[: len(targets)].float(), targets, reduction="sum"))
         count += len(targets)

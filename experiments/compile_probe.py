@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from transformers import StaticCache
 
+from selfextend.hf.facts import cache_kwargs
 from selfextend.models import load_model
 from selfextend.models.quantize import quantize_int8
 
@@ -36,7 +37,9 @@ def main() -> None:
     ids = torch.randint(100, 40000, (1, PROMPT), generator=torch.Generator().manual_seed(0))
 
     def step(token: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        out = model(token, past_key_values=cache, use_cache=True, cache_position=pos, position_ids=pos[None])
+        out = model(
+            token, **cache_kwargs(model, cache), use_cache=True, cache_position=pos, position_ids=pos[None]
+        )
         return out.logits[:, -1:].argmax(-1)
 
     def rate(fn, start: int, n: int, token: torch.Tensor) -> tuple[float, torch.Tensor]:
@@ -46,7 +49,9 @@ def main() -> None:
         return n / (time.perf_counter() - t0), token
 
     with torch.no_grad():
-        logits = model(ids, past_key_values=cache, use_cache=True, cache_position=torch.arange(PROMPT)).logits
+        logits = model(
+            ids, **cache_kwargs(model, cache), use_cache=True, cache_position=torch.arange(PROMPT)
+        ).logits
         token = logits[:, -1:].argmax(-1)
         eager, token = rate(step, PROMPT, args.tokens, token)
         compiled_step = torch.compile(step)

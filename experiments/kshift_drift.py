@@ -26,6 +26,7 @@ import torch
 
 from selfextend.core.rope import find_rotary_embedding, rotate
 from selfextend.evaluation.corpus import default_books
+from selfextend.hf.facts import cache_kwargs
 from selfextend.kv.cache import ContextShiftCache, discard_count
 from selfextend.models import load_model
 
@@ -65,7 +66,9 @@ def shift_probes(layer, n: int, inv_freq: torch.Tensor) -> None:
 def next_logits(model, cache: ContextShiftCache, token: int, position: int) -> torch.Tensor:
     """Logits of ``token`` read at ``position`` against what ``cache`` holds (the cache is left as it was)."""
     n = cache.n_past
-    out = model(torch.tensor([[token]]), past_key_values=cache, position_ids=torch.tensor([[position]]))
+    out = model(
+        torch.tensor([[token]]), **cache_kwargs(model, cache), position_ids=torch.tensor([[position]])
+    )
     cache.truncate(n)
     return out.logits[0, -1].float()
 
@@ -78,7 +81,7 @@ def drift(dtype: torch.dtype, text_ids: torch.Tensor) -> list[dict]:
     raw = raw_keys(model, ids)  # float32, un-rotated
     cache = ContextShiftCache(model, N_DISCARD + N_TOKENS, dtype=dtype)
     with torch.no_grad():
-        model(ids, past_key_values=cache)  # keys rotated by the model's own RoPE at 0..N-1
+        model(ids, **cache_kwargs(model, cache))  # keys rotated by the model's own RoPE at 0..N-1
     values = [layer.values[..., :N_TOKENS, :].clone() for layer in cache.layers]
     rows, done = [], 0
     for count in (0, *COUNTS):

@@ -17,6 +17,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import selfextend
 from selfextend.core.attention import repeat_kv
+from selfextend.hf.facts import cache_kwargs
 from selfextend.kv.cache import ContextShiftCache
 from selfextend.kv.layers import ContextShiftLayer, SlidingShiftLayer
 
@@ -42,7 +43,7 @@ def forward(m, ids, cache=None, position_ids=None) -> torch.Tensor:
     if position_ids is not None:
         kw = {"position_ids": position_ids, "attention_mask": torch.ones_like(position_ids)}
     with torch.no_grad():
-        return m(torch.tensor([ids]), past_key_values=cache, use_cache=cache is not None, **kw).logits[0]
+        return m(torch.tensor([ids]), **cache_kwargs(m, cache), use_cache=cache is not None, **kw).logits[0]
 
 
 # (operations, the kept token indices in order, their positions): after 40 tokens at positions 0..39

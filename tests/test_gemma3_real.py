@@ -16,6 +16,7 @@ import torch
 from transformers import DynamicCache
 
 import selfextend
+from selfextend.hf.facts import cache_kwargs
 from selfextend.hf.patch import REFERENCE_IMPLEMENTATION, SelfExtendParams, attention_modules
 
 pytestmark = [
@@ -56,9 +57,9 @@ def test_self_extend_on_global_layers_equals_reference(gemma, text):
             selfextend.apply_self_extend(model, G, W, implementation=implementation)
             hidden = model.model(ids).last_hidden_state  # (1, 300, 640)
             cache = DynamicCache(config=model.config)
-            model(prompt, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            model(prompt, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
             decoded = [
-                model(steps[:, i : i + 1], past_key_values=cache, use_cache=True).logits[0, -1]
+                model(steps[:, i : i + 1], **cache_kwargs(model, cache), use_cache=True).logits[0, -1]
                 for i in range(steps.shape[1])
             ]
             results[implementation] = hidden, torch.stack(decoded)

@@ -21,6 +21,7 @@ from transformers import (
 import selfextend
 from selfextend.core.rope import layer_frequencies
 from selfextend.generation.generator import Generator
+from selfextend.hf.facts import cache_kwargs
 from selfextend.hf.patch import REFERENCE_IMPLEMENTATION, OwnAttention, SelfExtendParams
 from selfextend.kv.cache import ContextShiftCache
 
@@ -121,9 +122,9 @@ def test_gemma3_decode_equals_prefill(implementation):
     selfextend.apply_self_extend(model, group_size=3, window=7, implementation=implementation)
     full = logits(model, ids)
     cache = DynamicCache(config=model.config)
-    steps = [logits(model, ids[:, :n], past_key_values=cache, use_cache=True)[:, -1]]
+    steps = [logits(model, ids[:, :n], **cache_kwargs(model, cache), use_cache=True)[:, -1]]
     for t in range(n, n + m - 1):
-        steps.append(logits(model, ids[:, t : t + 1], past_key_values=cache, use_cache=True)[:, -1])
+        steps.append(logits(model, ids[:, t : t + 1], **cache_kwargs(model, cache), use_cache=True)[:, -1])
     assert (torch.stack(steps, dim=1) - full[:, n - 1 : n + m - 1]).abs().max() < TOL
 
 

@@ -10,6 +10,7 @@ from transformers import DynamicCache
 import selfextend
 from selfextend.core.attention import self_extend_attention, self_extend_attention_reference
 from selfextend.core.rope import rotate
+from selfextend.hf.facts import cache_kwargs
 from selfextend.hf.patch import REFERENCE_IMPLEMENTATION
 
 TOL = 1e-4
@@ -91,9 +92,9 @@ def test_prefill_then_decode_equals_one_prefill(family):
     selfextend.apply_self_extend(model, group_size=3, window=7)
     full = logits(model, ids)
     cache = DynamicCache(config=model.config)
-    steps = [logits(model, ids[:, :n], past_key_values=cache, use_cache=True)[:, -1]]
+    steps = [logits(model, ids[:, :n], **cache_kwargs(model, cache), use_cache=True)[:, -1]]
     for t in range(n, n + m - 1):
-        steps.append(logits(model, ids[:, t : t + 1], past_key_values=cache, use_cache=True)[:, -1])
+        steps.append(logits(model, ids[:, t : t + 1], **cache_kwargs(model, cache), use_cache=True)[:, -1])
     decoded = torch.stack(steps, dim=1)
     assert (decoded - full[:, n - 1 : n + m - 1]).abs().max() < TOL
 
@@ -105,7 +106,8 @@ def test_chunked_prefill_equals_one_prefill():
     full = logits(model, ids)
     cache = DynamicCache(config=model.config)
     chunks = [
-        logits(model, ids[:, a : a + 37], past_key_values=cache, use_cache=True) for a in range(0, 150, 37)
+        logits(model, ids[:, a : a + 37], **cache_kwargs(model, cache), use_cache=True)
+        for a in range(0, 150, 37)
     ]
     assert (torch.cat(chunks, dim=1) - full).abs().max() < TOL
 
@@ -127,11 +129,18 @@ def test_left_padded_batch_equals_rows_alone(family):
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     selfextend.apply_self_extend(model, group_size=3, window=10)
     cache = DynamicCache(config=model.config)
-    batch = logits(model, ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
+    batch = logits(
+        model, ids, attention_mask=mask, position_ids=pos, **cache_kwargs(model, cache), use_cache=True
+    )
     nxt = torch.randint(3, 97, (3, 1))
     mask2 = torch.cat([mask, torch.ones(3, 1, dtype=torch.long)], dim=1)
     step = logits(
-        model, nxt, attention_mask=mask2, position_ids=pos[:, -1:] + 1, past_key_values=cache, use_cache=True
+        model,
+        nxt,
+        attention_mask=mask2,
+        position_ids=pos[:, -1:] + 1,
+        **cache_kwargs(model, cache),
+        use_cache=True,
     )
     for i, r in enumerate(rows):
         alone = logits(model, torch.cat([r, nxt[i]])[None])

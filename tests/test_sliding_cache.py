@@ -26,6 +26,7 @@ from transformers import (
 import selfextend
 from selfextend.generation import generator as generate
 from selfextend.generation.generator import Generator
+from selfextend.hf.facts import cache_kwargs
 from selfextend.kv import promptcache
 from selfextend.kv.cache import ContextShiftCache, cache_bytes, layer_cells
 from selfextend.kv.layers import SlidingShiftLayer
@@ -197,7 +198,7 @@ def test_left_padded_batch_equals_full_buffer_layout(self_extend):
                 new[1, :6] = 0  # row 1: 6 padding tokens
             mask = torch.cat([mask, new], dim=1)
             with torch.no_grad():
-                out = m(ids[:, a:b], attention_mask=mask, past_key_values=cache, use_cache=True).logits
+                out = m(ids[:, a:b], attention_mask=mask, **cache_kwargs(m, cache), use_cache=True).logits
             steps.append(out[:, -1])
         assert cache.shifts >= 3
         results.append(torch.stack(steps))

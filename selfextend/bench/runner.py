@@ -23,6 +23,7 @@ from transformers import DynamicCache
 
 from selfextend.core.validate import check_int
 from selfextend.generation.generator import Generator, decode_settings
+from selfextend.hf.facts import cache_kwargs
 from selfextend.hf.patch import REFERENCE_IMPLEMENTATION, apply_self_extend, remove_self_extend
 from selfextend.kv.cache import ContextShiftCache
 from selfextend.models.weights import release_free_memory
@@ -195,12 +196,14 @@ def bench_decode(model: nn.Module, cfg: BenchConfig) -> Iterator[dict]:
             for name in DECODE_VARIANTS:
                 with variant(model, name, cfg.group_size, cfg.window):
                     cache = DynamicCache(config=model.config)
-                    model(ids[:, :length], past_key_values=cache, use_cache=True, logits_to_keep=1)
-                    model(ids[:, length : length + 1], past_key_values=cache, use_cache=True)  # warm-up step
+                    model(ids[:, :length], **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
+                    model(
+                        ids[:, length : length + 1], **cache_kwargs(model, cache), use_cache=True
+                    )  # warm-up step
                     _sync(device)
                     t0 = time.perf_counter()
                     for t in range(length + 1, length + cfg.decode_steps):
-                        model(ids[:, t : t + 1], past_key_values=cache, use_cache=True)
+                        model(ids[:, t : t + 1], **cache_kwargs(model, cache), use_cache=True)
                     _sync(device)
                     ms = (time.perf_counter() - t0) * 1000 / (cfg.decode_steps - 1)
                 yield {"case": "decode", "variant": name, "length": length, "repeat": rep, "ms_per_token": ms}
@@ -243,7 +246,10 @@ def bench_endless(model: nn.Module, cfg: BenchConfig, rss: Callable[[], float]) 
         }
         shift_cache = ContextShiftCache(model, n_ctx=ctx, n_keep=keep)
         model(
-            _tokens(model, ctx - 1, seed=rep), past_key_values=shift_cache, use_cache=True, logits_to_keep=1
+            _tokens(model, ctx - 1, seed=rep),
+            **cache_kwargs(model, shift_cache),
+            use_cache=True,
+            logits_to_keep=1,
         )
         _sync(device)
         t0 = time.perf_counter()

@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from selfextend.hf.facts import cache_kwargs
+
 
 def _head_nll(model: nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """NLL of ``targets`` (n,) under the output head applied to ``hidden`` (n, hidden_size)."""
@@ -40,7 +42,7 @@ def token_nll(
     for s in range(0, ids.shape[1], step):
         part = ids[:, s : s + step].to(model.device)
         hidden = decoder(
-            input_ids=part, past_key_values=cache, use_cache=cache is not None
+            input_ids=part, **cache_kwargs(decoder, cache), use_cache=cache is not None
         ).last_hidden_state[0]
         end = min(s + step, targets.shape[0])  # hidden[i] scores token s + i + 1
         for a in range(s, end, chunk):
@@ -79,7 +81,7 @@ def shift_nll(
     for a in range(0, targets.shape[0], step):
         b = min(a + step, targets.shape[0])
         cache.make_room(b - a)
-        out = decoder(input_ids=ids[:, a:b].to(model.device), past_key_values=cache, use_cache=True)
+        out = decoder(input_ids=ids[:, a:b].to(model.device), **cache_kwargs(decoder, cache), use_cache=True)
         nll[a:b] = _head_nll(model, out.last_hidden_state[0], targets[a:b])
     return nll
 

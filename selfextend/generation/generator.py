@@ -18,6 +18,7 @@ from selfextend.generation import compiled, decode
 from selfextend.generation.compiled import fast_decode_for
 from selfextend.generation.decode import decode_step_for
 from selfextend.generation.sampling import SamplingParams, sample
+from selfextend.hf.facts import cache_kwargs
 from selfextend.hf.patch import IMPLEMENTATION
 from selfextend.kv.cache import ContextShiftCache
 
@@ -168,7 +169,7 @@ class Generator:
             logits = self.step(ids[0], self.cache)
         if logits is None:
             x = torch.tensor([ids], device=self.device)
-            out = self.model(x, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+            out = self.model(x, **cache_kwargs(self.model, self.cache), use_cache=True, logits_to_keep=1)
             logits = out.logits[0, -1]
         self.written(ids, logits)
         return logits

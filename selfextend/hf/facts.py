@@ -4,6 +4,8 @@ layer kinds. Everything that fails because of the model asked for raises :class:
 
 from __future__ import annotations
 
+import functools
+import inspect
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -200,3 +202,15 @@ def sliding_windows(config: Any) -> list[int | None]:
         int(window) if kind == "sliding_attention" and isinstance(window, int) else None
         for kind in layer_kinds(config)
     ]
+
+
+@functools.cache
+def _cache_argument(forward_owner: type) -> str:
+    params = inspect.signature(forward_owner.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def cache_kwargs(module: Any, cache: Any) -> dict[str, Any]:
+    """The keyword that hands ``cache`` to ``module``'s forward: ``cache`` from transformers 5.24 on (which
+    warns on every call that still says ``past_key_values``), ``past_key_values`` before it."""
+    return {_cache_argument(type(module)): cache}
