@@ -228,17 +228,16 @@ def test_generate_compile_flag_falls_back_in_one_line(
 
 
 def test_decode_settings_defaults() -> None:
-    """f16 cells by default with the compiled step; without it bf16 where the direct step decodes plain
-    attention (a float32 Llama on the CPU), the model's dtype with Self-Extend or for a model the direct
-    step does not serve; the CLI's names are the library's."""
+    """The cache in the model's dtype unless a type is asked for, compiled or not, with or without
+    Self-Extend; the CLI's names are the library's."""
     from selfextend.cli.generation_options import CACHE_TYPES
     from selfextend.core.validate import ValidationError
     from selfextend.generation.generator import CACHE_DTYPES, decode_settings
 
     model = make_model("llama")
     assert tuple(CACHE_DTYPES) == CACHE_TYPES
-    assert decode_settings(model, True) == (True, torch.float16)
-    assert decode_settings(model, False) == (False, torch.bfloat16)
+    assert decode_settings(model, True) == (True, None)
+    assert decode_settings(model, False) == (False, None)
     assert decode_settings(tiny_gemma3(["sliding_attention", "full_attention"], 6), False) == (False, None)
     apply_self_extend(model, GROUP, WINDOW)
     assert decode_settings(model, False) == (False, None)

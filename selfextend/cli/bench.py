@@ -190,7 +190,6 @@ def bench(
         f"{plural(repeats, 'repeat')} (medians; prefill after one untimed warm-up run per variant), "
         f"{'compiled' if cfg.compile else 'eager'} decode, "
         + f"{str(cache_dtype or lm.dtype).removeprefix('torch.')} cache"
-        + ("" if cache_type or cfg.compile else " (the model's dtype with Self-Extend)")
         + (f", machine read bandwidth {bandwidth:.1f} GB/s" if bandwidth else "")
     )
     click.echo(

@@ -214,8 +214,8 @@ def decode_options(f: Callable) -> Callable:
         type=click.Choice(list(CACHE_TYPES)),
         default=None,
         help="KV cache element type (llama.cpp's names): f32, bf16 or f16 (half the bytes per cell; "
-        "context shifts re-rotate keys in float32 and round once). Default: f16 with --compile, bf16 for "
-        "a float32 Llama/Mistral/Qwen2 model decoding on the CPU, else the model's dtype.",
+        "context shifts re-rotate keys in float32 and round once; slower to decode on a CPU). Default: the "
+        "model's dtype.",
     )(f)
     f = click.option(
         "--compile/--no-compile",
