@@ -1,0 +1,90 @@
+"""Milliseconds per decode token of SmolLM2 (int4) through each decode path, side by side in one process.
+
+Paths: ``direct`` (the eager :class:`~selfextend.generation.decode.DecodeStep`, the default), ``layer`` (the
+compiled step as ``--compile`` runs it: one decoder layer compiled, called per layer), ``layerskip`` (the
+same with dynamo's guard evaluation skipped, to see what guards cost), ``whole`` (the whole step compiled
+as one graph: minutes to compile, not offered by the CLI). Each ``PATH:TYPE`` names a cache element type
+(f32, bf16, f16). A cache of 4,096 cells filled with 1,400 prompt tokens; each round times 100 tokens per
+path after 5, then rewinds to the prompt; rounds interleave the paths. First-call (compile) seconds are
+printed as they happen.
+
+    python experiments/decode_paths.py direct:f32 layer:f32 layer:bf16 [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+
+import torch
+
+from selfextend.generation.compiled import FastDecode
+from selfextend.generation.generator import CACHE_DTYPES, Generator
+from selfextend.kv.cache import ContextShiftCache
+from selfextend.models import load_model
+
+FILL, TOKEN = 1400, 5
+
+
+def step_fn(model: torch.nn.Module, path: str) -> Callable[[Generator], object]:
+    """One token at the cache's next position through ``path``."""
+    if path == "direct":
+        return lambda g: g.step(TOKEN, g.cache)
+    fast = FastDecode(model, compile=path in ("layer", "layerskip"))
+    if path == "whole":
+        fast.compile, fast.fn = True, torch.compile(fast.step.__call__, dynamic=True)
+
+    def fn(g: Generator) -> object:
+        g.make_room(1)
+        if path == "layerskip" and fast.compiled:
+            with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+                out = fast(TOKEN, g.cache)
+        else:
+            out = fast(TOKEN, g.cache)
+        if out is None:
+            raise RuntimeError(f"{path}: the step did not serve the token")
+        return out
+
+    return fn
+
+
+def milliseconds(fn: Callable[[Generator], object], gen: Generator, n: int = 100) -> float:
+    for _ in range(5):
+        fn(gen)
+    gen.rewind(FILL)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn(gen)
+    elapsed = time.perf_counter() - t0
+    gen.rewind(FILL)
+    return elapsed / n * 1000
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("paths", nargs="+", help="PATH:TYPE, e.g. direct:f32 layer:bf16")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    model, _ = load_model("smollm2-135m", weights="auto")
+    prompt = torch.randint(100, 40000, (FILL,), generator=torch.Generator().manual_seed(0)).tolist()
+    setups = {}
+    for name in args.paths:
+        path, cache_type = name.split(":")
+        gen = Generator(model, ContextShiftCache(model, n_ctx=4096, n_keep=4, dtype=CACHE_DTYPES[cache_type]))
+        gen.feed(prompt)
+        fn = step_fn(model, path)
+        t0 = time.perf_counter()
+        fn(gen)
+        print(f"{name}: first call {time.perf_counter() - t0:.1f} s", flush=True)
+        gen.rewind(FILL)
+        setups[name] = (fn, gen)
+    for r in range(args.rounds):
+        shown = ", ".join(f"{name} {milliseconds(fn, gen):.2f}" for name, (fn, gen) in setups.items())
+        print(f"round {r} (ms per token): {shown}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
