@@ -110,7 +110,11 @@ def attend(
     b, hkv, _, d = k.shape
     qf = q.float().reshape(b, hkv, -1, d)  # (B, Hkv, H / Hkv, D): the heads sharing a KV head as rows
     kf = k.float()
-    scores = qf @ kf.transpose(-1, -2)  # (B, Hkv, H / Hkv, n)
+    compiling = torch.compiler.is_compiling()
+    if compiling:  # a reduction the compiler fuses into one pass over the keys (no GEMM call for 1 row)
+        scores = (qf.unsqueeze(-2) * kf.unsqueeze(-3)).sum(-1)  # (B, Hkv, H / Hkv, n)
+    else:
+        scores = qf @ kf.transpose(-1, -2)  # (B, Hkv, H / Hkv, n)
     distance = pos - positions  # (n,)
     visible = distance >= 0
     if window is not None:
@@ -121,7 +125,11 @@ def attend(
         q_g = Rotation(rq.cos[:, :, pos], rq.sin[:, :, pos]).apply(qf)
         scores = torch.where(is_neighbor(distance, grouped.window), scores, q_g @ k_g.transpose(-1, -2))
     scores = (scores * scale).masked_fill(~visible, float("-inf"))
-    out = torch.softmax(scores, dim=-1) @ v.float()  # (B, Hkv, H / Hkv, D)
+    probs = torch.softmax(scores, dim=-1)
+    if compiling:
+        out = (probs.unsqueeze(-1) * v.float().unsqueeze(-3)).sum(-2)  # (B, Hkv, H / Hkv, D)
+    else:
+        out = probs @ v.float()  # (B, Hkv, H / Hkv, D)
     return out.reshape(b, 1, -1)
 
 
