@@ -8,7 +8,7 @@ as one graph: minutes to compile, not offered by the CLI). Each ``PATH:TYPE`` na
 path after 5, then rewinds to the prompt; rounds interleave the paths. First-call (compile) seconds are
 printed as they happen.
 
-    python experiments/decode_paths.py direct:f32 layer:f32 layer:bf16 [--rounds 3]
+    python experiments/decode_paths.py direct:f32 layer:f32 layer:bf16 [--rounds 3] [--self-extend]
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import torch
 
 from selfextend.generation.compiled import FastDecode
 from selfextend.generation.generator import CACHE_DTYPES, Generator
+from selfextend.hf.patch import apply_self_extend
 from selfextend.kv.cache import ContextShiftCache
 from selfextend.models import load_model
 
@@ -66,9 +67,12 @@ def main() -> None:
     parser.add_argument("paths", nargs="+", help="PATH:TYPE, e.g. direct:f32 layer:bf16")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--self-extend", action="store_true", help="Self-Extend G=4, W=1024 on every path")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model, _ = load_model("smollm2-135m", weights="auto")
+    if args.self_extend:
+        apply_self_extend(model, group_size=4, window=1024)
     prompt = torch.randint(100, 40000, (FILL,), generator=torch.Generator().manual_seed(0)).tolist()
     setups = {}
     for name in args.paths:

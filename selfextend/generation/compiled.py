@@ -110,11 +110,8 @@ def attend(
     b, hkv, _, d = k.shape
     qf = q.float().reshape(b, hkv, -1, d)  # (B, Hkv, H / Hkv, D): the heads sharing a KV head as rows
     kf = k.float()
-    compiling = torch.compiler.is_compiling()
-    if compiling:  # a reduction the compiler fuses into one pass over the keys (no GEMM call for 1 row)
-        scores = (qf.unsqueeze(-2) * kf.unsqueeze(-3)).sum(-1)  # (B, Hkv, H / Hkv, n)
-    else:
-        scores = qf @ kf.transpose(-1, -2)  # (B, Hkv, H / Hkv, n)
+    fused = torch.compiler.is_compiling()
+    scores = _row_scores(qf, kf, fused)  # (B, Hkv, H / Hkv, n)
     distance = pos - positions  # (n,)
     visible = distance >= 0
     if window is not None:
@@ -123,14 +120,23 @@ def attend(
         rk, rq = grouped.keys, grouped.queries
         k_g = Rotation(rk.cos[:, :, positions], rk.sin[:, :, positions]).apply(kf)  # (B, Hkv, n, D)
         q_g = Rotation(rq.cos[:, :, pos], rq.sin[:, :, pos]).apply(qf)
-        scores = torch.where(is_neighbor(distance, grouped.window), scores, q_g @ k_g.transpose(-1, -2))
+        scores = torch.where(is_neighbor(distance, grouped.window), scores, _row_scores(q_g, k_g, fused))
     scores = (scores * scale).masked_fill(~visible, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    if compiling:
+    if fused:
         out = (probs.unsqueeze(-1) * v.float().unsqueeze(-3)).sum(-2)  # (B, Hkv, H / Hkv, D)
     else:
         out = probs @ v.float()  # (B, Hkv, H / Hkv, D)
     return out.reshape(b, 1, -1)
+
+
+def _row_scores(q: torch.Tensor, k: torch.Tensor, fused: bool) -> torch.Tensor:
+    """q (B, Hkv, R, D) against k (B, Hkv, n, D) -> (B, Hkv, R, n). ``fused`` (while compiling): a reduction
+    the compiler fuses with what follows into one pass over the keys, instead of a matrix product of a few
+    rows; eagerly, the matrix product."""
+    if fused:
+        return (q.unsqueeze(-2) * k.unsqueeze(-3)).sum(-1)  # (B, Hkv, R, n, D) summed over D
+    return q @ k.transpose(-1, -2)
 
 
 class CompiledStep:
