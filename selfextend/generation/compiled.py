@@ -131,9 +131,8 @@ def attend(
 
 
 def _row_scores(q: torch.Tensor, k: torch.Tensor, fused: bool) -> torch.Tensor:
-    """q (B, Hkv, R, D) against k (B, Hkv, n, D) -> (B, Hkv, R, n). ``fused`` (while compiling): a reduction
-    the compiler fuses with what follows into one pass over the keys, instead of a matrix product of a few
-    rows; eagerly, the matrix product."""
+    """q (B, Hkv, R, D) against k (B, Hkv, n, D) -> (B, Hkv, R, n); ``fused`` (compiling): a reduction the
+    compiler fuses into one pass over the keys, not a matrix product of a few rows."""
     if fused:
         return (q.unsqueeze(-2) * k.unsqueeze(-3)).sum(-1)  # (B, Hkv, R, n, D) summed over D
     return q @ k.transpose(-1, -2)
