@@ -50,6 +50,22 @@ def step_fn(model: torch.nn.Module, path: str) -> Callable[[Generator], object]:
     return fn
 
 
+def load(threads: int, self_extend: bool) -> torch.nn.Module:
+    """SmolLM2 as ``generate`` runs it (int4) on ``threads`` threads, Self-Extend G=4, W=1024 if asked."""
+    torch.set_num_threads(threads)
+    model, _ = load_model("smollm2-135m", weights="auto")
+    if self_extend:
+        apply_self_extend(model, group_size=4, window=1024)
+    return model
+
+
+def filled(model: torch.nn.Module, cache_type: str) -> Generator:
+    """A generator over 4,096 cells of ``cache_type`` holding FILL prompt tokens (the same every time)."""
+    gen = Generator(model, ContextShiftCache(model, n_ctx=4096, n_keep=4, dtype=CACHE_DTYPES[cache_type]))
+    gen.feed(torch.randint(100, 40000, (FILL,), generator=torch.Generator().manual_seed(0)).tolist())
+    return gen
+
+
 def milliseconds(fn: Callable[[Generator], object], gen: Generator, n: int = 100) -> float:
     for _ in range(5):
         fn(gen)
@@ -69,16 +85,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--self-extend", action="store_true", help="Self-Extend G=4, W=1024 on every path")
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    model, _ = load_model("smollm2-135m", weights="auto")
-    if args.self_extend:
-        apply_self_extend(model, group_size=4, window=1024)
-    prompt = torch.randint(100, 40000, (FILL,), generator=torch.Generator().manual_seed(0)).tolist()
+    model = load(args.threads, args.self_extend)
     setups = {}
     for name in args.paths:
         path, cache_type = name.split(":")
-        gen = Generator(model, ContextShiftCache(model, n_ctx=4096, n_keep=4, dtype=CACHE_DTYPES[cache_type]))
-        gen.feed(prompt)
+        gen = filled(model, cache_type)
         fn = step_fn(model, path)
         t0 = time.perf_counter()
         fn(gen)

@@ -19,15 +19,11 @@ import argparse
 import time
 
 import torch
+from decode_paths import FILL, filled, load
 
 from selfextend.generation import compiled
 from selfextend.generation.cells import StepCells
 from selfextend.generation.compiled import FastDecode, no_duck_shapes
-from selfextend.generation.generator import Generator
-from selfextend.kv.cache import ContextShiftCache
-from selfextend.models import load_model
-
-FILL = 1400
 
 
 def int4_as_fallback() -> None:
@@ -45,12 +41,10 @@ def main() -> None:
     parser.add_argument("--fallback", action="store_true", help="int4 products as plain aten calls")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
     if args.fallback:
         int4_as_fallback()
-    model, _ = load_model("smollm2-135m", weights="auto")
-    gen = Generator(model, ContextShiftCache(model, n_ctx=4096, n_keep=4))
-    gen.feed(torch.randint(100, 40000, (FILL,), generator=torch.Generator().manual_seed(0)).tolist())
+    model = load(args.threads, self_extend=False)
+    gen = filled(model, "f32")
     fast = FastDecode(model, compile=False)
     fast.step.layer_fn = torch.compiler.nested_compile_region(compiled.layer_rows)
     fn = torch.compile(fast.step.__call__, dynamic=False)
