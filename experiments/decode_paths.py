@@ -1,6 +1,7 @@
 """Milliseconds per decode token of SmolLM2 (int4) through each decode path, side by side in one process.
 
-Paths: ``direct`` (the eager :class:`~selfextend.generation.decode.DecodeStep`, the default), ``layer`` (the
+Paths: ``direct`` (the eager :class:`~selfextend.generation.decode.DecodeStep`, the default), ``sdpa`` (the
+same with torch's SDPA in place of the native attention kernel), ``layer`` (the
 compiled step as ``--compile`` runs it: one decoder layer compiled, called per layer), ``layerskip`` (the
 same with dynamo's guard evaluation skipped, to see what guards cost), ``whole`` (the whole step compiled
 as one graph: minutes to compile, not offered by the CLI). Each ``PATH:TYPE`` names a cache element type
@@ -20,6 +21,7 @@ from collections.abc import Callable
 import torch
 
 from selfextend.generation.compiled import FastDecode
+from selfextend.generation.decode import DecodeStep
 from selfextend.generation.generator import CACHE_DTYPES, Generator
 from selfextend.hf.patch import apply_self_extend
 from selfextend.kv.cache import ContextShiftCache
@@ -32,6 +34,10 @@ def step_fn(model: torch.nn.Module, path: str) -> Callable[[Generator], object]:
     """One token at the cache's next position through ``path``."""
     if path == "direct":
         return lambda g: g.step(TOKEN, g.cache)
+    if path == "sdpa":
+        step = DecodeStep(model)
+        step.kernel = None
+        return lambda g: step(TOKEN, g.cache)
     fast = FastDecode(model, compile=path in ("layer", "layerskip"))
     if path == "whole":
         fast.compile, fast.fn = True, torch.compile(fast.step.__call__, dynamic=True)

@@ -124,7 +124,9 @@ def _teacher_forced(model: torch.nn.Module, ids: list[int], step=None) -> tuple[
 @pytest.mark.parametrize("extend", [False, True], ids=["plain", "selfextend"])
 def test_int4_decode_steps_match_the_forward(tiny_pair, extend: bool) -> None:
     """DecodeStep and the (eager) compiled-path step fuse the int4 projections and give the model's own
-    int4 forward's logits through context shifts: the same kernel on the same rows, so float32 noise."""
+    int4 forward's logits through context shifts: the same kernels on the same rows, so float32 noise.
+    (DecodeStep's native attention kernel sums in another order, which the bfloat16 rounding of the
+    activations amplifies: it is checked against the forward by the next test.)"""
     _, int4, _ = tiny_pair
     if extend:
         apply_self_extend(int4, 2, 8)
@@ -132,6 +134,7 @@ def test_int4_decode_steps_match_the_forward(tiny_pair, extend: bool) -> None:
     try:
         want, _ = _teacher_forced(int4, ids)
         step = DecodeStep(int4)
+        step.kernel = None
         assert all(len(parts) == 1 and isinstance(parts[0], Int4Linear) for parts in step.qkv + step.gate_up)
         for decode in (step, FastDecode(int4, compile=False)):
             got, served = _teacher_forced(int4, ids, decode)

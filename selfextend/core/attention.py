@@ -5,10 +5,8 @@ Both compute, for each query row, one softmax over the merged scores: the neighb
 ``selfextend.core.positions``) elsewhere.
 
 Keys come with their positions (:class:`KeyCells`, attached by the KV cache to the keys it returns),
-in increasing order, the queries' own keys last. A decode step (one query row) needs no mask: it
-scores the query at its grouped position against the keys more than ``W`` positions back (at grouped
-positions, which the cache keeps between steps) and at its own position against the rest, and takes one
-softmax over the concatenated row, with the query heads that share a KV head as rows of one product.
+in increasing order, the queries' own keys last. A decode step (one query row) takes
+:func:`~selfextend.core.decode_query.self_extend_decode`, which needs no mask.
 
 For prefill, the efficient kernel never builds a (Lq, Lk) score matrix. It runs two attention passes
 with a fused kernel that also returns the log-sum-exp of each row, and merges them exactly:
@@ -28,9 +26,9 @@ from __future__ import annotations
 import warnings
 
 import torch
-import torch.nn.functional as F
 
 from selfextend.core.cells import KeyCells
+from selfextend.core.decode_query import grouped_prefix, self_extend_decode
 from selfextend.core.masked import attention_by_position, repeat_kv
 from selfextend.core.positions import grouped_key_positions, grouped_query_positions, is_neighbor
 from selfextend.core.rope import RotationTable, rotate
@@ -237,28 +235,6 @@ def _grouped_pass(
     return 0, out, lse
 
 
-def grouped_keys(
-    k: torch.Tensor, k_pos: torch.Tensor, group_size: int, inv_freq: torch.Tensor
-) -> torch.Tensor:
-    """Keys (B, Hkv, n, D) rotated at positions ``k_pos`` (n,) or (B, n) moved to their grouped positions."""
-    return rotate(k, grouped_key_positions(k_pos, group_size) - k_pos, inv_freq)
-
-
-def _grouped_prefix(
-    k: torch.Tensor,
-    cells: KeyCells,
-    n: int,
-    group_size: int,
-    inv_freq: torch.Tensor,
-    rotations: RotationTable | None = None,
-) -> torch.Tensor:
-    """The first ``n`` keys at grouped positions, in ``k``'s dtype: from their owner when it keeps them (in
-    the cache's element type, which may be narrower), else rotated here."""
-    if cells.grouped is not None:
-        return cells.grouped(group_size, inv_freq, n, rotations).to(k.dtype)
-    return grouped_keys(k[..., :n, :], cells.positions[..., :n], group_size, inv_freq)
-
-
 def untagged_cells(k: torch.Tensor, q_pos: torch.Tensor) -> KeyCells:
     """Cells of keys no cache tagged: the queries' own keys when as many (no cache: their positions), else
     gapless and ending at each row's last query (transformers' caches). Positions (B or 1, Lk); ``first``
@@ -272,46 +248,6 @@ def untagged_cells(k: torch.Tensor, q_pos: torch.Tensor) -> KeyCells:
         positions = q_pos[:, -1:] - (lk - 1) + torch.arange(lk, device=k.device)  # (B, Lk)
         gapless = True
     return KeyCells(positions, int(positions[0, 0]) if gapless else None)
-
-
-def self_extend_decode(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    pos: int,
-    group_size: int,
-    window: int,
-    inv_freq: torch.Tensor,
-    scale: float,
-    cells: KeyCells,
-    rotations: RotationTable | None = None,
-) -> torch.Tensor:
-    """One query row per sequence, all at position ``pos``, against every key (all at positions <= pos):
-    grouped scores for keys at distance >= W, neighbor scores for the others, one softmax over both.
-    q (B, H, 1, D) -> (B, H, 1, D). ``rotations``: a table for the query's rotation (shared by layers)."""
-    b, h, _, d = q.shape
-    hkv, lk = k.shape[1], k.shape[2]
-    if cells.first is not None:  # keys at positions <= pos - W are the first ones
-        n_grouped = min(max(pos - window - cells.first + 1, 0), lk)
-    else:
-        n_grouped = int(torch.searchsorted(cells.positions, pos - window, right=True))
-    if n_grouped == 0 or group_size == 1:
-        # Every key at its own position: this is plain attention, so run the very op the unpatched model
-        # decodes with. Another summation order differs in the last bits, which int8 weights (activations
-        # rounded to bfloat16 before each product) amplify until a greedy token flips.
-        return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
-    q = (q * scale).reshape(b, hkv, h // hkv, d)  # (B, Hkv, n_rep, D): the heads sharing a KV head as rows
-    k_g = _grouped_prefix(k, cells, n_grouped, group_size, inv_freq, rotations)
-    delta = grouped_query_positions(pos, group_size, window) - pos
-    if rotations is not None:
-        q_g = rotations.rotate(q, delta, inv_freq)
-    else:
-        q_g = rotate(q, torch.tensor([delta]), inv_freq)
-    grouped = torch.matmul(q_g, k_g.transpose(-1, -2))  # (B, Hkv, n_rep, n_grouped)
-    neighbors = torch.matmul(q, k[..., n_grouped:, :].transpose(-1, -2))  # (B, Hkv, n_rep, rest)
-    scores = torch.cat((grouped, neighbors), dim=-1)  # (B, Hkv, n_rep, Lk)
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
-    return torch.matmul(probs, v).reshape(b, h, 1, d)
 
 
 def self_extend_attention(
@@ -342,7 +278,7 @@ def self_extend_attention(
         pos = int(last[0])
         return self_extend_decode(q, k, v, pos, group_size, window, inv_freq, scale, cells, rotations)
     if cells.first is None:
-        k_g = _grouped_prefix(k, cells, lk, group_size, inv_freq) if group_size > 1 else k
+        k_g = grouped_prefix(k, cells, lk, group_size, inv_freq) if group_size > 1 else k
         se = (group_size, window, inv_freq, k_g)
         return attention_by_position(q, k, v, q_pos, cells.positions, scale, self_extend=se)
 
@@ -354,7 +290,7 @@ def self_extend_attention(
     if group_size == 1:  # grouped positions are the normal ones
         q_g, k_g = q, k[..., :n_grouped, :]
     else:
-        k_g = _grouped_prefix(k, cells, n_grouped, group_size, inv_freq)
+        k_g = grouped_prefix(k, cells, n_grouped, group_size, inv_freq)
         q_g = rotate(q, grouped_query_positions(q_pos, group_size, window) - q_pos, inv_freq)
     grouped = _grouped_pass(q_g, repeat_kv(k_g, n_rep), v, window, scale)
     if grouped is not None:

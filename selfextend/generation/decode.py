@@ -19,9 +19,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from selfextend.core.attention import self_extend_decode
 from selfextend.core.cells import cells_of
+from selfextend.core.decode_query import self_extend_decode, self_extend_decode_inputs
 from selfextend.core.rope import Rotation
+from selfextend.generation.attention_kernel import decode_attention_kernel
 from selfextend.hf.patch import IMPLEMENTATION
 from selfextend.kv.cache import ContextShiftCache
 from selfextend.models.quantize import Int4Linear, Int8Linear, fuse_int4, fuse_int8
@@ -109,6 +110,7 @@ class DecodeStep:
         attn = self.layers[0].self_attn
         self.head_dim = d = attn.head_dim
         self.heads = [p.out_features // d for p in (attn.q_proj, attn.k_proj, attn.v_proj)]
+        self.kernel = decode_attention_kernel()
         self.qkv, self.gate_up = [], []
         for layer in self.layers:
             a, mlp = layer.self_attn, layer.mlp
@@ -128,8 +130,12 @@ class DecodeStep:
         position_ids = torch.tensor([[pos]], device=x.device)
         rot = Rotation.from_cos_sin(*(t[:, None] for t in self.rotary(x, position_ids)))  # (1, 1, 1, D)
         d, n_qk = self.head_dim, self.heads[0] + self.heads[1]
-        # plain attention over a bf16/f16 cache reads the cells as stored: half the bytes, no float32 copy
-        cells_type = cache.layers[0].keys.dtype if not self_extend else x.dtype
+        first = cache.layers[0]
+        kernel = self.kernel
+        if kernel is not None and not kernel.takes(self.heads[0], first.keys, first.values):
+            kernel = None
+        # the kernel, and SDPA without Self-Extend, read a bf16/f16 cache's cells as stored (half the bytes)
+        cells_type = first.keys.dtype if kernel is not None or not self_extend else x.dtype
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             h = layer.input_layernorm.forward(x)
@@ -138,7 +144,15 @@ class DecodeStep:
             k, v = cache.layers[i].update(
                 k.to(cells_type), qkv[:, n_qk:].to(cells_type)
             )  # (1, Hkv, cells, D)
-            if cells_type != x.dtype:
+            if kernel is not None:
+                grouped = None
+                if self_extend:
+                    p = attn.self_extend
+                    grouped = self_extend_decode_inputs(
+                        q, k, pos, p.group_size, p.window, p.inv_freq, cells_of(k), p.rotations, torch.float32
+                    )
+                out = kernel(q, k, v, attn.scaling, grouped).to(x.dtype)
+            elif cells_type != x.dtype:
                 out = F.scaled_dot_product_attention(
                     q.to(cells_type), k, v, scale=attn.scaling, enable_gqa=True
                 )

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from selfextend.core.attention import grouped_keys
+from selfextend.core.decode_query import grouped_keys
 from selfextend.core.positions import grouped_key_positions
 from selfextend.core.rope import RotationTable
 

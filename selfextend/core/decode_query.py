@@ -1,0 +1,102 @@
+"""Self-Extend for one query token: what its grouped scores read, and the attention itself.
+
+A decode step (one query row) needs no mask: it scores the query at its grouped position against the keys
+more than ``W`` positions back (at grouped positions, which the cache keeps between steps) and at its own
+position against the rest, and takes one softmax over the concatenated row, with the query heads that share
+a KV head as rows of one product. :func:`self_extend_decode_inputs` is the first half, which the decode
+step's native kernel (:mod:`selfextend.generation.attention_kernel`) takes too.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from selfextend.core.cells import KeyCells
+from selfextend.core.positions import grouped_key_positions, grouped_query_positions
+from selfextend.core.rope import RotationTable, rotate
+
+
+def grouped_keys(
+    k: torch.Tensor, k_pos: torch.Tensor, group_size: int, inv_freq: torch.Tensor
+) -> torch.Tensor:
+    """Keys (B, Hkv, n, D) rotated at positions ``k_pos`` (n,) or (B, n) moved to their grouped positions."""
+    return rotate(k, grouped_key_positions(k_pos, group_size) - k_pos, inv_freq)
+
+
+def grouped_prefix(
+    k: torch.Tensor,
+    cells: KeyCells,
+    n: int,
+    group_size: int,
+    inv_freq: torch.Tensor,
+    rotations: RotationTable | None = None,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """The first ``n`` keys at grouped positions, in ``dtype`` (default ``k``'s): from their owner when it
+    keeps them (float32 for a narrower cache), else rotated here."""
+    if cells.grouped is not None:
+        return cells.grouped(group_size, inv_freq, n, rotations).to(dtype or k.dtype)
+    return grouped_keys(k[..., :n, :], cells.positions[..., :n], group_size, inv_freq)
+
+
+def self_extend_decode_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    pos: int,
+    group_size: int,
+    window: int,
+    inv_freq: torch.Tensor,
+    cells: KeyCells,
+    rotations: RotationTable | None = None,
+    dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """What a decode step's grouped scores read, for a query ``q`` (B, H or Hkv, rows, D) at ``pos`` over
+    keys ``k`` (B, Hkv, Lk, D) at ``cells``: the query at its grouped position and the first keys (those at
+    distance >= W) at theirs, (B, Hkv, n_grouped, D); None when every key is a neighbor or G is 1 (plain
+    attention then). ``dtype``: the grouped keys' type (default ``k``'s)."""
+    lk = k.shape[2]
+    if cells.first is not None:  # keys at positions <= pos - W are the first ones
+        n_grouped = min(max(pos - window - cells.first + 1, 0), lk)
+    else:
+        n_grouped = int(torch.searchsorted(cells.positions, pos - window, right=True))
+    if n_grouped == 0 or group_size == 1:
+        return None
+    k_g = grouped_prefix(k, cells, n_grouped, group_size, inv_freq, rotations, dtype)
+    delta = grouped_query_positions(pos, group_size, window) - pos
+    if rotations is not None:
+        return rotations.rotate(q, delta, inv_freq), k_g
+    return rotate(q, torch.tensor([delta]), inv_freq), k_g
+
+
+def self_extend_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    pos: int,
+    group_size: int,
+    window: int,
+    inv_freq: torch.Tensor,
+    scale: float,
+    cells: KeyCells,
+    rotations: RotationTable | None = None,
+) -> torch.Tensor:
+    """One query row per sequence, all at position ``pos``, against every key (all at positions <= pos):
+    grouped scores for keys at distance >= W, neighbor scores for the others, one softmax over both.
+    q (B, H, 1, D) -> (B, H, 1, D). ``rotations``: a table for the query's rotation (shared by layers)."""
+    b, h, _, d = q.shape
+    hkv = k.shape[1]
+    scaled = (q * scale).reshape(b, hkv, h // hkv, d)  # (B, Hkv, n_rep, D): heads sharing a KV head as rows
+    grouped = self_extend_decode_inputs(scaled, k, pos, group_size, window, inv_freq, cells, rotations)
+    if grouped is None:
+        # Every key at its own position: this is plain attention, so run the very op the unpatched model
+        # decodes with. Another summation order differs in the last bits, which int8 weights (activations
+        # rounded to bfloat16 before each product) amplify until a greedy token flips.
+        return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
+    q, (q_g, k_g) = scaled, grouped
+    n_grouped = k_g.shape[2]
+    grouped = torch.matmul(q_g, k_g.transpose(-1, -2))  # (B, Hkv, n_rep, n_grouped)
+    neighbors = torch.matmul(q, k[..., n_grouped:, :].transpose(-1, -2))  # (B, Hkv, n_rep, rest)
+    scores = torch.cat((grouped, neighbors), dim=-1)  # (B, Hkv, n_rep, Lk)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
+    return torch.matmul(probs, v).reshape(b, h, 1, d)

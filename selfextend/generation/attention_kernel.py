@@ -1,0 +1,170 @@
+"""One query token's attention over a layer's KV cells, as a native kernel built on first use.
+
+Why our own: on the CPU, a decode step's attention is a read of every cell once. torch's SDPA reads a
+layer's float32 cells at ~12 GB/s and its bfloat16 ones at ~1.3 GB/s
+(``experiments/attention_kernel_bench.py``), the compiled step's reductions are no faster, and with
+Self-Extend the grouped and neighbor scores take two products, a concatenation and a softmax.
+``decode_attention.c`` reads each KV head's cells once for all the query heads that share it
+(grouped-query attention), in the cache's own type (float32, bfloat16 or float16), both Self-Extend score
+kinds in the same pass, one softmax, on torch's own OpenMP threads.
+
+It is compiled as inductor compiles its CPU kernels (the system C compiler, ``-O3 -march=native
+-fopenmp``; no trapping math, so ``floorf`` vectorizes) into ``$SELFEXTEND_CACHE/kernels``, once per
+source, compiler and CPU, and called through ctypes. Where no compiler works,
+:func:`decode_attention_kernel` returns None and the step uses SDPA; ``SELFEXTEND_NATIVE_ATTENTION=0``
+asks for that too.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from selfextend.models.sources import cache_root
+
+SOURCE = Path(__file__).with_name("decode_attention.c")
+FLAGS = ("-O3", "-march=native", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC")
+TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+MAX_QUERY_ROWS = 16  # query heads per KV head the kernel takes (decode_attention.c's MAX_R)
+MAX_HEAD_DIM = 256  # and head size (a multiple of 16: 16 * MAX_V there)
+ENV = "SELFEXTEND_NATIVE_ATTENTION"
+
+
+class DecodeAttention:
+    """``kernel(q, k, v, scale, grouped) -> (1, H, 1, D)`` float32: softmax(q . k * scale) . v for one query
+    token of one sequence; with ``grouped = (q_g, k_g)`` the first ``k_g.shape[2]`` scores are
+    q_g . k_g (Self-Extend's grouped keys) instead."""
+
+    def __init__(self, library: Path) -> None:
+        self.library = library
+        fn = ctypes.CDLL(str(library)).decode_attention
+        ptr, long = ctypes.c_void_p, ctypes.c_long
+        fn.argtypes = [ptr] * 5 + [long] * 8 + [ctypes.c_int, ctypes.c_float, long, ptr]
+        fn.restype = ctypes.c_int
+        self._fn = fn
+
+    def takes(self, heads: int, k: torch.Tensor, v: torch.Tensor) -> bool:
+        """Whether the kernel reads cells ``k``, ``v`` (B, Hkv, n, D) for ``heads`` query heads: one sequence
+        on the CPU, rows contiguous, a type it knows, at most 16 query heads per KV head, a head size that is
+        a multiple of 16 up to 256."""
+        h, (b, hkv, _, d) = heads, k.shape
+        return (
+            b == 1
+            and k.device.type == "cpu"
+            and k.dtype in TYPES
+            and v.dtype == k.dtype
+            and h % hkv == 0
+            and h // hkv <= MAX_QUERY_ROWS
+            and d % 16 == 0
+            and d <= MAX_HEAD_DIM
+            and all(t.stride(-1) == 1 and t.stride(-2) == d for t in (k, v))
+        )
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float,
+        grouped: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """q (1, H, 1, D); k, v (1, Hkv, n, D) cell views; ``grouped``: q_g (1, H, 1, D) and k_g
+        (1, Hkv, n_g, D), read as float32 (a float32 buffer with contiguous rows is read in place)."""
+        if not self.takes(q.shape[1], k, v):
+            raise ValueError(f"the attention kernel cannot read q {tuple(q.shape)}, k {tuple(k.shape)}")
+        _, h, _, d = q.shape
+        hkv, n = k.shape[1], k.shape[2]
+        q = q.float().contiguous()  # (1, H, 1, D) = (Hkv, H / Hkv, D) in memory
+        q_g, k_g, n_g, kg_stride = q, q, 0, 0
+        if grouped is not None:
+            q_g, k_g = grouped[0].float().contiguous(), grouped[1].float()
+            if k_g.stride(-1) != 1 or k_g.stride(-2) != d:
+                k_g = k_g.contiguous()
+            n_g, kg_stride = k_g.shape[2], k_g.stride(1)
+        out = torch.empty_like(q)
+        failed = self._fn(
+            q.data_ptr(),
+            q_g.data_ptr(),
+            k.data_ptr(),
+            k_g.data_ptr(),
+            v.data_ptr(),
+            n,
+            n_g,
+            hkv,
+            h // hkv,
+            d,
+            k.stride(1),
+            kg_stride,
+            v.stride(1),
+            TYPES[k.dtype],
+            scale,
+            _chunks(hkv, n, torch.get_num_threads()),
+            out.data_ptr(),
+        )
+        if failed:
+            raise MemoryError(f"decode attention kernel: no scratch space for {n} cells")
+        return out
+
+
+def _chunks(hkv: int, n: int, threads: int) -> int:
+    """Pieces each KV head's cells are cut into: the fewest that give every thread the same number of
+    (head, piece) tasks, while a piece keeps at least 64 cells."""
+    chunks = 1
+    while (hkv * chunks) % threads and chunks < threads:
+        chunks += 1
+    return max(1, min(chunks, n // 64))
+
+
+def build(directory: Path) -> Path:
+    """The kernel's shared library in ``directory``, compiled unless already there for this source, compiler
+    and CPU. Raises ``RuntimeError`` (with the compiler's message) where it does not compile."""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise RuntimeError("no C compiler (cc or gcc, or $CC)")
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout
+    key = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), version.encode(), _cpu().encode()):
+        key.update(part)
+    target = directory / f"decode_attention-{key.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    directory.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=directory) as tmp:  # then renamed: concurrent builds do not clash
+        out = Path(tmp) / target.name
+        command = [cc, *FLAGS, str(SOURCE), "-o", str(out), "-lm"]
+        proc = subprocess.run(command, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[-500:]}")
+        os.replace(out, target)
+    return target
+
+
+def _cpu() -> str:
+    """What ``-march=native`` depends on: the machine and its CPU's feature flags."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        flags = next(line for line in lines if line.startswith("flags"))
+    except (OSError, StopIteration):
+        flags = platform.processor()
+    return f"{platform.machine()} {flags}"
+
+
+@functools.cache
+def decode_attention_kernel() -> DecodeAttention | None:
+    """The kernel, built once per process (and once per machine on disk), or None where it cannot be built
+    or ``$SELFEXTEND_NATIVE_ATTENTION`` is ``0``."""
+    if os.environ.get(ENV) == "0":
+        return None
+    try:
+        return DecodeAttention(build(cache_root() / "kernels"))
+    except (RuntimeError, OSError, subprocess.SubprocessError):
+        return None

@@ -1,0 +1,187 @@
+/* One query token's attention over a layer's KV cells, read once per KV head: the decode step's kernel.
+ *
+ * q, qg: (Hkv, R, D) float32, scaled here by `scale` (R query heads share a KV head; qg is the query at
+ * its Self-Extend grouped position). k, v: Hkv rows of `n` cells of D elements in the cache's type
+ * (float32, bfloat16 or float16), `k_stride`/`v_stride` elements apart per KV head. kg: the first `ng`
+ * keys at grouped positions, float32, `kg_stride` apart. Scores are qg . kg[j] for j < ng and q . k[j]
+ * after, one softmax over all n. out: (Hkv, R, D) float32. D a multiple of 16, at most 256.
+ *
+ * Work is split into (KV head, chunk of cells) tasks over the OpenMP threads torch already runs (the
+ * same libgomp), each a pass over its keys then its values with a local softmax; the chunks are merged
+ * with their maxima, as flash-decoding does. Vectors are gcc/clang vector extensions of 16 floats, which
+ * -march=native lowers to the machine's registers (one AVX-512 register, two AVX2 ones, ...). */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { F32 = 0, BF16 = 1, F16 = 2 };
+enum { MAX_R = 16, MAX_V = 16, BLOCK = 32 }; /* query rows, 16-float vectors per row, cells per V block */
+
+#define INLINE static inline __attribute__((always_inline))
+typedef float v16 __attribute__((vector_size(64), aligned(4), may_alias));
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+typedef uint16_t u16x16 __attribute__((vector_size(32), aligned(2), may_alias));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+typedef _Float16 h16 __attribute__((vector_size(32), aligned(2), may_alias));
+
+INLINE float hsum(v16 x) {
+    v8 a = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7) +
+           __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
+    v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+    return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+/* Cell j's row as float32 vectors: the cell itself for a float32 cache, else converted into `tmp`. */
+INLINE const v16 *row_of(const void *base, long j, long nv, int type, v16 *tmp) {
+    if (type == F32) return (const v16 *)((const float *)base + j * nv * 16);
+    for (long c = 0; c < nv; c++) {
+        if (type == BF16) {
+            u32x16 bits = __builtin_convertvector(((const u16x16 *)base)[j * nv + c], u32x16) << 16;
+            memcpy(&tmp[c], &bits, sizeof(v16));
+        } else {
+            tmp[c] = __builtin_convertvector(((const h16 *)base)[j * nv + c], v16);
+        }
+    }
+    return tmp;
+}
+
+/* e^x for x <= 0 (scores minus their maximum): Cody-Waite reduction to x = n ln2 + f, |f| <= ln2 / 2,
+ * then a degree-6 polynomial for e^f (relative error ~1e-7), scaled by 2^n; written without calls so
+ * the compiler vectorizes it (libm's expf is scalar). */
+INLINE float exp_neg(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    float n = floorf(x * 1.44269504088896341f + 0.5f);
+    float f = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * f + 1.3981999507e-3f;
+    p = p * f + 8.3334519073e-3f;
+    p = p * f + 4.1665795894e-2f;
+    p = p * f + 1.6666665459e-1f;
+    p = p * f + 5.0000001201e-1f;
+    p = p * f * f + f + 1.0f;
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, 4);
+    return p * scale;
+}
+
+/* e^(x - max) in place over x[0 .. n), its maximum into *m and the sum into *l. */
+INLINE void exp_row(float *x, long n, float *m, float *l) {
+    float lanes[16], mx = -INFINITY, sum = 0.0f;
+    long i = 0;
+    for (int k = 0; k < 16; k++) lanes[k] = -INFINITY;
+    for (; i + 16 <= n; i += 16)
+        for (int k = 0; k < 16; k++) lanes[k] = x[i + k] > lanes[k] ? x[i + k] : lanes[k];
+    for (; i < n; i++) mx = x[i] > mx ? x[i] : mx;
+    for (int k = 0; k < 16; k++) mx = lanes[k] > mx ? lanes[k] : mx;
+    for (long j = 0; j < n; j++) x[j] = exp_neg(x[j] - mx);
+    for (int k = 0; k < 16; k++) lanes[k] = 0.0f;
+    for (i = 0; i + 16 <= n; i += 16)
+        for (int k = 0; k < 16; k++) lanes[k] += x[i + k];
+    for (; i < n; i++) sum += x[i];
+    for (int k = 0; k < 16; k++) sum += lanes[k];
+    *m = mx;
+    *l = sum;
+}
+
+/* Cells [c0, c1) of one KV head: the chunk's maximum score m[h], sum of e^(s - m) l[h] and
+ * e^(s - m)-weighted value sum acc[h * nv ...] for each of its r query heads; s: r * (c1 - c0) scratch. */
+INLINE void chunk(const float *q0, const float *qg0, float scale, const void *k, const float *kg, const void *v,
+                  long c0, long c1, long ng, long r, long nv, int type, float *m, float *l, v16 *acc, float *s) {
+    v16 q[MAX_R * MAX_V], qg[MAX_R * MAX_V], tmp[BLOCK * MAX_V];
+    long len = c1 - c0;
+    for (long i = 0; i < r * nv; i++) {
+        q[i] = ((const v16 *)q0)[i] * scale;
+        qg[i] = q[i];
+        if (c0 < ng) qg[i] = ((const v16 *)qg0)[i] * scale;
+    }
+    for (long j = c0; j < c1; j++) {
+        const v16 *qj = j < ng ? qg : q, *row = j < ng ? (const v16 *)(kg + j * nv * 16) : row_of(k, j, nv, type, tmp);
+        for (long h = 0; h < r; h++) {
+            v16 t = qj[h * nv] * row[0];
+            for (long c = 1; c < nv; c++) t += qj[h * nv + c] * row[c];
+            s[h * len + j - c0] = hsum(t);
+        }
+    }
+    for (long h = 0; h < r; h++) {
+        exp_row(s + h * len, len, m + h, l + h);
+        for (long c = 0; c < nv; c++) acc[h * nv + c] = (v16){0};
+    }
+    for (long b0 = c0; b0 < c1; b0 += BLOCK) { /* a block's rows stay in L1 while every head reads them */
+        long b1 = b0 + BLOCK < c1 ? b0 + BLOCK : c1;
+        const v16 *rows = type == F32 ? (const v16 *)((const float *)v + b0 * nv * 16) : tmp;
+        if (type != F32)
+            for (long j = b0; j < b1; j++) row_of(v, j, nv, type, tmp + (j - b0) * nv);
+        for (long h = 0; h < r; h++) {
+            v16 a[MAX_V];
+            for (long c = 0; c < nv; c++) a[c] = acc[h * nv + c];
+            for (long j = b0; j < b1; j++) {
+                float p = s[h * len + j - c0];
+                for (long c = 0; c < nv; c++) a[c] += p * rows[(j - b0) * nv + c];
+            }
+            for (long c = 0; c < nv; c++) acc[h * nv + c] = a[c];
+        }
+    }
+}
+
+/* Returns 0, or 1 when a size is out of range or there is no scratch space (nothing written then). */
+int decode_attention(const float *q, const float *qg, const void *k, const float *kg, const void *v, long n,
+                     long ng, long hkv, long r, long d, long k_stride, long kg_stride, long v_stride, int type,
+                     float scale, long n_chunks, float *out) {
+    if (r < 1 || r > MAX_R || n < 1 || n_chunks < 1 || d % 16 != 0 || d > 16 * MAX_V) return 1;
+    long nv = d / 16, width = type == F32 ? 4 : 2, len = (n + n_chunks - 1) / n_chunks, tasks = hkv * n_chunks;
+    float *m = malloc(sizeof(float) * tasks * r * 2), *s = malloc(sizeof(float) * tasks * r * len);
+    v16 *acc = malloc(sizeof(v16) * tasks * r * nv);
+    if (m == NULL || s == NULL || acc == NULL) {
+        free(m);
+        free(s);
+        free(acc);
+        return 1;
+    }
+    float *l = m + tasks * r;
+#pragma omp parallel for schedule(static)
+    for (long t = 0; t < tasks; t++) {
+        long g = t / n_chunks, c0 = (t % n_chunks) * len, c1 = c0 + len < n ? c0 + len : n;
+        if (c0 >= c1) {
+            for (long h = 0; h < r; h++) m[t * r + h] = -INFINITY, l[t * r + h] = 0.0f;
+            continue;
+        }
+        const float *qt = q + g * r * d, *qgt = ng > 0 ? qg + g * r * d : NULL, *kgt = kg + g * kg_stride;
+        const char *kt = (const char *)k + g * k_stride * width, *vt = (const char *)v + g * v_stride * width;
+        float *mt = m + t * r, *lt = l + t * r, *st = s + t * r * len;
+        v16 *at = acc + t * r * nv;
+#define CHUNK(NV, TYPE) chunk(qt, qgt, scale, kt, kgt, vt, c0, c1, ng, r, NV, TYPE, mt, lt, at, st)
+        if (nv == 4 && type == F32) CHUNK(4, F32);
+        else if (nv == 4 && type == BF16) CHUNK(4, BF16);
+        else if (nv == 4 && type == F16) CHUNK(4, F16);
+        else if (nv == 8 && type == F32) CHUNK(8, F32);
+        else if (nv == 8 && type == BF16) CHUNK(8, BF16);
+        else if (nv == 8 && type == F16) CHUNK(8, F16);
+        else CHUNK(nv, type);
+#undef CHUNK
+    }
+    for (long g = 0; g < hkv; g++) {
+        for (long h = 0; h < r; h++) {
+            float mx = -INFINITY, sum = 0.0f, *o = out + (g * r + h) * d;
+            for (long c = 0; c < n_chunks; c++) {
+                float mc = m[(g * n_chunks + c) * r + h];
+                mx = mc > mx ? mc : mx;
+            }
+            memset(o, 0, d * sizeof(float));
+            for (long c = 0; c < n_chunks; c++) {
+                long at = (g * n_chunks + c) * r + h;
+                if (l[at] == 0.0f) continue;
+                float w = expf(m[at] - mx), *a = (float *)(acc + at * nv);
+                sum += w * l[at];
+                for (long i = 0; i < d; i++) o[i] += w * a[i];
+            }
+            for (long i = 0; i < d; i++) o[i] /= sum;
+        }
+    }
+    free(m);
+    free(s);
+    free(acc);
+    return 0;
+}

@@ -1,0 +1,136 @@
+"""The decode step's native attention kernel against the plain math, and the step that calls it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import make_model
+from test_compiled import CACHE_TOLERANCE
+from test_decode import TOL, decoded_logits
+
+import selfextend
+from selfextend.generation import attention_kernel
+from selfextend.generation.attention_kernel import build, decode_attention_kernel
+from selfextend.generation.decode import DecodeStep
+
+KERNEL = decode_attention_kernel()
+needs_kernel = pytest.mark.skipif(KERNEL is None, reason="no C compiler here to build the attention kernel")
+
+
+def reference(q, k, v, scale, grouped=None) -> torch.Tensor:
+    """One softmax over [q_g . k_g, q . k[n_g:]] (grouped keys first) times v, in float64."""
+    b, h, _, d = q.shape
+    hkv = k.shape[1]
+    rows = q.double().reshape(b, hkv, h // hkv, d)  # (B, Hkv, H / Hkv, D)
+    n_g = 0 if grouped is None else grouped[1].shape[2]
+    scores = rows @ k[..., n_g:, :].double().transpose(-1, -2)
+    if grouped is not None:
+        q_g = grouped[0].double().reshape(b, hkv, h // hkv, d)
+        scores = torch.cat((q_g @ grouped[1].double().transpose(-1, -2), scores), dim=-1)
+    probs = torch.softmax(scores * scale, dim=-1)
+    return (probs @ v.double()).reshape(b, h, 1, d).float()
+
+
+def cells(hkv: int, n: int, d: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values as a cache holds them: views of the first ``n`` of 2n + 5 slots."""
+    g = torch.Generator().manual_seed(seed)
+    k, v = (torch.randn(1, hkv, 2 * n + 5, d, generator=g).to(dtype) for _ in range(2))
+    return k[..., :n, :], v[..., :n, :]
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("h", "hkv", "d"), [(9, 3, 64), (4, 4, 16), (8, 2, 128), (6, 1, 80), (32, 2, 256)])
+@pytest.mark.parametrize("n", [1, 63, 1000])
+def test_kernel_matches_the_math(dtype, h, hkv, d, n) -> None:
+    """Every cell type, grouped-query ratio, head size (80: no specialised copy) and cell count (one cell;
+    fewer than a chunk; several chunks) gives softmax(q . k) v to float32 rounding."""
+    k, v = cells(hkv, n, d, dtype, seed=n + d)
+    q = torch.randn(1, h, 1, d, generator=torch.Generator().manual_seed(1)) * 2
+    got = KERNEL(q, k, v, d**-0.5)
+    assert got.shape == (1, h, 1, d) and got.dtype == torch.float32
+    torch.testing.assert_close(got, reference(q, k, v, d**-0.5), atol=2e-6, rtol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n_g", [1, 500, 999])
+def test_kernel_takes_grouped_keys_first(dtype, n_g) -> None:
+    """With Self-Extend's grouped query and keys, the first n_g scores are q_g . k_g, one softmax over all."""
+    k, v = cells(3, 1000, 64, dtype, seed=n_g)
+    g = torch.Generator().manual_seed(2)
+    q, q_g = (torch.randn(1, 9, 1, 64, generator=g) for _ in range(2))
+    k_g = torch.randn(1, 3, 1200, 64, generator=g)[..., :n_g, :]  # a view of a longer buffer, as the cache's
+    got = KERNEL(q, k, v, 0.125, (q_g, k_g))
+    torch.testing.assert_close(got, reference(q, k, v, 0.125, (q_g, k_g)), atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(
+        KERNEL(q, k, v, 0.125, (q_g, k_g.bfloat16())),
+        reference(q, k, v, 0.125, (q_g, k_g.bfloat16())),
+        atol=2e-6,
+        rtol=1e-5,
+    )  # other grouped types are upcast
+
+
+@needs_kernel
+def test_kernel_agrees_with_sdpa_on_large_scores() -> None:
+    """Scores in the hundreds (a peaked softmax): no overflow, the same as torch's SDPA."""
+    k, v = cells(2, 300, 64, torch.float32, seed=3)
+    q = torch.randn(1, 4, 1, 64, generator=torch.Generator().manual_seed(4)) * 40
+    want = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    torch.testing.assert_close(KERNEL(q, k, v, 64**-0.5), want, atol=1e-5, rtol=1e-5)
+
+
+@needs_kernel
+def test_kernel_refuses_what_it_cannot_read() -> None:
+    k, v = cells(2, 10, 64, torch.float32, seed=5)
+    q = torch.randn(1, 4, 1, 64)
+    assert KERNEL.takes(4, k, v)
+    assert not KERNEL.takes(4, k[..., :8], v[..., :8])  # head size not a multiple of 16
+    assert not KERNEL.takes(4, k.transpose(-1, -2).contiguous().transpose(-1, -2), v)  # rows not contiguous
+    assert not KERNEL.takes(4, k.double(), v.double())
+    assert not KERNEL.takes(3, k, v)  # query heads not a multiple of KV heads
+    assert not KERNEL.takes(4, torch.cat([k, k]), torch.cat([v, v]))  # two sequences
+    with pytest.raises(ValueError, match="cannot read"):
+        KERNEL(q[..., :8], k[..., :8], v[..., :8], 1.0)
+
+
+def test_no_compiler_means_no_kernel(tmp_path, monkeypatch) -> None:
+    """A compiler that fails: build() says so in a RuntimeError, the step gets None (SDPA), nothing cached.
+    ``SELFEXTEND_NATIVE_ATTENTION=0`` gives None too."""
+    monkeypatch.setenv("CC", "false")
+    with pytest.raises(RuntimeError, match="false failed"):
+        build(tmp_path)
+    assert list(tmp_path.glob("*.so")) == []
+    monkeypatch.setenv("SELFEXTEND_CACHE", str(tmp_path))
+    decode_attention_kernel.cache_clear()
+    try:
+        assert decode_attention_kernel() is None
+        monkeypatch.delenv("CC")
+        monkeypatch.setenv(attention_kernel.ENV, "0")
+        decode_attention_kernel.cache_clear()
+        assert decode_attention_kernel() is None
+    finally:
+        decode_attention_kernel.cache_clear()
+
+
+@needs_kernel
+@pytest.mark.parametrize("cache_type", [None, torch.bfloat16])
+@pytest.mark.parametrize("self_extend", [False, True])
+def test_step_through_the_kernel_equals_the_forward(monkeypatch, cache_type, self_extend) -> None:
+    """The direct step calls the kernel for every layer and token (counted), and its logits through shifts
+    are the model's forward's: to 1e-4 over float32 cells, within the cache type's tolerance otherwise."""
+    calls = []
+    real = attention_kernel.DecodeAttention.__call__
+    monkeypatch.setattr(attention_kernel.DecodeAttention, "__call__", lambda *a: calls.append(1) or real(*a))
+    model = make_model("llama")
+    if self_extend:
+        selfextend.apply_self_extend(model, group_size=3, window=12)
+    assert isinstance(DecodeStep(model).kernel, attention_kernel.DecodeAttention)
+    ids = torch.randint(3, 97, (70,), generator=torch.Generator().manual_seed(6)).tolist()
+    want = decoded_logits(model, ids, direct=False)
+    got = decoded_logits(model, ids, direct=True, dtype=cache_type)
+    assert len(calls) == 2 * 50  # two layers, 50 tokens
+    tolerance = TOL if cache_type is None else CACHE_TOLERANCE[cache_type] * want.abs().max()
+    assert (got - want).abs().max() < tolerance
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
