@@ -19,8 +19,9 @@ import torch
 import torch.nn.functional as F
 
 from selfextend.core.rope import Rotation
-from selfextend.generation.decode import DecodeStep, project
+from selfextend.generation.decode import DecodeStep
 from selfextend.generation.generator import CACHE_DTYPES, Generator
+from selfextend.generation.products import project
 from selfextend.kv.cache import ContextShiftCache
 from selfextend.models import load_model
 

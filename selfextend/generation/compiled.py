@@ -38,7 +38,8 @@ from torch.fx.experimental import _config as fx_config
 from selfextend.core.positions import grouped_key_positions, grouped_query_positions, is_neighbor
 from selfextend.core.rope import Rotation
 from selfextend.generation.cells import Cells, StepCells
-from selfextend.generation.decode import fuse_projections, layout_problem, project
+from selfextend.generation.decode import fuse_projections, layout_problem
+from selfextend.generation.products import project
 from selfextend.hf.facts import layer_kinds, sliding_windows
 from selfextend.hf.patch import IMPLEMENTATION, SelfExtendParams
 from selfextend.kv.cache import ContextShiftCache

@@ -5,8 +5,10 @@ mask and position plumbing and an attention dispatch by name. For a single token
 that glue costs about as much as the attention itself. :class:`DecodeStep` reads the same
 weights and writes the same :class:`~selfextend.kv.cache.ContextShiftCache`, and computes the same
 math as the model's forward (tests hold it to the model's own logits) with fewer operations:
-the query/key/value and gate/up projections of int8 and int4 models run as one fused product each, and
-attention is the model's choice, plain SDPA or Self-Extend, called directly.
+the query/key/value and gate/up projections of int8 and int4 models run as one fused product each, the
+quantized kernels and norms are called directly (:mod:`selfextend.generation.products`), and attention,
+plain or Self-Extend, is the native kernel of :mod:`selfextend.generation.attention_kernel` where it
+builds (else SDPA, or Self-Extend's decode path).
 
 It serves models whose layers are plain Llama blocks (Llama, Mistral and Qwen2 without
 sliding windows); :func:`decode_step_for` returns None for anything else, and callers then
@@ -14,6 +16,8 @@ use the model's forward. Forward hooks on the submodules are not run.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +27,7 @@ from selfextend.core.cells import cells_of
 from selfextend.core.decode_query import self_extend_decode, self_extend_decode_inputs
 from selfextend.core.rope import Rotation
 from selfextend.generation.attention_kernel import decode_attention_kernel
+from selfextend.generation.products import Fn, norm_of, product_of
 from selfextend.hf.patch import IMPLEMENTATION
 from selfextend.kv.cache import ContextShiftCache
 from selfextend.models.quantize import Int4Linear, Int8Linear, fuse_int4, fuse_int8
@@ -48,11 +53,6 @@ def fuse_projections(projections: list[nn.Module]) -> tuple[nn.Module, ...]:
         found = (ids, fuse(projections))
         projections[0]._fused_with = found  # a tuple: not registered as a submodule
     return tuple(projections) if found[1] is None else (found[1],)
-
-
-def project(parts: tuple[nn.Module, ...], x: torch.Tensor) -> torch.Tensor:
-    """The outputs of the projections ``parts`` (from :func:`fuse_projections`) side by side."""
-    return parts[0].forward(x) if len(parts) == 1 else torch.cat([p.forward(x) for p in parts], dim=-1)
 
 
 def _why_not(model: nn.Module) -> str | None:
@@ -111,11 +111,22 @@ class DecodeStep:
         self.head_dim = d = attn.head_dim
         self.heads = [p.out_features // d for p in (attn.q_proj, attn.k_proj, attn.v_proj)]
         self.kernel = decode_attention_kernel()
-        self.qkv, self.gate_up = [], []
+        self.qkv, self.gate_up, self.plan = [], [], []
+        dtype = self.embed.weight.dtype
         for layer in self.layers:
             a, mlp = layer.self_attn, layer.mlp
             self.qkv.append(fuse_projections([a.q_proj, a.k_proj, a.v_proj]))
             self.gate_up.append(fuse_projections([mlp.gate_proj, mlp.up_proj]))
+            self.plan.append(
+                LayerPlan(
+                    norm_of(layer.input_layernorm, dtype),
+                    product_of(self.qkv[-1]),
+                    product_of((a.o_proj,)),
+                    norm_of(layer.post_attention_layernorm, dtype),
+                    product_of(self.gate_up[-1]),
+                    product_of((mlp.down_proj,)),
+                )
+            )
 
     def supported(self) -> bool:
         """Whether the model's current attention implementation is one this step computes."""
@@ -126,9 +137,9 @@ class DecodeStep:
         """Logits (vocab,) of the next token after ``token``, written at position ``cache.n_past``."""
         pos = cache.n_past
         self_extend = self.model.config._attn_implementation == IMPLEMENTATION
-        x = self.embed.weight[token].view(1, 1, -1)  # (B=1, L=1, hidden)
+        x = self.embed.weight[token].view(1, -1).clone()  # (1, hidden), added to in place
         position_ids = torch.tensor([[pos]], device=x.device)
-        rot = Rotation.from_cos_sin(*(t[:, None] for t in self.rotary(x, position_ids)))  # (1, 1, 1, D)
+        rot = Rotation.from_cos_sin(*(t[:, None] for t in self.rotary(x[None], position_ids)))  # (1, 1, 1, D)
         d, n_qk = self.head_dim, self.heads[0] + self.heads[1]
         first = cache.layers[0]
         kernel = self.kernel
@@ -136,10 +147,9 @@ class DecodeStep:
             kernel = None
         # the kernel, and SDPA without Self-Extend, read a bf16/f16 cache's cells as stored (half the bytes)
         cells_type = first.keys.dtype if kernel is not None or not self_extend else x.dtype
-        for i, layer in enumerate(self.layers):
+        for i, (layer, plan) in enumerate(zip(self.layers, self.plan, strict=True)):
             attn = layer.self_attn
-            h = layer.input_layernorm.forward(x)
-            qkv = project(self.qkv[i], h).view(1, 1, -1, d).transpose(1, 2)  # (1, H + 2 Hkv, 1, D)
+            qkv = plan.qkv(plan.norm(x)).to(x.dtype).view(1, -1, 1, d)  # (1, H + 2 Hkv, 1, D)
             q, k = rot.apply(qkv[:, :n_qk]).split(self.heads[:2], dim=1)  # one rotation for both
             k, v = cache.layers[i].update(
                 k.to(cells_type), qkv[:, n_qk:].to(cells_type)
@@ -151,12 +161,11 @@ class DecodeStep:
                     grouped = self_extend_decode_inputs(
                         q, k, pos, p.group_size, p.window, p.inv_freq, cells_of(k), p.rotations, torch.float32
                     )
-                out = kernel(q, k, v, attn.scaling, grouped).to(x.dtype)
+                out = kernel(q, k, v, attn.scaling, grouped)
             elif cells_type != x.dtype:
                 out = F.scaled_dot_product_attention(
                     q.to(cells_type), k, v, scale=attn.scaling, enable_gqa=True
                 )
-                out = out.to(x.dtype)
             elif self_extend:
                 p = attn.self_extend
                 out = self_extend_decode(
@@ -164,8 +173,18 @@ class DecodeStep:
                 )
             else:
                 out = F.scaled_dot_product_attention(q, k, v, scale=attn.scaling, enable_gqa=True)
-            x = x + attn.o_proj.forward(out.transpose(1, 2).reshape(1, 1, -1))
-            h = layer.post_attention_layernorm.forward(x)
-            gate, up = project(self.gate_up[i], h).chunk(2, dim=-1)
-            x = x + layer.mlp.down_proj.forward(F.silu(gate) * up)
-        return self.head.forward(self.norm.forward(x))[0, -1]
+            x += plan.o_proj(out.to(x.dtype).view(1, -1))  # (1, H, 1, D) -> (1, H * D)
+            gate, up = plan.gate_up(plan.post_norm(x)).to(x.dtype).chunk(2, dim=-1)
+            x += plan.down_proj(F.silu(gate) * up)
+        return self.head.forward(self.norm.forward(x))[0]
+
+
+class LayerPlan(NamedTuple):
+    """One layer's norms and products as the step calls them (:mod:`selfextend.generation.products`)."""
+
+    norm: Fn
+    qkv: Fn
+    o_proj: Fn
+    post_norm: Fn
+    gate_up: Fn
+    down_proj: Fn
