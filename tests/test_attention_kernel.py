@@ -10,6 +10,7 @@ from test_compiled import CACHE_TOLERANCE
 from test_decode import TOL, decoded_logits
 
 import selfextend
+from selfextend.core.rope import Rotation
 from selfextend.generation import attention_kernel
 from selfextend.generation.attention_kernel import build, decode_attention_kernel
 from selfextend.generation.decode import DecodeStep
@@ -134,3 +135,49 @@ def test_step_through_the_kernel_equals_the_forward(monkeypatch, cache_type, sel
     tolerance = TOL if cache_type is None else CACHE_TOLERANCE[cache_type] * want.abs().max()
     assert (got - want).abs().max() < tolerance
     assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rot_dim", [64, 32])  # 32: a partial rotary model's first half only
+def test_rope_write_rotates_and_stores_the_cell(dtype, rot_dim) -> None:
+    """The query rotated as Rotation.apply does; the key rotated and the value as is, rounded to the cache's
+    type, in the given slot of every KV head and nowhere else."""
+    h, hkv, d, slot = 6, 2, 64, 5
+    g = torch.Generator().manual_seed(7)
+    qkv = torch.randn(1, (h + 2 * hkv) * d, generator=g)
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, rot_dim, 2).float() / rot_dim)
+    rot = Rotation.of(torch.tensor([37]), inv_freq)
+    keys, values = (torch.randn(1, hkv, 9, d, generator=g).to(dtype) for _ in range(2))
+    before = keys.clone(), values.clone()
+    q = KERNEL.rope_write(qkv, (h, hkv), rot.cos.reshape(-1), rot.sin.reshape(-1), keys, values, slot)
+    rows = qkv.view(1, -1, 1, d)  # (1, H + 2 Hkv, 1, D)
+    want_q, want_k = rot.apply(rows[:, : h + hkv]).split((h, hkv), dim=1)
+    torch.testing.assert_close(q, want_q, atol=1e-6, rtol=1e-6)
+    ulp = {torch.float32: 1e-6, torch.bfloat16: 2**-7, torch.float16: 2**-10}[dtype]
+    torch.testing.assert_close(keys[:, :, slot].float(), want_k[:, :, 0], atol=ulp * 4, rtol=ulp)
+    assert torch.equal(values[:, :, slot], rows[:, h + hkv :, 0].to(dtype))
+    others = [s for s in range(9) if s != slot]
+    assert torch.equal(keys[:, :, others], before[0][:, :, others])
+    assert torch.equal(values[:, :, others], before[1][:, :, others])
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_rope_write_rounds_as_torch_does(dtype) -> None:
+    """With nothing to rotate, the stored cells are torch's own rounding of the rows: ties to even, the
+    largest values, infinities and NaN included."""
+    d = 16
+    special = torch.tensor(
+        [1.0 + 2**-8, 1.0 + 3 * 2**-8, 65504.0, 70000.0, float("inf"), -float("inf"), 3e38]
+    )
+    rows = torch.cat([special, torch.randn(3 * d - len(special) - 1), torch.tensor([float("nan")])]).view(
+        1, -1
+    )
+    keys, values = (torch.zeros(1, 1, 2, d, dtype=dtype) for _ in range(2))
+    empty = torch.empty(0)
+    KERNEL.rope_write(rows, (1, 1), empty, empty, keys, values, 1)
+    want = rows.view(3, d).to(dtype)
+    assert torch.equal(keys[0, 0, 1].view(torch.int16), want[1].view(torch.int16))
+    assert torch.equal(values[0, 0, 1].view(torch.int16)[:-1], want[2].view(torch.int16)[:-1])
+    assert values[0, 0, 1, -1].isnan()

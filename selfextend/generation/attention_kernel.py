@@ -51,6 +51,10 @@ class DecodeAttention:
         fn.argtypes = [ptr] * 5 + [long] * 8 + [ctypes.c_int, ctypes.c_float, long, ptr]
         fn.restype = ctypes.c_int
         self._fn = fn
+        write = ctypes.CDLL(str(library)).rope_write
+        write.argtypes = [ptr] + [long] * 4 + [ptr] * 4 + [long] * 3 + [ctypes.c_int, ptr]
+        write.restype = None
+        self._write = write
 
     def takes(self, heads: int, k: torch.Tensor, v: torch.Tensor) -> bool:
         """Whether the kernel reads cells ``k``, ``v`` (B, Hkv, n, D) for ``heads`` query heads: one sequence
@@ -113,6 +117,45 @@ class DecodeAttention:
         if failed:
             raise MemoryError(f"decode attention kernel: no scratch space for {n} cells")
         return out
+
+    def rope_write(
+        self,
+        qkv: torch.Tensor,
+        heads: tuple[int, int],
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        slot: int,
+    ) -> torch.Tensor:
+        """A token's query/key/value rows ``qkv`` (1, (H + 2 Hkv) * D) float32, ``heads`` = (H, Hkv): the
+        key rotated and the value written to ``slot`` of the cells ``keys``, ``values`` (1, Hkv, capacity,
+        D; rounded to their type), the rotated query returned (1, H, 1, D) float32. ``cos``, ``sin``: the
+        token's :class:`~selfextend.core.rope.Rotation` factors, (rot_dim,) float32."""
+        h, hkv = heads
+        d = keys.shape[-1]
+        if qkv.dtype != torch.float32 or not qkv.is_contiguous() or qkv.numel() != (h + 2 * hkv) * d:
+            raise ValueError(f"rope_write takes (1, {(h + 2 * hkv) * d}) float32, not {tuple(qkv.shape)}")
+        if not (self.takes(h, keys, values) and 0 <= slot < keys.shape[2]):
+            raise ValueError(f"rope_write cannot write slot {slot} of cells {tuple(keys.shape)} {keys.dtype}")
+        q = torch.empty(1, h, 1, d)
+        self._write(
+            qkv.data_ptr(),
+            h,
+            hkv,
+            d,
+            cos.numel(),
+            cos.data_ptr(),
+            sin.data_ptr(),
+            keys.data_ptr(),
+            values.data_ptr(),
+            keys.stride(1),
+            values.stride(1),
+            slot,
+            TYPES[keys.dtype],
+            q.data_ptr(),
+        )
+        return q
 
 
 def _chunks(hkv: int, n: int, threads: int) -> int:

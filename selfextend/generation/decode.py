@@ -30,6 +30,7 @@ from selfextend.generation.attention_kernel import decode_attention_kernel
 from selfextend.generation.products import Fn, norm_of, product_of
 from selfextend.hf.patch import IMPLEMENTATION
 from selfextend.kv.cache import ContextShiftCache
+from selfextend.kv.layers import CellLayer, ContextShiftLayer
 from selfextend.models.quantize import Int4Linear, Int8Linear, fuse_int4, fuse_int8
 
 FAMILIES = ("llama", "mistral", "qwen2")
@@ -140,43 +141,60 @@ class DecodeStep:
         x = self.embed.weight[token].view(1, -1).clone()  # (1, hidden), added to in place
         position_ids = torch.tensor([[pos]], device=x.device)
         rot = Rotation.from_cos_sin(*(t[:, None] for t in self.rotary(x[None], position_ids)))  # (1, 1, 1, D)
-        d, n_qk = self.head_dim, self.heads[0] + self.heads[1]
         first = cache.layers[0]
         kernel = self.kernel
-        if kernel is not None and not kernel.takes(self.heads[0], first.keys, first.values):
+        if kernel is not None and not (
+            isinstance(first, ContextShiftLayer) and kernel.takes(self.heads[0], first.keys, first.values)
+        ):
             kernel = None
-        # the kernel, and SDPA without Self-Extend, read a bf16/f16 cache's cells as stored (half the bytes)
-        cells_type = first.keys.dtype if kernel is not None or not self_extend else x.dtype
+        if kernel is not None:
+            cos, sin = rot.cos.reshape(-1).contiguous(), rot.sin.reshape(-1).contiguous()  # (rot_dim,)
         for i, (layer, plan) in enumerate(zip(self.layers, self.plan, strict=True)):
             attn = layer.self_attn
-            qkv = plan.qkv(plan.norm(x)).to(x.dtype).view(1, -1, 1, d)  # (1, H + 2 Hkv, 1, D)
-            q, k = rot.apply(qkv[:, :n_qk]).split(self.heads[:2], dim=1)  # one rotation for both
-            k, v = cache.layers[i].update(
-                k.to(cells_type), qkv[:, n_qk:].to(cells_type)
-            )  # (1, Hkv, cells, D)
+            qkv = plan.qkv(plan.norm(x))  # (1, (H + 2 Hkv) * D)
             if kernel is not None:
+                cells = cache.layers[i]
+                slot = cells.claim()
+                q = kernel.rope_write(qkv.float(), self.heads[:2], cos, sin, cells.keys, cells.values, slot)
+                k, v = cells.keys[..., : slot + 1, :], cells.values[..., : slot + 1, :]  # (1, Hkv, cells, D)
                 grouped = None
                 if self_extend:
                     p = attn.self_extend
                     grouped = self_extend_decode_inputs(
-                        q, k, pos, p.group_size, p.window, p.inv_freq, cells_of(k), p.rotations, torch.float32
+                        q,
+                        k,
+                        pos,
+                        p.group_size,
+                        p.window,
+                        p.inv_freq,
+                        cells.cells(slot + 1),
+                        p.rotations,
+                        torch.float32,
                     )
                 out = kernel(q, k, v, attn.scaling, grouped)
-            elif cells_type != x.dtype:
-                out = F.scaled_dot_product_attention(
-                    q.to(cells_type), k, v, scale=attn.scaling, enable_gqa=True
-                )
-            elif self_extend:
-                p = attn.self_extend
-                out = self_extend_decode(
-                    q, k, v, pos, p.group_size, p.window, p.inv_freq, attn.scaling, cells_of(k), p.rotations
-                )
             else:
-                out = F.scaled_dot_product_attention(q, k, v, scale=attn.scaling, enable_gqa=True)
+                out = self._attend(attn, qkv.to(x.dtype), rot, cache.layers[i], pos, self_extend)
             x += plan.o_proj(out.to(x.dtype).view(1, -1))  # (1, H, 1, D) -> (1, H * D)
             gate, up = plan.gate_up(plan.post_norm(x)).to(x.dtype).chunk(2, dim=-1)
             x += plan.down_proj(F.silu(gate) * up)
         return self.head.forward(self.norm.forward(x))[0]
+
+    def _attend(
+        self, attn: nn.Module, qkv: torch.Tensor, rot: Rotation, cells: CellLayer, pos: int, self_extend: bool
+    ) -> torch.Tensor:
+        """Attention through torch where the native kernel is not built: (1, H, 1, D). Without Self-Extend,
+        SDPA reads a bf16/f16 cache's cells as stored (half the bytes); Self-Extend reads them upcast."""
+        d, n_qk = self.head_dim, self.heads[0] + self.heads[1]
+        qkv = qkv.view(1, -1, 1, d)  # (1, H + 2 Hkv, 1, D)
+        q, k = rot.apply(qkv[:, :n_qk]).split(self.heads[:2], dim=1)  # one rotation for both
+        cells_type = cells.keys.dtype if not self_extend else qkv.dtype
+        k, v = cells.update(k.to(cells_type), qkv[:, n_qk:].to(cells_type))  # (1, Hkv, cells, D)
+        if self_extend:
+            p = attn.self_extend
+            return self_extend_decode(
+                q, k, v, pos, p.group_size, p.window, p.inv_freq, attn.scaling, cells_of(k), p.rotations
+            )
+        return F.scaled_dot_product_attention(q.to(k.dtype), k, v, scale=attn.scaling, enable_gqa=True)
 
 
 class LayerPlan(NamedTuple):

@@ -185,3 +185,45 @@ int decode_attention(const float *q, const float *qg, const void *k, const float
     free(acc);
     return 0;
 }
+
+/* float32 -> bfloat16 rounded to nearest even, NaN kept a (quiet) NaN: as torch rounds. */
+static inline uint16_t to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if (f != f) return 0x7FC0;
+    return (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+}
+
+/* A token's rows (H + 2 Hkv, D) float32 from its query/key/value product: the query heads rotated into
+ * q_out (H, D); the key heads rotated and the value heads as they are, rounded to the cache's type, into
+ * slot `slot` of each KV head's cells (`k_stride`/`v_stride` elements apart). The rotation is the RoPE of
+ * selfextend.core.rope.Rotation.apply: x * cos + swap_halves(x) * sin over the first `rot` elements
+ * (`sin` with its first half negated), the rest passed through. */
+void rope_write(const float *qkv, long h, long hkv, long d, long rot, const float *cos, const float *sin,
+                void *keys, void *values, long k_stride, long v_stride, long slot, int type, float *q_out) {
+    long half = rot / 2;
+    float row[d];
+    for (long r = 0; r < h + 2 * hkv; r++) {
+        const float *x = qkv + r * d;
+        if (r < h + hkv) {
+            for (long i = 0; i < rot; i++) row[i] = x[i] * cos[i] + x[i < half ? i + half : i - half] * sin[i];
+            for (long i = rot; i < d; i++) row[i] = x[i];
+        } else {
+            memcpy(row, x, d * sizeof(float));
+        }
+        if (r < h) {
+            memcpy(q_out + r * d, row, d * sizeof(float));
+            continue;
+        }
+        long g = r < h + hkv ? r - h : r - h - hkv;
+        void *base = r < h + hkv ? keys : values;
+        long at = g * (r < h + hkv ? k_stride : v_stride) + slot * d;
+        if (type == F32) {
+            memcpy((float *)base + at, row, d * sizeof(float));
+        } else if (type == BF16) {
+            for (long i = 0; i < d; i++) ((uint16_t *)base)[at + i] = to_bf16(row[i]);
+        } else {
+            for (long i = 0; i < d; i++) ((_Float16 *)base)[at + i] = (_Float16)row[i];
+        }
+    }
+}

@@ -240,26 +240,35 @@ class ContextShiftLayer(CellLayer):
         first = self.next_pos - self.n_used if self.gapless else None
         return KeyCells(self.positions[:end], first, self._grouped)
 
+    def claim(self, n: int = 1) -> int:
+        """Record ``n`` new cells at the next positions in slots ``[start, start + n)`` and return ``start``:
+        their keys and values are the caller's to write there before the cells are read (:meth:`update`
+        does; the decode step writes a token's cell itself, rotated and rounded in one pass)."""
+        start = self.n_used
+        end = start + n
+        if end > self.capacity:
+            raise RuntimeError(
+                f"KV cache overflow: {start} cached + {n} new > {self.capacity}; call make_room() first"
+            )
+        if n == 1:  # a decode step: no arange to allocate
+            self.positions[start] = self.next_pos
+        else:
+            self.positions[start:end] = torch.arange(self.next_pos, self.next_pos + n, device=self.device)
+        self.grouped.invalidate(start)
+        self.n_used, self.next_pos = end, self.next_pos + n
+        return start
+
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write (B, Hkv, n, D) states at the next positions; return every cell (views), tagged."""
         if key_states.device != self.device:  # a layer placed on another device by a device map
             self._move_to(key_states.device)
-        n, start = key_states.shape[-2], self.n_used
+        n = key_states.shape[-2]
+        start = self.claim(n)
         end = start + n
-        if end > self.capacity:
-            raise RuntimeError(
-                f"KV cache overflow: {start} cached + {n} new > {self.capacity}; call make_room() first"
-            )
         self.keys[..., start:end, :] = key_states
         self.values[..., start:end, :] = value_states
-        if n == 1:  # a decode step: no arange to allocate
-            self.positions[start:end].fill_(self.next_pos)
-        else:
-            self.positions[start:end] = torch.arange(self.next_pos, self.next_pos + n, device=self.device)
-        self.grouped.invalidate(start)
-        self.n_used, self.next_pos = end, self.next_pos + n
         # a reduced-precision cache (--cache-type) hands the attention its states in the model's dtype
         keys = self.keys[..., :end, :].to(key_states.dtype)
         return tag_cells(keys, self.cells(end)), self.values[..., :end, :].to(value_states.dtype)
