@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from selfextend.bench.speed import read_bandwidth_gbs
-from selfextend.generation.attention_kernel import decode_attention_kernel
 from selfextend.generation.generator import CACHE_DTYPES
+from selfextend.generation.native import native_kernels
 
 H, HKV, D, LAYERS = 9, 3, 64, 30
 
@@ -30,7 +30,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    kernel = decode_attention_kernel()
+    kernel = native_kernels()
     if kernel is None:
         raise SystemExit("error: the attention kernel could not be built here (no C compiler?)")
     n, scale = args.cells, D**-0.5

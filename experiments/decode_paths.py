@@ -1,7 +1,7 @@
 """Milliseconds per decode token of SmolLM2 (int4) through each decode path, side by side in one process.
 
-Paths: ``direct`` (the eager :class:`~selfextend.generation.decode.DecodeStep`, the default), ``sdpa`` (the
-same with torch's SDPA in place of the native attention kernel), ``layer`` (the
+Paths: ``direct`` (the eager :class:`~selfextend.generation.decode.DecodeStep`, the default), ``torch`` (the
+same without its native kernels: torch ops, SDPA attention), ``layer`` (the
 compiled step as ``--compile`` runs it: one decoder layer compiled, called per layer), ``layerskip`` (the
 same with dynamo's guard evaluation skipped, to see what guards cost), ``whole`` (the whole step compiled
 as one graph: minutes to compile, not offered by the CLI). Each ``PATH:TYPE`` names a cache element type
@@ -34,9 +34,8 @@ def step_fn(model: torch.nn.Module, path: str) -> Callable[[Generator], object]:
     """One token at the cache's next position through ``path``."""
     if path == "direct":
         return lambda g: g.step(TOKEN, g.cache)
-    if path == "sdpa":
-        step = DecodeStep(model)
-        step.kernel = None
+    if path == "torch":
+        step = DecodeStep(model, native=False)
         return lambda g: step(TOKEN, g.cache)
     fast = FastDecode(model, compile=path in ("layer", "layerskip"))
     if path == "whole":

@@ -21,6 +21,7 @@ from test_models import HAS_SMOLLM2, write_tiny_gguf
 from selfextend.generation.compiled import FastDecode
 from selfextend.generation.decode import DecodeStep
 from selfextend.generation.generator import Generator
+from selfextend.generation.native import native_kernels
 from selfextend.hf.patch import apply_self_extend
 from selfextend.kv.cache import ContextShiftCache
 from selfextend.models import load_model
@@ -125,7 +126,7 @@ def _teacher_forced(model: torch.nn.Module, ids: list[int], step=None) -> tuple[
 def test_int4_decode_steps_match_the_forward(tiny_pair, extend: bool) -> None:
     """DecodeStep and the (eager) compiled-path step fuse the int4 projections and give the model's own
     int4 forward's logits through context shifts: the same kernels on the same rows, so float32 noise.
-    (DecodeStep's native attention kernel sums in another order, which the bfloat16 rounding of the
+    (DecodeStep's native kernels sum in another order, which the bfloat16 rounding of the
     activations amplifies: it is checked against the forward by the next test.)"""
     _, int4, _ = tiny_pair
     if extend:
@@ -133,8 +134,7 @@ def test_int4_decode_steps_match_the_forward(tiny_pair, extend: bool) -> None:
     ids = torch.randint(3, 250, (70,), generator=torch.Generator().manual_seed(1)).tolist()
     try:
         want, _ = _teacher_forced(int4, ids)
-        step = DecodeStep(int4)
-        step.kernel = None
+        step = DecodeStep(int4, native=False)
         assert all(len(parts) == 1 and isinstance(parts[0], Int4Linear) for parts in step.qkv + step.gate_up)
         for decode in (step, FastDecode(int4, compile=False)):
             got, served = _teacher_forced(int4, ids, decode)
@@ -143,6 +143,29 @@ def test_int4_decode_steps_match_the_forward(tiny_pair, extend: bool) -> None:
         with torch.no_grad():  # the fused layers' parts still work, as views into the fused buffers
             want_full = int4(torch.tensor([ids[:20]])).logits
         assert torch.isfinite(want_full).all()
+    finally:
+        if extend:
+            from selfextend.hf.patch import remove_self_extend
+
+            remove_self_extend(int4)
+
+
+@pytest.mark.skipif(native_kernels() is None, reason="no C compiler here to build the native kernels")
+@pytest.mark.parametrize("extend", [False, True], ids=["plain", "selfextend"])
+def test_int4_native_step_tracks_the_torch_step(tiny_pair, extend: bool) -> None:
+    """The step with its native kernels (attention, norms and activation rounded to bfloat16 natively)
+    against the same step through torch ops: bfloat16 rounding apart, carried through the layers and
+    shifts, and the same argmax."""
+    _, int4, _ = tiny_pair
+    if extend:
+        apply_self_extend(int4, 2, 8)
+    ids = torch.randint(3, 250, (70,), generator=torch.Generator().manual_seed(9)).tolist()
+    try:
+        got, served = _teacher_forced(int4, ids, DecodeStep(int4))
+        want, _ = _teacher_forced(int4, ids, DecodeStep(int4, native=False))
+        assert served >= 30
+        assert (got - want).abs().max() < 0.02 * want.abs().max()
+        assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.95
     finally:
         if extend:
             from selfextend.hf.patch import remove_self_extend

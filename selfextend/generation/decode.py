@@ -7,7 +7,7 @@ weights and writes the same :class:`~selfextend.kv.cache.ContextShiftCache`, and
 math as the model's forward (tests hold it to the model's own logits) with fewer operations:
 the query/key/value and gate/up projections of int8 and int4 models run as one fused product each, the
 quantized kernels and norms are called directly (:mod:`selfextend.generation.products`), and attention,
-plain or Self-Extend, is the native kernel of :mod:`selfextend.generation.attention_kernel` where it
+plain or Self-Extend, is the native kernel of :mod:`selfextend.generation.native` where it
 builds (else SDPA, or Self-Extend's decode path).
 
 It serves models whose layers are plain Llama blocks (Llama, Mistral and Qwen2 without
@@ -17,8 +17,6 @@ use the model's forward. Forward hooks on the submodules are not run.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -26,8 +24,8 @@ from torch import nn
 from selfextend.core.cells import cells_of
 from selfextend.core.decode_query import self_extend_decode, self_extend_decode_inputs
 from selfextend.core.rope import Rotation
-from selfextend.generation.attention_kernel import decode_attention_kernel
-from selfextend.generation.products import Fn, norm_of, product_of
+from selfextend.generation.native import native_kernels
+from selfextend.generation.products import LayerPlan
 from selfextend.hf.patch import IMPLEMENTATION
 from selfextend.kv.cache import ContextShiftCache
 from selfextend.kv.layers import CellLayer, ContextShiftLayer
@@ -99,7 +97,8 @@ class DecodeStep:
     whether the current one is served.
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, native: bool = True) -> None:
+        """``native``: use the native kernels where they build (False: torch ops only, SDPA attention)."""
         reason = _why_not(model)
         if reason:
             raise ValueError(f"DecodeStep does not support this model ({reason})")
@@ -111,23 +110,14 @@ class DecodeStep:
         attn = self.layers[0].self_attn
         self.head_dim = d = attn.head_dim
         self.heads = [p.out_features // d for p in (attn.q_proj, attn.k_proj, attn.v_proj)]
-        self.kernel = decode_attention_kernel()
+        self.native = native_kernels() if native else None
         self.qkv, self.gate_up, self.plan = [], [], []
         dtype = self.embed.weight.dtype
         for layer in self.layers:
             a, mlp = layer.self_attn, layer.mlp
             self.qkv.append(fuse_projections([a.q_proj, a.k_proj, a.v_proj]))
             self.gate_up.append(fuse_projections([mlp.gate_proj, mlp.up_proj]))
-            self.plan.append(
-                LayerPlan(
-                    norm_of(layer.input_layernorm, dtype),
-                    product_of(self.qkv[-1]),
-                    product_of((a.o_proj,)),
-                    norm_of(layer.post_attention_layernorm, dtype),
-                    product_of(self.gate_up[-1]),
-                    product_of((mlp.down_proj,)),
-                )
-            )
+            self.plan.append(LayerPlan.of(layer, self.qkv[-1], self.gate_up[-1], dtype, self.native))
 
     def supported(self) -> bool:
         """Whether the model's current attention implementation is one this step computes."""
@@ -142,7 +132,7 @@ class DecodeStep:
         position_ids = torch.tensor([[pos]], device=x.device)
         rot = Rotation.from_cos_sin(*(t[:, None] for t in self.rotary(x[None], position_ids)))  # (1, 1, 1, D)
         first = cache.layers[0]
-        kernel = self.kernel
+        kernel = self.native
         if kernel is not None and not (
             isinstance(first, ContextShiftLayer) and kernel.takes(self.heads[0], first.keys, first.values)
         ):
@@ -175,8 +165,7 @@ class DecodeStep:
             else:
                 out = self._attend(attn, qkv.to(x.dtype), rot, cache.layers[i], pos, self_extend)
             x += plan.o_proj(out.to(x.dtype).view(1, -1))  # (1, H, 1, D) -> (1, H * D)
-            gate, up = plan.gate_up(plan.post_norm(x)).to(x.dtype).chunk(2, dim=-1)
-            x += plan.down_proj(F.silu(gate) * up)
+            x += plan.down_proj(plan.act(plan.gate_up(plan.post_norm(x))))
         return self.head.forward(self.norm.forward(x))[0]
 
     def _attend(
@@ -195,14 +184,3 @@ class DecodeStep:
                 q, k, v, pos, p.group_size, p.window, p.inv_freq, attn.scaling, cells_of(k), p.rotations
             )
         return F.scaled_dot_product_attention(q.to(k.dtype), k, v, scale=attn.scaling, enable_gqa=True)
-
-
-class LayerPlan(NamedTuple):
-    """One layer's norms and products as the step calls them (:mod:`selfextend.generation.products`)."""
-
-    norm: Fn
-    qkv: Fn
-    o_proj: Fn
-    post_norm: Fn
-    gate_up: Fn
-    down_proj: Fn

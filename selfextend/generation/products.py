@@ -1,21 +1,26 @@
-"""The decode step's products and norms with the fewest torch calls for a single token.
+"""The decode step's products, norms and activation with the fewest torch calls for a single token.
 
 A quantized layer's ``forward`` reshapes, converts its input to bfloat16, checks its buffers are
 contiguous, multiplies, converts back and reshapes again: seven dispatches around one kernel, 120 times
 per token for SmolLM2, which cost more than a millisecond per token on two cores. For one row (1, K), the
 same kernel on the same bfloat16 row is called directly here and its bfloat16 output handed on as it is
 (the next consumer converts or adds it with promotion: the same numbers). Likewise a Llama-style RMSNorm
-in float32 is ``torch.nn.functional.rms_norm`` (one fused op; equal to the module's forward).
+in float32 is ``torch.nn.functional.rms_norm`` (one fused op; equal to the module's forward), and where
+the native kernels are built (:mod:`selfextend.generation.native`) the norm before a quantized product
+and the SwiGLU activation between two are one call each that hands on the bfloat16 row the product takes
+(float32 inside, summed in another order than torch: equal to rounding).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from selfextend.generation.native import NativeKernels
 from selfextend.models.quantize import INT4_GROUP, Int4Linear, Int8Linear
 
 Fn = Callable[[torch.Tensor], torch.Tensor]
@@ -27,29 +32,83 @@ def project(parts: tuple[nn.Module, ...], x: torch.Tensor) -> torch.Tensor:
     return parts[0].forward(x) if len(parts) == 1 else torch.cat([p.forward(x) for p in parts], dim=-1)
 
 
+def direct(parts: tuple[nn.Module, ...]) -> bool:
+    """Whether :func:`product_of` calls a quantized kernel directly (bfloat16 in and out) for ``parts``."""
+    layer = parts[0]
+    if len(parts) != 1 or getattr(layer, "bias", None) is not None:
+        return False
+    if isinstance(layer, Int4Linear):
+        return layer.weight_int4.is_contiguous() and layer.scales_zeros.is_contiguous()
+    return isinstance(layer, Int8Linear) and layer.weight_int8.device.type == "cpu"
+
+
 def product_of(parts: tuple[nn.Module, ...]) -> Fn:
     """``x (1, K) -> (1, N)``: the int4 or int8 kernel called directly (bfloat16 out) for one bias-less
     quantized layer with contiguous buffers, else the modules' forwards (out in ``x``'s type)."""
     layer = parts[0]
-    if len(parts) == 1 and getattr(layer, "bias", None) is None:
-        if (
-            isinstance(layer, Int4Linear)
-            and layer.weight_int4.is_contiguous()
-            and layer.scales_zeros.is_contiguous()
-        ):
-            w, sz = layer.weight_int4, layer.scales_zeros
-            return lambda x: torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), w, INT4_GROUP, sz)
-        if isinstance(layer, Int8Linear) and layer.weight_int8.device.type == "cpu":
-            w, scale = layer.weight_int8, layer.scale
-            return lambda x: torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), w, scale)
+    if direct(parts) and isinstance(layer, Int4Linear):
+        w, sz = layer.weight_int4, layer.scales_zeros
+        return lambda x: torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), w, INT4_GROUP, sz)
+    if direct(parts):
+        w, scale = layer.weight_int8, layer.scale
+        return lambda x: torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), w, scale)
     return lambda x: project(parts, x)
 
 
-def norm_of(module: nn.Module, dtype: torch.dtype) -> Fn:
-    """``x (1, hidden) -> (1, hidden)``: one fused op for a Llama-style RMSNorm over ``dtype`` float32, else
-    the module's forward."""
+def norm_of(module: nn.Module, dtype: torch.dtype, native: NativeKernels | None = None) -> Fn:
+    """``x (1, hidden) -> (1, hidden)``: for a Llama-style RMSNorm over ``dtype`` float32, the native norm
+    rounded to bfloat16 where ``native`` is given, else one fused op; anything else, the module's forward."""
     weight = getattr(module, "weight", None)
-    if type(module).__name__ in RMS_NORMS and dtype == torch.float32 and weight is not None:
-        shape, eps = (weight.shape[0],), module.variance_epsilon
-        return lambda x: F.rms_norm(x, shape, weight, eps)
-    return module.forward
+    if type(module).__name__ not in RMS_NORMS or dtype != torch.float32 or weight is None:
+        return module.forward
+    shape, eps = (weight.shape[0],), module.variance_epsilon
+    if native is not None and weight.is_contiguous():
+        return lambda x: native.rms_norm_bf16(x, weight, eps)
+    return lambda x: F.rms_norm(x, shape, weight, eps)
+
+
+def activation_of(gate_up: tuple[nn.Module, ...], dtype: torch.dtype, native: NativeKernels | None) -> Fn:
+    """``[gate, up] (1, 2I) -> silu(gate) * up (1, I)``: natively, rounded to bfloat16, after a direct
+    product where ``native`` is given; else in ``dtype`` through torch."""
+    if native is not None and direct(gate_up):
+        return native.silu_mul_bf16
+
+    def act(y: torch.Tensor) -> torch.Tensor:
+        gate, up = y.to(dtype).chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    return act
+
+
+class LayerPlan(NamedTuple):
+    """One decoder layer's norms, products and activation as the decode step calls them."""
+
+    norm: Fn
+    qkv: Fn
+    o_proj: Fn
+    post_norm: Fn
+    gate_up: Fn
+    act: Fn
+    down_proj: Fn
+
+    @classmethod
+    def of(
+        cls,
+        layer: nn.Module,
+        qkv: tuple[nn.Module, ...],
+        gate_up: tuple[nn.Module, ...],
+        dtype: torch.dtype,
+        native: NativeKernels | None,
+    ) -> LayerPlan:
+        """The plan of a Llama-style ``layer`` with its fused ``qkv`` and ``gate_up`` projections; the
+        native norm only before a direct product (the others take float rows)."""
+        before = (native if direct(qkv) else None, native if direct(gate_up) else None)
+        return cls(
+            norm_of(layer.input_layernorm, dtype, before[0]),
+            product_of(qkv),
+            product_of((layer.self_attn.o_proj,)),
+            norm_of(layer.post_attention_layernorm, dtype, before[1]),
+            product_of(gate_up),
+            activation_of(gate_up, dtype, native),
+            product_of((layer.mlp.down_proj,)),
+        )

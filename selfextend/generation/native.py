@@ -1,17 +1,17 @@
-"""One query token's attention over a layer's KV cells, as a native kernel built on first use.
+"""The decode step's native kernels (``native.c``), built on first use: attention, RoPE and cell write, norm.
 
 Why our own: on the CPU, a decode step's attention is a read of every cell once. torch's SDPA reads a
 layer's float32 cells at ~12 GB/s and its bfloat16 ones at ~1.3 GB/s
 (``experiments/attention_kernel_bench.py``), the compiled step's reductions are no faster, and with
 Self-Extend the grouped and neighbor scores take two products, a concatenation and a softmax.
-``decode_attention.c`` reads each KV head's cells once for all the query heads that share it
+``native.c`` reads each KV head's cells once for all the query heads that share it
 (grouped-query attention), in the cache's own type (float32, bfloat16 or float16), both Self-Extend score
 kinds in the same pass, one softmax, on torch's own OpenMP threads.
 
 It is compiled as inductor compiles its CPU kernels (the system C compiler, ``-O3 -march=native
 -fopenmp``; no trapping math, so ``floorf`` vectorizes) into ``$SELFEXTEND_CACHE/kernels``, once per
 source, compiler and CPU, and called through ctypes. Where no compiler works,
-:func:`decode_attention_kernel` returns None and the step uses SDPA; ``SELFEXTEND_NATIVE_ATTENTION=0``
+:func:`native_kernels` returns None and the step uses SDPA; ``SELFEXTEND_NATIVE_ATTENTION=0``
 asks for that too.
 """
 
@@ -31,15 +31,15 @@ import torch
 
 from selfextend.models.sources import cache_root
 
-SOURCE = Path(__file__).with_name("decode_attention.c")
+SOURCE = Path(__file__).with_name("native.c")
 FLAGS = ("-O3", "-march=native", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC")
 TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-MAX_QUERY_ROWS = 16  # query heads per KV head the kernel takes (decode_attention.c's MAX_R)
+MAX_QUERY_ROWS = 16  # query heads per KV head the kernel takes (native.c's MAX_R)
 MAX_HEAD_DIM = 256  # and head size (a multiple of 16: 16 * MAX_V there)
 ENV = "SELFEXTEND_NATIVE_ATTENTION"
 
 
-class DecodeAttention:
+class NativeKernels:
     """``kernel(q, k, v, scale, grouped) -> (1, H, 1, D)`` float32: softmax(q . k * scale) . v for one query
     token of one sequence; with ``grouped = (q_g, k_g)`` the first ``k_g.shape[2]`` scores are
     q_g . k_g (Self-Extend's grouped keys) instead."""
@@ -55,6 +55,14 @@ class DecodeAttention:
         write.argtypes = [ptr] + [long] * 4 + [ptr] * 4 + [long] * 3 + [ctypes.c_int, ptr]
         write.restype = None
         self._write = write
+        norm = ctypes.CDLL(str(library)).rms_norm_bf16
+        norm.argtypes = [ptr, ptr, long, ctypes.c_float, ptr]
+        norm.restype = None
+        self._norm = norm
+        silu = ctypes.CDLL(str(library)).silu_mul_bf16
+        silu.argtypes = [ptr, long, ptr]
+        silu.restype = None
+        self._silu = silu
 
     def takes(self, heads: int, k: torch.Tensor, v: torch.Tensor) -> bool:
         """Whether the kernel reads cells ``k``, ``v`` (B, Hkv, n, D) for ``heads`` query heads: one sequence
@@ -157,6 +165,31 @@ class DecodeAttention:
         )
         return q
 
+    def rms_norm_bf16(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """A Llama RMSNorm of one row ``x`` (1, n) float32 by ``weight`` (n,) float32, rounded to bfloat16
+        (the input of the quantized product after it)."""
+        n = weight.shape[0]
+        if (
+            x.shape != (1, n)
+            or x.dtype != torch.float32
+            or not x.is_contiguous()
+            or not weight.is_contiguous()
+        ):
+            raise ValueError(f"rms_norm_bf16 takes one contiguous float32 row of {n}, not {tuple(x.shape)}")
+        out = torch.empty(1, n, dtype=torch.bfloat16)
+        self._norm(x.data_ptr(), weight.data_ptr(), n, eps, out.data_ptr())
+        return out
+
+    def silu_mul_bf16(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` for one row ``gate_up`` = [gate, up] (1, 2n) bfloat16, computed in float32 and
+        rounded to bfloat16 (1, n)."""
+        if gate_up.dtype != torch.bfloat16 or not gate_up.is_contiguous() or gate_up.shape[-1] % 2:
+            raise ValueError(f"silu_mul_bf16 takes one contiguous bfloat16 row, not {tuple(gate_up.shape)}")
+        n = gate_up.shape[-1] // 2
+        out = torch.empty(1, n, dtype=torch.bfloat16)
+        self._silu(gate_up.data_ptr(), n, out.data_ptr())
+        return out
+
 
 def _chunks(hkv: int, n: int, threads: int) -> int:
     """Pieces each KV head's cells are cut into: the fewest that give every thread the same number of
@@ -177,7 +210,7 @@ def build(directory: Path) -> Path:
     key = hashlib.sha256()
     for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), version.encode(), _cpu().encode()):
         key.update(part)
-    target = directory / f"decode_attention-{key.hexdigest()[:16]}.so"
+    target = directory / f"native-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
     directory.mkdir(parents=True, exist_ok=True)
@@ -202,12 +235,12 @@ def _cpu() -> str:
 
 
 @functools.cache
-def decode_attention_kernel() -> DecodeAttention | None:
+def native_kernels() -> NativeKernels | None:
     """The kernel, built once per process (and once per machine on disk), or None where it cannot be built
     or ``$SELFEXTEND_NATIVE_ATTENTION`` is ``0``."""
     if os.environ.get(ENV) == "0":
         return None
     try:
-        return DecodeAttention(build(cache_root() / "kernels"))
+        return NativeKernels(build(cache_root() / "kernels"))
     except (RuntimeError, OSError, subprocess.SubprocessError):
         return None

@@ -11,11 +11,11 @@ from test_decode import TOL, decoded_logits
 
 import selfextend
 from selfextend.core.rope import Rotation
-from selfextend.generation import attention_kernel
-from selfextend.generation.attention_kernel import build, decode_attention_kernel
+from selfextend.generation import native
 from selfextend.generation.decode import DecodeStep
+from selfextend.generation.native import build, native_kernels
 
-KERNEL = decode_attention_kernel()
+KERNEL = native_kernels()
 needs_kernel = pytest.mark.skipif(KERNEL is None, reason="no C compiler here to build the attention kernel")
 
 
@@ -104,15 +104,15 @@ def test_no_compiler_means_no_kernel(tmp_path, monkeypatch) -> None:
         build(tmp_path)
     assert list(tmp_path.glob("*.so")) == []
     monkeypatch.setenv("SELFEXTEND_CACHE", str(tmp_path))
-    decode_attention_kernel.cache_clear()
+    native_kernels.cache_clear()
     try:
-        assert decode_attention_kernel() is None
+        assert native_kernels() is None
         monkeypatch.delenv("CC")
-        monkeypatch.setenv(attention_kernel.ENV, "0")
-        decode_attention_kernel.cache_clear()
-        assert decode_attention_kernel() is None
+        monkeypatch.setenv(native.ENV, "0")
+        native_kernels.cache_clear()
+        assert native_kernels() is None
     finally:
-        decode_attention_kernel.cache_clear()
+        native_kernels.cache_clear()
 
 
 @needs_kernel
@@ -122,12 +122,12 @@ def test_step_through_the_kernel_equals_the_forward(monkeypatch, cache_type, sel
     """The direct step calls the kernel for every layer and token (counted), and its logits through shifts
     are the model's forward's: to 1e-4 over float32 cells, within the cache type's tolerance otherwise."""
     calls = []
-    real = attention_kernel.DecodeAttention.__call__
-    monkeypatch.setattr(attention_kernel.DecodeAttention, "__call__", lambda *a: calls.append(1) or real(*a))
+    real = native.NativeKernels.__call__
+    monkeypatch.setattr(native.NativeKernels, "__call__", lambda *a: calls.append(1) or real(*a))
     model = make_model("llama")
     if self_extend:
         selfextend.apply_self_extend(model, group_size=3, window=12)
-    assert isinstance(DecodeStep(model).kernel, attention_kernel.DecodeAttention)
+    assert isinstance(DecodeStep(model).native, native.NativeKernels)
     ids = torch.randint(3, 97, (70,), generator=torch.Generator().manual_seed(6)).tolist()
     want = decoded_logits(model, ids, direct=False)
     got = decoded_logits(model, ids, direct=True, dtype=cache_type)
@@ -181,3 +181,39 @@ def test_rope_write_rounds_as_torch_does(dtype) -> None:
     assert torch.equal(keys[0, 0, 1].view(torch.int16), want[1].view(torch.int16))
     assert torch.equal(values[0, 0, 1].view(torch.int16)[:-1], want[2].view(torch.int16)[:-1])
     assert values[0, 0, 1, -1].isnan()
+
+
+def _within_one_bf16_step(got: torch.Tensor, want: torch.Tensor) -> None:
+    """bfloat16 rows equal but where float32 sums in another order put a value on the other side of a
+    rounding boundary: then one step apart, and rarely. Values below 1e-30 (subnormal products, which the
+    kernels flush to zero) only need to be as small."""
+    small = want.float().abs() < 1e-30
+    assert (got.float()[small].abs() < 1e-30).all()
+    steps = (got.view(torch.int16).int() - want.view(torch.int16).int()).abs()[~small]
+    assert steps.max() <= 1 and (steps == 0).float().mean() > 0.97
+
+
+@needs_kernel
+@pytest.mark.parametrize("n", [576, 64, 17])
+def test_rms_norm_bf16_is_the_norm_rounded(n) -> None:
+    g = torch.Generator().manual_seed(n)
+    x, weight = torch.randn(1, n, generator=g) * 5, torch.randn(n, generator=g)
+    got = KERNEL.rms_norm_bf16(x, weight, 1e-5)
+    assert got.dtype == torch.bfloat16 and got.shape == (1, n)
+    _within_one_bf16_step(got, F.rms_norm(x, (n,), weight, 1e-5).bfloat16())
+    with pytest.raises(ValueError, match="float32 row"):
+        KERNEL.rms_norm_bf16(x.double(), weight, 1e-5)
+
+
+@needs_kernel
+def test_silu_mul_bf16_is_the_activation_rounded() -> None:
+    """Over gates from -100 to 100 (e^-g must not overflow either way)."""
+    n = 4096
+    gate = torch.linspace(-100, 100, n).bfloat16()
+    up = torch.randn(n, generator=torch.Generator().manual_seed(8)).bfloat16()
+    gate_up = torch.cat([gate, up]).view(1, -1)
+    got = KERNEL.silu_mul_bf16(gate_up)
+    assert got.shape == (1, n) and torch.isfinite(got).all()
+    _within_one_bf16_step(got[0], (F.silu(gate.float()) * up.float()).bfloat16())
+    with pytest.raises(ValueError, match="bfloat16 row"):
+        KERNEL.silu_mul_bf16(gate_up.float())

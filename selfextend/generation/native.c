@@ -1,6 +1,11 @@
-/* One query token's attention over a layer's KV cells, read once per KV head: the decode step's kernel.
+/* The decode step's native kernels: one token's pass through a layer without torch's per-op dispatch.
  *
- * q, qg: (Hkv, R, D) float32, scaled here by `scale` (R query heads share a KV head; qg is the query at
+ * decode_attention: one query token's attention over a layer's KV cells, read once per KV head.
+ * rope_write: the token's query rotated, its key rotated and value rounded into the cache's cells.
+ * rms_norm_bf16, silu_mul_bf16: the norm and SwiGLU activation before a quantized product, in its
+ * bfloat16 input type.
+ *
+ * decode_attention's arguments: q, qg: (Hkv, R, D) float32, scaled here by `scale` (R query heads share a KV head; qg is the query at
  * its Self-Extend grouped position). k, v: Hkv rows of `n` cells of D elements in the cache's type
  * (float32, bfloat16 or float16), `k_stride`/`v_stride` elements apart per KV head. kg: the first `ng`
  * keys at grouped positions, float32, `kg_stride` apart. Scores are qg . kg[j] for j < ng and q . k[j]
@@ -48,9 +53,10 @@ INLINE const v16 *row_of(const void *base, long j, long nv, int type, v16 *tmp) 
 }
 
 /* e^x for x <= 0 (scores minus their maximum): Cody-Waite reduction to x = n ln2 + f, |f| <= ln2 / 2,
- * then a degree-6 polynomial for e^f (relative error ~1e-7), scaled by 2^n; written without calls so
- * the compiler vectorizes it (libm's expf is scalar). */
+ * then a degree-6 polynomial for e^f (relative error ~1e-7), scaled by 2^n, zero below e^-87; written
+ * without calls so the compiler vectorizes it (libm's expf is scalar). */
 INLINE float exp_neg(float x) {
+    float tiny = x < -87.0f ? 0.0f : 1.0f; /* flushed to zero where e^x would be subnormal */
     x = x < -87.0f ? -87.0f : x;
     float n = floorf(x * 1.44269504088896341f + 0.5f);
     float f = x - n * 0.693359375f + n * 2.12194440e-4f;
@@ -64,7 +70,7 @@ INLINE float exp_neg(float x) {
     int32_t bits = ((int32_t)n + 127) << 23;
     float scale;
     memcpy(&scale, &bits, 4);
-    return p * scale;
+    return p * scale * tiny;
 }
 
 /* e^(x - max) in place over x[0 .. n), its maximum into *m and the sum into *l. */
@@ -186,6 +192,13 @@ int decode_attention(const float *q, const float *qg, const void *k, const float
     return 0;
 }
 
+static inline float from_bf16(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
 /* float32 -> bfloat16 rounded to nearest even, NaN kept a (quiet) NaN: as torch rounds. */
 static inline uint16_t to_bf16(float f) {
     uint32_t u;
@@ -225,5 +238,29 @@ void rope_write(const float *qkv, long h, long hkv, long d, long rot, const floa
         } else {
             for (long i = 0; i < d; i++) ((_Float16 *)base)[at + i] = (_Float16)row[i];
         }
+    }
+}
+
+/* out = bf16(x * w / sqrt(mean(x^2) + eps)) over n elements of float32 x and weight w: a Llama RMSNorm and
+ * the rounding the quantized product after it takes its input in. */
+void rms_norm_bf16(const float *x, const float *w, long n, float eps, uint16_t *out) {
+    float lanes[16] = {0.0f}, sum = 0.0f;
+    long i = 0;
+    for (; i + 16 <= n; i += 16)
+        for (int k = 0; k < 16; k++) lanes[k] += x[i + k] * x[i + k];
+    for (; i < n; i++) sum += x[i] * x[i];
+    for (int k = 0; k < 16; k++) sum += lanes[k];
+    float r = 1.0f / sqrtf(sum / (float)n + eps);
+    for (i = 0; i < n; i++) out[i] = to_bf16(w[i] * (x[i] * r));
+}
+
+/* out = bf16(silu(g) * u) for gu = [g, u], each n bfloat16 values: the activation of a SwiGLU MLP between
+ * its two quantized products, in float32. silu(g) = g / (1 + e^-g), with e^-|g| so nothing overflows. */
+void silu_mul_bf16(const uint16_t *gu, long n, uint16_t *out) {
+    for (long i = 0; i < n; i++) {
+        float g = from_bf16(gu[i]), u = from_bf16(gu[n + i]);
+        float e = exp_neg(g > 0.0f ? -g : g);
+        float sigmoid = g > 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
+        out[i] = to_bf16(g * sigmoid * u);
     }
 }
