@@ -150,10 +150,20 @@ def test_rope_write_rotates_and_stores_the_cell(dtype, rot_dim) -> None:
     rot = Rotation.of(torch.tensor([37]), inv_freq)
     keys, values = (torch.randn(1, hkv, 9, d, generator=g).to(dtype) for _ in range(2))
     before = keys.clone(), values.clone()
-    q = KERNEL.rope_write(qkv, (h, hkv), rot.cos.reshape(-1), rot.sin.reshape(-1), keys, values, slot)
+    by = Rotation.of(torch.tensor([-29]), inv_freq)  # on to a grouped position
+    q, q_g = KERNEL.rope_write(
+        qkv,
+        (h, hkv),
+        (rot.cos.reshape(-1), rot.sin.reshape(-1)),
+        keys,
+        values,
+        slot,
+        (by.cos.reshape(-1), by.sin.reshape(-1)),
+    )
     rows = qkv.view(1, -1, 1, d)  # (1, H + 2 Hkv, 1, D)
     want_q, want_k = rot.apply(rows[:, : h + hkv]).split((h, hkv), dim=1)
     torch.testing.assert_close(q, want_q, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(q_g, by.apply(want_q), atol=1e-5, rtol=1e-5)
     ulp = {torch.float32: 1e-6, torch.bfloat16: 2**-7, torch.float16: 2**-10}[dtype]
     torch.testing.assert_close(keys[:, :, slot].float(), want_k[:, :, 0], atol=ulp * 4, rtol=ulp)
     assert torch.equal(values[:, :, slot], rows[:, h + hkv :, 0].to(dtype))
@@ -176,7 +186,7 @@ def test_rope_write_rounds_as_torch_does(dtype) -> None:
     )
     keys, values = (torch.zeros(1, 1, 2, d, dtype=dtype) for _ in range(2))
     empty = torch.empty(0)
-    KERNEL.rope_write(rows, (1, 1), empty, empty, keys, values, 1)
+    assert KERNEL.rope_write(rows, (1, 1), (empty, empty), keys, values, 1)[1] is None
     want = rows.view(3, d).to(dtype)
     assert torch.equal(keys[0, 0, 1].view(torch.int16), want[1].view(torch.int16))
     assert torch.equal(values[0, 0, 1].view(torch.int16)[:-1], want[2].view(torch.int16)[:-1])

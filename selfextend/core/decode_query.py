@@ -3,8 +3,8 @@
 A decode step (one query row) needs no mask: it scores the query at its grouped position against the keys
 more than ``W`` positions back (at grouped positions, which the cache keeps between steps) and at its own
 position against the rest, and takes one softmax over the concatenated row, with the query heads that share
-a KV head as rows of one product. :func:`self_extend_decode_inputs` is the first half, which the decode
-step's native kernel (:mod:`selfextend.generation.native`) takes too.
+a KV head as rows of one product. :func:`grouped_decode_keys` are the keys the grouped scores read, which
+the decode step's native kernel (:mod:`selfextend.generation.native`) reads too.
 """
 
 from __future__ import annotations
@@ -40,6 +40,29 @@ def grouped_prefix(
     return grouped_keys(k[..., :n, :], cells.positions[..., :n], group_size, inv_freq)
 
 
+def grouped_decode_keys(
+    k: torch.Tensor,
+    pos: int,
+    group_size: int,
+    window: int,
+    inv_freq: torch.Tensor,
+    cells: KeyCells,
+    rotations: RotationTable | None = None,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor | None:
+    """The keys a decode step's query at ``pos`` scores at grouped positions: the first ones of ``k``
+    (B, Hkv, Lk, D) at ``cells``, those at distance >= W, (B, Hkv, n_grouped, D) in ``dtype`` (default
+    ``k``'s); None when every key is a neighbor or G is 1 (plain attention then)."""
+    lk = k.shape[2]
+    if cells.first is not None:  # keys at positions <= pos - W are the first ones
+        n_grouped = min(max(pos - window - cells.first + 1, 0), lk)
+    else:
+        n_grouped = int(torch.searchsorted(cells.positions, pos - window, right=True))
+    if n_grouped == 0 or group_size == 1:
+        return None
+    return grouped_prefix(k, cells, n_grouped, group_size, inv_freq, rotations, dtype)
+
+
 def self_extend_decode_inputs(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -49,20 +72,12 @@ def self_extend_decode_inputs(
     inv_freq: torch.Tensor,
     cells: KeyCells,
     rotations: RotationTable | None = None,
-    dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """What a decode step's grouped scores read, for a query ``q`` (B, H or Hkv, rows, D) at ``pos`` over
-    keys ``k`` (B, Hkv, Lk, D) at ``cells``: the query at its grouped position and the first keys (those at
-    distance >= W) at theirs, (B, Hkv, n_grouped, D); None when every key is a neighbor or G is 1 (plain
-    attention then). ``dtype``: the grouped keys' type (default ``k``'s)."""
-    lk = k.shape[2]
-    if cells.first is not None:  # keys at positions <= pos - W are the first ones
-        n_grouped = min(max(pos - window - cells.first + 1, 0), lk)
-    else:
-        n_grouped = int(torch.searchsorted(cells.positions, pos - window, right=True))
-    if n_grouped == 0 or group_size == 1:
+    """What a decode step's grouped scores read, for a query ``q`` (B, H or Hkv, rows, D) at ``pos``: the
+    query at its grouped position and :func:`grouped_decode_keys`; None when there are none."""
+    k_g = grouped_decode_keys(k, pos, group_size, window, inv_freq, cells, rotations)
+    if k_g is None:
         return None
-    k_g = grouped_prefix(k, cells, n_grouped, group_size, inv_freq, rotations, dtype)
     delta = grouped_query_positions(pos, group_size, window) - pos
     if rotations is not None:
         return rotations.rotate(q, delta, inv_freq), k_g

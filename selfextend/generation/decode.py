@@ -22,11 +22,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from selfextend.core.cells import cells_of
-from selfextend.core.decode_query import self_extend_decode, self_extend_decode_inputs
+from selfextend.core.decode_query import grouped_decode_keys, self_extend_decode
+from selfextend.core.positions import grouped_query_positions
 from selfextend.core.rope import Rotation
 from selfextend.generation.native import native_kernels
 from selfextend.generation.products import LayerPlan
-from selfextend.hf.patch import IMPLEMENTATION
+from selfextend.hf.patch import IMPLEMENTATION, SelfExtendParams
 from selfextend.kv.cache import ContextShiftCache
 from selfextend.kv.layers import CellLayer, ContextShiftLayer
 from selfextend.models.quantize import Int4Linear, Int8Linear, fuse_int4, fuse_int8
@@ -89,6 +90,19 @@ def decode_step_for(model: nn.Module) -> DecodeStep | None:
     return DecodeStep(model) if serves(model) else None
 
 
+def _query_rotation(
+    known: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]], pos: int, p: SelfExtendParams
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) (rot_dim,) of the rotation that takes a query at ``pos`` to its grouped position under
+    ``p``, computed once per token for the layers sharing ``p``'s settings (``known``)."""
+    delta = grouped_query_positions(pos, p.group_size, p.window) - pos
+    key = (delta, id(p.inv_freq))
+    if key not in known:
+        r = Rotation.of(torch.tensor([delta]), p.inv_freq)
+        known[key] = r.cos.reshape(-1).contiguous(), r.sin.reshape(-1).contiguous()
+    return known[key]
+
+
 class DecodeStep:
     """``step(token, cache) -> logits``: one token at the next position of a context-shift cache.
 
@@ -138,20 +152,23 @@ class DecodeStep:
         ):
             kernel = None
         if kernel is not None:
-            cos, sin = rot.cos.reshape(-1).contiguous(), rot.sin.reshape(-1).contiguous()  # (rot_dim,)
+            rotation = rot.cos.reshape(-1).contiguous(), rot.sin.reshape(-1).contiguous()  # (rot_dim,) each
+            grouped_rotations: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         for i, (layer, plan) in enumerate(zip(self.layers, self.plan, strict=True)):
             attn = layer.self_attn
             qkv = plan.qkv(plan.norm(x))  # (1, (H + 2 Hkv) * D)
             if kernel is not None:
                 cells = cache.layers[i]
                 slot = cells.claim()
-                q = kernel.rope_write(qkv.float(), self.heads[:2], cos, sin, cells.keys, cells.values, slot)
+                p = attn.self_extend if self_extend and attn.self_extend.group_size > 1 else None
+                by = None if p is None else _query_rotation(grouped_rotations, pos, p)
+                q, q_g = kernel.rope_write(
+                    qkv.float(), self.heads[:2], rotation, cells.keys, cells.values, slot, by
+                )
                 k, v = cells.keys[..., : slot + 1, :], cells.values[..., : slot + 1, :]  # (1, Hkv, cells, D)
-                grouped = None
-                if self_extend:
-                    p = attn.self_extend
-                    grouped = self_extend_decode_inputs(
-                        q,
+                k_g = None
+                if p is not None:
+                    k_g = grouped_decode_keys(
                         k,
                         pos,
                         p.group_size,
@@ -161,7 +178,7 @@ class DecodeStep:
                         p.rotations,
                         torch.float32,
                     )
-                out = kernel(q, k, v, attn.scaling, grouped)
+                out = kernel(q, k, v, attn.scaling, None if k_g is None else (q_g, k_g))
             else:
                 out = self._attend(attn, qkv.to(x.dtype), rot, cache.layers[i], pos, self_extend)
             x += plan.o_proj(out.to(x.dtype).view(1, -1))  # (1, H, 1, D) -> (1, H * D)

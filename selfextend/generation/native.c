@@ -207,25 +207,32 @@ static inline uint16_t to_bf16(float f) {
     return (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
 }
 
-/* A token's rows (H + 2 Hkv, D) float32 from its query/key/value product: the query heads rotated into
- * q_out (H, D); the key heads rotated and the value heads as they are, rounded to the cache's type, into
- * slot `slot` of each KV head's cells (`k_stride`/`v_stride` elements apart). The rotation is the RoPE of
- * selfextend.core.rope.Rotation.apply: x * cos + swap_halves(x) * sin over the first `rot` elements
- * (`sin` with its first half negated), the rest passed through. */
-void rope_write(const float *qkv, long h, long hkv, long d, long rot, const float *cos, const float *sin,
-                void *keys, void *values, long k_stride, long v_stride, long slot, int type, float *q_out) {
+/* x * cos + swap_halves(x) * sin over the first `rot` of d elements (`sin` with its first half negated),
+ * the rest passed through: the RoPE of selfextend.core.rope.Rotation.apply. */
+INLINE void rope(const float *x, const float *cos, const float *sin, long rot, long d, float *out) {
     long half = rot / 2;
+    for (long i = 0; i < rot; i++) out[i] = x[i] * cos[i] + x[i < half ? i + half : i - half] * sin[i];
+    for (long i = rot; i < d; i++) out[i] = x[i];
+}
+
+/* A token's rows (H + 2 Hkv, D) float32 from its query/key/value product: the query heads rotated into
+ * q_out (H, D), and where qg_out is given, rotated on by (gcos, gsin) into qg_out (Self-Extend's query at
+ * its grouped position); the key heads rotated and the value heads as they are, rounded to the cache's
+ * type, into slot `slot` of each KV head's cells (`k_stride`/`v_stride` elements apart). */
+void rope_write(const float *qkv, long h, long hkv, long d, long rot, const float *cos, const float *sin,
+                void *keys, void *values, long k_stride, long v_stride, long slot, int type, float *q_out,
+                const float *gcos, const float *gsin, long grot, float *qg_out) {
     float row[d];
     for (long r = 0; r < h + 2 * hkv; r++) {
         const float *x = qkv + r * d;
         if (r < h + hkv) {
-            for (long i = 0; i < rot; i++) row[i] = x[i] * cos[i] + x[i < half ? i + half : i - half] * sin[i];
-            for (long i = rot; i < d; i++) row[i] = x[i];
+            rope(x, cos, sin, rot, d, row);
         } else {
             memcpy(row, x, d * sizeof(float));
         }
         if (r < h) {
             memcpy(q_out + r * d, row, d * sizeof(float));
+            if (qg_out != NULL) rope(row, gcos, gsin, grot, d, qg_out + r * d);
             continue;
         }
         long g = r < h + hkv ? r - h : r - h - hkv;

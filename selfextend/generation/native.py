@@ -52,7 +52,9 @@ class NativeKernels:
         fn.restype = ctypes.c_int
         self._fn = fn
         write = ctypes.CDLL(str(library)).rope_write
-        write.argtypes = [ptr] + [long] * 4 + [ptr] * 4 + [long] * 3 + [ctypes.c_int, ptr]
+        write.argtypes = (
+            [ptr] + [long] * 4 + [ptr] * 4 + [long] * 3 + [ctypes.c_int] + [ptr] * 3 + [long, ptr]
+        )
         write.restype = None
         self._write = write
         norm = ctypes.CDLL(str(library)).rms_norm_bf16
@@ -130,16 +132,17 @@ class NativeKernels:
         self,
         qkv: torch.Tensor,
         heads: tuple[int, int],
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rotation: tuple[torch.Tensor, torch.Tensor],
         keys: torch.Tensor,
         values: torch.Tensor,
         slot: int,
-    ) -> torch.Tensor:
+        grouped: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A token's query/key/value rows ``qkv`` (1, (H + 2 Hkv) * D) float32, ``heads`` = (H, Hkv): the
         key rotated and the value written to ``slot`` of the cells ``keys``, ``values`` (1, Hkv, capacity,
-        D; rounded to their type), the rotated query returned (1, H, 1, D) float32. ``cos``, ``sin``: the
-        token's :class:`~selfextend.core.rope.Rotation` factors, (rot_dim,) float32."""
+        D; rounded to their type); returns the rotated query (1, H, 1, D) float32 and, with ``grouped``,
+        that query rotated on by it (Self-Extend's grouped query), else None. ``rotation``, ``grouped``:
+        (cos, sin) factors of a :class:`~selfextend.core.rope.Rotation`, (rot_dim,) float32 each."""
         h, hkv = heads
         d = keys.shape[-1]
         if qkv.dtype != torch.float32 or not qkv.is_contiguous() or qkv.numel() != (h + 2 * hkv) * d:
@@ -147,6 +150,9 @@ class NativeKernels:
         if not (self.takes(h, keys, values) and 0 <= slot < keys.shape[2]):
             raise ValueError(f"rope_write cannot write slot {slot} of cells {tuple(keys.shape)} {keys.dtype}")
         q = torch.empty(1, h, 1, d)
+        q_g = torch.empty(1, h, 1, d) if grouped is not None else None
+        cos, sin = rotation
+        gcos, gsin = grouped if grouped is not None else (cos, sin)
         self._write(
             qkv.data_ptr(),
             h,
@@ -162,8 +168,12 @@ class NativeKernels:
             slot,
             TYPES[keys.dtype],
             q.data_ptr(),
+            gcos.data_ptr(),
+            gsin.data_ptr(),
+            gcos.numel(),
+            None if q_g is None else q_g.data_ptr(),
         )
-        return q
+        return q, q_g
 
     def rms_norm_bf16(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """A Llama RMSNorm of one row ``x`` (1, n) float32 by ``weight`` (n,) float32, rounded to bfloat16
