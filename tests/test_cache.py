@@ -121,3 +121,24 @@ def test_grouped_keys_kept_by_the_cache_match_recomputation_across_shifts(monkey
         assert gen.cache.shifts >= 5
         assert (gen.cache.layers[0].grouped.valid > 0) == kept
     assert (runs[0] - runs[1]).abs().max() < TOL
+
+
+def test_grouped_keys_rotate_ahead_of_the_query() -> None:
+    """Asked for 10 grouped keys with 100 written, the buffer rotates AHEAD more at once (a decode step's
+    query then asks for one more per step without a rotation), each equal to a rotation of its own."""
+    from selfextend.core.decode_query import grouped_keys
+    from selfextend.kv.grouped import AHEAD, GroupedKeys
+
+    keys = torch.randn(1, 2, 128, 16, generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(128) + 7
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, 16, 2).float() / 16)
+    grouped = GroupedKeys()
+    got = grouped.get(keys, positions, 4, inv_freq, 10, ready=100)
+    assert got.shape[2] == 10 and grouped.valid == 10 + AHEAD
+    want = grouped_keys(keys[..., :74, :], positions[:74], 4, inv_freq)
+    torch.testing.assert_close(grouped.buf[..., :74, :], want)
+    grouped.get(keys, positions, 4, inv_freq, 70, ready=72)  # nothing more to rotate
+    assert grouped.valid == 74
+    grouped.invalidate(30)  # a write at slot 30: rotated again from there, never past the written slots
+    grouped.get(keys, positions, 4, inv_freq, 40, ready=50)
+    assert grouped.valid == 50

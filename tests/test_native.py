@@ -227,3 +227,20 @@ def test_silu_mul_bf16_is_the_activation_rounded() -> None:
     _within_one_bf16_step(got[0], (F.silu(gate.float()) * up.float()).bfloat16())
     with pytest.raises(ValueError, match="bfloat16 row"):
         KERNEL.silu_mul_bf16(gate_up.float())
+
+
+@needs_kernel
+@pytest.mark.parametrize(("n", "k"), [(300, 576), (64, 40), (5, 1000)])  # K not a multiple of 32: the tail
+def test_int8_gemv_is_torchs_int8_product(n, k) -> None:
+    """One row against int8 rows with bfloat16 scales: the math of torch's _weight_int8pack_mm (bfloat16 row,
+    float sums) to a bfloat16 step. (torch's kernel itself returns garbage for K = 1000 here.)"""
+    g = torch.Generator().manual_seed(n)
+    w = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+    scale = (torch.rand(n, generator=g) / 50).bfloat16()
+    x = torch.randn(1, k, generator=g)
+    got = KERNEL.int8_gemv(x, w, scale)
+    assert got.shape == (1, n) and got.dtype == torch.bfloat16
+    want = (x.bfloat16().double() @ w.double().T) * scale.double()
+    _within_one_bf16_step(got[0], want[0].bfloat16())
+    with pytest.raises(ValueError, match="one contiguous row"):
+        KERNEL.int8_gemv(torch.randn(1, k + 1), w, scale)

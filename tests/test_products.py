@@ -9,6 +9,7 @@ from test_quantize import _random_blocks
 from torch import nn
 
 from selfextend.generation import products
+from selfextend.generation.native import native_kernels
 from selfextend.generation.products import norm_of, product_of
 from selfextend.models.quantize import Q4_1, Int4Linear, quantize_int8
 
@@ -30,6 +31,11 @@ def test_quantized_products_are_direct_and_equal_the_forward(kind, monkeypatch) 
     monkeypatch.setattr(products, "project", lambda *a: seen.append(1))
     product_of((layer,))(x)
     assert not seen  # the kernel itself, not the module's forward
+    native = native_kernels()
+    if kind == "int8" and native is not None:  # the native single-row product, to bfloat16 rounding
+        fast = product_of((layer,), native)(x)
+        assert fast.dtype == torch.bfloat16
+        torch.testing.assert_close(fast.float(), layer.forward(x), atol=0, rtol=2**-7)
 
 
 def test_other_layers_go_through_their_forwards() -> None:

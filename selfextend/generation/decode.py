@@ -26,7 +26,7 @@ from selfextend.core.decode_query import grouped_decode_keys, self_extend_decode
 from selfextend.core.positions import grouped_query_positions
 from selfextend.core.rope import Rotation
 from selfextend.generation.native import native_kernels
-from selfextend.generation.products import LayerPlan
+from selfextend.generation.products import LayerPlan, direct, norm_of, product_of
 from selfextend.hf.patch import IMPLEMENTATION, SelfExtendParams
 from selfextend.kv.cache import ContextShiftCache
 from selfextend.kv.layers import CellLayer, ContextShiftLayer
@@ -132,6 +132,9 @@ class DecodeStep:
             self.qkv.append(fuse_projections([a.q_proj, a.k_proj, a.v_proj]))
             self.gate_up.append(fuse_projections([mlp.gate_proj, mlp.up_proj]))
             self.plan.append(LayerPlan.of(layer, self.qkv[-1], self.gate_up[-1], dtype, self.native))
+        head = (self.head,)
+        self.final_norm = norm_of(self.norm, dtype, self.native if direct(head) else None)
+        self.head_product = product_of(head, self.native)
 
     def supported(self) -> bool:
         """Whether the model's current attention implementation is one this step computes."""
@@ -183,7 +186,7 @@ class DecodeStep:
                 out = self._attend(attn, qkv.to(x.dtype), rot, cache.layers[i], pos, self_extend)
             x += plan.o_proj(out.to(x.dtype).view(1, -1))  # (1, H, 1, D) -> (1, H * D)
             x += plan.down_proj(plan.act(plan.gate_up(plan.post_norm(x))))
-        return self.head.forward(self.norm.forward(x))[0]
+        return self.head_product(self.final_norm(x))[0].to(x.dtype)
 
     def _attend(
         self, attn: nn.Module, qkv: torch.Tensor, rot: Rotation, cells: CellLayer, pos: int, self_extend: bool

@@ -271,3 +271,57 @@ void silu_mul_bf16(const uint16_t *gu, long n, uint16_t *out) {
         out[i] = to_bf16(g * sigmoid * u);
     }
 }
+
+typedef int8_t i8x16 __attribute__((vector_size(16), aligned(1), may_alias));
+
+/* 16 int8 -> 16 float32: one widening and one conversion (gcc 12 builds vector extensions' int8 -> float
+ * element by element, so the instructions are named where the machine has them). */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+INLINE v16 widen(const int8_t *p) {
+    __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+    v16 out;
+    memcpy(&out, &f, sizeof(out));
+    return out;
+}
+#elif defined(__AVX2__)
+#include <immintrin.h>
+INLINE v16 widen(const int8_t *p) {
+    __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+    __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8))));
+    v16 out;
+    memcpy(&out, &lo, 32);
+    memcpy((char *)&out + 32, &hi, 32);
+    return out;
+}
+#else
+INLINE v16 widen(const int8_t *p) {
+    v16 out;
+    for (int l = 0; l < 16; l++) out[l] = (float)p[l];
+    return out;
+}
+#endif
+
+/* out (n,) = bf16((x . w[r]) * scale[r]) for one bfloat16 row x (k,) and int8 weight rows w (n, k) with
+ * bfloat16 row scales: torch's _weight_int8pack_mm for a single row (float32 sums), the weight rows split
+ * over the OpenMP threads. Returns 1 (nothing written) when there is no scratch space. */
+int int8_gemv(const uint16_t *x, const int8_t *w, const uint16_t *scale, long n, long k, uint16_t *out) {
+    float *xf = malloc(sizeof(float) * (k + 16));
+    if (xf == NULL) return 1;
+    for (long i = 0; i < k; i++) xf[i] = from_bf16(x[i]);
+#pragma omp parallel for schedule(static)
+    for (long r = 0; r < n; r++) {
+        const int8_t *row = w + r * k;
+        v16 a = {0}, b = {0};
+        long i = 0;
+        for (; i + 32 <= k; i += 32) {
+            a += *(const v16 *)(xf + i) * widen(row + i);
+            b += *(const v16 *)(xf + i + 16) * widen(row + i + 16);
+        }
+        float s = hsum(a + b);
+        for (; i < k; i++) s += xf[i] * (float)row[i];
+        out[r] = to_bf16(s * from_bf16(scale[r]));
+    }
+    free(xf);
+    return 0;
+}

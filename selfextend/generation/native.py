@@ -65,6 +65,10 @@ class NativeKernels:
         silu.argtypes = [ptr, long, ptr]
         silu.restype = None
         self._silu = silu
+        gemv = ctypes.CDLL(str(library)).int8_gemv
+        gemv.argtypes = [ptr, ptr, ptr, long, long, ptr]
+        gemv.restype = ctypes.c_int
+        self._gemv = gemv
 
     def takes(self, heads: int, k: torch.Tensor, v: torch.Tensor) -> bool:
         """Whether the kernel reads cells ``k``, ``v`` (B, Hkv, n, D) for ``heads`` query heads: one sequence
@@ -198,6 +202,22 @@ class NativeKernels:
         n = gate_up.shape[-1] // 2
         out = torch.empty(1, n, dtype=torch.bfloat16)
         self._silu(gate_up.data_ptr(), n, out.data_ptr())
+        return out
+
+    def int8_gemv(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """``(x . weight^T) * scale`` for one row ``x`` (1, K) (taken as bfloat16), ``weight`` (N, K) int8 and
+        ``scale`` (N,) bfloat16, out (1, N) bfloat16: torch's ``_weight_int8pack_mm`` for a single row, which
+        reads a large weight (an output head) at a fraction of the bandwidth (``experiments/
+        native_gemv_bench.py``)."""
+        n, k = weight.shape
+        x = x.to(torch.bfloat16)
+        if x.numel() != k or not (x.is_contiguous() and weight.is_contiguous() and scale.is_contiguous()):
+            raise ValueError(f"int8_gemv takes one contiguous row of {k}, not {tuple(x.shape)}")
+        if weight.dtype != torch.int8 or scale.dtype != torch.bfloat16 or scale.numel() != n:
+            raise ValueError("int8_gemv takes int8 weights with one bfloat16 scale per row")
+        out = torch.empty(1, n, dtype=torch.bfloat16)
+        if self._gemv(x.data_ptr(), weight.data_ptr(), scale.data_ptr(), n, k, out.data_ptr()):
+            raise MemoryError(f"int8_gemv: no scratch space for a row of {k}")
         return out
 
 

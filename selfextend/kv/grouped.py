@@ -16,6 +16,10 @@ from selfextend.core.rope import RotationTable
 FEW = 4
 """Up to this many new grouped keys are rotated one by one through a shared :class:`RotationTable` (a decode
 step adds one, at the same delta in every layer: one table entry serves them all)."""
+AHEAD = 64
+"""Where the owner says which slots hold written keys, a rotation covers at least this many of them past the
+ones asked for: a decode step's query asks for one more grouped key per step, so 63 steps in 64 rotate
+none (a rotation costs a few torch calls per layer, whatever its size)."""
 
 
 class GroupedKeys:
@@ -40,10 +44,12 @@ class GroupedKeys:
         n: int,
         rotations: RotationTable | None = None,
         first: int | None = None,
+        ready: int | None = None,
     ) -> torch.Tensor:
         """Grouped keys of slots [0, n) of ``keys`` (B, Hkv, capacity, D) at ``positions`` (capacity,): the
         slots not yet current are rotated, the rest read back. ``first``: the position of slot 0 when the
-        positions are gapless (then a few new keys go through ``rotations``)."""
+        positions are gapless (then a few new keys go through ``rotations``); ``ready``: slots ``[0, ready)``
+        hold written keys (then up to :data:`AHEAD` of them past ``n`` are rotated too)."""
         buf = self.buf
         dtype = torch.promote_types(keys.dtype, torch.float32)  # a bf16/f16 cache's keys are rounded once
         fits = buf is not None and (buf.shape, buf.dtype, buf.device) == (keys.shape, dtype, keys.device)
@@ -53,11 +59,12 @@ class GroupedKeys:
         if not fits or not same or self.settings[::2] != (group_size, inv_freq._version):
             self.valid, self.settings = 0, (group_size, inv_freq, inv_freq._version)
         a = self.valid
-        if a < n <= a + FEW and rotations is not None and first is not None:
-            for s in range(a, n):
+        b = n if ready is None or n <= a else max(n, min(n + AHEAD, ready))
+        if a < b <= a + FEW and rotations is not None and first is not None:
+            for s in range(a, b):
                 delta = grouped_key_positions(first + s, group_size) - (first + s)
                 buf[..., s : s + 1, :] = rotations.rotate(keys[..., s : s + 1, :].to(dtype), delta, inv_freq)
-        elif n > a:
-            buf[..., a:n, :] = grouped_keys(keys[..., a:n, :].to(dtype), positions[a:n], group_size, inv_freq)
-        self.valid = max(a, n)
+        elif b > a:
+            buf[..., a:b, :] = grouped_keys(keys[..., a:b, :].to(dtype), positions[a:b], group_size, inv_freq)
+        self.valid = max(a, b)
         return buf[..., :n, :]

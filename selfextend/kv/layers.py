@@ -233,7 +233,9 @@ class ContextShiftLayer(CellLayer):
         self, group_size: int, inv_freq: torch.Tensor, n: int, rotations: RotationTable | None
     ) -> torch.Tensor:
         first = self.next_pos - self.n_used if self.gapless else None
-        return self.grouped.get(self.keys, self.positions, group_size, inv_freq, n, rotations, first)
+        return self.grouped.get(
+            self.keys, self.positions, group_size, inv_freq, n, rotations, first, self.n_used
+        )
 
     def cells(self, end: int) -> KeyCells:
         """The :class:`KeyCells` of slots [0, end) (the gapless case when the cells are)."""
