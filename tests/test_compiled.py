@@ -228,19 +228,22 @@ def test_generate_compile_flag_falls_back_in_one_line(
 
 
 def test_decode_settings_defaults() -> None:
-    """The cache in the model's dtype unless a type is asked for, compiled or not, with or without
-    Self-Extend; the CLI's names are the library's."""
+    """Without the compiled step, bf16 cells where the native direct step decodes (a float32 Llama on the
+    CPU, plain or Self-Extend), the model's dtype for a model it does not serve or without the native
+    kernels; the model's dtype with the compiled step; the CLI's names are the library's."""
     from selfextend.cli.generation_options import CACHE_TYPES
     from selfextend.core.validate import ValidationError
     from selfextend.generation.generator import CACHE_DTYPES, decode_settings
+    from selfextend.generation.native import native_kernels
 
     model = make_model("llama")
+    native = torch.bfloat16 if native_kernels() is not None else None
     assert tuple(CACHE_DTYPES) == CACHE_TYPES
     assert decode_settings(model, True) == (True, None)
-    assert decode_settings(model, False) == (False, None)
+    assert decode_settings(model, False) == (False, native)
     assert decode_settings(tiny_gemma3(["sliding_attention", "full_attention"], 6), False) == (False, None)
     apply_self_extend(model, GROUP, WINDOW)
-    assert decode_settings(model, False) == (False, None)
+    assert decode_settings(model, False) == (False, native)
     assert decode_settings(model, True, "f32") == (True, torch.float32)
     assert decode_settings(model, None, "bf16") == (False, torch.bfloat16)  # conftest: compiling never pays
     with pytest.raises(ValidationError, match="cache type"):

@@ -98,7 +98,7 @@ def test_kernel_refuses_what_it_cannot_read() -> None:
 
 def test_no_compiler_means_no_kernel(tmp_path, monkeypatch) -> None:
     """A compiler that fails: build() says so in a RuntimeError, the step gets None (SDPA), nothing cached.
-    ``SELFEXTEND_NATIVE_ATTENTION=0`` gives None too."""
+    ``SELFEXTEND_NATIVE=0`` gives None too."""
     monkeypatch.setenv("CC", "false")
     with pytest.raises(RuntimeError, match="false failed"):
         build(tmp_path)

@@ -17,8 +17,7 @@ graph. Families: Llama, Mistral, Qwen2, Qwen3 (q/k norms) and Gemma 3 (norms aro
 GELU-tanh, per-layer RoPE base, sliding layers, q/k norms, scaled embedding). What is compiled is one
 decoder layer (:func:`layer_rows`), called for every layer with that layer's weights: all layers share
 its graph (one per kind of attention: sliding, full, grouped), so the first compile traces one layer,
-not the model, and a later process's start, which dynamo traces again, costs as little. :class:`StepCells` (in
-:mod:`selfextend.generation.cells`) hands the step each layer's cells.
+not the model, and a later process's start (dynamo traces again) costs as little. StepCells hands it cells.
 """
 
 from __future__ import annotations

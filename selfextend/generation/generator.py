@@ -14,14 +14,16 @@ import torch
 from torch import nn
 
 from selfextend.core.validate import ValidationError, check_int, check_seed, plural
-from selfextend.generation import compiled
+from selfextend.generation import compiled, decode
 from selfextend.generation.compiled import fast_decode_for
 from selfextend.generation.decode import decode_step_for
+from selfextend.generation.native import native_kernels
 from selfextend.generation.sampling import SamplingParams, sample
 from selfextend.hf.facts import cache_kwargs
 from selfextend.kv.cache import ContextShiftCache
 
 CACHE_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}  # llama.cpp's names
+NATIVE_CACHE_TYPE = "bf16"  # the default where the native decode step runs (default_cache_dtype)
 PREFILL_CHUNK = 512  # prompt pieces in run(): as llama.cpp's default micro-batch; also the progress step
 
 
@@ -276,20 +278,29 @@ def run(
         yield token, stats
 
 
+def default_cache_dtype(model: nn.Module) -> torch.dtype | None:
+    """The KV cache's element type when none is asked for and the step is not compiled: bfloat16 for a
+    float32 model that the direct :class:`~selfextend.generation.decode.DecodeStep` decodes on the CPU with
+    its native kernels (which read bf16 cells as stored, plain or Self-Extend: side by side in
+    ``python experiments/decode_paths.py direct:f32 direct:bf16``, 0.93-0.95x the time of f32 cells, for
+    half the memory; perplexity +0.03%, README), else None, the model's dtype (torch's bf16 CPU attention
+    is slower than its float32 one: bf16 cells would halve the speed there)."""
+    param = next(model.parameters())
+    direct = param.device.type == "cpu" and param.dtype == torch.float32 and decode.serves(model)
+    return CACHE_DTYPES[NATIVE_CACHE_TYPE] if direct and native_kernels() is not None else None
+
+
 def decode_settings(
     model: nn.Module, compile: bool | None = None, cache_type: str | None = None
 ) -> tuple[bool, torch.dtype | None]:
     """(compile, KV cache dtype) from the command-line choices, None meaning the default: compile where it
-    pays (:func:`~selfextend.generation.compiled.compile_pays`); the cache in the model's dtype (None).
-
-    Reduced cells are opt-in: side by side on the 2-core CPU (``selfextend bench --cases generate
-    --cache-type ...``) a bf16 cache decoded SmolLM2 int4 at 0.35x llama.cpp where f32 cells ran at 0.58x
-    (torch's bf16 CPU attention kernel), and the compiled step too was slower over bf16 and f16 cells than
-    over f32. What the reduced types cost in perplexity and K-shift drift is in the README
+    pays (:func:`~selfextend.generation.compiled.compile_pays`); the cache in the model's dtype with the
+    compiled step (slower over bf16 and f16 cells than over f32), else :func:`default_cache_dtype` (``model``
+    as it will run). What the reduced types cost in perplexity and K-shift drift is in the README
     (``experiments/cache_type_ppl.py``, ``experiments/decode_cache_nll.py``)."""
     compile = compiled.compile_pays(model) if compile is None else compile
     if cache_type is None:
-        return compile, None
+        return compile, None if compile else default_cache_dtype(model)
     if cache_type not in CACHE_DTYPES:
         raise ValidationError("cache type", f"must be one of {', '.join(CACHE_DTYPES)}, got {cache_type!r}")
     return compile, CACHE_DTYPES[cache_type]

@@ -1,18 +1,22 @@
-"""The decode step's native kernels (``native.c``), built on first use: attention, RoPE and cell write, norm.
+"""The decode step's native kernels (``native.c``), built on first use and called through ctypes.
 
-Why our own: on the CPU, a decode step's attention is a read of every cell once. torch's SDPA reads a
-layer's float32 cells at ~12 GB/s and its bfloat16 ones at ~1.3 GB/s
-(``experiments/attention_kernel_bench.py``), the compiled step's reductions are no faster, and with
-Self-Extend the grouped and neighbor scores take two products, a concatenation and a softmax.
-``native.c`` reads each KV head's cells once for all the query heads that share it
-(grouped-query attention), in the cache's own type (float32, bfloat16 or float16), both Self-Extend score
-kinds in the same pass, one softmax, on torch's own OpenMP threads.
+Why our own: a decode step on the CPU is a few hundred small operations per token, each a torch dispatch
+of a few microseconds, around reads that torch's kernels do at a fraction of the bandwidth: SDPA reads a
+layer's float32 cells at ~12 GB/s and bfloat16 ones at ~1.3 GB/s, ``_weight_int8pack_mm`` an int8 output
+head at ~16 GB/s (``experiments/native_bench.py``). ``native.c`` has, per token and layer:
+
+- attention that reads each KV head's cells once for all the query heads sharing it, in the cache's own
+  type (float32, bfloat16 or float16), Self-Extend's grouped and neighbor scores in one pass, one
+  softmax, split over torch's own OpenMP threads;
+- the query and key rotated (and the query on to its grouped position), the key and value rounded and
+  written into their cells, in one call;
+- the RMSNorm before and the SwiGLU activation between the quantized products, handing them the
+  bfloat16 row they take; and an int8 product of one row (the output head) at bandwidth.
 
 It is compiled as inductor compiles its CPU kernels (the system C compiler, ``-O3 -march=native
 -fopenmp``; no trapping math, so ``floorf`` vectorizes) into ``$SELFEXTEND_CACHE/kernels``, once per
-source, compiler and CPU, and called through ctypes. Where no compiler works,
-:func:`native_kernels` returns None and the step uses SDPA; ``SELFEXTEND_NATIVE_ATTENTION=0``
-asks for that too.
+source, compiler and CPU. Where no compiler works, :func:`native_kernels` returns None and the step uses
+torch ops; ``SELFEXTEND_NATIVE=0`` asks for that too.
 """
 
 from __future__ import annotations
@@ -36,13 +40,13 @@ FLAGS = ("-O3", "-march=native", "-fno-trapping-math", "-fopenmp", "-shared", "-
 TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 MAX_QUERY_ROWS = 16  # query heads per KV head the kernel takes (native.c's MAX_R)
 MAX_HEAD_DIM = 256  # and head size (a multiple of 16: 16 * MAX_V there)
-ENV = "SELFEXTEND_NATIVE_ATTENTION"
+ENV = "SELFEXTEND_NATIVE"
 
 
 class NativeKernels:
-    """``kernel(q, k, v, scale, grouped) -> (1, H, 1, D)`` float32: softmax(q . k * scale) . v for one query
-    token of one sequence; with ``grouped = (q_g, k_g)`` the first ``k_g.shape[2]`` scores are
-    q_g . k_g (Self-Extend's grouped keys) instead."""
+    """The compiled library's kernels. Calling it is attention: ``kernels(q, k, v, scale, grouped) ->
+    (1, H, 1, D)`` float32, softmax(q . k * scale) . v for one query token of one sequence; with
+    ``grouped = (q_g, k_g)`` the first ``k_g.shape[2]`` scores are q_g . k_g (Self-Extend's grouped keys)."""
 
     def __init__(self, library: Path) -> None:
         self.library = library
@@ -207,8 +211,7 @@ class NativeKernels:
     def int8_gemv(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """``(x . weight^T) * scale`` for one row ``x`` (1, K) (taken as bfloat16), ``weight`` (N, K) int8 and
         ``scale`` (N,) bfloat16, out (1, N) bfloat16: torch's ``_weight_int8pack_mm`` for a single row, which
-        reads a large weight (an output head) at a fraction of the bandwidth (``experiments/
-        native_gemv_bench.py``)."""
+        reads a large weight (an output head) at a third of the bandwidth (experiments/native_bench.py)."""
         n, k = weight.shape
         x = x.to(torch.bfloat16)
         if x.numel() != k or not (x.is_contiguous() and weight.is_contiguous() and scale.is_contiguous()):
@@ -267,7 +270,7 @@ def _cpu() -> str:
 @functools.cache
 def native_kernels() -> NativeKernels | None:
     """The kernel, built once per process (and once per machine on disk), or None where it cannot be built
-    or ``$SELFEXTEND_NATIVE_ATTENTION`` is ``0``."""
+    or ``$SELFEXTEND_NATIVE`` is ``0``."""
     if os.environ.get(ENV) == "0":
         return None
     try:

@@ -1,11 +1,13 @@
-"""Decode attention over 30 layers of distinct cells: torch's SDPA against the native kernel, per cell type.
+"""The decode step's native kernels against the torch ops they replace, side by side in one process.
 
-SmolLM2-135M's shape (9 query heads, 3 KV heads, head size 64, 30 layers), 1,400 cells per layer, each
-layer's cells in its own buffer (as in the cache: nothing stays in the CPU's caches between layers).
-Rounds interleave SDPA and the kernel; each prints milliseconds per token (all 30 layers) and the GB/s
-of cells read, next to the machine's read bandwidth measured in the same run.
+Attention: SmolLM2-135M's shape (9 query heads, 3 KV heads, head size 64, 30 layers), 1,400 cells per
+layer, each layer's cells in its own buffer (as in the cache: nothing stays in the CPU's caches between
+layers), torch's SDPA against the native kernel per cell type. Output head: SmolLM2's int8 head (49,152 x
+576) times one row, torch's ``_weight_int8pack_mm`` against the native ``int8_gemv``. Rounds interleave
+the two; each prints milliseconds per token and the GB/s of what is read, next to the machine's read
+bandwidth measured in the same run.
 
-    python experiments/attention_kernel_bench.py [--cells 1400] [--rounds 3] [--threads 2]
+    python experiments/native_bench.py [--cells 1400] [--rounds 3] [--threads 2]
 """
 
 from __future__ import annotations
@@ -60,6 +62,27 @@ def main() -> None:
                 ms = (time.perf_counter() - t0) / 20 * 1000
                 line.append(f"{path} {ms:.2f} ms ({mb / ms:.1f} GB/s)")
             print(f"{name} round {r}: " + ", ".join(line), flush=True)
+    g = torch.Generator().manual_seed(1)
+    w = torch.randint(-127, 128, (49152, 576), dtype=torch.int8, generator=g)
+    w_scale, x = (
+        (torch.rand(49152, generator=g) / 100).bfloat16(),
+        torch.randn(1, 576, generator=g).bfloat16(),
+    )
+    heads = {
+        "torch": lambda: torch.ops.aten._weight_int8pack_mm(x, w, w_scale),
+        "native": lambda: kernel.int8_gemv(x, w, w_scale),
+    }
+    for r in range(args.rounds):
+        line = []
+        for path, fn in heads.items():
+            for _ in range(3):
+                fn()
+            t0 = time.perf_counter()
+            for _ in range(50):
+                fn()
+            ms = (time.perf_counter() - t0) / 50 * 1000
+            line.append(f"{path} {ms:.2f} ms ({w.numel() / 1e6 / ms:.1f} GB/s)")
+        print(f"int8 head round {r}: " + ", ".join(line), flush=True)
 
 
 if __name__ == "__main__":
