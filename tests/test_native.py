@@ -244,3 +244,32 @@ def test_int8_gemv_is_torchs_int8_product(n, k) -> None:
     _within_one_bf16_step(got[0], want[0].bfloat16())
     with pytest.raises(ValueError, match="one contiguous row"):
         KERNEL.int8_gemv(torch.randn(1, k + 1), w, scale)
+
+
+@needs_kernel
+def test_gemma3_int8_head_goes_through_the_native_product() -> None:
+    """Gemma 3 decodes through the compiled step's code run eagerly: with an int8 output head that head is
+    the native single-row product (used, counted), its logits the int8 module's to bfloat16 rounding."""
+    from conftest import tiny_gemma3
+
+    from selfextend.generation.generator import Generator
+    from selfextend.kv.cache import ContextShiftCache
+    from selfextend.models.quantize import quantize_int8
+
+    model = tiny_gemma3(["sliding_attention", "full_attention"], 6)
+    quantize_int8(model)
+    ids = torch.randint(3, 97, (60,), generator=torch.Generator().manual_seed(10)).tolist()
+    runs, calls = [], []
+    for native_head in (True, False):
+        gen = Generator(model, ContextShiftCache(model, n_ctx=40, n_keep=4))
+        step = gen.fast.step
+        assert step.head_row is not None
+        if native_head:
+            real = step.head_row
+            step.head_row = lambda x, real=real: calls.append(1) or real(x)
+        else:
+            step.head_row = None
+        runs.append(torch.stack([gen.feed(ids[:20])] + [gen.feed([t]) for t in ids[20:]]))
+    assert len(calls) >= 30
+    assert (runs[0] - runs[1]).abs().max() < 0.02 * runs[1].abs().max()
+    assert (runs[0].argmax(-1) == runs[1].argmax(-1)).float().mean() > 0.95

@@ -1,10 +1,8 @@
 """A decode step that ``torch.compile`` takes: one graph for every layer, fill, shift and Self-Extend group.
 
-The step reads the model's weights and modules (embedding, norms, projections, MLP, output head) and
-writes each layer's new key and value into the cache's preallocated cells; attention is written as
-plain tensor ops so the compiler fuses it (a fused reduced-precision cache read, no SDPA call). Shapes
-that change from token to token (the cells in use) are dynamic dimensions, positions are tensors, and
-which cells a query sees comes from the cells' positions, not from their slots:
+The step reads the model's modules and writes each layer's new key and value into the cache's cells;
+attention is plain tensor ops the compiler fuses. Shapes that change from token to token (the cells in
+use) are dynamic, positions are tensors, and which cells a query sees comes from their positions:
 
 - a cell at position ``j`` is visible to the query at ``p`` iff ``j <= p`` (and ``p - j < window`` on a
   sliding layer, whose cells may be in any order);
@@ -17,7 +15,7 @@ graph. Families: Llama, Mistral, Qwen2, Qwen3 (q/k norms) and Gemma 3 (norms aro
 GELU-tanh, per-layer RoPE base, sliding layers, q/k norms, scaled embedding). What is compiled is one
 decoder layer (:func:`layer_rows`), called for every layer with that layer's weights: all layers share
 its graph (one per kind of attention: sliding, full, grouped), so the first compile traces one layer,
-not the model, and a later process's start (dynamo traces again) costs as little. StepCells hands it cells.
+not the model. Run eagerly for one row, an int8 output head is the native one (generation/native.py).
 """
 
 from __future__ import annotations
@@ -38,7 +36,8 @@ from selfextend.core.positions import grouped_key_positions, grouped_query_posit
 from selfextend.core.rope import Rotation
 from selfextend.generation.cells import Cells, StepCells
 from selfextend.generation.decode import fuse_projections, layout_problem
-from selfextend.generation.products import project
+from selfextend.generation.native import native_kernels
+from selfextend.generation.products import direct, product_of, project
 from selfextend.hf.facts import layer_kinds, sliding_windows
 from selfextend.hf.patch import IMPLEMENTATION, SelfExtendParams
 from selfextend.kv.cache import ContextShiftCache
@@ -65,9 +64,7 @@ def why_not(model: nn.Module) -> str | None:
 
 def compile_pays(model: nn.Module) -> bool:
     """Whether compiling the step is the default for ``model``: only where ``$SELFEXTEND_COMPILE`` is ``1``,
-    on CPU, for a family it serves. Off otherwise: side by side (``selfextend bench --cases generate``,
-    compiled against eager) the compiled step decodes no faster than the direct eager step, and slower
-    with Self-Extend (``--compile`` asks for it in any case)."""
+    on CPU, for a family it serves (the eager native step is faster; ``--compile`` asks for it anyway)."""
     if os.environ.get("SELFEXTEND_COMPILE") != "1":
         return False
     return next(model.parameters()).device.type == "cpu" and why_not(model) is None
@@ -167,6 +164,7 @@ class CompiledStep:
         ]
         self.gate_up = [fuse_projections([m.mlp.gate_proj, m.mlp.up_proj]) for m in self.layers]
         self.layer_fn: Callable[..., torch.Tensor] = layer_rows
+        self.head_row = product_of((self.head,), native_kernels()) if direct((self.head,)) else None
 
     def supported(self) -> bool:
         """Whether the model's current attention implementation is one this step computes."""
@@ -205,10 +203,9 @@ class CompiledStep:
         grouped: list[GroupedRotations | None],
     ) -> torch.Tensor:
         """Logits (B, vocab) after ``tokens`` (B, 1), row ``b`` at position ``pos[b]`` of its own cache's
-        ``cells[b]``; writes each row's cells. Every projection, the MLP and the output head take the B rows
-        together (the weights are read once for all); attention runs per row over that row's cells.
-        ``grouped`` serves every row (the tables are by position). Each layer goes through
-        :attr:`layer_fn` (:func:`layer_rows`, or its compiled form)."""
+        ``cells[b]``; writes each row's cells. The products take the B rows together (the weights read once
+        for all); attention runs per row over its cells. ``grouped`` serves every row (by position). Each
+        layer goes through :attr:`layer_fn` (:func:`layer_rows`, or its compiled form)."""
         x = self.embed(tokens)  # (B, 1, hidden)
         rotations = self._rotations(x, pos)
         for i, layer in enumerate(self.layers):
@@ -226,7 +223,10 @@ class CompiledStep:
                 self.windows[i],
                 grouped[i],
             )
-        logits = self.head(self.norm(x))[:, -1]  # (B, vocab)
+        if self.head_row is not None and x.shape[0] == 1:  # (the head is never inside a compiled graph)
+            logits = self.head_row(self.norm(x).view(1, -1)).to(x.dtype)  # (1, hidden) -> (1, vocab)
+        else:
+            logits = self.head(self.norm(x))[:, -1]  # (B, vocab)
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
