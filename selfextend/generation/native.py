@@ -30,6 +30,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -50,29 +51,15 @@ class NativeKernels:
 
     def __init__(self, library: Path) -> None:
         self.library = library
-        fn = ctypes.CDLL(str(library)).decode_attention
-        ptr, long = ctypes.c_void_p, ctypes.c_long
-        fn.argtypes = [ptr] * 5 + [long] * 8 + [ctypes.c_int, ctypes.c_float, long, ptr]
-        fn.restype = ctypes.c_int
-        self._fn = fn
-        write = ctypes.CDLL(str(library)).rope_write
-        write.argtypes = (
-            [ptr] + [long] * 4 + [ptr] * 4 + [long] * 3 + [ctypes.c_int] + [ptr] * 3 + [long, ptr]
+        lib = ctypes.CDLL(str(library))
+        ptr, long, i32, f32 = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
+        self._fn = _bind(lib.decode_attention, [*[ptr] * 5, *[long] * 8, i32, f32, long, ptr], i32)
+        self._write = _bind(
+            lib.rope_write, [ptr, *[long] * 4, *[ptr] * 4, *[long] * 3, i32, *[ptr] * 3, long, ptr], None
         )
-        write.restype = None
-        self._write = write
-        norm = ctypes.CDLL(str(library)).rms_norm_bf16
-        norm.argtypes = [ptr, ptr, long, ctypes.c_float, ptr]
-        norm.restype = None
-        self._norm = norm
-        silu = ctypes.CDLL(str(library)).silu_mul_bf16
-        silu.argtypes = [ptr, long, ptr]
-        silu.restype = None
-        self._silu = silu
-        gemv = ctypes.CDLL(str(library)).int8_gemv
-        gemv.argtypes = [ptr, ptr, ptr, long, long, ptr]
-        gemv.restype = ctypes.c_int
-        self._gemv = gemv
+        self._norm = _bind(lib.rms_norm_bf16, [ptr, ptr, long, f32, ptr], None)
+        self._silu = _bind(lib.silu_mul_bf16, [ptr, long, ptr], None)
+        self._gemv = _bind(lib.int8_gemv, [ptr, ptr, ptr, long, long, ptr], i32)
 
     def takes(self, heads: int, k: torch.Tensor, v: torch.Tensor) -> bool:
         """Whether the kernel reads cells ``k``, ``v`` (B, Hkv, n, D) for ``heads`` query heads: one sequence
@@ -222,6 +209,12 @@ class NativeKernels:
         if self._gemv(x.data_ptr(), weight.data_ptr(), scale.data_ptr(), n, k, out.data_ptr()):
             raise MemoryError(f"int8_gemv: no scratch space for a row of {k}")
         return out
+
+
+def _bind(fn: Any, argtypes: list[Any], restype: Any) -> Any:
+    """``fn`` with its C signature set (ctypes converts and checks the arguments)."""
+    fn.argtypes, fn.restype = argtypes, restype
+    return fn
 
 
 def _chunks(hkv: int, n: int, threads: int) -> int:
