@@ -29,6 +29,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -262,11 +263,13 @@ def _cpu() -> str:
 
 @functools.cache
 def native_kernels() -> NativeKernels | None:
-    """The kernel, built once per process (and once per machine on disk), or None where it cannot be built
-    or ``$SELFEXTEND_NATIVE`` is ``0``."""
+    """The kernels, built once per process (and once per machine on disk), or None where
+    ``$SELFEXTEND_NATIVE`` is ``0`` or they cannot be built (then with one warning saying why)."""
     if os.environ.get(ENV) == "0":
         return None
     try:
         return NativeKernels(build(cache_root() / "kernels"))
-    except (RuntimeError, OSError, subprocess.SubprocessError):
+    except (RuntimeError, OSError, subprocess.SubprocessError) as e:
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        warnings.warn(f"native decode kernels not built ({reason}); decoding through torch ops", stacklevel=2)
         return None
