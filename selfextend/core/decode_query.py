@@ -63,27 +63,6 @@ def grouped_decode_keys(
     return grouped_prefix(k, cells, n_grouped, group_size, inv_freq, rotations, dtype)
 
 
-def self_extend_decode_inputs(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    pos: int,
-    group_size: int,
-    window: int,
-    inv_freq: torch.Tensor,
-    cells: KeyCells,
-    rotations: RotationTable | None = None,
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """What a decode step's grouped scores read, for a query ``q`` (B, H or Hkv, rows, D) at ``pos``: the
-    query at its grouped position and :func:`grouped_decode_keys`; None when there are none."""
-    k_g = grouped_decode_keys(k, pos, group_size, window, inv_freq, cells, rotations)
-    if k_g is None:
-        return None
-    delta = grouped_query_positions(pos, group_size, window) - pos
-    if rotations is not None:
-        return rotations.rotate(q, delta, inv_freq), k_g
-    return rotate(q, torch.tensor([delta]), inv_freq), k_g
-
-
 def self_extend_decode(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -101,14 +80,18 @@ def self_extend_decode(
     q (B, H, 1, D) -> (B, H, 1, D). ``rotations``: a table for the query's rotation (shared by layers)."""
     b, h, _, d = q.shape
     hkv = k.shape[1]
-    scaled = (q * scale).reshape(b, hkv, h // hkv, d)  # (B, Hkv, n_rep, D): heads sharing a KV head as rows
-    grouped = self_extend_decode_inputs(scaled, k, pos, group_size, window, inv_freq, cells, rotations)
-    if grouped is None:
+    k_g = grouped_decode_keys(k, pos, group_size, window, inv_freq, cells, rotations)
+    if k_g is None:
         # Every key at its own position: this is plain attention, so run the very op the unpatched model
         # decodes with. Another summation order differs in the last bits, which int8 weights (activations
         # rounded to bfloat16 before each product) amplify until a greedy token flips.
         return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
-    q, (q_g, k_g) = scaled, grouped
+    q = (q * scale).reshape(b, hkv, h // hkv, d)  # (B, Hkv, n_rep, D): the heads sharing a KV head as rows
+    delta = grouped_query_positions(pos, group_size, window) - pos
+    if rotations is not None:
+        q_g = rotations.rotate(q, delta, inv_freq)
+    else:
+        q_g = rotate(q, torch.tensor([delta]), inv_freq)
     n_grouped = k_g.shape[2]
     grouped = torch.matmul(q_g, k_g.transpose(-1, -2))  # (B, Hkv, n_rep, n_grouped)
     neighbors = torch.matmul(q, k[..., n_grouped:, :].transpose(-1, -2))  # (B, Hkv, n_rep, rest)
