@@ -124,7 +124,7 @@ def test_step_through_the_kernel_equals_the_forward(monkeypatch, cache_type, sel
     are the model's forward's: to 1e-4 over float32 cells, within the cache type's tolerance otherwise."""
     calls = []
     real = native.NativeKernels.__call__
-    monkeypatch.setattr(native.NativeKernels, "__call__", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(native.NativeKernels, "__call__", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     model = make_model("llama")
     if self_extend:
         selfextend.apply_self_extend(model, group_size=3, window=12)

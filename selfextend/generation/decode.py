@@ -148,7 +148,7 @@ class DecodeStep:
         x = self.embed.weight[token].view(1, -1).clone()  # (1, hidden), added to in place
         position_ids = torch.tensor([[pos]], device=x.device)
         rot = Rotation.from_cos_sin(*(t[:, None] for t in self.rotary(x[None], position_ids)))  # (1, 1, 1, D)
-        first = cache.layers[0]
+        first = cache.layers[0]  # every layer's cells have its layout: checked once for all
         kernel = self.native
         if kernel is not None and not (
             isinstance(first, ContextShiftLayer) and kernel.takes(self.heads[0], first.keys, first.values)
@@ -166,7 +166,7 @@ class DecodeStep:
                 p = attn.self_extend if self_extend and attn.self_extend.group_size > 1 else None
                 by = None if p is None else _query_rotation(grouped_rotations, pos, p)
                 q, q_g = kernel.rope_write(
-                    qkv.float(), self.heads[:2], rotation, cells.keys, cells.values, slot, by
+                    qkv.float(), self.heads[:2], rotation, cells.keys, cells.values, slot, by, checked=True
                 )
                 k, v = cells.keys[..., : slot + 1, :], cells.values[..., : slot + 1, :]  # (1, Hkv, cells, D)
                 k_g = None
@@ -181,7 +181,7 @@ class DecodeStep:
                         p.rotations,
                         torch.float32,
                     )
-                out = kernel(q, k, v, attn.scaling, None if k_g is None else (q_g, k_g))
+                out = kernel(q, k, v, attn.scaling, None if k_g is None else (q_g, k_g), checked=True)
             else:
                 out = self._attend(attn, qkv.to(x.dtype), rot, cache.layers[i], pos, self_extend)
             x += plan.o_proj(out.to(x.dtype).view(1, -1))  # (1, H, 1, D) -> (1, H * D)

@@ -86,10 +86,13 @@ class NativeKernels:
         v: torch.Tensor,
         scale: float,
         grouped: tuple[torch.Tensor, torch.Tensor] | None = None,
+        checked: bool = False,
     ) -> torch.Tensor:
         """q (1, H, 1, D); k, v (1, Hkv, n, D) cell views; ``grouped``: q_g (1, H, 1, D) and k_g
-        (1, Hkv, n_g, D), read as float32 (a float32 buffer with contiguous rows is read in place)."""
-        if not self.takes(q.shape[1], k, v):
+        (1, Hkv, n_g, D), read as float32 (a float32 buffer with contiguous rows is read in place).
+        ``checked``: the caller has seen :meth:`takes` accept these cells' layout (the decode step, once per
+        token for every layer)."""
+        if not checked and not self.takes(q.shape[1], k, v):
             raise ValueError(f"the attention kernel cannot read q {tuple(q.shape)}, k {tuple(k.shape)}")
         _, h, _, d = q.shape
         hkv, n = k.shape[1], k.shape[2]
@@ -133,17 +136,19 @@ class NativeKernels:
         values: torch.Tensor,
         slot: int,
         grouped: tuple[torch.Tensor, torch.Tensor] | None = None,
+        checked: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A token's query/key/value rows ``qkv`` (1, (H + 2 Hkv) * D) float32, ``heads`` = (H, Hkv): the
         key rotated and the value written to ``slot`` of the cells ``keys``, ``values`` (1, Hkv, capacity,
         D; rounded to their type); returns the rotated query (1, H, 1, D) float32 and, with ``grouped``,
         that query rotated on by it (Self-Extend's grouped query), else None. ``rotation``, ``grouped``:
-        (cos, sin) factors of a :class:`~selfextend.core.rope.Rotation`, (rot_dim,) float32 each."""
+        (cos, sin) factors of a :class:`~selfextend.core.rope.Rotation`, (rot_dim,) float32 each;
+        ``checked`` as for attention (the slot is checked in any case)."""
         h, hkv = heads
         d = keys.shape[-1]
         if qkv.dtype != torch.float32 or not qkv.is_contiguous() or qkv.numel() != (h + 2 * hkv) * d:
             raise ValueError(f"rope_write takes (1, {(h + 2 * hkv) * d}) float32, not {tuple(qkv.shape)}")
-        if not (self.takes(h, keys, values) and 0 <= slot < keys.shape[2]):
+        if not ((checked or self.takes(h, keys, values)) and 0 <= slot < keys.shape[2]):
             raise ValueError(f"rope_write cannot write slot {slot} of cells {tuple(keys.shape)} {keys.dtype}")
         q = torch.empty(1, h, 1, d)
         q_g = torch.empty(1, h, 1, d) if grouped is not None else None
