@@ -1,7 +1,8 @@
-"""Milliseconds per decode token of SmolLM2 (int4) through each decode path, side by side in one process.
+"""Milliseconds per decode token of a model (SmolLM2 int4 by default) through each decode path, side by side.
 
 Paths: ``direct`` (the eager :class:`~selfextend.generation.decode.DecodeStep`, the default), ``torch`` (the
-same without its native kernels: torch ops, SDPA attention), ``layer`` (the
+same without its native kernels: torch ops, SDPA attention), ``eager`` (the compiled step's code run
+eagerly: Gemma 3's path before the direct step served it), ``layer`` (the
 compiled step as ``--compile`` runs it: one decoder layer compiled, called per layer), ``layerskip`` (the
 same with dynamo's guard evaluation skipped, to see what guards cost), ``whole`` (the whole step compiled
 as one graph: minutes to compile, not offered by the CLI). Each ``PATH:TYPE`` names a cache element type
@@ -10,6 +11,7 @@ path after 5, then rewinds to the prompt; rounds interleave the paths. First-cal
 printed as they happen.
 
     python experiments/decode_paths.py direct:f32 layer:f32 layer:bf16 [--rounds 3] [--self-extend]
+    python experiments/decode_paths.py direct:bf16 eager:f32 --model gemma3-270m
 """
 
 from __future__ import annotations
@@ -55,10 +57,10 @@ def step_fn(model: torch.nn.Module, path: str) -> Callable[[Generator], object]:
     return fn
 
 
-def load(threads: int, self_extend: bool) -> torch.nn.Module:
-    """SmolLM2 as ``generate`` runs it (int4) on ``threads`` threads, Self-Extend G=4, W=1024 if asked."""
+def load(name: str, threads: int, self_extend: bool) -> torch.nn.Module:
+    """Model ``name`` as ``generate`` runs it (int4), ``threads`` threads; Self-Extend G=4, W=1024 if set."""
     torch.set_num_threads(threads)
-    model, _ = load_model("smollm2-135m", weights="auto")
+    model, _ = load_model(name, weights="auto")
     if self_extend:
         apply_self_extend(model, group_size=4, window=1024)
     return model
@@ -86,11 +88,14 @@ def milliseconds(fn: Callable[[Generator], object], gen: Generator, n: int = 100
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("paths", nargs="+", help="PATH:TYPE, e.g. direct:f32 layer:bf16")
+    parser.add_argument(
+        "--model", default="smollm2-135m", help="a shipped model's name (smollm2-135m, gemma3-270m)"
+    )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--self-extend", action="store_true", help="Self-Extend G=4, W=1024 on every path")
     args = parser.parse_args()
-    model = load(args.threads, args.self_extend)
+    model = load(args.model, args.threads, args.self_extend)
     setups = {}
     for name in args.paths:
         path, cache_type = name.split(":")

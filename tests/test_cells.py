@@ -19,7 +19,8 @@ import selfextend
 from selfextend.core.attention import repeat_kv
 from selfextend.hf.facts import cache_kwargs
 from selfextend.kv.cache import ContextShiftCache
-from selfextend.kv.layers import ContextShiftLayer, SlidingShiftLayer
+from selfextend.kv.layers import ContextShiftLayer
+from selfextend.kv.sliding import SlidingShiftLayer
 
 TOL = 1e-4
 WINDOW = 8

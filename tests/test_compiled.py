@@ -228,8 +228,8 @@ def test_generate_compile_flag_falls_back_in_one_line(
 
 
 def test_decode_settings_defaults() -> None:
-    """Without the compiled step, bf16 cells where the native direct step decodes (a float32 Llama on the
-    CPU, plain or Self-Extend), the model's dtype for a model it does not serve or without the native
+    """Without the compiled step, bf16 cells where the native direct step decodes (a float32 Llama or Gemma 3
+    on the CPU, plain or Self-Extend), the model's dtype for a model it does not serve or without the native
     kernels; the model's dtype with the compiled step; the CLI's names are the library's."""
     from selfextend.cli.generation_options import CACHE_TYPES
     from selfextend.core.validate import ValidationError
@@ -241,7 +241,8 @@ def test_decode_settings_defaults() -> None:
     assert tuple(CACHE_DTYPES) == CACHE_TYPES
     assert decode_settings(model, True) == (True, None)
     assert decode_settings(model, False) == (False, native)
-    assert decode_settings(tiny_gemma3(["sliding_attention", "full_attention"], 6), False) == (False, None)
+    assert decode_settings(tiny_gemma3(["sliding_attention", "full_attention"], 6), False) == (False, native)
+    assert decode_settings(make_model("phi3"), False) == (False, None)
     apply_self_extend(model, GROUP, WINDOW)
     assert decode_settings(model, False) == (False, native)
     assert decode_settings(model, True, "f32") == (True, torch.float32)

@@ -111,7 +111,7 @@ def test_bounded_sliding_layers_equal_full_buffer(gemma, text):
     after which the kept cells are inside the window again."""
     from selfextend.generation.generator import Generator
     from selfextend.kv.cache import ContextShiftCache
-    from selfextend.kv.layers import SlidingShiftLayer
+    from selfextend.kv.sliding import SlidingShiftLayer
 
     model, tokenizer = gemma
     ids = tokenizer(text[:5000]).input_ids[:550]

@@ -20,7 +20,9 @@ from transformers import (
 
 import selfextend
 from selfextend.core.rope import layer_frequencies
+from selfextend.generation.decode import DecodeStep
 from selfextend.generation.generator import Generator
+from selfextend.generation.native import native_kernels
 from selfextend.hf.facts import cache_kwargs
 from selfextend.hf.patch import REFERENCE_IMPLEMENTATION, OwnAttention, SelfExtendParams
 from selfextend.kv.cache import ContextShiftCache
@@ -161,27 +163,41 @@ def test_gemma3_generation_through_shifts_matches_reference():
     assert (runs[0] - runs[1]).abs().max() < TOL
 
 
+class CountedStep(DecodeStep):
+    """A decode step that counts the tokens it serves."""
+
+    calls = 0
+
+    def __call__(self, token: int, cache: ContextShiftCache) -> torch.Tensor:
+        self.calls += 1
+        return super().__call__(token, cache)
+
+
 @pytest.mark.parametrize("extend", [False, True])
-def test_gemma3_single_tokens_go_through_the_eager_step(extend):
-    """Gemma 3 has no DecodeStep: a generator writes its single tokens through the compiled step's code run
-    eagerly (not compiled), and gets the model's forward's logits at every step through shifts."""
+@pytest.mark.parametrize("sliding", [True, False])
+def test_gemma3_single_tokens_go_through_the_decode_step(extend, sliding):
+    """A generator writes Gemma 3's single tokens through its DecodeStep (sliding layers read the last run of
+    their cells, compacted when the ring wrapped; or, in a full-size cache, the last ``window`` of them), and
+    gets the model's forward's logits at every step through shifts, native kernels or torch ops."""
     ids = torch.randint(3, 97, (100,)).tolist()
     model = gemma3()
     if extend:
         selfextend.apply_self_extend(model, group_size=3, window=7)
     runs = []
-    for direct in (True, False):
-        gen = Generator(model, ContextShiftCache(model, n_ctx=48, n_keep=4), direct_decode=direct)
-        assert (gen.fast is not None and not gen.fast.compile) == direct
-        stepped = []
+    for direct, native in ((True, True), (True, False), (False, False)):
+        gen = Generator(
+            model, ContextShiftCache(model, n_ctx=48, n_keep=4, sliding=sliding), direct_decode=direct
+        )
+        assert (gen.step is not None) == direct and gen.fast is None
         if direct:
-            rows = gen.fast.step.rows
-            gen.fast.step.rows = lambda *args, rows=rows, stepped=stepped: stepped.append(1) or rows(*args)
+            gen.step = CountedStep(model, native=native)
+            assert (gen.step.native is not None) == (native and native_kernels() is not None)
         steps = [gen.feed(ids[:30])] + [gen.feed([t]) for t in ids[30:]]
         assert gen.cache.shifts >= 3
-        assert len(stepped) >= (50 if direct else 0)  # most of the 70 tokens (not those after a shift)
+        assert gen.step is None or gen.step.calls == 70
         runs.append(torch.stack(steps))
-    assert (runs[0] - runs[1]).abs().max() < TOL
+    for run in runs[:2]:
+        assert (run - runs[2]).abs().max() < TOL
 
 
 def test_soft_capping_and_all_sliding_refused():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -217,17 +219,72 @@ def test_rms_norm_bf16_is_the_norm_rounded(n) -> None:
 
 
 @needs_kernel
-def test_silu_mul_bf16_is_the_activation_rounded() -> None:
-    """Over gates from -100 to 100 (e^-g must not overflow either way)."""
+@pytest.mark.parametrize("activation", ["silu", "gelu_pytorch_tanh"])
+def test_gated_bf16_is_the_activation_rounded(activation) -> None:
+    """SwiGLU and GeGLU (Gemma's tanh GELU) over gates from -100 to 100 (e^-g must not overflow either way),
+    against the math in float64 and transformers' own activation functions. 1 + tanh(y) cancels for very
+    negative gates (to 0 in float64 below y = -19), so the float64 truth is written as the kernel computes it,
+    2 sigmoid(2y); transformers' float32 functions agree to 1e-6 absolute."""
+    from transformers.activations import ACT2FN
+
     n = 4096
-    gate = torch.linspace(-100, 100, n).bfloat16()
+    gate = torch.cat([torch.linspace(-100, 100, n - 64), torch.linspace(-1e-3, 1e-3, 64)]).bfloat16()
     up = torch.randn(n, generator=torch.Generator().manual_seed(8)).bfloat16()
     gate_up = torch.cat([gate, up]).view(1, -1)
-    got = KERNEL.silu_mul_bf16(gate_up)
+    got = KERNEL.gated_bf16(gate_up, activation)
     assert got.shape == (1, n) and torch.isfinite(got).all()
-    _within_one_bf16_step(got[0], (F.silu(gate.float()) * up.float()).bfloat16())
+    g = gate.double()
+    s = g if activation == "silu" else 2 * math.sqrt(2 / math.pi) * (g + 0.044715 * g**3)
+    _within_one_bf16_step(got[0], (g * torch.sigmoid(s) * up.double()).bfloat16())
+    torch.testing.assert_close(
+        got[0].float(), ACT2FN[activation](gate.float()) * up.float(), atol=1e-6, rtol=8e-3
+    )
     with pytest.raises(ValueError, match="bfloat16 row"):
-        KERNEL.silu_mul_bf16(gate_up.float())
+        KERNEL.gated_bf16(gate_up.float(), activation)
+    with pytest.raises(ValueError, match="not 'relu'"):
+        KERNEL.gated_bf16(gate_up, "relu")
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_add_adds_the_normed_row(dtype) -> None:
+    """Gemma's norm after attention and MLP, added to the residual in place: x + w * y / rms(y)."""
+    n = 640
+    g = torch.Generator().manual_seed(9)
+    x, y, w = (
+        torch.randn(1, n, generator=g),
+        (torch.randn(1, n, generator=g) * 30).to(dtype),
+        torch.randn(n, generator=g),
+    )
+    want = x + F.rms_norm(y.float(), (n,), w, 1e-6)
+    KERNEL.rms_norm_add(x, y, w, 1e-6)
+    torch.testing.assert_close(x, want, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="contiguous rows"):
+        KERNEL.rms_norm_add(x, y[:, :-1], w, 1e-6)
+
+
+@needs_kernel
+def test_rope_write_norms_each_head_first() -> None:
+    """Qwen3's and Gemma 3's q/k norms: each query and key head RMS-normed by its weights, then rotated;
+    values untouched by them."""
+    h, hkv, d, slot = 4, 1, 256, 3
+    g = torch.Generator().manual_seed(10)
+    qkv = torch.randn(1, (h + 2 * hkv) * d, generator=g) * 7
+    rot = Rotation.of(torch.tensor([1000]), 1.0 / 10000 ** (torch.arange(0, d, 2).float() / d))
+    norms = native.HeadNorms(torch.rand(d, generator=g) + 0.5, torch.rand(d, generator=g) + 0.5, 1e-6)
+    keys, values = (torch.zeros(1, hkv, 5, d) for _ in range(2))
+    factors = rot.cos.reshape(-1), rot.sin.reshape(-1)
+    q, _ = KERNEL.rope_write(qkv, (h, hkv), factors, keys, values, slot, norms=norms)
+    rows = qkv.view(1, -1, 1, d)  # (1, H + 2 Hkv, 1, D)
+    want_q = rot.apply(F.rms_norm(rows[:, :h], (d,), norms.query, norms.eps))
+    want_k = rot.apply(F.rms_norm(rows[:, h : h + hkv], (d,), norms.key, norms.eps))
+    torch.testing.assert_close(q, want_q, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(keys[:, :, slot : slot + 1], want_k, atol=1e-5, rtol=1e-5)
+    assert torch.equal(values[:, :, slot], rows[:, h + hkv :, 0])
+    with pytest.raises(ValueError, match="head norms"):
+        KERNEL.rope_write(
+            qkv, (h, hkv), factors, keys, values, slot, norms=norms._replace(key=norms.key[:-1])
+        )
 
 
 @needs_kernel
@@ -249,10 +306,11 @@ def test_int8_gemv_is_torchs_int8_product(n, k) -> None:
 
 @needs_kernel
 def test_gemma3_int8_head_goes_through_the_native_product() -> None:
-    """Gemma 3 decodes through the compiled step's code run eagerly: with an int8 output head that head is
-    the native single-row product (used, counted), its logits the int8 module's to bfloat16 rounding."""
+    """The compiled step's code run eagerly (as ``--compile`` runs its head): an int8 output head is the
+    native single-row product (used, counted), its logits the int8 module's to bfloat16 rounding."""
     from conftest import tiny_gemma3
 
+    from selfextend.generation.compiled import FastDecode
     from selfextend.generation.generator import Generator
     from selfextend.kv.cache import ContextShiftCache
     from selfextend.models.quantize import quantize_int8
@@ -262,7 +320,8 @@ def test_gemma3_int8_head_goes_through_the_native_product() -> None:
     ids = torch.randint(3, 97, (60,), generator=torch.Generator().manual_seed(10)).tolist()
     runs, calls = [], []
     for native_head in (True, False):
-        gen = Generator(model, ContextShiftCache(model, n_ctx=40, n_keep=4))
+        gen = Generator(model, ContextShiftCache(model, n_ctx=40, n_keep=4), direct_decode=False)
+        gen.fast = FastDecode(model, compile=False)
         step = gen.fast.step
         assert step.head_row is not None
         if native_head:

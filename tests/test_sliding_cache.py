@@ -29,7 +29,7 @@ from selfextend.generation.generator import Generator
 from selfextend.hf.facts import cache_kwargs
 from selfextend.kv import promptcache
 from selfextend.kv.cache import ContextShiftCache, cache_bytes, layer_cells
-from selfextend.kv.layers import SlidingShiftLayer
+from selfextend.kv.sliding import SlidingShiftLayer
 
 TOL = 1e-4
 WINDOW = 8
@@ -345,3 +345,30 @@ def test_chat_undo_retry_and_session_file_on_hybrid_model(chat_model, tmp_path):
     assert c.gen.tokens == a.gen.tokens and held(c.cache.layers[0]) == held(a.cache.layers[0])
     assert "".join(a.reply("again")) == "".join(c.reply("again"))
     torch.testing.assert_close(a.gen.last_logits, c.gen.last_logits, atol=TOL, rtol=0)
+
+
+def test_claim_puts_the_ring_in_order_and_the_window_is_its_last_run():
+    """Tokens written one by one through the model's forward wrap the ring (slots out of position order);
+    claiming a slot compacts it
+    first, and then every claim appends in order: the cells a query sees through the window are exactly the
+    last ``visible_from`` .. ``n_used`` slots, kept cells included when they come back inside it."""
+    m = model()
+    cache = ContextShiftCache(m, n_ctx=48, n_keep=4)
+    gen = Generator(m, cache, direct_decode=False)
+    for token in torch.randint(3, 97, (30,), generator=torch.Generator().manual_seed(5)).tolist():
+        gen.feed([token])
+    layer = cache.layers[0]
+    assert isinstance(layer, SlidingShiftLayer) and not layer.ordered  # 30 cells through a 4 + 14-slot ring
+    for _ in range(60):
+        cache.make_room(1)  # two shifts on the way: moved cells keep their order
+        slot = layer.claim()
+        pos = layer.next_pos - 1
+        positions = layer.positions[: layer.n_used]
+        assert layer.ordered and slot == layer.n_used - 1 and int(positions[slot]) == pos
+        assert bool((positions[1:] > positions[:-1]).all())
+        first = layer.visible_from(pos, WINDOW)
+        visible = torch.nonzero(pos - positions < WINDOW).squeeze(1)
+        assert visible.tolist() == list(range(first, layer.n_used))
+        for other in cache.layers[1:]:
+            other.claim()
+    assert cache.shifts >= 2

@@ -15,7 +15,7 @@ from typing import NamedTuple
 import torch
 
 from selfextend.kv.cache import ContextShiftCache
-from selfextend.kv.layers import SlidingShiftLayer
+from selfextend.kv.sliding import SlidingShiftLayer
 
 
 class Cells(NamedTuple):

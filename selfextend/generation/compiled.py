@@ -35,7 +35,7 @@ from torch.fx.experimental import _config as fx_config
 from selfextend.core.positions import grouped_key_positions, grouped_query_positions, is_neighbor
 from selfextend.core.rope import Rotation
 from selfextend.generation.cells import Cells, StepCells
-from selfextend.generation.decode import fuse_projections, layout_problem
+from selfextend.generation.decode import ATTENTION, fuse_projections, rope_by_kind, rotations_at, why_not
 from selfextend.generation.native import native_kernels
 from selfextend.generation.products import direct, product_of, project
 from selfextend.hf.facts import layer_kinds, sliding_windows
@@ -43,23 +43,7 @@ from selfextend.hf.patch import IMPLEMENTATION, SelfExtendParams
 from selfextend.kv.cache import ContextShiftCache
 from selfextend.models.sources import cache_root
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
-ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
-ATTENTION = ("sdpa", "eager", IMPLEMENTATION)
 RECOMPILE_LIMIT = 64  # graphs of the layer function per process (dynamo's default, 8, is per code object)
-
-
-def why_not(model: nn.Module) -> str | None:
-    """Why :class:`CompiledStep` cannot run ``model``, or None when it can."""
-    config = model.config
-    if config.model_type not in FAMILIES:
-        return f"model type {config.model_type}"
-    act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
-    if act not in ACTIVATIONS or getattr(config, "pretraining_tp", 1) > 1:
-        return "activation or tensor-parallel layout"
-    if getattr(config, "attn_logit_softcapping", None) is not None:
-        return "attention logit soft-capping"
-    return layout_problem(model)
 
 
 def compile_pays(model: nn.Module) -> bool:
@@ -157,7 +141,7 @@ class CompiledStep:
         config = model.config.get_text_config()
         self.kinds = layer_kinds(model)
         self.windows = sliding_windows(config)
-        self.rope_by_kind = getattr(config, "model_type", "") == "gemma3_text"  # one rotary, a base per kind
+        self.rope_by_kind = rope_by_kind(self.rotary)
         self.softcap = getattr(config, "final_logit_softcapping", None)
         self.qkv = [
             fuse_projections([a.q_proj, a.k_proj, a.v_proj]) for a in (m.self_attn for m in self.layers)
@@ -177,18 +161,6 @@ class CompiledStep:
         found = [getattr(m.self_attn, "self_extend", None) for m in self.layers]
         return [p if isinstance(p, SelfExtendParams) else None for p in found]
 
-    def _rotations(self, x: torch.Tensor, pos: torch.Tensor) -> dict[str, Rotation]:
-        """The RoPE rotation of each row's position ``pos`` (B,) for each attention kind (the model's own
-        rotary module), (B, 1, 1, D) each."""
-        position_ids = pos.view(-1, 1)  # (B, 1)
-        if not self.rope_by_kind:
-            rot = Rotation.from_cos_sin(*(t[:, None] for t in self.rotary(x, position_ids)))
-            return dict.fromkeys(set(self.kinds), rot)
-        return {
-            kind: Rotation.from_cos_sin(*(t[:, None] for t in self.rotary(x, position_ids, kind)))
-            for kind in set(self.kinds)
-        }
-
     def __call__(
         self, token: torch.Tensor, pos: torch.Tensor, cells: Cells, grouped: list[GroupedRotations | None]
     ) -> torch.Tensor:
@@ -207,7 +179,7 @@ class CompiledStep:
         for all); attention runs per row over its cells. ``grouped`` serves every row (by position). Each
         layer goes through :attr:`layer_fn` (:func:`layer_rows`, or its compiled form)."""
         x = self.embed(tokens)  # (B, 1, hidden)
-        rotations = self._rotations(x, pos)
+        rotations = rotations_at(self.rotary, self.kinds, self.rope_by_kind, x, pos)
         for i, layer in enumerate(self.layers):
             layer_cells = [
                 LayerCells(c.keys[i], c.values[i], c.positions[i], c.slots[i : i + 1]) for c in cells

@@ -1,4 +1,4 @@
-"""One generated token through a Llama-family model, directly: the decode step of endless generation.
+"""One generated token through a Llama-family or Gemma 3 model, directly: endless generation's decode step.
 
 transformers' forward is general: per layer a token passes through a dozen module calls,
 mask and position plumbing and an attention dispatch by name. For a single token on a CPU
@@ -10,12 +10,16 @@ quantized kernels and norms are called directly (:mod:`selfextend.generation.pro
 plain or Self-Extend, is the native kernel of :mod:`selfextend.generation.native` where it
 builds (else SDPA, or Self-Extend's decode path).
 
-It serves models whose layers are plain Llama blocks (Llama, Mistral and Qwen2 without
-sliding windows); :func:`decode_step_for` returns None for anything else, and callers then
-use the model's forward. Forward hooks on the submodules are not run.
+It serves Llama, Mistral, Qwen2 and Qwen3 blocks and Gemma 3's (norms after attention and MLP, GeGLU,
+q/k norms, a RoPE base per kind of layer, sliding-window layers, a scaled embedding); a sliding layer's
+query reads the last run of its cells in position order (:meth:`~selfextend.kv.layers.CellLayer.claim`
+compacts a wrapped ring first). :func:`decode_step_for` returns None for anything else, and callers then
+use another path. Forward hooks on the submodules are not run.
 """
 
 from __future__ import annotations
+
+import inspect
 
 import torch
 import torch.nn.functional as F
@@ -25,15 +29,18 @@ from selfextend.core.cells import cells_of
 from selfextend.core.decode_query import grouped_decode_keys, self_extend_decode
 from selfextend.core.positions import grouped_query_positions
 from selfextend.core.rope import Rotation
-from selfextend.generation.native import native_kernels
+from selfextend.generation.native import NativeKernels, native_kernels
 from selfextend.generation.products import LayerPlan, direct, norm_of, product_of
+from selfextend.hf.facts import layer_kinds, sliding_windows
 from selfextend.hf.patch import IMPLEMENTATION, SelfExtendParams
 from selfextend.kv.cache import ContextShiftCache
-from selfextend.kv.layers import CellLayer, ContextShiftLayer
+from selfextend.kv.layers import CellLayer
 from selfextend.models.quantize import Int4Linear, Int8Linear, fuse_int4, fuse_int8
 
-FAMILIES = ("llama", "mistral", "qwen2")
-ATTENTION = ("sdpa", IMPLEMENTATION)
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+ATTENTION = ("sdpa", "eager", IMPLEMENTATION)  # one math (attention soft-capping is refused by why_not)
+Rotations = dict[str, Rotation]  # by kind of layer (full_attention, sliding_attention)
 
 
 def fuse_projections(projections: list[nn.Module]) -> tuple[nn.Module, ...]:
@@ -55,17 +62,17 @@ def fuse_projections(projections: list[nn.Module]) -> tuple[nn.Module, ...]:
     return tuple(projections) if found[1] is None else (found[1],)
 
 
-def _why_not(model: nn.Module) -> str | None:
-    """Why :class:`DecodeStep` cannot run ``model``, or None when it can."""
+def why_not(model: nn.Module) -> str | None:
+    """Why :class:`DecodeStep` (and the compiled step, which serves the same families) cannot run ``model``,
+    or None when it can."""
     config = model.config
     if config.model_type not in FAMILIES:
         return f"model type {config.model_type}"
-    if getattr(config, "sliding_window", None) or any(
-        t != "full_attention" for t in getattr(config, "layer_types", None) or []
-    ):
-        return "sliding-window attention"
-    if config.hidden_act != "silu" or getattr(config, "pretraining_tp", 1) > 1:
+    act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
+    if act not in ACTIVATIONS or getattr(config, "pretraining_tp", 1) > 1:
         return "activation or tensor-parallel layout"
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        return "attention logit soft-capping"
     return layout_problem(model)
 
 
@@ -80,13 +87,33 @@ def layout_problem(model: nn.Module) -> str | None:
     return None
 
 
+def rope_by_kind(rotary: nn.Module) -> bool:
+    """Whether the model's rotary module takes the kind of layer (Gemma 3's: a RoPE base per kind)."""
+    return "layer_type" in inspect.signature(rotary.forward).parameters
+
+
+def rotations_at(
+    rotary: nn.Module, kinds: list[str], by_kind: bool, x: torch.Tensor, pos: torch.Tensor
+) -> Rotations:
+    """The RoPE rotation (B, 1, 1, D) of each row's position ``pos`` (B,) for each kind of layer in
+    ``kinds``, from the model's own ``rotary`` module (``by_kind``: :func:`rope_by_kind`)."""
+    position_ids = pos.view(-1, 1)  # (B, 1)
+    if not by_kind:
+        rot = Rotation.from_cos_sin(*(t[:, None] for t in rotary(x, position_ids)))
+        return dict.fromkeys(set(kinds), rot)
+    return {
+        kind: Rotation.from_cos_sin(*(t[:, None] for t in rotary(x, position_ids, kind)))
+        for kind in set(kinds)
+    }
+
+
 def serves(model: nn.Module) -> bool:
-    """Whether :class:`DecodeStep` runs ``model`` (plain Llama blocks), without building one."""
-    return _why_not(model) is None
+    """Whether :class:`DecodeStep` runs ``model``, without building one."""
+    return why_not(model) is None
 
 
 def decode_step_for(model: nn.Module) -> DecodeStep | None:
-    """A :class:`DecodeStep` for ``model``, or None when its architecture is not a plain Llama block."""
+    """A :class:`DecodeStep` for ``model``, or None when it does not serve its architecture."""
     return DecodeStep(model) if serves(model) else None
 
 
@@ -113,14 +140,19 @@ class DecodeStep:
 
     def __init__(self, model: nn.Module, native: bool = True) -> None:
         """``native``: use the native kernels where they build (False: torch ops only, SDPA attention)."""
-        reason = _why_not(model)
+        reason = why_not(model)
         if reason:
             raise ValueError(f"DecodeStep does not support this model ({reason})")
         self.model = model
         inner = model.model
         self.embed, self.norm, self.rotary = inner.embed_tokens, inner.norm, inner.rotary_emb
+        self.embed_scale = getattr(self.embed, "embed_scale", None)  # Gemma's sqrt(hidden)
         self.layers = list(inner.layers)
         self.head = model.lm_head
+        config = model.config
+        self.kinds, self.windows = layer_kinds(model), sliding_windows(config)
+        self.by_kind = rope_by_kind(self.rotary)
+        self.softcap = getattr(config, "final_logit_softcapping", None)
         attn = self.layers[0].self_attn
         self.head_dim = d = attn.head_dim
         self.heads = [p.out_features // d for p in (attn.q_proj, attn.k_proj, attn.v_proj)]
@@ -132,6 +164,11 @@ class DecodeStep:
             self.qkv.append(fuse_projections([a.q_proj, a.k_proj, a.v_proj]))
             self.gate_up.append(fuse_projections([mlp.gate_proj, mlp.up_proj]))
             self.plan.append(LayerPlan.of(layer, self.qkv[-1], self.gate_up[-1], dtype, self.native))
+        if any(
+            hasattr(m.self_attn, "q_norm") and plan.head_norms is None
+            for m, plan in zip(self.layers, self.plan, strict=True)
+        ):
+            self.native = None  # q/k norms the native rotation cannot apply
         head = (self.head,)
         self.final_norm = norm_of(self.norm, dtype, self.native if direct(head) else None)
         self.head_product = product_of(head, self.native)
@@ -140,35 +177,53 @@ class DecodeStep:
         """Whether the model's current attention implementation is one this step computes."""
         return self.model.config._attn_implementation in ATTENTION
 
+    def _kernel(self, cache: ContextShiftCache) -> NativeKernels | None:
+        """The native kernels where they read this cache's cells (every layer's have the first's layout), else
+        None."""
+        kernel, first = self.native, cache.layers[0]
+        if kernel is None or not (
+            isinstance(first, CellLayer) and kernel.takes(self.heads[0], first.keys, first.values)
+        ):
+            return None
+        return kernel
+
     @torch.no_grad()
     def __call__(self, token: int, cache: ContextShiftCache) -> torch.Tensor:
         """Logits (vocab,) of the next token after ``token``, written at position ``cache.n_past``."""
         pos = cache.n_past
         self_extend = self.model.config._attn_implementation == IMPLEMENTATION
-        x = self.embed.weight[token].view(1, -1).clone()  # (1, hidden), added to in place
-        position_ids = torch.tensor([[pos]], device=x.device)
-        rot = Rotation.from_cos_sin(*(t[:, None] for t in self.rotary(x[None], position_ids)))  # (1, 1, 1, D)
-        first = cache.layers[0]  # every layer's cells have its layout: checked once for all
-        kernel = self.native
-        if kernel is not None and not (
-            isinstance(first, ContextShiftLayer) and kernel.takes(self.heads[0], first.keys, first.values)
-        ):
-            kernel = None
-        if kernel is not None:
-            rotation = rot.cos.reshape(-1).contiguous(), rot.sin.reshape(-1).contiguous()  # (rot_dim,) each
+        x = self.embed.weight[token].view(1, -1)  # (1, hidden), added to in place
+        x = x * self.embed_scale.to(x.dtype) if self.embed_scale is not None else x.clone()
+        rotations = rotations_at(self.rotary, self.kinds, self.by_kind, x[None], torch.tensor([pos]))
+        kernel = self._kernel(cache)
+        if kernel is not None:  # (cos, sin) (rot_dim,) each, by kind
+            flat = {
+                kind: (r.cos.reshape(-1).contiguous(), r.sin.reshape(-1).contiguous())
+                for kind, r in rotations.items()
+            }
             grouped_rotations: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         for i, (layer, plan) in enumerate(zip(self.layers, self.plan, strict=True)):
-            attn = layer.self_attn
+            attn, cells, window = layer.self_attn, cache.layers[i], self.windows[i]
             qkv = plan.qkv(plan.norm(x))  # (1, (H + 2 Hkv) * D)
+            p = getattr(attn, "self_extend", None) if self_extend else None
+            p = p if isinstance(p, SelfExtendParams) and p.group_size > 1 else None
             if kernel is not None:
-                cells = cache.layers[i]
                 slot = cells.claim()
-                p = attn.self_extend if self_extend and attn.self_extend.group_size > 1 else None
+                first = cells.visible_from(pos, window)
                 by = None if p is None else _query_rotation(grouped_rotations, pos, p)
                 q, q_g = kernel.rope_write(
-                    qkv.float(), self.heads[:2], rotation, cells.keys, cells.values, slot, by, checked=True
+                    qkv.float(),
+                    self.heads[:2],
+                    flat[self.kinds[i]],
+                    cells.keys,
+                    cells.values,
+                    slot,
+                    by,
+                    checked=True,
+                    norms=plan.head_norms,
                 )
-                k, v = cells.keys[..., : slot + 1, :], cells.values[..., : slot + 1, :]  # (1, Hkv, cells, D)
+                end = slot + 1
+                k, v = cells.keys[..., first:end, :], cells.values[..., first:end, :]  # (1, Hkv, cells, D)
                 k_g = None
                 if p is not None:
                     k_g = grouped_decode_keys(
@@ -177,30 +232,45 @@ class DecodeStep:
                         p.group_size,
                         p.window,
                         p.inv_freq,
-                        cells.cells(slot + 1),
+                        cells.cells(end),
                         p.rotations,
                         torch.float32,
                     )
                 out = kernel(q, k, v, attn.scaling, None if k_g is None else (q_g, k_g), checked=True)
             else:
-                out = self._attend(attn, qkv.to(x.dtype), rot, cache.layers[i], pos, self_extend)
-            x += plan.o_proj(out.to(x.dtype).view(1, -1))  # (1, H, 1, D) -> (1, H * D)
-            x += plan.down_proj(plan.act(plan.gate_up(plan.post_norm(x))))
-        return self.head_product(self.final_norm(x))[0].to(x.dtype)
+                out = self._attend(attn, qkv.to(x.dtype), rotations[self.kinds[i]], cells, pos, p, window)
+            plan.add_attention(x, plan.o_proj(out.to(x.dtype).view(1, -1)))  # (1, H, 1, D) -> (1, H * D)
+            plan.add_mlp(x, plan.down_proj(plan.act(plan.gate_up(plan.post_norm(x)))))
+        logits = self.head_product(self.final_norm(x))[0].to(x.dtype)
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
 
     def _attend(
-        self, attn: nn.Module, qkv: torch.Tensor, rot: Rotation, cells: CellLayer, pos: int, self_extend: bool
+        self,
+        attn: nn.Module,
+        qkv: torch.Tensor,
+        rot: Rotation,
+        cells: CellLayer,
+        pos: int,
+        p: SelfExtendParams | None,
+        window: int | None,
     ) -> torch.Tensor:
         """Attention through torch where the native kernel is not built: (1, H, 1, D). Without Self-Extend,
         SDPA reads a bf16/f16 cache's cells as stored (half the bytes); Self-Extend reads them upcast."""
         d, n_qk = self.head_dim, self.heads[0] + self.heads[1]
         qkv = qkv.view(1, -1, 1, d)  # (1, H + 2 Hkv, 1, D)
-        q, k = rot.apply(qkv[:, :n_qk]).split(self.heads[:2], dim=1)  # one rotation for both
-        cells_type = cells.keys.dtype if not self_extend else qkv.dtype
+        q, k = qkv[:, :n_qk].split(self.heads[:2], dim=1)
+        if hasattr(attn, "q_norm"):
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = rot.apply(q), rot.apply(k)
+        cells_type = cells.keys.dtype if p is None else qkv.dtype
         k, v = cells.update(k.to(cells_type), qkv[:, n_qk:].to(cells_type))  # (1, Hkv, cells, D)
-        if self_extend:
-            p = attn.self_extend
+        if p is not None:
             return self_extend_decode(
                 q, k, v, pos, p.group_size, p.window, p.inv_freq, attn.scaling, cells_of(k), p.rotations
             )
+        if window is not None and not cells.is_sliding:  # all cells kept (a full-size layer): the last ones
+            first = cells.visible_from(pos, window)
+            k, v = k[..., first:, :], v[..., first:, :]
         return F.scaled_dot_product_attention(q.to(k.dtype), k, v, scale=attn.scaling, enable_gqa=True)

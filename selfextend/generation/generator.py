@@ -121,7 +121,7 @@ class Generator:
     seed: int | None = None
     tokens: list[int] = field(default_factory=list)  # the tokens whose K/V are in the cache, in order
     last_logits: torch.Tensor | None = None  # the logits after the last token written to the cache
-    direct_decode: bool = True  # single tokens through a DecodeStep, else the eager CompiledStep
+    direct_decode: bool = True  # single tokens through a DecodeStep where it serves the model
     compile: bool = False  # single tokens through the compiled step (generation.compiled) where it serves
 
     def __post_init__(self) -> None:
@@ -137,12 +137,7 @@ class Generator:
         self.device = next(self.model.parameters()).device
         single = self.cache.layers[0].keys.shape[0] == 1
         self.step = decode_step_for(self.model) if self.direct_decode and single else None
-        # compiled where asked for; else, for a model the DecodeStep does not serve (Gemma 3, Qwen3), the
-        # same step run eagerly: side by side it decodes Gemma 3 1.18x faster than the model's forward
-        eager = self.direct_decode and self.step is None
-        self.fast = (
-            fast_decode_for(self.model, compile=self.compile) if single and (self.compile or eager) else None
-        )
+        self.fast = fast_decode_for(self.model) if single and self.compile else None  # compiled where asked
 
     def make_room(self, n: int) -> None:
         """Shift the cache if ``n`` more tokens do not fit, forgetting the tokens it discards."""

@@ -2,8 +2,9 @@
  *
  * decode_attention: one query token's attention over a layer's KV cells, read once per KV head.
  * rope_write: the token's query rotated, its key rotated and value rounded into the cache's cells.
- * rms_norm_bf16, silu_mul_bf16: the norm and SwiGLU activation before a quantized product, in its
- * bfloat16 input type.
+ * rms_norm_bf16, gated_bf16: the norm and the gated activation (SwiGLU, GeGLU) before a quantized
+ * product, in its bfloat16 input type; rms_norm_add: a norm added to the residual stream (Gemma's norms
+ * after attention and MLP).
  *
  * decode_attention's arguments: q, qg: (Hkv, R, D) float32, scaled here by `scale` (R query heads share a KV head; qg is the query at
  * its Self-Extend grouped position). k, v: Hkv rows of `n` cells of D elements in the cache's type
@@ -215,16 +216,34 @@ INLINE void rope(const float *x, const float *cos, const float *sin, long rot, l
     for (long i = rot; i < d; i++) out[i] = x[i];
 }
 
-/* A token's rows (H + 2 Hkv, D) float32 from its query/key/value product: the query heads rotated into
- * q_out (H, D), and where qg_out is given, rotated on by (gcos, gsin) into qg_out (Self-Extend's query at
- * its grouped position); the key heads rotated and the value heads as they are, rounded to the cache's
- * type, into slot `slot` of each KV head's cells (`k_stride`/`v_stride` elements apart). */
+/* x / sqrt(mean(x^2) + eps) over n float32 values: the factor an RMSNorm multiplies x by (then by its weight). */
+INLINE float inv_rms(const float *x, long n, float eps) {
+    float lanes[16] = {0.0f}, sum = 0.0f;
+    long i = 0;
+    for (; i + 16 <= n; i += 16)
+        for (int k = 0; k < 16; k++) lanes[k] += x[i + k] * x[i + k];
+    for (; i < n; i++) sum += x[i] * x[i];
+    for (int k = 0; k < 16; k++) sum += lanes[k];
+    return 1.0f / sqrtf(sum / (float)n + eps);
+}
+
+/* A token's rows (H + 2 Hkv, D) float32 from its query/key/value product: the query heads (each first
+ * normed by qn, where given: Qwen3's and Gemma 3's q_norm) rotated into q_out (H, D), and where qg_out is
+ * given, rotated on by (gcos, gsin) into qg_out (Self-Extend's query at its grouped position); the key
+ * heads (normed by kn where given) rotated and the value heads as they are, rounded to the cache's type,
+ * into slot `slot` of each KV head's cells (`k_stride`/`v_stride` elements apart). */
 void rope_write(const float *qkv, long h, long hkv, long d, long rot, const float *cos, const float *sin,
                 void *keys, void *values, long k_stride, long v_stride, long slot, int type, float *q_out,
-                const float *gcos, const float *gsin, long grot, float *qg_out) {
-    float row[d];
+                const float *gcos, const float *gsin, long grot, float *qg_out, const float *qn,
+                const float *kn, float eps) {
+    float row[d], normed[d];
     for (long r = 0; r < h + 2 * hkv; r++) {
-        const float *x = qkv + r * d;
+        const float *x = qkv + r * d, *w = r < h ? qn : kn;
+        if (r < h + hkv && w != NULL) {
+            float f = inv_rms(x, d, eps);
+            for (long i = 0; i < d; i++) normed[i] = w[i] * (x[i] * f);
+            x = normed;
+        }
         if (r < h + hkv) {
             rope(x, cos, sin, rot, d, row);
         } else {
@@ -248,27 +267,35 @@ void rope_write(const float *qkv, long h, long hkv, long d, long rot, const floa
     }
 }
 
-/* out = bf16(x * w / sqrt(mean(x^2) + eps)) over n elements of float32 x and weight w: a Llama RMSNorm and
- * the rounding the quantized product after it takes its input in. */
+/* out = bf16(w * (x / sqrt(mean(x^2) + eps))) over n elements of float32 x and weight w: an RMSNorm (w is
+ * the weight it scales by: Gemma's 1 + weight) and the rounding the quantized product after it takes. */
 void rms_norm_bf16(const float *x, const float *w, long n, float eps, uint16_t *out) {
-    float lanes[16] = {0.0f}, sum = 0.0f;
-    long i = 0;
-    for (; i + 16 <= n; i += 16)
-        for (int k = 0; k < 16; k++) lanes[k] += x[i + k] * x[i + k];
-    for (; i < n; i++) sum += x[i] * x[i];
-    for (int k = 0; k < 16; k++) sum += lanes[k];
-    float r = 1.0f / sqrtf(sum / (float)n + eps);
-    for (i = 0; i < n; i++) out[i] = to_bf16(w[i] * (x[i] * r));
+    float f = inv_rms(x, n, eps);
+    for (long i = 0; i < n; i++) out[i] = to_bf16(w[i] * (x[i] * f));
 }
 
-/* out = bf16(silu(g) * u) for gu = [g, u], each n bfloat16 values: the activation of a SwiGLU MLP between
- * its two quantized products, in float32. silu(g) = g / (1 + e^-g), with e^-|g| so nothing overflows. */
-void silu_mul_bf16(const uint16_t *gu, long n, uint16_t *out) {
+/* x += w * (y / sqrt(mean(y^2) + eps)) over n elements, y float32 (type F32) or bfloat16 (BF16, a quantized
+ * product's output): the norm Gemma applies to an attention or MLP output before the residual add. */
+void rms_norm_add(const void *y, int type, const float *w, long n, float eps, float *x) {
+    float yf[n];
+    for (long i = 0; i < n; i++)
+        yf[i] = type == F32 ? ((const float *)y)[i] : from_bf16(((const uint16_t *)y)[i]);
+    float f = inv_rms(yf, n, eps);
+    for (long i = 0; i < n; i++) x[i] += w[i] * (yf[i] * f);
+}
+
+enum { SILU = 0, GELU_TANH = 1 };
+
+/* out = bf16(act(g) * u) for gu = [g, u], each n bfloat16 values: a gated MLP's activation between its two
+ * quantized products, in float32. SILU: g * sigmoid(g). GELU_TANH (gelu_pytorch_tanh): g / 2 * (1 +
+ * tanh(y)), y = sqrt(2 / pi) * (g + 0.044715 g^3), written g * sigmoid(2 y) (1 + tanh(y) cancels where y
+ * is very negative). sigmoid(s) from e^-|s|, so nothing overflows. */
+void gated_bf16(const uint16_t *gu, long n, int act, uint16_t *out) {
     for (long i = 0; i < n; i++) {
         float g = from_bf16(gu[i]), u = from_bf16(gu[n + i]);
-        float e = exp_neg(g > 0.0f ? -g : g);
-        float sigmoid = g > 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
-        out[i] = to_bf16(g * sigmoid * u);
+        float s = act == SILU ? g : 1.5957691216057308f * (g + 0.044715f * g * g * g);
+        float e = exp_neg(s > 0.0f ? -s : s);
+        out[i] = to_bf16(g * (s > 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e)) * u);
     }
 }
 

@@ -8,10 +8,11 @@ head at ~16 GB/s (``experiments/native_bench.py``). ``native.c`` has, per token 
 - attention that reads each KV head's cells once for all the query heads sharing it, in the cache's own
   type (float32, bfloat16 or float16), Self-Extend's grouped and neighbor scores in one pass, one
   softmax, split over torch's own OpenMP threads;
-- the query and key rotated (and the query on to its grouped position), the key and value rounded and
-  written into their cells, in one call;
-- the RMSNorm before and the SwiGLU activation between the quantized products, handing them the
-  bfloat16 row they take; and an int8 product of one row (the output head) at bandwidth.
+- the query and key normed (Qwen3's and Gemma 3's q/k norms) and rotated (the query on to its grouped
+  position too), the key and value rounded and written into their cells, in one call;
+- the RMSNorm before and the gated activation (SwiGLU, GeGLU) between the quantized products, handing
+  them the bfloat16 row they take; a norm added to the residual (Gemma's norms after attention and MLP);
+  and an int8 product of one row (the output head) at bandwidth.
 
 It is compiled as inductor compiles its CPU kernels (the system C compiler, ``-O3 -march=native
 -fopenmp``; no trapping math, so ``floorf`` vectorizes) into ``$SELFEXTEND_CACHE/kernels``, once per
@@ -31,7 +32,7 @@ import subprocess
 import tempfile
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -43,6 +44,22 @@ TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 MAX_QUERY_ROWS = 16  # query heads per KV head the kernel takes (native.c's MAX_R)
 MAX_HEAD_DIM = 256  # and head size (a multiple of 16: 16 * MAX_V there)
 ENV = "SELFEXTEND_NATIVE"
+ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1}  # transformers' names of the gated activations native.c has
+
+
+class HeadNorms(NamedTuple):
+    """The RMSNorms of each query and key head (Qwen3's and Gemma 3's q_norm, k_norm) as ``rope_write``
+    applies them: the float32 factors (D,) they scale by and their epsilon."""
+
+    query: torch.Tensor
+    key: torch.Tensor
+    eps: float
+
+    def fits(self, d: int) -> bool:
+        """Whether both are ``d`` contiguous float32 factors."""
+        return all(
+            w.shape == (d,) and w.dtype == torch.float32 and w.is_contiguous() for w in (self.query, self.key)
+        )
 
 
 class NativeKernels:
@@ -56,10 +73,13 @@ class NativeKernels:
         ptr, long, i32, f32 = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
         self._fn = _bind(lib.decode_attention, [*[ptr] * 5, *[long] * 8, i32, f32, long, ptr], i32)
         self._write = _bind(
-            lib.rope_write, [ptr, *[long] * 4, *[ptr] * 4, *[long] * 3, i32, *[ptr] * 3, long, ptr], None
+            lib.rope_write,
+            [ptr, *[long] * 4, *[ptr] * 4, *[long] * 3, i32, *[ptr] * 3, long, ptr, ptr, ptr, f32],
+            None,
         )
         self._norm = _bind(lib.rms_norm_bf16, [ptr, ptr, long, f32, ptr], None)
-        self._silu = _bind(lib.silu_mul_bf16, [ptr, long, ptr], None)
+        self._norm_add = _bind(lib.rms_norm_add, [ptr, i32, ptr, long, f32, ptr], None)
+        self._gated = _bind(lib.gated_bf16, [ptr, long, i32, ptr], None)
         self._gemv = _bind(lib.int8_gemv, [ptr, ptr, ptr, long, long, ptr], i32)
 
     def takes(self, heads: int, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -137,19 +157,23 @@ class NativeKernels:
         slot: int,
         grouped: tuple[torch.Tensor, torch.Tensor] | None = None,
         checked: bool = False,
+        norms: HeadNorms | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A token's query/key/value rows ``qkv`` (1, (H + 2 Hkv) * D) float32, ``heads`` = (H, Hkv): the
         key rotated and the value written to ``slot`` of the cells ``keys``, ``values`` (1, Hkv, capacity,
         D; rounded to their type); returns the rotated query (1, H, 1, D) float32 and, with ``grouped``,
         that query rotated on by it (Self-Extend's grouped query), else None. ``rotation``, ``grouped``:
         (cos, sin) factors of a :class:`~selfextend.core.rope.Rotation`, (rot_dim,) float32 each;
-        ``checked`` as for attention (the slot is checked in any case)."""
+        ``norms``: each query and key head RMS-normed first; ``checked`` as for attention (the slot is
+        checked in any case)."""
         h, hkv = heads
         d = keys.shape[-1]
         if qkv.dtype != torch.float32 or not qkv.is_contiguous() or qkv.numel() != (h + 2 * hkv) * d:
             raise ValueError(f"rope_write takes (1, {(h + 2 * hkv) * d}) float32, not {tuple(qkv.shape)}")
         if not ((checked or self.takes(h, keys, values)) and 0 <= slot < keys.shape[2]):
             raise ValueError(f"rope_write cannot write slot {slot} of cells {tuple(keys.shape)} {keys.dtype}")
+        if norms is not None and not norms.fits(d):
+            raise ValueError(f"rope_write takes head norms of {d} contiguous float32 weights")
         q = torch.empty(1, h, 1, d)
         q_g = torch.empty(1, h, 1, d) if grouped is not None else None
         cos, sin = rotation
@@ -173,12 +197,16 @@ class NativeKernels:
             gsin.data_ptr(),
             gcos.numel(),
             None if q_g is None else q_g.data_ptr(),
+            None if norms is None else norms.query.data_ptr(),
+            None if norms is None else norms.key.data_ptr(),
+            0.0 if norms is None else norms.eps,
         )
         return q, q_g
 
     def rms_norm_bf16(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        """A Llama RMSNorm of one row ``x`` (1, n) float32 by ``weight`` (n,) float32, rounded to bfloat16
-        (the input of the quantized product after it)."""
+        """An RMSNorm ``weight * x / rms(x)`` of one row ``x`` (1, n) float32 by ``weight`` (n,) float32 (the
+        factor it scales by: Gemma's ``1 + weight``), rounded to bfloat16 (the input of the quantized product
+        after it)."""
         n = weight.shape[0]
         if (
             x.shape != (1, n)
@@ -191,14 +219,32 @@ class NativeKernels:
         self._norm(x.data_ptr(), weight.data_ptr(), n, eps, out.data_ptr())
         return out
 
-    def silu_mul_bf16(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """``silu(gate) * up`` for one row ``gate_up`` = [gate, up] (1, 2n) bfloat16, computed in float32 and
-        rounded to bfloat16 (1, n)."""
+    def rms_norm_add(self, x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+        """``x += weight * y / rms(y)`` in place, for rows ``x`` (1, n) float32 and ``y`` (1, n) float32 or
+        bfloat16 (a quantized product's output): Gemma's norm of an attention or MLP output, then the
+        residual add."""
+        n = weight.shape[0]
+        if not (
+            x.shape == y.shape == (1, n)
+            and x.dtype == torch.float32
+            and y.dtype in (torch.float32, torch.bfloat16)
+            and x.is_contiguous()
+            and y.is_contiguous()
+            and weight.is_contiguous()
+        ):
+            raise ValueError(f"rms_norm_add takes contiguous rows of {n}: {tuple(x.shape)}, {tuple(y.shape)}")
+        self._norm_add(y.data_ptr(), TYPES[y.dtype], weight.data_ptr(), n, eps, x.data_ptr())
+
+    def gated_bf16(self, gate_up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+        """``act(gate) * up`` for one row ``gate_up`` = [gate, up] (1, 2n) bfloat16, computed in float32 and
+        rounded to bfloat16 (1, n); ``activation`` one of :data:`ACTIVATIONS`."""
         if gate_up.dtype != torch.bfloat16 or not gate_up.is_contiguous() or gate_up.shape[-1] % 2:
-            raise ValueError(f"silu_mul_bf16 takes one contiguous bfloat16 row, not {tuple(gate_up.shape)}")
+            raise ValueError(f"gated_bf16 takes one contiguous bfloat16 row, not {tuple(gate_up.shape)}")
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"gated_bf16 computes {', '.join(ACTIVATIONS)}, not {activation!r}")
         n = gate_up.shape[-1] // 2
         out = torch.empty(1, n, dtype=torch.bfloat16)
-        self._silu(gate_up.data_ptr(), n, out.data_ptr())
+        self._gated(gate_up.data_ptr(), n, ACTIVATIONS[activation], out.data_ptr())
         return out
 
     def int8_gemv(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

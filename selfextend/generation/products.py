@@ -21,11 +21,30 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from selfextend.generation.native import NativeKernels
+from selfextend.generation.native import ACTIVATIONS, HeadNorms, NativeKernels
 from selfextend.models.quantize import INT4_GROUP, Int4Linear, Int8Linear
 
 Fn = Callable[[torch.Tensor], torch.Tensor]
-RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm")  # weight * x / rms(x), in float32
+Add = Callable[[torch.Tensor, torch.Tensor], None]  # (x, y): x += f(y) in place
+# the RMSNorms of the decode step's families: x / rms(x) times weight (False) or times 1 + weight (True)
+RMS_NORMS = {
+    "LlamaRMSNorm": False,
+    "MistralRMSNorm": False,
+    "Qwen2RMSNorm": False,
+    "Qwen3RMSNorm": False,
+    "Gemma3RMSNorm": True,
+}
+
+
+def norm_factors(module: nn.Module | None, dtype: torch.dtype) -> tuple[torch.Tensor, float] | None:
+    """(factors (n,) float32, eps) of a known RMSNorm over ``dtype`` float32: it computes
+    ``factors * (x / rms(x))`` (Gemma's factors are ``1 + weight``, made here once); else None."""
+    name = type(module).__name__
+    weight = getattr(module, "weight", None)
+    if name not in RMS_NORMS or dtype != torch.float32 or weight is None or weight.dtype != torch.float32:
+        return None
+    eps = module.variance_epsilon if hasattr(module, "variance_epsilon") else module.eps
+    return (1.0 + weight if RMS_NORMS[name] else weight).detach().contiguous(), float(eps)
 
 
 def project(parts: tuple[nn.Module, ...], x: torch.Tensor) -> torch.Tensor:
@@ -60,40 +79,77 @@ def product_of(parts: tuple[nn.Module, ...], native: NativeKernels | None = None
 
 
 def norm_of(module: nn.Module, dtype: torch.dtype, native: NativeKernels | None = None) -> Fn:
-    """``x (1, hidden) -> (1, hidden)``: for a Llama-style RMSNorm over ``dtype`` float32, the native norm
-    rounded to bfloat16 where ``native`` is given, else one fused op; anything else, the module's forward."""
-    weight = getattr(module, "weight", None)
-    if type(module).__name__ not in RMS_NORMS or dtype != torch.float32 or weight is None:
+    """``x (1, hidden) -> (1, hidden)``: for a known RMSNorm (:func:`norm_factors`) over ``dtype`` float32,
+    the native norm rounded to bfloat16 where ``native`` is given, else one fused op; anything else, the
+    module's forward."""
+    found = norm_factors(module, dtype)
+    if found is None:
         return module.forward
-    shape, eps = (weight.shape[0],), module.variance_epsilon
-    if native is not None and weight.is_contiguous():
-        return lambda x: native.rms_norm_bf16(x, weight, eps)
-    return lambda x: F.rms_norm(x, shape, weight, eps)
+    factors, eps = found
+    if native is not None:
+        return lambda x: native.rms_norm_bf16(x, factors, eps)
+    return lambda x: F.rms_norm(x, factors.shape, factors, eps)
 
 
-def activation_of(gate_up: tuple[nn.Module, ...], dtype: torch.dtype, native: NativeKernels | None) -> Fn:
-    """``[gate, up] (1, 2I) -> silu(gate) * up (1, I)``: natively, rounded to bfloat16, after a direct
-    product where ``native`` is given; else in ``dtype`` through torch."""
-    if native is not None and direct(gate_up):
-        return native.silu_mul_bf16
+def residual_of(module: nn.Module | None, dtype: torch.dtype, native: NativeKernels | None) -> Add:
+    """``(x, y) -> None``: ``x += norm(y)`` for a norm ``module`` (Gemma's after attention and MLP), natively
+    where ``native`` is given, or ``x += y`` where there is none."""
+    if module is None:
+        return torch.Tensor.add_
+    found = norm_factors(module, dtype)
+    if found is not None and native is not None:
+        factors, eps = found
+        return lambda x, y: native.rms_norm_add(x, y, factors, eps)
+    norm = norm_of(module, dtype)
+    return lambda x, y: x.add_(norm(y.to(dtype)))
+
+
+def head_norms(attn: nn.Module, dtype: torch.dtype) -> HeadNorms | None:
+    """The attention's query and key head norms (Qwen3, Gemma 3) as the native ``rope_write`` applies them,
+    or None where it has none or they are not known RMSNorms over float32."""
+    q, k = (norm_factors(getattr(attn, name, None), dtype) for name in ("q_norm", "k_norm"))
+    if q is None or k is None or q[1] != k[1]:
+        return None
+    return HeadNorms(q[0], k[0], q[1])
+
+
+def activation_of(
+    mlp: nn.Module, gate_up: tuple[nn.Module, ...], dtype: torch.dtype, native: NativeKernels | None
+) -> Fn:
+    """``[gate, up] (1, 2I) -> act(gate) * up (1, I)``: natively, rounded to bfloat16, after a direct
+    product where ``native`` is given and has ``mlp``'s activation; else in ``dtype`` by ``mlp.act_fn``."""
+    name = activation_name(mlp)
+    if native is not None and direct(gate_up) and name in ACTIVATIONS:
+        return lambda y: native.gated_bf16(y, name)
 
     def act(y: torch.Tensor) -> torch.Tensor:
         gate, up = y.to(dtype).chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return mlp.act_fn(gate) * up
 
     return act
 
 
+def activation_name(mlp: nn.Module) -> str | None:
+    """transformers' name of ``mlp``'s activation (``silu``, ``gelu_pytorch_tanh``, ...), from its config."""
+    config = getattr(mlp, "config", None)
+    return getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
+
+
 class LayerPlan(NamedTuple):
-    """One decoder layer's norms, products and activation as the decode step calls them."""
+    """One decoder layer's norms, products and activation as the decode step calls them: ``x +=
+    attention(norm(x))`` then ``x += mlp(post_norm(x))``, each added through ``add_attention`` and ``add_mlp``
+    (a norm first in Gemma); ``head_norms``: the q/k norms the native rotation applies (Qwen3, Gemma 3)."""
 
     norm: Fn
     qkv: Fn
+    head_norms: HeadNorms | None
     o_proj: Fn
+    add_attention: Add
     post_norm: Fn
     gate_up: Fn
     act: Fn
     down_proj: Fn
+    add_mlp: Add
 
     @classmethod
     def of(
@@ -104,15 +160,20 @@ class LayerPlan(NamedTuple):
         dtype: torch.dtype,
         native: NativeKernels | None,
     ) -> LayerPlan:
-        """The plan of a Llama-style ``layer`` with its fused ``qkv`` and ``gate_up`` projections; the
-        native norm only before a direct product (the others take float rows)."""
+        """The plan of a Llama- or Gemma-style ``layer`` with its fused ``qkv`` and ``gate_up`` projections;
+        the native norm only before a direct product (the others take float rows)."""
         before = (native if direct(qkv) else None, native if direct(gate_up) else None)
+        gemma = hasattr(layer, "pre_feedforward_layernorm")  # norms after attention and MLP too
+        post = layer.pre_feedforward_layernorm if gemma else layer.post_attention_layernorm
         return cls(
             norm_of(layer.input_layernorm, dtype, before[0]),
             product_of(qkv, native),
+            head_norms(layer.self_attn, dtype),
             product_of((layer.self_attn.o_proj,), native),
-            norm_of(layer.post_attention_layernorm, dtype, before[1]),
+            residual_of(layer.post_attention_layernorm if gemma else None, dtype, native),
+            norm_of(post, dtype, before[1]),
             product_of(gate_up, native),
-            activation_of(gate_up, dtype, native),
+            activation_of(layer.mlp, gate_up, dtype, native),
             product_of((layer.mlp.down_proj,), native),
+            residual_of(layer.post_feedforward_layernorm if gemma else None, dtype, native),
         )

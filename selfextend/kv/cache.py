@@ -29,7 +29,8 @@ from transformers.cache_utils import Cache
 from selfextend.core.rope import layer_frequencies
 from selfextend.core.validate import check_int
 from selfextend.hf.facts import kv_shape, sliding_windows
-from selfextend.kv.layers import CellLayer, ContextShiftLayer, SlidingShiftLayer
+from selfextend.kv.layers import CellLayer, ContextShiftLayer
+from selfextend.kv.sliding import SlidingShiftLayer
 
 
 def discard_count(n_past: int, n_keep: int) -> int:

@@ -6,7 +6,7 @@ The storage contract, which compiled decode steps read directly:
 - ``keys``, ``values`` (B, Hkv, capacity, D) and ``positions`` (capacity,) int64 on one device, allocated
   once; the ``n_used`` cells in use are slots ``[0, n_used)``.
 - A full-attention layer (:class:`ContextShiftLayer`) keeps them in increasing position order; a sliding layer
-  (:class:`SlidingShiftLayer`) uses its slots as a ring, in any order.
+  (:class:`~selfextend.kv.sliding.SlidingShiftLayer`) uses its slots as a ring, in any order.
 - Cell ``j`` is visible to a query at position ``p`` where it is in use, ``positions[j] <= p``, and for a
   sliding layer ``p - positions[j] < window``: consumers mask by position, never by slot.
 - Moving cells (:meth:`CellLayer.remove`, :meth:`CellLayer.move`) is written once, here, for both kinds: keys
@@ -133,6 +133,37 @@ class CellLayer(CacheLayerMixin):
     def _order(self) -> None:
         """Restore this kind's slot order after a move (a full layer's increasing positions)."""
 
+    def claim(self, n: int = 1) -> int:
+        """Record ``n`` new cells at the next positions in slots ``[start, start + n)`` and return ``start``:
+        their keys and values are the caller's to write there before the cells are read (a full layer's
+        :meth:`update` does; the decode step writes a token's cell itself, rotated and rounded in one pass).
+        Slots stay in position order where they were."""
+        start = self._free(n)
+        end = start + n
+        if end > self.capacity:
+            raise RuntimeError(
+                f"KV cache overflow: {start} cached + {n} new > {self.capacity}; call make_room() first"
+            )
+        if n == 1:  # a decode step: no arange to allocate
+            self.positions[start] = self.next_pos
+        else:
+            self.positions[start:end] = torch.arange(self.next_pos, self.next_pos + n, device=self.device)
+        self.grouped.invalidate(start)
+        self.n_used, self.next_pos = end, self.next_pos + n
+        return start
+
+    def _free(self, n: int) -> int:
+        """The first of ``n`` free slots after the cells in use (a sliding layer makes room first)."""
+        return self.n_used
+
+    def visible_from(self, pos: int, window: int | None) -> int:
+        """The first slot a query at ``pos`` attends through a sliding ``window`` (None: every cell), for
+        cells in position order (a full layer's; a sliding layer's after :meth:`claim`): cells at positions
+        above ``pos - window`` are the last ones."""
+        if window is None:
+            return 0
+        return int(torch.searchsorted(self.positions[: self.n_used], pos - window, right=True))
+
     def max_position(self) -> int:
         """The highest position held, -1 when empty."""
         return int(self.positions[: self.n_used].max()) if self.n_used else -1
@@ -242,24 +273,6 @@ class ContextShiftLayer(CellLayer):
         first = self.next_pos - self.n_used if self.gapless else None
         return KeyCells(self.positions[:end], first, self._grouped)
 
-    def claim(self, n: int = 1) -> int:
-        """Record ``n`` new cells at the next positions in slots ``[start, start + n)`` and return ``start``:
-        their keys and values are the caller's to write there before the cells are read (:meth:`update`
-        does; the decode step writes a token's cell itself, rotated and rounded in one pass)."""
-        start = self.n_used
-        end = start + n
-        if end > self.capacity:
-            raise RuntimeError(
-                f"KV cache overflow: {start} cached + {n} new > {self.capacity}; call make_room() first"
-            )
-        if n == 1:  # a decode step: no arange to allocate
-            self.positions[start] = self.next_pos
-        else:
-            self.positions[start:end] = torch.arange(self.next_pos, self.next_pos + n, device=self.device)
-        self.grouped.invalidate(start)
-        self.n_used, self.next_pos = end, self.next_pos + n
-        return start
-
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -275,96 +288,11 @@ class ContextShiftLayer(CellLayer):
         keys = self.keys[..., :end, :].to(key_states.dtype)
         return tag_cells(keys, self.cells(end)), self.values[..., :end, :].to(value_states.dtype)
 
+    def visible_from(self, pos: int, window: int | None) -> int:
+        if window is None or not self.gapless:
+            return super().visible_from(pos, window)
+        return max(0, pos - window + 1 - (self.next_pos - self.n_used))
+
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         """(kv_length, kv_offset): every cell and the new ones, the last at the last query's position."""
         return self.n_used + query_length, self.next_pos - self.n_used
-
-
-class SlidingShiftLayer(CellLayer):
-    """A sliding-window layer: the kept cells (positions below ``n_keep``, which a shift brings back into the
-    window) and at least the last ``window - 1``, in a ring of ``capacity`` slots in any order.
-
-    A write keeps the new cells that later queries can still attend, overwriting first the oldest cells no
-    query can see any more (positions from ``n_keep`` up to ``next_pos - window``).
-    """
-
-    is_sliding = True
-
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, window: int, n_keep: int) -> None:
-        super().__init__(keys, values, n_keep)
-        self.window = window
-
-    def _visible(self, first: int) -> tuple[torch.Tensor, int]:
-        """Slots of the cells at positions >= ``first``, in increasing position order, and their count."""
-        pos = self.positions[: self.n_used]
-        visible = pos >= first
-        count = int(visible.sum())
-        order = torch.argsort(torch.where(visible, pos, self.next_pos))  # the visible ones first
-        return order[:count], count
-
-    def _store(self, key_states: torch.Tensor, value_states: torch.Tensor, start: int) -> None:
-        """Keep the new cells (positions from ``start``) that later queries attend: in free slots, then over
-        the oldest cells that none can see any more; record what is dropped."""
-        n = key_states.shape[-2]
-        alive_from = start + n - self.window + 1  # the next token's first visible position
-        keep = torch.arange(start, start + n, device=self.device)
-        keep_mask = (keep < self.n_keep) | (keep >= alive_from)
-        self._lose(max(start, self.n_keep), min(start + n, alive_from) - 1)  # new cells no one will attend
-        new = torch.nonzero(keep_mask).squeeze(1)
-        free = self.capacity - self.n_used
-        slots = torch.arange(self.n_used, self.n_used + min(free, len(new)), device=self.device)
-        if len(new) > free:
-            pos = self.positions[: self.n_used]
-            dead = (pos >= self.n_keep) & (pos < alive_from)
-            oldest = torch.argsort(torch.where(dead, pos, self.next_pos + n))[: len(new) - free]
-            dropped = pos[oldest]
-            self._lose(int(dropped.min()), int(dropped.max()))
-            slots = torch.cat((slots, oldest))
-        for buf, states in ((self.keys, key_states), (self.values, value_states)):
-            buf.index_copy_(-2, slots, states.index_select(-2, new).to(buf.dtype))
-        self.positions.index_copy_(0, slots, keep[new])
-        self.n_used = min(self.capacity, self.n_used + len(new))
-
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write (B, Hkv, n, D) states at the next positions; return the cells the new queries may attend
-        (a new tensor, increasing positions, the new ones last), tagged."""
-        if key_states.device != self.device:
-            self._move_to(key_states.device)
-        n, start = key_states.shape[-2], self.next_pos
-        first = max(0, start - self.window + 1)
-        slots, count = self._visible(first)
-        # the new states as the cache holds them (rounded to a bf16/f16 cache's type), as a full layer returns
-        new_k, new_v = (
-            key_states.to(self.dtype).to(key_states.dtype),
-            value_states.to(self.dtype).to(value_states.dtype),
-        )
-        keys = torch.cat((self.keys.index_select(-2, slots).to(key_states.dtype), new_k), dim=-2)
-        values = torch.cat((self.values.index_select(-2, slots).to(value_states.dtype), new_v), dim=-2)
-        new = torch.arange(start, start + n, device=self.device)
-        positions = torch.cat((self.positions.index_select(0, slots), new))
-        cells = KeyCells(positions, first if count == start - first else None)
-        self._store(key_states, value_states, start)
-        self.next_pos = start + n
-        return tag_cells(keys, cells), values
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        """(kv_length, kv_offset) of what :meth:`update` returns for ``query_length`` new states."""
-        first = max(0, self.next_pos - self.window + 1)
-        return self.next_pos + query_length - first, first
-
-    def get_max_length(self) -> int:
-        return self.window
-
-    def compact(self) -> None:
-        """Drop the cells no later query can attend (positions from ``n_keep`` up to ``next_pos - window``)
-        and pack the rest, in position order, at the front: free slots for in-place writes (the compiled
-        decode step writes one cell per token at slot ``n_used``)."""
-        pos = self.positions[: self.n_used]
-        alive = (pos < self.n_keep) | (pos > self.next_pos - self.window)
-        dead = pos[~alive]
-        if len(dead):
-            self._lose(int(dead.min()), int(dead.max()))
-        slots = torch.nonzero(alive).squeeze(1)
-        self._pack(0, slots[torch.argsort(pos[slots])])

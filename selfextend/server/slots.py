@@ -22,7 +22,7 @@ from torch import nn
 from selfextend.generation.decode import DecodeStep
 from selfextend.generation.generator import Generator, common_prefix
 from selfextend.kv.cache import ContextShiftCache
-from selfextend.kv.layers import SlidingShiftLayer
+from selfextend.kv.sliding import SlidingShiftLayer
 
 
 @dataclass
