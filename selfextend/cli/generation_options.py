@@ -215,7 +215,8 @@ def decode_options(f: Callable) -> Callable:
         default=None,
         help="KV cache element type (llama.cpp's names): f32, bf16 or f16 (half the bytes per cell; "
         "context shifts re-rotate keys in float32 and round once). Default: bf16 where the native decode "
-        "step runs (a float32 Llama, Mistral or Qwen2 on the CPU, a C compiler present, not --compile), "
+        "step runs (a float32 Llama, Mistral, Qwen2/3 or Gemma 3 on the CPU, a C compiler present, not "
+        "--compile), "
         "else the model's dtype.",
     )(f)
     f = click.option(
