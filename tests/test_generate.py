@@ -71,6 +71,34 @@ def test_sampling_draws_from_the_distribution():
     assert torch.allclose(freq, _expect([0, 1, 2]), atol=0.03)
 
 
+@pytest.mark.parametrize("vocab", [4, 1000, 262144])
+def test_draws_after_top_k_are_from_the_same_distribution(vocab):
+    """Sampling after top-k runs top-p, min-p and temperature on the candidates only: their probabilities
+    are the whole chain's (transformers' processors over the vocabulary), which is zero elsewhere; ties at
+    the k-th score are kept, as TopKLogitsWarper keeps them; penalties come first."""
+    from selfextend.generation.sampling import candidate_distribution
+
+    g = torch.Generator().manual_seed(vocab)
+    logits = (torch.randn(vocab, generator=g) * 3).round()  # many ties
+    recent = torch.randint(0, vocab, (20,), generator=g)
+    for params in (
+        SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05),  # generate's defaults
+        SamplingParams(temperature=1.5, top_k=3, repetition_penalty=1.3, frequency_penalty=0.5),
+        SamplingParams(temperature=0.7, top_k=vocab + 5, top_p=0.5),
+    ):
+        want = distribution(logits, params, recent)
+        ids, probs = candidate_distribution(logits, params, recent)
+        got = torch.zeros(vocab).index_put_((ids,), probs)
+        assert torch.allclose(got, want, atol=1e-6)
+        assert len(ids) >= min(params.top_k, vocab)  # the k best and any tied with the k-th
+    picks = torch.tensor(
+        [sample(LOGITS, SamplingParams(1.0, top_k=3, top_p=0.85), NONE, g) for _ in range(3000)]
+    )
+    assert torch.allclose(
+        torch.bincount(picks, minlength=4).float() / picks.numel(), _expect([0, 1, 2]), atol=0.03
+    )
+
+
 def test_generator_seed_repeats_and_differs(tiny_dir):
     """Generator(seed=...) gives the same tokens for the same seed, others for another seed."""
     from selfextend.generation.generator import Generator

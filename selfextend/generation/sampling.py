@@ -6,6 +6,11 @@ the temperature first, as transformers' own ``generate`` does, keeps a different
 top-p, min-p and temperature steps are transformers' processors; the frequency and presence penalties
 (OpenAI's, applied by llama.cpp in its penalties step) have no transformers processor, so
 :class:`CountPenalty` is ours.
+
+A draw after top-k runs the later filters on the k candidates only, as llama.cpp does (:func:`sample`):
+the same distribution (the tokens top-k drops have probability 0 either way), without top-p's and
+min-p's sorts of the whole vocabulary (262,144 entries for Gemma 3), which cost more than the decode
+step's attention.
 """
 
 from __future__ import annotations
@@ -72,23 +77,42 @@ class CountPenalty(LogitsProcessor):
         return scores - counts * self.frequency - (counts > 0).to(scores.dtype) * self.presence
 
 
-def processors(params: SamplingParams) -> LogitsProcessorList:
-    """The chain for ``params``, in llama.cpp's order: penalties, top-k, top-p, min-p, temperature."""
+def penalties(params: SamplingParams) -> LogitsProcessorList:
+    """The penalty steps for ``params``: repetition, then frequency and presence."""
     chain = LogitsProcessorList()
     if params.repetition_penalty != 1.0:
         chain.append(RepetitionPenaltyLogitsProcessor(params.repetition_penalty))
     if params.frequency_penalty or params.presence_penalty:
         chain.append(CountPenalty(params.frequency_penalty, params.presence_penalty))
-    if params.temperature == 0:
-        return chain
-    if params.top_k > 0:
-        chain.append(TopKLogitsWarper(params.top_k))
+    return chain
+
+
+def filters(params: SamplingParams) -> LogitsProcessorList:
+    """The steps after top-k for sampling ``params``: top-p, min-p, temperature."""
+    chain = LogitsProcessorList()
     if params.top_p < 1.0:
         chain.append(TopPLogitsWarper(params.top_p))
     if params.min_p > 0:
         chain.append(MinPLogitsWarper(params.min_p))
     chain.append(TemperatureLogitsWarper(params.temperature))
     return chain
+
+
+def processors(params: SamplingParams) -> LogitsProcessorList:
+    """The chain for ``params``, in llama.cpp's order: penalties, top-k, top-p, min-p, temperature."""
+    chain = penalties(params)
+    if params.temperature == 0:
+        return chain
+    if params.top_k > 0:
+        chain.append(TopKLogitsWarper(params.top_k))
+    return LogitsProcessorList([*chain, *filters(params)])
+
+
+def candidates(scores: torch.Tensor, top_k: int) -> torch.Tensor:
+    """The ids of the tokens top-k keeps in ``scores`` (vocab,): those at least the k-th highest score,
+    ties included (as ``TopKLogitsWarper`` keeps them), in increasing id order."""
+    kth = torch.topk(scores, min(top_k, scores.numel())).values[-1]
+    return torch.nonzero(scores >= kth).squeeze(1)
 
 
 def _scores(logits: torch.Tensor, params: SamplingParams, recent: torch.Tensor) -> torch.Tensor:
@@ -105,13 +129,30 @@ def distribution(logits: torch.Tensor, params: SamplingParams, recent: torch.Ten
     return torch.softmax(scores, dim=-1)
 
 
+def candidate_distribution(
+    logits: torch.Tensor, params: SamplingParams, recent: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, probabilities) of top-k's candidates for sampling ``params`` with ``top_k > 0``: the later
+    filters and the softmax run on the candidates only. Equal to :func:`distribution` at ``ids``, which is
+    zero everywhere else."""
+    recent = recent.view(1, -1)
+    scores = penalties(params)(recent, logits.float().view(1, -1))[0]  # (vocab,)
+    ids = candidates(scores, params.top_k)
+    kept = filters(params)(recent, scores[ids].view(1, -1))[0]  # (candidates,)
+    return ids, torch.softmax(kept, dim=-1)
+
+
 def sample(
     logits: torch.Tensor,
     params: SamplingParams,
     recent: torch.Tensor,
     generator: torch.Generator | None = None,
 ) -> int:
-    """Pick the next token id from one row of logits (vocab,), given the recent tokens (for penalties)."""
+    """Pick the next token id from one row of logits (vocab,), given the recent tokens (for penalties);
+    after top-k, among its candidates (:func:`candidate_distribution`)."""
     if params.temperature == 0:
         return int(_scores(logits, params, recent).argmax())
-    return int(torch.multinomial(distribution(logits, params, recent), 1, generator=generator))
+    if params.top_k == 0:
+        return int(torch.multinomial(distribution(logits, params, recent), 1, generator=generator))
+    ids, probs = candidate_distribution(logits, params, recent)
+    return int(ids[torch.multinomial(probs, 1, generator=generator)])
