@@ -4,12 +4,14 @@ A quantized layer's ``forward`` reshapes, converts its input to bfloat16, checks
 contiguous, multiplies, converts back and reshapes again: seven dispatches around one kernel, 120 times
 per token for SmolLM2, which cost more than a millisecond per token on two cores. For one row (1, K), the
 same kernel on the same bfloat16 row is called directly here and its bfloat16 output handed on as it is
-(the next consumer converts or adds it with promotion: the same numbers). Likewise a Llama-style RMSNorm
-in float32 is ``torch.nn.functional.rms_norm`` (one fused op; equal to the module's forward), and where
-the native kernels are built (:mod:`selfextend.generation.native`) the norm before a quantized product
-and the SwiGLU activation between two are one call each that hands on the bfloat16 row the product takes
-(float32 inside, summed in another order than torch: equal to rounding), and an int8 product of one row
-is the native one (torch's reads a large output head at a third of the bandwidth).
+(the next consumer converts or adds it with promotion: the same numbers). Likewise an RMSNorm in float32
+(Llama's, or Gemma's by ``1 + weight``) is ``torch.nn.functional.rms_norm`` (one fused op; equal to the
+module's forward), and where the native kernels are built (:mod:`selfextend.generation.native`) the norm
+before a quantized product and the gated activation (SwiGLU, GeGLU) between two are one call each that
+hands on the bfloat16 row the product takes (float32 inside, summed in another order than torch: equal
+to rounding), Gemma's norm of an attention or MLP output is added to the residual in the same call, and
+an int8 product of one row is the native one (torch's reads a large output head at a third of the
+bandwidth).
 """
 
 from __future__ import annotations
