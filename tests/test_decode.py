@@ -151,3 +151,19 @@ def test_gemma3_direct_decode_with_int8_weights(dtype, self_extend):
     got = decoded_logits(model, ids, direct=True, dtype=dtype)
     assert (got - want).abs().max() < 0.03 * want.abs().max()
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.95
+
+
+def test_head_norms_the_kernel_cannot_apply_keep_attention_in_torch():
+    """A q/k norm that is not a known RMSNorm (here a subclass with another name): attention goes through
+    torch ops, where the module itself runs, and the step still gives the model's logits."""
+    model = make_model("qwen3")
+    for layer in model.model.layers:
+        norm = layer.self_attn.q_norm
+        layer.self_attn.q_norm = type("OtherNorm", (type(norm),), {})(
+            norm.weight.shape[0], norm.variance_epsilon
+        )
+        layer.self_attn.q_norm.load_state_dict(norm.state_dict())
+    step = DecodeStep(model)
+    assert step.kernel is None
+    ids = torch.randint(3, 97, (60,), generator=torch.Generator().manual_seed(7)).tolist()
+    assert (decoded_logits(model, ids, True) - decoded_logits(model, ids, False)).abs().max() < TOL

@@ -29,7 +29,7 @@ from selfextend.core.cells import cells_of
 from selfextend.core.decode_query import grouped_decode_keys, self_extend_decode
 from selfextend.core.positions import grouped_query_positions
 from selfextend.core.rope import Rotation
-from selfextend.generation.native import NativeKernels, native_kernels
+from selfextend.generation.native import ACTIVATIONS, NativeKernels, native_kernels
 from selfextend.generation.products import LayerPlan, direct, norm_of, product_of
 from selfextend.hf.facts import layer_kinds, sliding_windows
 from selfextend.hf.patch import IMPLEMENTATION, SelfExtendParams
@@ -38,7 +38,6 @@ from selfextend.kv.layers import CellLayer
 from selfextend.models.quantize import Int4Linear, Int8Linear, fuse_int4, fuse_int8
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
-ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 ATTENTION = ("sdpa", "eager", IMPLEMENTATION)  # one math (attention soft-capping is refused by why_not)
 Rotations = dict[str, Rotation]  # by kind of layer (full_attention, sliding_attention)
 
@@ -164,11 +163,11 @@ class DecodeStep:
             self.qkv.append(fuse_projections([a.q_proj, a.k_proj, a.v_proj]))
             self.gate_up.append(fuse_projections([mlp.gate_proj, mlp.up_proj]))
             self.plan.append(LayerPlan.of(layer, self.qkv[-1], self.gate_up[-1], dtype, self.native))
-        if any(
-            hasattr(m.self_attn, "q_norm") and plan.head_norms is None
+        normed = all(
+            plan.head_norms is not None or not hasattr(m.self_attn, "q_norm")
             for m, plan in zip(self.layers, self.plan, strict=True)
-        ):
-            self.native = None  # q/k norms the native rotation cannot apply
+        )
+        self.kernel = self.native if normed else None  # attention: q/k norms it cannot apply stay in torch
         head = (self.head,)
         self.final_norm = norm_of(self.norm, dtype, self.native if direct(head) else None)
         self.head_product = product_of(head, self.native)
@@ -180,7 +179,7 @@ class DecodeStep:
     def _kernel(self, cache: ContextShiftCache) -> NativeKernels | None:
         """The native kernels where they read this cache's cells (every layer's have the first's layout), else
         None."""
-        kernel, first = self.native, cache.layers[0]
+        kernel, first = self.kernel, cache.layers[0]
         if kernel is None or not (
             isinstance(first, CellLayer) and kernel.takes(self.heads[0], first.keys, first.values)
         ):

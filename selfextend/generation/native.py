@@ -164,15 +164,15 @@ class NativeKernels:
         D; rounded to their type); returns the rotated query (1, H, 1, D) float32 and, with ``grouped``,
         that query rotated on by it (Self-Extend's grouped query), else None. ``rotation``, ``grouped``:
         (cos, sin) factors of a :class:`~selfextend.core.rope.Rotation`, (rot_dim,) float32 each;
-        ``norms``: each query and key head RMS-normed first; ``checked`` as for attention (the slot is
-        checked in any case)."""
+        ``norms``: each query and key head RMS-normed first; ``checked`` as for attention, and the norms'
+        size (the slot is checked in any case)."""
         h, hkv = heads
         d = keys.shape[-1]
         if qkv.dtype != torch.float32 or not qkv.is_contiguous() or qkv.numel() != (h + 2 * hkv) * d:
             raise ValueError(f"rope_write takes (1, {(h + 2 * hkv) * d}) float32, not {tuple(qkv.shape)}")
         if not ((checked or self.takes(h, keys, values)) and 0 <= slot < keys.shape[2]):
             raise ValueError(f"rope_write cannot write slot {slot} of cells {tuple(keys.shape)} {keys.dtype}")
-        if norms is not None and not norms.fits(d):
+        if norms is not None and not checked and not norms.fits(d):
             raise ValueError(f"rope_write takes head norms of {d} contiguous float32 weights")
         q = torch.empty(1, h, 1, d)
         q_g = torch.empty(1, h, 1, d) if grouped is not None else None

@@ -108,11 +108,12 @@ def residual_of(module: nn.Module | None, dtype: torch.dtype, native: NativeKern
 
 def head_norms(attn: nn.Module, dtype: torch.dtype) -> HeadNorms | None:
     """The attention's query and key head norms (Qwen3, Gemma 3) as the native ``rope_write`` applies them,
-    or None where it has none or they are not known RMSNorms over float32."""
+    or None where it has none or they are not known RMSNorms over float32 of one head's size."""
     q, k = (norm_factors(getattr(attn, name, None), dtype) for name in ("q_norm", "k_norm"))
     if q is None or k is None or q[1] != k[1]:
         return None
-    return HeadNorms(q[0], k[0], q[1])
+    norms = HeadNorms(q[0], k[0], q[1])
+    return norms if norms.fits(attn.head_dim) else None
 
 
 def activation_of(
