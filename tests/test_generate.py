@@ -99,6 +99,18 @@ def test_draws_after_top_k_are_from_the_same_distribution(vocab):
     )
 
 
+def test_nan_logits_are_skipped_or_refused():
+    """A NaN logit is never drawn, however many there are; logits that are all NaN raise a ValueError that
+    says so."""
+    logits = torch.randn(1000, generator=torch.Generator().manual_seed(1))
+    logits[::7] = float("nan")
+    params = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05)
+    g = torch.Generator().manual_seed(2)
+    assert all(sample(logits, params, NONE, g) % 7 for _ in range(200))
+    with pytest.raises(ValueError, match="no logit is a finite number"):
+        sample(torch.full((1000,), float("nan")), params, NONE)
+
+
 def test_generator_seed_repeats_and_differs(tiny_dir):
     """Generator(seed=...) gives the same tokens for the same seed, others for another seed."""
     from selfextend.generation.generator import Generator

@@ -110,9 +110,11 @@ def processors(params: SamplingParams) -> LogitsProcessorList:
 
 def candidates(scores: torch.Tensor, top_k: int) -> torch.Tensor:
     """The ids of the tokens top-k keeps in ``scores`` (vocab,): those at least the k-th highest score,
-    ties included (as ``TopKLogitsWarper`` keeps them), in increasing id order."""
+    ties included (as ``TopKLogitsWarper`` keeps them), in increasing id order; a NaN or -inf score is
+    never one of them."""
+    scores = torch.where(scores.isnan(), float("-inf"), scores)
     kth = torch.topk(scores, min(top_k, scores.numel())).values[-1]
-    return torch.nonzero(scores >= kth).squeeze(1)
+    return torch.nonzero((scores >= kth) & (scores > float("-inf"))).squeeze(1)
 
 
 def _scores(logits: torch.Tensor, params: SamplingParams, recent: torch.Tensor) -> torch.Tensor:
@@ -134,10 +136,12 @@ def candidate_distribution(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(ids, probabilities) of top-k's candidates for sampling ``params`` with ``top_k > 0``: the later
     filters and the softmax run on the candidates only. Equal to :func:`distribution` at ``ids``, which is
-    zero everywhere else."""
+    zero everywhere else. Raises ``ValueError`` where no logit is a number."""
     recent = recent.view(1, -1)
     scores = penalties(params)(recent, logits.float().view(1, -1))[0]  # (vocab,)
     ids = candidates(scores, params.top_k)
+    if len(ids) == 0:
+        raise ValueError("cannot sample: no logit is a finite number (the model's output is broken)")
     kept = filters(params)(recent, scores[ids].view(1, -1))[0]  # (candidates,)
     return ids, torch.softmax(kept, dim=-1)
 
