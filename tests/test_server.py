@@ -4,6 +4,8 @@ forward, reuse counts against token prefixes computed here, auth, refusals, disc
 
 from __future__ import annotations
 
+import contextlib
+import http.client
 import json
 import signal
 import subprocess
@@ -375,6 +377,41 @@ def test_sigterm_drains_then_exits_0(tiny_dir):
         assert last["choices"][0]["finish_reason"] in ("length", "stop")
         assert proc.wait(60) == 0
         assert "stopped" in proc.stderr.read()
+
+
+def test_sigterm_past_the_drain_timeout_cancels_quietly(tiny_dir):
+    """A stream still running when the drain time is up is cancelled: the client's connection closes, the
+    engine (which may be writing its next token then) stops without a traceback of its own, exit 0."""
+    args = (
+        "-m",
+        str(tiny_dir),
+        "--weights",
+        "float",
+        "--ctx",
+        "64",
+        "--max-tokens",
+        "1000000",
+        "--drain-timeout",
+        "1",
+    )
+    with serve_process(*args) as (base, proc):
+        conn = connect(base)
+        body = {
+            "prompt": "Tell a story",
+            "max_tokens": 1000000,
+            "stream": True,
+            "temperature": 2.0,
+            "seed": 1,
+        }
+        conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        assert response.readline().startswith(b"data: ")
+        proc.send_signal(signal.SIGTERM)
+        with contextlib.suppress(http.client.HTTPException, OSError):
+            response.read()
+        assert proc.wait(60) == 0
+        err = proc.stderr.read()
+        assert "stopped" in err and "Exception in thread" not in err and "Event loop is closed" not in err
 
 
 def test_serve_refuses_bad_flags_in_one_line(tiny_dir):

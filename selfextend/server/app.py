@@ -127,12 +127,19 @@ async def _answer(engine: Engine, settings: Settings, request: Sampling, prompt:
         raise APIError(400, str(e), None, "invalid_value") from None
     loop = asyncio.get_running_loop()
     events: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+
+    def emit(event: dict[str, Any]) -> None:
+        try:
+            loop.call_soon_threadsafe(events.put_nowait, event)
+        except RuntimeError:  # the event loop is closed (the server stopped past its drain): no one listens
+            job.cancelled.set()
+
     job = Job(
         prompt=prompt.ids,
         n_keep=prompt.n_keep,
         sampling=sampling,
         max_tokens=max_tokens,
-        emit=lambda event: loop.call_soon_threadsafe(events.put_nowait, event),
+        emit=emit,
         seed=request.seed,
         stops=request.stops() + prompt.stops,
         slot_id=request.id_slot,
