@@ -614,4 +614,6 @@ def test_sigterm_stops_generate_like_ctrl_c(tiny_dir, tmp_path):
     assert "Traceback" not in stderr.decode()
     summary = stderr.decode().strip().splitlines()[-1]
     assert "stopped: interrupted" in summary and "context shift" in summary
-    assert out.read_text() and out.read_text() in stdout.decode()  # everything streamed was flushed
+    # Everything streamed was flushed. Bytes, not text: a random token may hold "\r", which
+    # read_text's universal newlines would turn into "\n".
+    assert out.read_bytes() and out.read_bytes() in stdout
