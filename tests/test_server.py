@@ -414,6 +414,46 @@ def test_sigterm_past_the_drain_timeout_cancels_quietly(tiny_dir):
         assert "stopped" in err and "Exception in thread" not in err and "Event loop is closed" not in err
 
 
+def test_engine_loop_runs_on_the_calling_thread(tiny):
+    """``serve`` runs the engine on its main thread (the one that loaded the model): ``run_loop`` serves
+    jobs there until ``stop`` is called, here from the job's own last event."""
+    from selfextend.generation.sampling import SamplingParams
+    from selfextend.server.engine import Engine, Job
+
+    model, tok = tiny
+    engine = Engine(model, tok, 64)
+    events: list[tuple[str, threading.Thread]] = []
+
+    def emit(event: dict) -> None:
+        events.append((event["type"], threading.current_thread()))
+        if event["type"] == "done":
+            engine.stop()
+
+    ids = tok("The sea is").input_ids
+    assert engine.submit(Job(ids, 0, SamplingParams(), 80, emit))  # 80 tokens in 64 cells: a shift
+    engine.run_loop()
+    assert [kind for kind, _ in events][0] == "start" and events[-1][0] == "done"
+    assert {thread for _, thread in events} == {threading.main_thread()}
+    assert not engine.thread.is_alive() and engine.slots[0].gen.cache.shifts >= 1
+
+
+def test_serve_on_a_taken_port_exits_non_zero(tiny_dir):
+    """The HTTP server could not listen: the process ends (it does not wait on its engine), not 0."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        out = subprocess.run(
+            [sys.executable, "-m", "selfextend", "serve", "-m", str(tiny_dir), "--port", port],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert out.returncode != 0 and "address already in use" in out.stderr and "Traceback" not in out.stderr
+
+
 def test_serve_refuses_bad_flags_in_one_line(tiny_dir):
     for args in (["--ctx", "8"], ["--parallel", "0"], ["--port", "70000"], ["-g", "4"]):
         out = subprocess.run(

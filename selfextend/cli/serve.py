@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import sys
+import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -135,17 +137,35 @@ def serve(
         access_log=False,
         timeout_graceful_shutdown=drain_timeout,
     )
-    engine.start()
+    server = _server(config, f"listening on http://{host}:{port} ({parallel} slots of {ctx} cells)")
+    exit_code: list[int] = []
+
+    def listen() -> None:
+        try:
+            server.run()
+        except SystemExit as e:  # uvicorn's way of saying it could not start (the port is taken)
+            exit_code.append(int(e.code or 1))
+        finally:
+            engine.stop()
+
+    http = threading.Thread(target=listen, name="selfextend-http")
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, server.handle_exit)  # stop taking requests; a second Ctrl-C cancels those running
+    http.start()
     try:
-        _server(config, f"listening on http://{host}:{port} ({parallel} slots of {ctx} cells)").run()
+        engine.run_loop()  # the model runs on the thread that loaded it (engine.py says why)
     finally:
-        engine.stop()
+        server.should_exit = True
+        http.join()
+    if exit_code:
+        sys.exit(exit_code[0])
     click.echo("stopped", err=True)
 
 
 def _server(config, ready: str):
-    """uvicorn's server that says when it listens and, stopped by a signal, does not raise that signal
-    again after draining (uvicorn does, which would end the process with the signal's status): exit 0."""
+    """uvicorn's server that says when it listens and leaves signals to the main thread (``serve`` hands
+    SIGINT and SIGTERM to its ``handle_exit``); uvicorn's own handling would raise the signal again after
+    draining, ending the process with the signal's status instead of 0."""
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -156,12 +176,6 @@ def _server(config, ready: str):
 
         @contextlib.contextmanager
         def capture_signals(self) -> Iterator[None]:
-            handled = (signal.SIGINT, signal.SIGTERM)
-            original = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
-            try:
-                yield
-            finally:
-                for sig, handler in original.items():
-                    signal.signal(sig, handler)
+            yield
 
     return Server(config)

@@ -1,4 +1,10 @@
-"""The engine: one thread that owns the model and runs every request on a slot, a token at a time.
+"""The engine: the one thread that runs the model, every request on a slot, a token at a time.
+
+``serve`` runs it on the main thread, the one that loaded the model, and the HTTP server beside it: torch's
+and our kernels' OpenMP (libgomp) keeps a pool of worker threads per thread that starts parallel work,
+and once the pools together hold more threads than there are cores, libgomp stops letting idle workers
+spin, so every parallel region waits for its workers to wake up (a Gemma 3 token took 16 ms on a second
+thread against 10.5 ms on the main one, 2 cores).
 
 Requests wait in a queue until a slot is free (the one holding most of their prompt, :func:`pick`). Each
 turn of the loop gives every running request one step: its prompt (in :data:`PREFILL_CHUNK` pieces,
@@ -96,19 +102,21 @@ class Engine:
         self.tasks: list[Callable[[], None]] = []  # work on idle slots (save, restore), run between steps
         self.wake = threading.Condition()
         self.stopping = False
-        self.thread = threading.Thread(target=self._loop, name="selfextend-engine", daemon=True)
+        self.thread = threading.Thread(target=self.run_loop, name="selfextend-engine", daemon=True)
 
     # --- called from the server's threads ----------------------------------------------------------
 
     def start(self) -> None:
+        """Run the engine on a thread of its own (:meth:`run_loop` runs it on the caller's)."""
         self.thread.start()
 
     def stop(self) -> None:
-        """End the loop once the jobs in hand are done."""
+        """End the loop once the jobs in hand are done (waiting for it where it runs on its own thread)."""
         with self.wake:
             self.stopping = True
             self.wake.notify()
-        self.thread.join()
+        if self.thread.is_alive() and threading.current_thread() is not self.thread:
+            self.thread.join()
 
     def submit(self, job: Job) -> bool:
         """Queue ``job``; False when the queue is full."""
@@ -163,8 +171,12 @@ class Engine:
 
     # --- the engine's thread -----------------------------------------------------------------------
 
+    def run_loop(self) -> None:
+        """The engine's loop on the calling thread, until :meth:`stop` is called from another."""
+        with torch.no_grad():
+            self._loop()
+
     def _loop(self) -> None:
-        torch.set_grad_enabled(False)
         while True:
             with self.wake:
                 while not (self.queue or self.running or self.tasks or self.stopping):
