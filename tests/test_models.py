@@ -9,6 +9,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -618,8 +620,8 @@ def test_real_cold_int8_load_within_memory_target(tmp_path: Path) -> None:
 
 
 def test_bound_heap_growth_sets_the_allocator(monkeypatch: pytest.MonkeyPatch) -> None:
-    """glibc gets a fixed mmap threshold and one arena, the oneDNN cache a bound; each only where the
-    environment does not set it."""
+    """glibc gets a fixed mmap threshold, a trim threshold and one arena, the oneDNN cache a bound; each
+    only where the environment does not set it."""
     from selfextend.models import weights
 
     calls: list[tuple[int, int]] = []
@@ -631,14 +633,61 @@ def test_bound_heap_growth_sets_the_allocator(monkeypatch: pytest.MonkeyPatch) -
             return 1
 
     monkeypatch.setattr(weights.ctypes, "CDLL", lambda name: Libc)
-    for name in ("LRU_CACHE_CAPACITY", "MALLOC_MMAP_THRESHOLD_", "MALLOC_ARENA_MAX"):
+    for name in (
+        "LRU_CACHE_CAPACITY",
+        "MALLOC_MMAP_THRESHOLD_",
+        "MALLOC_TRIM_THRESHOLD_",
+        "MALLOC_ARENA_MAX",
+    ):
         monkeypatch.delenv(name, raising=False)
     weights.bound_heap_growth()
-    assert calls == [(-3, 64 * 1024), (-8, 1)]  # M_MMAP_THRESHOLD, M_ARENA_MAX in glibc's malloc.h
+    # M_MMAP_THRESHOLD, M_TRIM_THRESHOLD, M_ARENA_MAX in glibc's malloc.h
+    assert calls == [(-3, weights.MMAP_THRESHOLD), (-1, weights.TRIM_THRESHOLD), (-8, 1)]
     assert os.environ["LRU_CACHE_CAPACITY"] == str(weights.ONEDNN_CACHE)
     monkeypatch.setenv("LRU_CACHE_CAPACITY", "7")
     monkeypatch.setenv("MALLOC_ARENA_MAX", "4")
-    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "0")
     weights.bound_heap_growth()
     assert os.environ["LRU_CACHE_CAPACITY"] == "7"
-    assert calls[2:] == [(-3, 64 * 1024)]  # the arena count the environment gives is glibc's already
+    assert calls[3:] == [(-3, weights.MMAP_THRESHOLD)]  # what the environment gives is glibc's already
+
+
+ROOT = Path(__file__).resolve().parents[1]
+HEAP_PROBE = """
+import resource, sys, torch
+from selfextend.models.weights import bound_heap_growth, release_free_memory
+bound_heap_growth()
+def faults(nbytes, times):
+    x = torch.ones(nbytes // 4)  # warm: the first block is mapped in either way
+    del x
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(times):
+        x = torch.ones(nbytes // 4)  # every page written, as a token's logits or top-k buffer are
+        del x
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+def rss_mib():
+    return int(open("/proc/self/statm").read().split()[1]) * resource.getpagesize() / 2**20
+small = faults(4 * 2**20, 50)  # 1,024 pages each: 51,200 faults if mapped again every time
+release_free_memory()
+base = rss_mib()
+big = torch.ones(64 * 2**20 // 4)
+held = rss_mib()
+del big
+print(small, round(held - base), round(rss_mib() - base))
+"""
+
+
+def test_bound_heap_growth_keeps_token_blocks_mapped_and_returns_prompt_blocks() -> None:
+    """With the server's allocator settings, a 4 MiB block freed and allocated again (a token's top-k
+    buffer over a 262k vocabulary) reuses pages already mapped, and a 64 MiB one (a prompt's
+    activations) is handed back to the system when freed."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_ARENA_MAX"):
+        env.pop(name, None)
+    r = subprocess.run(
+        [sys.executable, "-c", HEAP_PROBE], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert r.returncode == 0, r.stderr
+    small_faults, held_mib, after_mib = (int(x) for x in r.stdout.split())
+    assert small_faults < 10_000, small_faults  # ~3,000 here (the heap grows once), however many times
+    assert held_mib >= 60 and after_mib <= 4, (held_mib, after_mib)
