@@ -75,7 +75,8 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "TOKENIZER
 
 
 def _torchrun(n: int) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n), "-m", "selfextend"]
+    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n)]
+    return [*run, "-m", "selfextend"]  # --standalone: a free port, not 29500 (which another job may hold)
 
 
 def _run(cmd: list[str]) -> subprocess.CompletedProcess:

@@ -284,8 +284,8 @@ def test_output_file_appends_and_shifts_reported(tmp_path):
         str(out),
     )
     assert r.exit_code == 0, r.stderr
-    text = out.read_text()
-    assert text.startswith("before\n") and text[len("before\n") :] + "\n" == r.stdout
+    text = out.read_bytes()  # bytes: read_text would turn a "\r" in the text into "\n"
+    assert text.startswith(b"before\n") and text[len(b"before\n") :] + b"\n" == r.stdout_bytes
     summary = r.stderr.strip().splitlines()[-1]
     assert "120 tokens" in summary and "context shift" in summary
     assert int(summary.split(" context shift")[0].rsplit(" ", 1)[-1]) >= 1

@@ -533,7 +533,7 @@ def test_offline_hub_id_fails_at_once():
     t0 = time.perf_counter()
     with pytest.raises(ModelError, match="cannot load 'selfextend-tests/no-such-model'"):
         load_config("selfextend-tests/no-such-model")
-    assert time.perf_counter() - t0 < 5  # no retries (the hub client alone retries for ~30 s)
+    assert time.perf_counter() - t0 < 15  # no retries (the hub client alone retries for ~30 s)
 
 
 # --------------------------------------------------------------------------------------------------
