@@ -5,7 +5,10 @@ line), then every server variant answers the same request (non-streaming, ``igno
 the server's own ``selfextend.tokens_per_second``, so the client's share of the CPU is not in it), once
 with the default sampling and once greedy. Servers are started once and are idle while the others run.
 A variant is ``NAME`` or ``NAME:VAR=VALUE,...`` (environment for that server: allocator settings such as
-``MALLOC_MMAP_THRESHOLD_=65536``). Run it from another checkout's environment to time that code:
+``MALLOC_MMAP_THRESHOLD_=65536``). ``--concurrent 2,4`` also sends that many requests at once (the
+servers run ``--parallel`` the largest) and records their aggregate rate: tokens of all of them over the
+wall-clock time from the first sent to the last answered. Run it from another checkout's environment to
+time that code:
 
     python experiments/server_decode.py --model gemma3-270m --rounds 3 \
         --variant default --variant small-mmap:MALLOC_MMAP_THRESHOLD_=65536,MALLOC_TRIM_THRESHOLD_=131072
@@ -23,6 +26,8 @@ import re
 import statistics
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
@@ -55,6 +60,32 @@ def server_rate(base: str, tokens: int, sampling: dict) -> float:
     return answer["selfextend"]["tokens_per_second"]
 
 
+def aggregate_rate(base: str, tokens: int, sampling: dict, n: int) -> float:
+    """Tokens per second of ``n`` requests sent at once (each its own prompt), all of them together."""
+    errors: list[Exception] = []
+    written: list[int] = []
+
+    def one(i: int) -> None:
+        body = {"prompt": f"{PROMPT} ({i})", "max_tokens": tokens, "ignore_eos": True, **sampling}
+        status, answer = request(base, "POST", "/v1/completions", body, timeout=600)
+        if status != 200:
+            errors.append(RuntimeError(f"{status}: {answer}"))
+        else:
+            written.append(
+                answer["usage"]["completion_tokens"]
+            )  # fewer at an EOS where ignore_eos is unknown
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return sum(written) / (time.perf_counter() - t0)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="smollm2-135m")
@@ -62,17 +93,20 @@ def main() -> None:
     parser.add_argument("--ctx", type=int, default=2048)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--variant", action="append", default=[], help="NAME or NAME:VAR=VALUE,...")
+    parser.add_argument("--concurrent", default="", help="e.g. 2,4: also that many requests at once")
     parser.add_argument("--label", default="", help="recorded with every line (which checkout ran)")
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args()
     variants = [parse_variant(v) for v in args.variant or ["default"]]
+    concurrent = [int(c) for c in args.concurrent.split(",") if c]
+    parallel = str(max([1, *concurrent]))
     servers = {}
     try:
         for name, env in variants:
             port = free_port()
             cmd = [sys.executable, "-m", "selfextend", "serve", "-m", args.model, "--ctx", str(args.ctx)]
             proc = subprocess.Popen(
-                [*cmd, "--port", str(port)],
+                [*cmd, "--port", str(port), "--parallel", parallel],
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.PIPE,
                 text=True,
@@ -95,11 +129,19 @@ def main() -> None:
                         f"round {rnd} {sampling}: generate {ours:.1f}, serve {name} {rate:.1f} tok/s",
                         flush=True,
                     )
+                    for n in concurrent:
+                        rate = aggregate_rate(base, args.tokens, fields, n)
+                        setting = f"serve {name} x{n}"
+                        rows.append(
+                            {"round": rnd, "sampling": sampling, "setting": setting, "tokens_per_s": rate}
+                        )
+                        print(f"round {rnd} {sampling}: {setting} {rate:.1f} tok/s together", flush=True)
     finally:
         for _, proc in servers.values():
             proc.terminate()
             proc.wait(60)
-    meta = {"model": args.model, "tokens": args.tokens, "ctx": args.ctx, "label": args.label}
+    meta = {"model": args.model, "tokens": args.tokens, "ctx": args.ctx, "parallel": int(parallel)}
+    meta["label"] = args.label
     summary = []
     for sampling in SAMPLINGS:
         gen = {

@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import make_model, tiny_gemma3
 
-from selfextend.generation.batched import BatchedDecode
+from selfextend.generation.batched import SHARED_FROM_ON_CPU, BatchedDecode
 from selfextend.generation.compiled import FastDecode
 from selfextend.generation.generator import Generator
 from selfextend.hf.patch import apply_self_extend
@@ -64,7 +64,7 @@ def _alone(model: torch.nn.Module, fast: FastDecode | None) -> tuple[torch.Tenso
 
 def _together(model: torch.nn.Module) -> tuple[torch.Tensor, list[int], list[int]]:
     """The sequences stepped together: logits, shifts, and the batch sizes the shared forward ran."""
-    decode = BatchedDecode(model)
+    decode = BatchedDecode(model, shared_from=2)
     sizes: list[int] = []
     rows_fn = decode.fast.step.rows
 
@@ -111,7 +111,7 @@ def test_unserved_model_steps_each_alone() -> None:
 def test_lone_sequence_takes_its_direct_step() -> None:
     """One sequence with a direct decode step of its own goes through it; two share the batched forward."""
     model = make_model("llama")
-    decode = BatchedDecode(model)
+    decode = BatchedDecode(model, shared_from=2)
     sizes: list[int] = []
     rows_fn = decode.fast.step.rows
     decode.fast.step.rows = lambda tokens, *args: sizes.append(tokens.shape[0]) or rows_fn(tokens, *args)
@@ -127,3 +127,28 @@ def test_lone_sequence_takes_its_direct_step() -> None:
     want = Generator(model, ContextShiftCache(model, n_ctx=N_CTX, n_keep=N_KEEP), direct_decode=False)
     want.feed(_ids(0)[:10])
     torch.testing.assert_close(alone, want.write([5]), atol=1e-5, rtol=1e-5)
+
+
+def test_few_sequences_on_the_cpu_take_their_direct_steps() -> None:
+    """On the CPU, fewer than SHARED_FROM_ON_CPU sequences are each written through their own direct step
+    (the same logits as alone); that many share one forward."""
+    model = make_model("llama")
+    decode = BatchedDecode(model)
+    assert decode.shared_from == SHARED_FROM_ON_CPU
+    sizes: list[int] = []
+    rows_fn = decode.fast.step.rows
+    decode.fast.step.rows = lambda tokens, *args: sizes.append(tokens.shape[0]) or rows_fn(tokens, *args)
+    gens, wants = [], []
+    for seed in range(SHARED_FROM_ON_CPU):
+        for out in (gens, wants):
+            gen = Generator(model, ContextShiftCache(model, n_ctx=N_CTX, n_keep=N_KEEP))
+            gen.feed(_ids(seed)[:10])
+            out.append(gen)
+    few = SHARED_FROM_ON_CPU - 1
+    got = decode([(g, 7) for g in gens[:few]])
+    assert sizes == []
+    for g, want, logits in zip(gens, wants, got, strict=False):
+        torch.testing.assert_close(logits, want.write([7]), atol=1e-5, rtol=1e-5)
+        assert g.tokens == want.tokens
+    decode([(g, 8) for g in gens])
+    assert sizes == [SHARED_FROM_ON_CPU]

@@ -171,6 +171,7 @@ def test_parallel_requests_decode_together_and_match_alone(tiny, client):
     with selfextend.self_extend(model, group_size=2, window=8):
         alone = [greedy(model, tok, tok(p).input_ids, 16) for p in prompts]
         with serving(model, tok, n_ctx=64, parallel=2, max_tokens=64) as (base, engine):
+            engine.batched.shared_from = 2  # (on the CPU two rows would each take their direct step)
             step = engine.batched.fast.step
             rows, sizes = step.rows, []
 
@@ -412,6 +413,24 @@ def test_sigterm_past_the_drain_timeout_cancels_quietly(tiny_dir):
         assert proc.wait(60) == 0
         err = proc.stderr.read()
         assert "stopped" in err and "Exception in thread" not in err and "Event loop is closed" not in err
+
+
+def test_ignore_eos_writes_to_max_tokens(server, client, tiny):
+    """llama.cpp's ``ignore_eos``: the reply goes on past end-of-sequence tokens. The tiny model's greedy
+    first token is made its end-of-sequence token here, so without the field the reply stops at once."""
+    model, tok = tiny
+    prompt = "The harbour at dawn"
+    first = int(model(torch.tensor([tok(prompt).input_ids])).logits[0, -1].argmax())
+    engine = server[1]
+    eos, engine.eos = engine.eos, {first}
+    try:
+        kwargs = dict(model="tiny", prompt=prompt, max_tokens=12, temperature=0)
+        stopped = client.completions.create(**kwargs)
+        assert stopped.choices[0].finish_reason == "stop" and stopped.usage.completion_tokens == 0
+        on = client.completions.create(**kwargs, extra_body={"ignore_eos": True})
+        assert on.choices[0].finish_reason == "length" and on.usage.completion_tokens == 12
+    finally:
+        engine.eos = eos
 
 
 def test_engine_loop_runs_on_the_calling_thread(tiny):

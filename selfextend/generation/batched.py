@@ -5,9 +5,12 @@ over them: every projection, the MLP and the output head run on B rows together
 (:meth:`~selfextend.generation.compiled.CompiledStep.rows`), and attention runs per sequence over that
 sequence's own cache cells (its positions, its Self-Extend grouping, its sliding layers). A sequence the
 step does not serve for this token (a model family it does not know, a cache of fewer than two cells, a
-layer whose last slot the token would take) is written alone through its generator's own path, and so
-is a sequence that is the only one to decode when its generator has a direct step (a little faster for
-one row than the shared step).
+layer whose last slot the token would take) is written alone through its generator's own path.
+
+On the CPU, fewer than :data:`SHARED_FROM_ON_CPU` sequences whose generators have a direct decode step
+(its native kernels) are each written through it, one after the other: the shared step runs its code
+eagerly, a few hundred torch ops per layer, and saves reading the weights again only from about that many
+rows (``python experiments/server_decode.py --concurrent 1,2,4,8``).
 """
 
 from __future__ import annotations
@@ -21,13 +24,21 @@ from selfextend.generation.cells import Cells, StepCells
 from selfextend.generation.compiled import FastDecode, fast_decode_for
 from selfextend.generation.generator import Generator
 
+SHARED_FROM_ON_CPU = 6  # sequences from which they share one forward on the CPU (module docstring)
+
 
 class BatchedDecode:
     """``decode([(generator, token), ...]) -> [logits, ...]``: each token written at its generator's next
-    position (shifting its cache first where it is full), the logits (vocab,) after each, in order."""
+    position (shifting its cache first where it is full), the logits (vocab,) after each, in order.
 
-    def __init__(self, model: nn.Module) -> None:
+    ``shared_from``: the fewest sequences with direct steps that share a forward (default: 2 on a GPU,
+    :data:`SHARED_FROM_ON_CPU` on the CPU).
+    """
+
+    def __init__(self, model: nn.Module, shared_from: int | None = None) -> None:
         self.fast: FastDecode | None = fast_decode_for(model, compile=False)  # its step, run eagerly
+        on_cpu = next(model.parameters()).device.type == "cpu"
+        self.shared_from = shared_from or (SHARED_FROM_ON_CPU if on_cpu else 2)
 
     def serves(self) -> bool:
         """Whether sequences of this model share a forward (else each is written alone)."""
@@ -39,8 +50,10 @@ class BatchedDecode:
         for gen, _ in pairs:
             gen.make_room(1)
         shared = [self.serves() and gen.cache.n_past >= 2 for gen, _ in pairs]
-        if sum(shared) == 1 and _direct(pairs[shared.index(True)][0]):
-            shared = [False] * len(pairs)  # one sequence alone: its own direct step is a little faster
+        if sum(shared) < self.shared_from and all(
+            _direct(g) for (g, _), s in zip(pairs, shared, strict=True) if s
+        ):
+            shared = [False] * len(pairs)  # few enough: each through its own direct step is faster
         rows: list[tuple[int, StepCells, Cells]] = []
         for i, (gen, token) in enumerate(pairs):
             if shared[i]:

@@ -144,6 +144,7 @@ async def _answer(engine: Engine, settings: Settings, request: Sampling, prompt:
         stops=request.stops() + prompt.stops,
         slot_id=request.id_slot,
         cache_prompt=request.cache_prompt,
+        ignore_eos=request.ignore_eos,
     )
     if not engine.submit(job):
         raise APIError(429, "the server is busy: too many requests waiting", None, "queue_full")

@@ -59,6 +59,7 @@ class Job:
     stops: tuple[str, ...] = ()
     slot_id: int | None = None
     cache_prompt: bool = True  # False: recompute the whole prompt
+    ignore_eos: bool = False  # True: an end-of-sequence token is text like any other, up to max_tokens
     cancelled: threading.Event = field(default_factory=threading.Event)
 
 
@@ -283,7 +284,7 @@ class Engine:
         if r.first_token is None:
             r.first_token = time.perf_counter()
         r.generated.append(token)
-        if token in self.eos:
+        if token in self.eos and not job.ignore_eos:
             return self._end(r, "stop")
         text, stopped = r.stops.push(r.stream.push(token))
         if text:
@@ -307,7 +308,8 @@ class Engine:
         if reason == "cancelled":
             return
         now = time.perf_counter()
-        completion = len(r.generated) - (r.generated[-1] in self.eos if r.generated else 0)
+        ended_by_eos = reason == "stop" and bool(r.generated) and r.generated[-1] in self.eos
+        completion = len(r.generated) - ended_by_eos
         decode_s = now - r.first_token if r.first_token else 0.0
         job.emit(
             {

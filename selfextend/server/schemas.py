@@ -47,6 +47,7 @@ class Sampling(Strict):
     stream_options: StreamOptions | None = None
     id_slot: int | None = Field(None, ge=0)
     cache_prompt: bool = True  # llama.cpp's: False recomputes the whole prompt
+    ignore_eos: bool = False  # llama.cpp's: True writes past end-of-sequence tokens, to max_tokens
 
     def stops(self) -> tuple[str, ...]:
         if self.stop is None:
