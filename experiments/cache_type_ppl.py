@@ -5,7 +5,9 @@ pieces through a :class:`ContextShiftCache` of ``L`` cells whose elements are fl
 (every piece attends the cells written before it, rounded as they are stored), with Self-Extend
 (G=4, W=1024) so that 8k lies past nothing the model cannot reach; PPL over all predicted tokens.
 
-    python experiments/cache_type_ppl.py [--lengths 4096,8192]   # writes results/cache_type_ppl.json
+    python experiments/cache_type_ppl.py [--lengths 4096,8192] [--types f32,bf16,f16]
+
+Rows go into results/cache_type_ppl.json, replacing those of the same length and cache type.
 """
 
 from __future__ import annotations
@@ -47,18 +49,25 @@ def ppl(model, ids: torch.Tensor, dtype: torch.dtype) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", default="4096,8192")
+    parser.add_argument("--types", default=",".join(CACHE_DTYPES), help="cache types, e.g. f32,bf16")
     args = parser.parse_args()
+    types = args.types.split(",")
+    if not set(types) <= set(CACHE_DTYPES):
+        parser.error(f"--types: choose from {', '.join(CACHE_DTYPES)}")
     model, tokenizer = load_model("smollm2-135m")
     apply_self_extend(model, 4, 1024)
     text = tokenizer(default_books()["sherlock-holmes"][:200_000], return_tensors="pt").input_ids
-    rows = []
+    rows = json.loads(OUT.read_text())["rows"] if OUT.exists() else []
     for length in (int(x) for x in args.lengths.split(",")):
-        for name, dtype in CACHE_DTYPES.items():
+        for name in types:
             t0 = time.perf_counter()
-            rows.append({"length": length, "cache_type": name, "ppl": ppl(model, text[:, :length], dtype)})
-            rows[-1]["seconds"] = round(time.perf_counter() - t0, 1)
-            print(json.dumps(rows[-1]), flush=True)
-    OUT.write_text(json.dumps({"group_size": 4, "window": 1024, "rows": rows}, indent=1) + "\n")
+            value = ppl(model, text[:, :length], CACHE_DTYPES[name])
+            row = {"length": length, "cache_type": name, "ppl": value}
+            row["seconds"] = round(time.perf_counter() - t0, 1)
+            print(json.dumps(row), flush=True)
+            rows = [r for r in rows if (r["length"], r["cache_type"]) != (length, name)] + [row]
+            rows.sort(key=lambda r: (r["length"], list(CACHE_DTYPES).index(r["cache_type"])))
+            OUT.write_text(json.dumps({"group_size": 4, "window": 1024, "rows": rows}, indent=1) + "\n")
 
 
 if __name__ == "__main__":
