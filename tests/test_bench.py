@@ -145,3 +145,6 @@ def test_bench_generate_bandwidth_and_first_token(tiny_dir, tmp_path):
     assert int8_mb and all(abs(mb - bytes_per_token(int8, cache, fill) / 1e6) < 1e-9 for mb in int8_mb)
     assert all(x["gb_per_s"] == x["mb_per_token"] * x["tokens_per_s"] / 1e3 for x in generate)
     assert "machine read bandwidth" in r.stdout and "GB/s" in r.stdout
+    # each run records the weights it used (the variant's, not --weights' float), and the header says so
+    assert {x["weights"] for x in runs} == {"int8"}
+    assert "float weights" not in r.stdout and "generate: weights per variant" in r.stdout

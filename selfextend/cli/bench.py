@@ -143,8 +143,15 @@ def bench(
     )
     runs: list[dict] = []
 
+    def weights_of(r: dict) -> str:
+        """A run's weights: ``--weights``, or a generate/first-token variant's own (int8, int4, gguf)."""
+        if r["case"] not in ("generate", "first-token"):
+            return weights
+        form = r["variant"].split("+")[0]
+        return form if form in ("int8", "int4") else "gguf"
+
     def record(r: dict) -> None:
-        r.update(model=model, dtype=dtype, weights=weights, device=device_name)
+        r.update(model=model, dtype=dtype, weights=weights_of(r), device=device_name)
         runs.append(r)
         click.echo(
             "  "
@@ -185,8 +192,12 @@ def bench(
             for r in bench_first_token(forms, cfg, gguf, torch.get_num_threads()):
                 record(r)
     bandwidth = read_bandwidth_gbs() if "generate" in wanted else None
+    weights_said = ", ".join(
+        [f"{weights} weights"] * bool(wanted & {"prefill", "decode", "endless"})
+        + ["generate: weights per variant"] * bool(wanted & {"generate", "first-token"})
+    )
     click.echo(
-        f"\n{model}, {dtype}, {weights} weights, {device_name}, G={group_size}, W={window}, "
+        f"\n{model}, {dtype}, {weights_said}, {device_name}, G={group_size}, W={window}, "
         f"{plural(repeats, 'repeat')} (medians; prefill after one untimed warm-up run per variant), "
         f"{'compiled' if cfg.compile else 'eager'} decode, "
         + f"{str(cache_dtype or lm.dtype).removeprefix('torch.')} cache"
@@ -223,7 +234,7 @@ def bench(
                     "summary": True,
                     "model": model,
                     "dtype": dtype,
-                    "weights": weights,
+                    "weights": weights_of(row),
                     "device": device_name,
                     **row,
                 },
