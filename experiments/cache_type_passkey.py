@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import argparse
 import random
-import re
 import time
 from pathlib import Path
 
 import torch
 
-from selfextend.evaluation.passkey import ANSWER_TOKENS, build_passkey_prompt
+from selfextend.evaluation.passkey import ANSWER_TOKENS, build_passkey_prompt, is_correct
 from selfextend.evaluation.results import append_jsonl, read_jsonl
 from selfextend.generation.generator import CACHE_DTYPES, Generator
 from selfextend.hf.patch import apply_self_extend
@@ -59,14 +58,13 @@ def main() -> None:
                     continue
                 t0 = time.perf_counter()
                 text = tokenizer.decode(ask(model, ids, CACHE_DTYPES[name]), skip_special_tokens=True)
-                found = re.search(r"\d+", text)
                 record = {
                     "length": length,
                     "depth": depth,
                     "cache_type": name,
                     "passkey": key,
                     "answer": text.strip(),
-                    "correct": bool(found and found.group(0) == str(key)),
+                    "correct": is_correct(text, key),
                     "tokens": len(ids),
                     "seconds": round(time.perf_counter() - t0, 1),
                 }

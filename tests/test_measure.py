@@ -293,6 +293,14 @@ def test_interrupted_sweep_leaves_valid_jsonl_and_resumes(tiny_dir, tmp_path):
     assert after[: len(before)] == before
 
 
+def test_passkey_answer_is_correct_only_when_its_first_number_is_the_key():
+    from selfextend.evaluation.passkey import is_correct
+
+    assert is_correct("12345. Remember it.", 12345) and is_correct(" is 12345", 12345)
+    assert not is_correct("123456", 12345) and not is_correct("1234 5", 12345)
+    assert not is_correct("7 and then 12345", 12345) and not is_correct("the pass key is", 12345)
+
+
 def test_passkey_and_plots(tiny_dir, tmp_path):
     out = tmp_path / "pk.jsonl"
     r = invoke(

@@ -48,6 +48,12 @@ def build_passkey_prompt(tokenizer, length: int, depth: float, key: int) -> list
     return list(tokenizer(text).input_ids)
 
 
+def is_correct(text: str, key: int) -> bool:
+    """Whether an answer's first number is the passkey (what every passkey record's ``correct`` says)."""
+    found = re.search(r"\d+", text)
+    return bool(found and found.group(0) == str(key))
+
+
 @torch.no_grad()
 def answer(model: nn.Module, ids: list[int], method: Method) -> list[int]:
     """Greedy answer tokens after the prompt, under ``method`` (a shift method streams the prompt)."""
@@ -137,7 +143,6 @@ def passkey_sweep(
         ids = build_passkey_prompt(tokenizer, p.length, p.depth, key)
         t0 = time.perf_counter()
         text = tokenizer.decode(answer(model, ids, p.method), skip_special_tokens=True)
-        found = re.search(r"\d+", text)
         record = {
             "model": model_name,
             "dtype": dtype,
@@ -148,7 +153,7 @@ def passkey_sweep(
             "trial": p.trial,
             "passkey": key,
             "answer": text.strip(),
-            "correct": bool(found and found.group(0) == str(key)),
+            "correct": is_correct(text, key),
             "tokens": len(ids),
             "seconds": round(time.perf_counter() - t0, 2),
         }
