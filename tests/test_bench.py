@@ -147,4 +147,5 @@ def test_bench_generate_bandwidth_and_first_token(tiny_dir, tmp_path):
     assert "machine read bandwidth" in r.stdout and "GB/s" in r.stdout
     # each run records the weights it used (the variant's, not --weights' float), and the header says so
     assert {x["weights"] for x in runs} == {"int8"}
+    assert {x["weights"] for x in read_jsonl(out) if x.get("summary")} == {"int8"}
     assert "float weights" not in r.stdout and "generate: weights per variant" in r.stdout

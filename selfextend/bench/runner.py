@@ -280,6 +280,8 @@ def summarize(records: list[dict]) -> list[dict]:
     }
     for (case, name, length), rs in sorted(groups.items()):
         row = {"case": case, "variant": name, "length": length, "runs": len(rs)}
+        if "weights" in rs[0]:  # a variant's own weights (generate, first-token)
+            row["weights"] = rs[0]["weights"]
         for key in ("seconds", "peak_mib", "ms_per_token", "tokens_per_s", "ms_per_shift", "mb_per_token"):
             values = [r[key] for r in rs if key in r]
             if values:

@@ -67,7 +67,8 @@ def bench_generate(
     """Greedy tokens/s through a context-shift cache of ``endless_ctx`` cells: our loop with each of
     ``models`` (by weight form: float, int8, int4), plain and with Self-Extend, and llama.cpp on ``gguf``
     (the same model file) when llama-cpp-python is installed. Interleaved per repeat, the same prompt for
-    all; every record has the bytes a step reads (MB/token) and the rate that makes (GB/s)."""
+    all; every record has the weights it ran (a form, or ``gguf`` for llama.cpp), the bytes a step reads
+    (MB/token) and the rate that makes (GB/s)."""
     from selfextend.bench import llamacpp
 
     ctx, keep = cfg.endless_ctx, cfg.endless_keep
@@ -81,7 +82,8 @@ def bench_generate(
     for rep in range(cfg.repeats):
         prompt = _tokens(first, ctx // 2, seed=rep).tolist()[0]
         for name in generate_variants(list(models)):
-            record = {"case": "generate", "variant": name, "length": ctx, "repeat": rep}
+            form = "gguf" if name == "llama.cpp" else name.removesuffix("+selfextend")
+            record = {"case": "generate", "variant": name, "length": ctx, "repeat": rep, "weights": form}
             if name == "llama.cpp":
                 if llama is None:
                     continue
@@ -90,7 +92,7 @@ def bench_generate(
                 record["shifts"] = llama.shifts - before
                 record["mb_per_token"] = llama_mb
             else:
-                lm = models[name.removesuffix("+selfextend")]
+                lm = models[form]
                 attention = "selfextend" if name.endswith("selfextend") else "plain"
                 with variant(lm, attention, cfg.group_size, cfg.window):
                     gen = generator_for(lm, cfg, ctx)
@@ -118,7 +120,9 @@ def bench_first_token(
         for length in cfg.prefill_lengths:
             prompt = _tokens(first, length, seed=rep).tolist()[0]
             for name in [f"{w}+selfextend" for w in models] + ["llama.cpp"]:
+                form = "gguf" if name == "llama.cpp" else name.removesuffix("+selfextend")
                 record = {"case": "first-token", "variant": name, "length": length, "repeat": rep}
+                record["weights"] = form
                 if name == "llama.cpp":
                     if not gguf or not llamacpp.available():
                         continue
@@ -127,7 +131,7 @@ def bench_first_token(
                     del llama
                     yield record
                     continue
-                lm = models[name.removesuffix("+selfextend")]
+                lm = models[form]
                 with variant(lm, "selfextend", cfg.group_size, cfg.window):
                     gen = generator_for(lm, cfg, length + 1)
                     _sync(gen.device)

@@ -143,15 +143,9 @@ def bench(
     )
     runs: list[dict] = []
 
-    def weights_of(r: dict) -> str:
-        """A run's weights: ``--weights``, or a generate/first-token variant's own (int8, int4, gguf)."""
-        if r["case"] not in ("generate", "first-token"):
-            return weights
-        form = r["variant"].split("+")[0]
-        return form if form in ("int8", "int4") else "gguf"
-
     def record(r: dict) -> None:
-        r.update(model=model, dtype=dtype, weights=weights_of(r), device=device_name)
+        r.setdefault("weights", weights)  # generate and first-token runs name their variant's own
+        r.update(model=model, dtype=dtype, device=device_name)
         runs.append(r)
         click.echo(
             "  "
@@ -234,7 +228,7 @@ def bench(
                     "summary": True,
                     "model": model,
                     "dtype": dtype,
-                    "weights": weights_of(row),
+                    "weights": weights,
                     "device": device_name,
                     **row,
                 },
