@@ -17,6 +17,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import selfextend
 from selfextend.core.attention import repeat_kv
+from selfextend.generation.decode import DecodeStep
 from selfextend.hf.facts import cache_kwargs
 from selfextend.kv.cache import ContextShiftCache
 from selfextend.kv.layers import ContextShiftLayer
@@ -47,7 +48,8 @@ def forward(m, ids, cache=None, position_ids=None) -> torch.Tensor:
         return m(torch.tensor([ids]), **cache_kwargs(m, cache), use_cache=cache is not None, **kw).logits[0]
 
 
-# (operations, the kept token indices in order, their positions): after 40 tokens at positions 0..39
+# (operations, the kept token indices in order, their positions[, the next position when past the last kept
+# one + 1]): after 40 tokens at positions 0..39
 SCENARIOS = {
     "cut-and-close": (
         [("remove", 10, 20), ("move", 20, None, -10)],
@@ -69,6 +71,10 @@ SCENARIOS = {
         list(range(4)) + list(range(9, 20)) + list(range(25, 40)),
         None,
     ),
+    # a cut back to inside a gap: the gap stays between the last cell and the next token (issue 30, item 4)
+    "gap-then-truncate": ([("remove", 10, 20), ("truncate", 15)], list(range(10)), list(range(10)), 15),
+    "gap-then-crop": ([("remove", 30, 38), ("crop", -5)], list(range(30)), list(range(30)), 35),
+    "move-up-then-truncate": ([("move", 30, None, 5), ("truncate", 33)], [*range(30)], [*range(30)], 33),
 }
 
 
@@ -80,10 +86,10 @@ def apply(cache: ContextShiftCache, ops) -> None:
 def continue_after(m, cache: ContextShiftCache, ids: list[int], scenario: str) -> None:
     """Apply ``scenario`` to a cache holding ``ids[:40]``, feed ``ids[40:46]`` in three writes, and hold each
     logits row to a fresh forward over the kept tokens at their new positions."""
-    ops, kept, positions = SCENARIOS[scenario]
+    ops, kept, positions, *after = SCENARIOS[scenario]
     apply(cache, ops)
     positions = positions if positions is not None else list(range(len(kept)))
-    assert cache.n_past == positions[-1] + 1
+    assert cache.n_past == (after[0] if after else positions[-1] + 1)
     assert cache.can_truncate(cache.n_past)  # every layer holds what the next token attends
     got = torch.cat([forward(m, ids[a:b], cache) for a, b in ((40, 43), (43, 44), (44, 46))])
     tokens = [ids[i] for i in kept] + ids[40:46]
@@ -101,6 +107,30 @@ def test_remove_move_full_layer_equals_fresh_forward(scenario, self_extend):
     forward(m, ids[:25], cache)
     forward(m, ids[25:40], cache)
     continue_after(m, cache, ids, scenario)
+
+
+@pytest.mark.parametrize("self_extend", [False, True])
+@pytest.mark.parametrize("decode", ["forward", "direct"])
+def test_gap_after_truncate_is_kept(self_extend, decode):
+    """remove(5, 10) then truncate(7) leaves cells 0..4 and the next token at 7: the layer is not gapless
+    (slot 0 is at 0, not next_pos - n_used), before and after the token at 7 claims a cell, and what the next
+    queries see follows the positions (the issue's example, through the model's forward and the direct
+    decode step)."""
+    m = one_layer("full", self_extend)
+    ids = torch.randint(3, 97, (20,), generator=torch.Generator().manual_seed(5)).tolist()
+    cache = ContextShiftCache(m, n_ctx=64, n_keep=4)
+    forward(m, ids[:15], cache)
+    cache.remove(5, 10)
+    cache.truncate(7)
+    layer = cache.layers[0]
+    assert cache.n_past == 7 and not layer.gapless and layer.cells(5).first is None
+    step = DecodeStep(m) if decode == "direct" else None
+    got = [step(ids[15], cache) if step else forward(m, ids[15:16], cache)[-1]]
+    assert layer.positions[: layer.n_used].tolist() == [0, 1, 2, 3, 4, 7] and not layer.gapless
+    assert layer.visible_from(7, window=3) == 5 and layer.cells(6).first is None
+    got += [step(t, cache) if step else forward(m, [t], cache)[-1] for t in ids[16:18]]
+    fresh = forward(m, ids[:5] + ids[15:18], position_ids=torch.tensor([[0, 1, 2, 3, 4, 7, 8, 9]]))[-3:]
+    assert (torch.stack(got) - fresh).abs().max() < TOL
 
 
 @pytest.mark.parametrize("scenario", ["cut-and-close", "gap"])

@@ -181,7 +181,7 @@ class ContextShiftCache(Cache):
         """Every layer's next position: one past the highest position any layer holds."""
         next_pos = max(layer.max_position() for layer in self.layers) + 1
         for layer in self.layers:
-            layer.next_pos = next_pos
+            layer.follow(next_pos)
 
     def loadable(self, positions: Sequence[torch.Tensor], n_past: int) -> int:
         """The longest prefix, at most ``n_past``, that :meth:`load_prefix` can load from states at

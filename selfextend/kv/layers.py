@@ -106,6 +106,7 @@ class CellLayer(CacheLayerMixin):
             self.lost = (lo, p0 - 1)
         elif p0 <= lo < p1 <= hi:
             self.lost = (p1, hi)
+        self._recheck()
 
     def collides(self, p0: int, p1: int, delta: int) -> bool:
         """Whether :meth:`move` would give two cells one position."""
@@ -129,9 +130,19 @@ class CellLayer(CacheLayerMixin):
         parts = [(lo, min(hi, p0 - 1)), (max(lo, p0) + delta, min(hi, p1 - 1) + delta), (max(lo, p1), hi)]
         parts = [(a, b) for a, b in parts if a <= b]  # below, inside (moved) and above [p0, p1)
         self.lost = (min(a for a, _ in parts), max(b for _, b in parts)) if parts else NOTHING
+        self._recheck()
 
     def _order(self) -> None:
         """Restore this kind's slot order after a move (a full layer's increasing positions)."""
+
+    def _recheck(self) -> None:
+        """Recompute what this kind derives from the positions and ``next_pos`` (a full layer's
+        ``gapless``): called after every edit other than appending cells at ``next_pos``."""
+
+    def follow(self, next_pos: int) -> None:
+        """Set the position of the next token (the cache's, after an edit of any layer)."""
+        self.next_pos = next_pos
+        self._recheck()
 
     def claim(self, n: int = 1) -> int:
         """Record ``n`` new cells at the next positions in slots ``[start, start + n)`` and return ``start``:
@@ -206,12 +217,13 @@ class CellLayer(CacheLayerMixin):
         gaps = torch.nonzero(missing).squeeze(1)
         if len(gaps):
             self._lose(int(gaps[0]), int(gaps[-1]))
+        self._recheck()
 
     def truncate(self, n_past: int) -> None:
         """Forget every cell from position ``n_past`` on."""
         if n_past < self.next_pos:
             self.remove(n_past, self.next_pos)
-            self.next_pos = n_past
+            self.follow(n_past)
 
     def get_seq_length(self) -> int:
         return self.next_pos
@@ -222,6 +234,7 @@ class CellLayer(CacheLayerMixin):
     def reset(self) -> None:
         self.n_used, self.next_pos, self.lost = 0, 0, NOTHING
         self.grouped.invalidate(0)
+        self._recheck()
 
     def crop(self, tokens_to_remove: int) -> None:
         """Forget the last ``-tokens_to_remove`` positions (transformers' convention: a negative count)."""
@@ -229,11 +242,17 @@ class CellLayer(CacheLayerMixin):
 
 
 class ContextShiftLayer(CellLayer):
-    """A full-attention layer: every cell, in increasing position order, in (B, Hkv, n_ctx, D) buffers."""
+    """A full-attention layer: every cell, in increasing position order, in (B, Hkv, n_ctx, D) buffers.
+
+    ``gapless``: the cells' positions are ``next_pos - n_used, ..., next_pos - 1``, every position up to the
+    next token's since the first cell (then slot ``s`` is at ``next_pos - n_used + s``, read without the
+    positions). Every edit rechecks it against ``next_pos``; appending cells at ``next_pos`` (:meth:`claim`,
+    the compiled step's commit) keeps it, and makes it true for an empty layer.
+    """
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         super().__init__(keys, values)
-        self.gapless = True  # positions[:n_used] are next_pos - n_used, ..., next_pos - 1
+        self.gapless = True
 
     def _order(self) -> None:
         pos = self.positions[: self.n_used]
@@ -242,23 +261,14 @@ class ContextShiftLayer(CellLayer):
 
     def _recheck(self) -> None:
         pos = self.positions[: self.n_used]
-        self.gapless = self.n_used == 0 or int(pos[-1] - pos[0]) == self.n_used - 1
+        self.gapless = self.n_used == 0 or (
+            int(pos[-1]) == self.next_pos - 1 and int(pos[-1] - pos[0]) == self.n_used - 1
+        )
 
-    def remove(self, p0: int, p1: int) -> None:
-        super().remove(p0, p1)
-        self._recheck()
-
-    def move(self, p0: int, p1: int, delta: int, inv_freq: torch.Tensor) -> None:
-        super().move(p0, p1, delta, inv_freq)
-        self._recheck()
-
-    def fill(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, n_past: int) -> None:
-        super().fill(keys, values, positions, n_past)
-        self._recheck()
-
-    def reset(self) -> None:
-        super().reset()
-        self.gapless = True
+    def claim(self, n: int = 1) -> int:
+        start = super().claim(n)
+        self.gapless = self.gapless or start == 0  # cells appended at next_pos: a gap stays; none if empty
+        return start
 
     def _grouped(
         self, group_size: int, inv_freq: torch.Tensor, n: int, rotations: RotationTable | None
