@@ -29,7 +29,7 @@ from selfextend.core.cells import cells_of
 from selfextend.core.decode_query import grouped_decode_keys, self_extend_decode
 from selfextend.core.positions import grouped_query_positions
 from selfextend.core.rope import Rotation
-from selfextend.generation.native import ACTIVATIONS, NativeKernels, native_kernels
+from selfextend.generation.native import ACTIVATIONS, NativeKernels, native_kernels, rotation_fits
 from selfextend.generation.products import LayerPlan, direct, norm_of, product_of
 from selfextend.hf.facts import layer_kinds, sliding_windows
 from selfextend.hf.patch import IMPLEMENTATION, SelfExtendParams
@@ -117,15 +117,18 @@ def decode_step_for(model: nn.Module) -> DecodeStep | None:
 
 
 def _query_rotation(
-    known: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]], pos: int, p: SelfExtendParams
+    known: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]], pos: int, p: SelfExtendParams, d: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(cos, sin) (rot_dim,) of the rotation that takes a query at ``pos`` to its grouped position under
-    ``p``, computed once per token for the layers sharing ``p``'s settings (``known``)."""
+    ``p``, computed (and checked for the native ``rope_write`` of head size ``d``) once per token for the
+    layers sharing ``p``'s settings (``known``)."""
     delta = grouped_query_positions(pos, p.group_size, p.window) - pos
     key = (delta, id(p.inv_freq))
     if key not in known:
         r = Rotation.of(torch.tensor([delta]), p.inv_freq)
         known[key] = r.cos.reshape(-1).contiguous(), r.sin.reshape(-1).contiguous()
+        if not rotation_fits(known[key], d):
+            raise ValueError(f"Self-Extend's rotation of {r.cos.shape[-1]} dims does not fit heads of {d}")
     return known[key]
 
 
@@ -167,10 +170,19 @@ class DecodeStep:
             plan.head_norms is not None or not hasattr(m.self_attn, "q_norm")
             for m, plan in zip(self.layers, self.plan, strict=True)
         )
-        self.kernel = self.native if normed else None  # attention: q/k norms it cannot apply stay in torch
+        # attention: q/k norms it cannot apply, or a rotation wider than a head, stay in torch
+        self.kernel = self.native if normed and self._rotations_fit() else None
         head = (self.head,)
         self.final_norm = norm_of(self.norm, dtype, self.native if direct(head) else None)
         self.head_product = product_of(head, self.native)
+
+    def _rotations_fit(self) -> bool:
+        """Whether each kind's rotation is what the native ``rope_write`` reads (checked once: the rotary
+        module gives the same size and type at every position)."""
+        x = self.embed.weight[:1].view(1, 1, -1)
+        found = rotations_at(self.rotary, self.kinds, self.by_kind, x, torch.tensor([0]))
+        flat = [(r.cos.reshape(-1).contiguous(), r.sin.reshape(-1).contiguous()) for r in found.values()]
+        return all(rotation_fits(pair, self.head_dim) for pair in flat)
 
     def supported(self) -> bool:
         """Whether the model's current attention implementation is one this step computes."""
@@ -209,7 +221,7 @@ class DecodeStep:
             if kernel is not None:
                 slot = cells.claim()
                 first = cells.visible_from(pos, window)
-                by = None if p is None else _query_rotation(grouped_rotations, pos, p)
+                by = None if p is None else _query_rotation(grouped_rotations, pos, p, self.head_dim)
                 q, q_g = kernel.rope_write(
                     qkv.float(),
                     self.heads[:2],

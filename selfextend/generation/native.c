@@ -133,7 +133,7 @@ INLINE void chunk(const float *q0, const float *qg0, float scale, const void *k,
     }
 }
 
-/* Returns 0, or 1 when a size is out of range or there is no scratch space (nothing written then). */
+/* Returns 0, 1 when a size is out of range or 2 when there is no scratch space (nothing written then). */
 int decode_attention(const float *q, const float *qg, const void *k, const float *kg, const void *v, long n,
                      long ng, long hkv, long r, long d, long k_stride, long kg_stride, long v_stride, int type,
                      float scale, long n_chunks, float *out) {
@@ -145,7 +145,7 @@ int decode_attention(const float *q, const float *qg, const void *k, const float
         free(m);
         free(s);
         free(acc);
-        return 1;
+        return 2;
     }
     float *l = m + tasks * r;
 #pragma omp parallel for schedule(static)

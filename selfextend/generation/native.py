@@ -14,36 +14,35 @@ head at ~16 GB/s (``experiments/native_bench.py``). ``native.c`` has, per token 
   them the bfloat16 row they take; a norm added to the residual (Gemma's norms after attention and MLP);
   and an int8 product of one row (the output head) at bandwidth.
 
-It is compiled as inductor compiles its CPU kernels (the system C compiler, ``-O3 -march=native
--fopenmp``; no trapping math, so ``floorf`` vectorizes) into ``$SELFEXTEND_CACHE/kernels``, once per
-source, compiler and CPU. Where no compiler works, :func:`native_kernels` returns None and the step uses
-torch ops; ``SELFEXTEND_NATIVE=0`` asks for that too.
+It is compiled by :mod:`selfextend.generation.build` (the system C compiler, ``-O3 -march=native``) into
+``$SELFEXTEND_CACHE/kernels``, once per source, compiler and target; callers build it before they time
+anything (:func:`native_kernels` at model load). Where no compiler works, :func:`native_kernels` returns
+None and the step uses torch ops; ``SELFEXTEND_NATIVE=0`` asks for that too.
+
+The wrappers check what the C code assumes (shapes, types, contiguity, sizes its stack rows hold) and
+raise ValueError otherwise; the decode step checks once per plan and passes ``checked=True``.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
 
+from selfextend.generation.build import build
 from selfextend.models.sources import cache_root
 
 SOURCE = Path(__file__).with_name("native.c")
-FLAGS = ("-O3", "-march=native", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC")
 TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 MAX_QUERY_ROWS = 16  # query heads per KV head the kernel takes (native.c's MAX_R)
 MAX_HEAD_DIM = 256  # and head size (a multiple of 16: 16 * MAX_V there)
 ENV = "SELFEXTEND_NATIVE"
+NO_MEMORY = 2  # what decode_attention returns without scratch space (1: sizes it cannot read)
 ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1}  # transformers' names of the gated activations native.c has
 
 
@@ -84,14 +83,15 @@ class NativeKernels:
 
     def takes(self, heads: int, k: torch.Tensor, v: torch.Tensor) -> bool:
         """Whether the kernel reads cells ``k``, ``v`` (B, Hkv, n, D) for ``heads`` query heads: one sequence
-        on the CPU, rows contiguous, a type it knows, at most 16 query heads per KV head, a head size that is
-        a multiple of 16 up to 256."""
+        on the CPU, values shaped as the keys, rows contiguous, a type it knows, at most 16 query heads per KV
+        head, a head size that is a multiple of 16 up to 256."""
         h, (b, hkv, _, d) = heads, k.shape
         return (
             b == 1
             and k.device.type == "cpu"
             and k.dtype in TYPES
             and v.dtype == k.dtype
+            and v.shape == k.shape
             and h % hkv == 0
             and h // hkv <= MAX_QUERY_ROWS
             and d % 16 == 0
@@ -108,12 +108,14 @@ class NativeKernels:
         grouped: tuple[torch.Tensor, torch.Tensor] | None = None,
         checked: bool = False,
     ) -> torch.Tensor:
-        """q (1, H, 1, D); k, v (1, Hkv, n, D) cell views; ``grouped``: q_g (1, H, 1, D) and k_g
-        (1, Hkv, n_g, D), read as float32 (a float32 buffer with contiguous rows is read in place).
-        ``checked``: the caller has seen :meth:`takes` accept these cells' layout (the decode step, once per
-        token for every layer)."""
-        if not checked and not self.takes(q.shape[1], k, v):
-            raise ValueError(f"the attention kernel cannot read q {tuple(q.shape)}, k {tuple(k.shape)}")
+        """q (1, H, 1, D); k, v (1, Hkv, n, D) cell views, n >= 1; ``grouped``: q_g (1, H, 1, D) and k_g
+        (1, Hkv, n_g, D), n_g <= n, read as float32 (a float32 buffer with contiguous rows is read in place).
+        ``checked``: the caller has seen :meth:`takes` accept these cells' layout and made q and ``grouped``
+        of these shapes (the decode step, once per token for every layer). ValueError otherwise."""
+        if not checked:
+            self._check_attention(q, k, v, grouped)
+        if k.shape[2] < 1:
+            raise ValueError("the attention kernel has no cells to attend (an empty cache)")
         _, h, _, d = q.shape
         hkv, n = k.shape[1], k.shape[2]
         q = q.float().contiguous()  # (1, H, 1, D) = (Hkv, H / Hkv, D) in memory
@@ -143,9 +145,32 @@ class NativeKernels:
             _chunks(hkv, n, torch.get_num_threads()),
             out.data_ptr(),
         )
-        if failed:
+        if failed == NO_MEMORY:
             raise MemoryError(f"decode attention kernel: no scratch space for {n} cells")
+        if failed:
+            raise ValueError(f"the attention kernel cannot read q {tuple(q.shape)}, k {tuple(k.shape)}")
         return out
+
+    def _check_attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        grouped: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> None:
+        """ValueError unless :meth:`__call__` can read these shapes and layouts."""
+        fits = q.dim() == 4 and self.takes(q.shape[1], k, v)
+        if fits:
+            query = (1, q.shape[1], 1, k.shape[-1])
+            fits = q.shape == query
+            if grouped is not None:
+                q_g, k_g = grouped
+                fits = fits and q_g.shape == query and k_g.shape[:2] == k.shape[:2]
+                fits = fits and k_g.shape[-1] == k.shape[-1] and k_g.shape[2] <= k.shape[2]
+        if not fits:
+            shapes = ", ".join(f"{name} {tuple(t.shape)}" for name, t in (("q", q), ("k", k), ("v", v)))
+            got = f"{shapes}, grouped {tuple(grouped[1].shape)}" if grouped is not None else shapes
+            raise ValueError(f"the attention kernel cannot read {got} ({k.dtype})")
 
     def rope_write(
         self,
@@ -164,16 +189,21 @@ class NativeKernels:
         D; rounded to their type); returns the rotated query (1, H, 1, D) float32 and, with ``grouped``,
         that query rotated on by it (Self-Extend's grouped query), else None. ``rotation``, ``grouped``:
         (cos, sin) factors of a :class:`~selfextend.core.rope.Rotation`, (rot_dim,) float32 each;
-        ``norms``: each query and key head RMS-normed first; ``checked`` as for attention, and the norms'
-        size (the slot is checked in any case)."""
+        ``norms``: each query and key head RMS-normed first; ``checked``: the caller has seen :meth:`takes`
+        accept the cells, the norms fit and both rotations :func:`rotation_fits` (the C code's stack rows hold
+        ``d`` floats); the slot is checked in any case."""
         h, hkv = heads
         d = keys.shape[-1]
         if qkv.dtype != torch.float32 or not qkv.is_contiguous() or qkv.numel() != (h + 2 * hkv) * d:
             raise ValueError(f"rope_write takes (1, {(h + 2 * hkv) * d}) float32, not {tuple(qkv.shape)}")
         if not ((checked or self.takes(h, keys, values)) and 0 <= slot < keys.shape[2]):
             raise ValueError(f"rope_write cannot write slot {slot} of cells {tuple(keys.shape)} {keys.dtype}")
-        if norms is not None and not checked and not norms.fits(d):
-            raise ValueError(f"rope_write takes head norms of {d} contiguous float32 weights")
+        if not checked:
+            if norms is not None and not norms.fits(d):
+                raise ValueError(f"rope_write takes head norms of {d} contiguous float32 weights")
+            for pair in (rotation,) if grouped is None else (rotation, grouped):
+                if not rotation_fits(pair, d):
+                    raise ValueError(f"rope_write takes (cos, sin) of the same even size <= {d}, float32")
         q = torch.empty(1, h, 1, d)
         q_g = torch.empty(1, h, 1, d) if grouped is not None else None
         cos, sin = rotation
@@ -208,12 +238,9 @@ class NativeKernels:
         factor it scales by: Gemma's ``1 + weight``), rounded to bfloat16 (the input of the quantized product
         after it)."""
         n = weight.shape[0]
-        if (
-            x.shape != (1, n)
-            or x.dtype != torch.float32
-            or not x.is_contiguous()
-            or not weight.is_contiguous()
-        ):
+        if not _norm_weight_fits(weight):
+            raise ValueError(f"rms_norm_bf16 takes contiguous float32 factors, not {weight.dtype} ones")
+        if x.shape != (1, n) or x.dtype != torch.float32 or not x.is_contiguous():
             raise ValueError(f"rms_norm_bf16 takes one contiguous float32 row of {n}, not {tuple(x.shape)}")
         out = torch.empty(1, n, dtype=torch.bfloat16)
         self._norm(x.data_ptr(), weight.data_ptr(), n, eps, out.data_ptr())
@@ -224,13 +251,14 @@ class NativeKernels:
         bfloat16 (a quantized product's output): Gemma's norm of an attention or MLP output, then the
         residual add."""
         n = weight.shape[0]
+        if not _norm_weight_fits(weight):
+            raise ValueError(f"rms_norm_add takes contiguous float32 factors, not {weight.dtype} ones")
         if not (
             x.shape == y.shape == (1, n)
             and x.dtype == torch.float32
             and y.dtype in (torch.float32, torch.bfloat16)
             and x.is_contiguous()
             and y.is_contiguous()
-            and weight.is_contiguous()
         ):
             raise ValueError(f"rms_norm_add takes contiguous rows of {n}: {tuple(x.shape)}, {tuple(y.shape)}")
         self._norm_add(y.data_ptr(), TYPES[y.dtype], weight.data_ptr(), n, eps, x.data_ptr())
@@ -263,6 +291,24 @@ class NativeKernels:
         return out
 
 
+def rotation_fits(rotation: tuple[torch.Tensor, torch.Tensor], d: int) -> bool:
+    """Whether ``(cos, sin)`` are what ``rope_write`` reads for head size ``d``: contiguous float32 factors of
+    one even size (rot_dim) of at most ``d``."""
+    cos, sin = rotation
+    return (
+        cos.dtype == sin.dtype == torch.float32
+        and cos.is_contiguous()
+        and sin.is_contiguous()
+        and cos.numel() == sin.numel() <= d
+        and cos.numel() % 2 == 0
+    )
+
+
+def _norm_weight_fits(weight: torch.Tensor) -> bool:
+    """Whether a norm's ``weight`` is the (n,) contiguous float32 factors the C norms read."""
+    return weight.dim() == 1 and weight.dtype == torch.float32 and weight.is_contiguous()
+
+
 def _bind(fn: Any, argtypes: list[Any], restype: Any) -> Any:
     """``fn`` with its C signature set (ctypes converts and checks the arguments)."""
     fn.argtypes, fn.restype = argtypes, restype
@@ -278,40 +324,6 @@ def _chunks(hkv: int, n: int, threads: int) -> int:
     return max(1, min(chunks, n // 64))
 
 
-def build(directory: Path) -> Path:
-    """The kernel's shared library in ``directory``, compiled unless already there for this source, compiler
-    and CPU. Raises ``RuntimeError`` (with the compiler's message) where it does not compile."""
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        raise RuntimeError("no C compiler (cc or gcc, or $CC)")
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout
-    key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), version.encode(), _cpu().encode()):
-        key.update(part)
-    target = directory / f"native-{key.hexdigest()[:16]}.so"
-    if target.exists():
-        return target
-    directory.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=directory) as tmp:  # then renamed: concurrent builds do not clash
-        out = Path(tmp) / target.name
-        command = [cc, *FLAGS, str(SOURCE), "-o", str(out), "-lm"]
-        proc = subprocess.run(command, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[-500:]}")
-        os.replace(out, target)
-    return target
-
-
-def _cpu() -> str:
-    """What ``-march=native`` depends on: the machine and its CPU's feature flags."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-        flags = next(line for line in lines if line.startswith("flags"))
-    except (OSError, StopIteration):
-        flags = platform.processor()
-    return f"{platform.machine()} {flags}"
-
-
 @functools.cache
 def native_kernels() -> NativeKernels | None:
     """The kernels, built once per process (and once per machine on disk), or None where
@@ -319,8 +331,8 @@ def native_kernels() -> NativeKernels | None:
     if os.environ.get(ENV) == "0":
         return None
     try:
-        return NativeKernels(build(cache_root() / "kernels"))
-    except (RuntimeError, OSError, subprocess.SubprocessError) as e:
+        return NativeKernels(build(cache_root() / "kernels", SOURCE, "native"))
+    except (RuntimeError, OSError) as e:
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
         warnings.warn(f"native decode kernels not built ({reason}); decoding through torch ops", stacklevel=2)
         return None

@@ -1,0 +1,90 @@
+"""Compiling the native kernels' C sources into shared libraries, once per source, compiler and CPU.
+
+As inductor compiles its CPU kernels: the system C compiler (``$CC``, else ``cc`` or ``gcc``) with
+:data:`FLAGS` (``-O3 -march=native -fopenmp``; no trapping math, so ``floorf`` vectorizes), into a
+directory under the cache root. A library is named after everything its code depends on
+(:func:`build_key`), what ``-march=native`` targets included, as the compiler itself reports it: a library
+built on a CPU with instructions another lacks (AVX-512, SVE) is never loaded there, where it would kill
+the process with SIGILL. A build prints one line on stderr (that it compiles, then how long it took), so
+whoever times a run can see it; a compiler that hangs is stopped after :data:`COMPILE_TIMEOUT` seconds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+FLAGS = ("-O3", "-march=native", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC")
+COMPILE_TIMEOUT = 300.0  # seconds a compile may take before the caller falls back to torch ops
+QUERY_TIMEOUT = 60.0  # and a question to the compiler (its version, its target)
+
+
+def build(directory: Path, source: Path, name: str) -> Path:
+    """The shared library of C ``source`` in ``directory`` (``name-<key>.so``), compiled unless already there
+    for this source, compiler and target (:func:`build_key`), with one line on stderr while it compiles and
+    how long it took. Raises ``RuntimeError`` (with the compiler's message) where it does not compile or
+    takes over :data:`COMPILE_TIMEOUT` seconds."""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise RuntimeError("no C compiler (cc or gcc, or $CC)")
+    target = directory / f"{name}-{build_key(cc, source)}.so"
+    if target.exists():
+        return target
+    directory.mkdir(parents=True, exist_ok=True)
+    print(f"compiling the {name} kernels ({source.name}) for this CPU, once ...", end=" ", file=sys.stderr)
+    sys.stderr.flush()
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(dir=directory) as tmp:  # then renamed: concurrent builds do not clash
+        out = Path(tmp) / target.name
+        try:
+            _run([cc, *FLAGS, str(source), "-o", str(out), "-lm"], COMPILE_TIMEOUT, check=True)
+        except RuntimeError:
+            print("failed", file=sys.stderr, flush=True)
+            raise
+        os.replace(out, target)
+    print(f"done in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+    return target
+
+
+def build_key(cc: str, source: Path) -> str:
+    """What a build depends on: the source, the flags, the compiler's version and what ``-march=native``
+    makes it target on this machine (:func:`compiler_target`), so a library built for one CPU is never
+    loaded on another (an instruction it lacks would kill the process with SIGILL)."""
+    key = hashlib.sha256()
+    version = _run([cc, "--version"], QUERY_TIMEOUT).stdout
+    for part in (source.read_bytes(), " ".join(FLAGS), version, compiler_target(cc)):
+        key.update(part if isinstance(part, bytes) else part.encode())
+    return key.hexdigest()[:16]
+
+
+def compiler_target(cc: str) -> str:
+    """What the compiler generates code for under :data:`FLAGS`' ``-m`` options, on every architecture: gcc's
+    resolved target options (``-Q --help=target``) where it has them, and the macros the target defines
+    (``-dM -E``: ``__AVX512F__``, ``__ARM_FEATURE_SVE``, ..., which clang gives too). RuntimeError where the
+    compiler answers neither."""
+    machine = [f for f in FLAGS if f.startswith("-m")]
+    options = _run([cc, *machine, "-Q", "--help=target"], QUERY_TIMEOUT)
+    macros = _run([cc, *machine, "-dM", "-E", "-x", "c", os.devnull], QUERY_TIMEOUT)
+    answers = [p.stdout for p in (options, macros) if p.returncode == 0 and p.stdout.strip()]
+    if not answers:
+        why = macros.stderr.strip()[-200:]
+        raise RuntimeError(f"{cc} does not say what {' '.join(machine)} targets: {why}")
+    return "\n".join(answers)
+
+
+def _run(command: list[str], timeout: float, check: bool = False) -> subprocess.CompletedProcess:
+    """``command``'s completed process (text output); RuntimeError where it runs over ``timeout`` seconds or,
+    with ``check``, fails (with the end of its message)."""
+    try:
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"{command[0]} still running after {timeout:g} s: stopped") from None
+    if check and proc.returncode != 0:
+        raise RuntimeError(f"{command[0]} failed: {proc.stderr.strip()[-500:]}")
+    return proc
