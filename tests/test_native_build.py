@@ -102,3 +102,37 @@ def test_a_compiler_that_hangs_is_stopped(tmp_path, monkeypatch, capfd) -> None:
             assert native.native_kernels() is None
     finally:
         native.native_kernels.cache_clear()
+
+
+@needs_cc
+def test_generate_builds_the_kernels_before_the_clock_starts(tiny_dir, tmp_path, monkeypatch) -> None:
+    """With an empty cache, ``generate -n 5`` says on stderr that it compiles the kernels, and they are built
+    before the generation loop (which holds the clock of the reported rates) is entered: a first run's rate
+    never includes the build."""
+    from click.testing import CliRunner
+
+    from selfextend.cli.main import main
+    from selfextend.generation import generator
+
+    monkeypatch.setenv("SELFEXTEND_CACHE", str(tmp_path))
+    monkeypatch.delenv("CC", raising=False)
+    native.native_kernels.cache_clear()
+    built_at_start = []
+    real_run = generator.run
+
+    def run(*args, **kwargs):
+        built_at_start.append(native.native_kernels.cache_info().currsize == 1)
+        built_at_start.append(bool(list((tmp_path / "kernels").glob("native-*.so"))))
+        return real_run(*args, **kwargs)
+
+    monkeypatch.setattr(generator, "run", run)
+    try:
+        r = CliRunner().invoke(main, ["generate", "-m", str(tiny_dir), "-p", "hi", "-n", "5", "--ignore-eos"])
+    finally:
+        native.native_kernels.cache_clear()
+    assert r.exit_code == 0, r.output
+    assert built_at_start == [True, True]
+    lines = r.stderr.strip().splitlines()
+    build = [i for i, line in enumerate(lines) if line.startswith("compiling the native kernels")]
+    assert len(build) == 1 and " done in " in lines[build[0]]
+    assert lines[-1].startswith("5 tokens in") and build[0] < len(lines) - 1
