@@ -39,6 +39,7 @@ from selfextend.generation.generator import (
 )
 from selfextend.generation.sampling import SamplingParams
 from selfextend.models.weights import release_free_memory
+from selfextend.server.metrics import Metrics
 from selfextend.server.slots import Reuse, Slot, pick
 
 
@@ -98,6 +99,7 @@ class Engine:
         step = decode_step_for(model)
         self.slots = [Slot(i, model, n_ctx, step) for i in range(parallel)]
         self.batched = BatchedDecode(model)
+        self.metrics = Metrics()
         self.queue: deque[Job] = deque()
         self.running: list[Running] = []
         self.tasks: list[Callable[[], None]] = []  # work on idle slots (save, restore), run between steps
@@ -311,17 +313,16 @@ class Engine:
         ended_by_eos = reason == "stop" and bool(r.generated) and r.generated[-1] in self.eos
         completion = len(r.generated) - ended_by_eos
         decode_s = now - r.first_token if r.first_token else 0.0
-        job.emit(
-            {
-                "type": "done",
-                "finish_reason": reason,
-                "prompt_tokens": len(job.prompt),
-                "completion_tokens": completion,
-                "cached_tokens": min(r.reuse.tokens, len(job.prompt) - 1),  # the last one is always run
-                "moved_tokens": r.reuse.moved,
-                "shifts": slot.gen.cache.shifts - r.shifts_before,
-                "ttft_s": (r.first_token or now) - r.started,
-                "tokens_per_second": (len(r.generated) - 1) / decode_s if decode_s > 0 else 0.0,
-                "slot": slot.id,
-            }
-        )
+        done = {
+            "finish_reason": reason,
+            "prompt_tokens": len(job.prompt),
+            "completion_tokens": completion,
+            "cached_tokens": min(r.reuse.tokens, len(job.prompt) - 1),  # the last one is always run
+            "moved_tokens": r.reuse.moved,
+            "shifts": slot.gen.cache.shifts - r.shifts_before,
+            "ttft_s": (r.first_token or now) - r.started,
+            "tokens_per_second": (len(r.generated) - 1) / decode_s if decode_s > 0 else 0.0,
+            "slot": slot.id,
+        }
+        self.metrics.record(done)
+        job.emit({"type": "done", **done})
