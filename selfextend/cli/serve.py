@@ -45,6 +45,14 @@ if TYPE_CHECKING:
     "K-shift instead of recomputed (0: the common prefix only).",
 )
 @click.option(
+    "--prefill-chunk",
+    type=POSITIVE,
+    default=512,
+    show_default=True,
+    help="Prompt tokens written per step between the running requests' tokens: a new prompt delays the "
+    "streams already running by at most one such chunk per token (llama-server's --ubatch-size).",
+)
+@click.option(
     "--api-key",
     default=None,
     envvar="SELFEXTEND_API_KEY",
@@ -84,6 +92,7 @@ def serve(
     ctx: int,
     parallel: int,
     cache_reuse: int,
+    prefill_chunk: int,
     api_key: str | None,
     max_tokens: int,
     slot_save_path: str | None,
@@ -120,7 +129,7 @@ def serve(
         os.makedirs(slot_save_path, exist_ok=True)
     lm, tokenizer = load_with_self_extend(model, dtype, device, group_size, window, weights)
     warn_beyond_reach(lm, ctx, group_size, window)
-    engine = Engine(lm, tokenizer, ctx, parallel, cache_reuse)
+    engine = Engine(lm, tokenizer, ctx, parallel, cache_reuse, prefill_chunk=prefill_chunk)
     settings = Settings(
         model_name=model,
         api_key=api_key,
