@@ -75,9 +75,22 @@ def product_of(parts: tuple[nn.Module, ...], native: NativeKernels | None = None
     if direct(parts):
         w, scale = layer.weight_int8, layer.scale
         if native is not None and w.is_contiguous() and scale.is_contiguous():
-            return lambda x: native.int8_gemv(x, w, scale)
+            return lambda x: each(lambda row: native.int8_gemv(row, w, scale), x)
         return lambda x: torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), w, scale)
     return lambda x: project(parts, x)
+
+
+def each(fn: Fn, x: torch.Tensor) -> torch.Tensor:
+    """``fn`` (a norm or activation of one row) on each row of ``x`` (M, n): the lone token's numbers."""
+    return fn(x) if x.shape[0] == 1 else torch.cat([fn(x[i : i + 1]) for i in range(x.shape[0])])
+
+
+def each_add(add: Add, x: torch.Tensor, y: torch.Tensor) -> None:
+    """``add(x, y)`` (in place into ``x``) row by row, as a lone token's."""
+    if x.shape[0] == 1:
+        return add(x, y)
+    for i in range(x.shape[0]):
+        add(x[i : i + 1], y[i : i + 1])
 
 
 def norm_of(module: nn.Module, dtype: torch.dtype, native: NativeKernels | None = None) -> Fn:
