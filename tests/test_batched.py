@@ -142,7 +142,9 @@ def test_lone_sequence_takes_its_direct_step() -> None:
 @pytest.mark.parametrize("cells", [torch.float32, torch.bfloat16])
 def test_direct_rows_match_each_alone(family: str, extend: bool, cells: torch.dtype) -> None:
     """Sequences at different fills stepped together through the direct step's rows (shifting at different
-    times) give each one's logits stepped alone, plain and Self-Extend, over float32 and bf16 cells."""
+    times) give each one's logits stepped alone, plain and Self-Extend, over float32 and bf16 cells (float
+    weights: to float32 tolerance; GGUF blocks, whose products are batch-invariant: bit for bit, in
+    test_gguf_blocks.py)."""
     model = _model(family)
     if extend:
         apply_self_extend(model, GROUP, WINDOW)
@@ -168,4 +170,6 @@ def test_direct_rows_match_each_alone(family: str, extend: bool, cells: torch.dt
     (got, shifts, tokens), (want, shifts_alone, tokens_alone) = runs
     assert shifts == shifts_alone and min(shifts) >= 1 and len(set(shifts)) > 1
     assert tokens == tokens_alone
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    # float32 products of M rows and of one differ in the last bits; a bf16 cell rounds such a key either way
+    tol = 1e-5 if cells == torch.float32 else 1e-2
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
