@@ -24,9 +24,11 @@ QUANTIZABLE = ("Q4_0", "Q4_1", "Q5_0", "Q8_0")  # gguf.quants.quantize writes th
 N_OUT = 37
 
 
-def gguf_blocks(kind: int, rows: int, columns: int, seed: int = 0) -> np.ndarray:
+def gguf_blocks(
+    kind: int, rows: int, columns: int, seed: int = 0, scales: tuple[float, float] = (0.001, 0.02)
+) -> np.ndarray:
     """(rows, bytes per row) of type ``kind``: gguf's quantiser on random weights where it has one, else
-    random bytes with float16 scales of a sane size (a K-quant's d and dmin; Q6_K's d is last)."""
+    random bytes with float16 scales in ``scales`` (a K-quant's d and dmin; Q6_K's d is last)."""
     rng = np.random.default_rng(seed)
     name = BLOCK_KINDS[kind]
     if name in QUANTIZABLE:
@@ -36,9 +38,7 @@ def gguf_blocks(kind: int, rows: int, columns: int, seed: int = 0) -> np.ndarray
     raw = rng.integers(0, 256, (rows, columns // block, size), dtype=np.uint8)
     at = slice(208, 210) if name == "Q6_K" else slice(0, 4)
     halves = (at.stop - at.start) // 2
-    raw[..., at] = (
-        rng.uniform(0.001, 0.02, (rows, columns // block, halves)).astype(np.float16).view(np.uint8)
-    )
+    raw[..., at] = rng.uniform(*scales, (rows, columns // block, halves)).astype(np.float16).view(np.uint8)
     return raw.reshape(rows, -1)
 
 

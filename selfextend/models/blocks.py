@@ -107,12 +107,20 @@ class BlockLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, GGUF {name} blocks"
 
 
-def fuse_blocks(layers: Sequence[BlockLinear]) -> BlockLinear | None:
-    """One layer computing the outputs of ``layers`` side by side (rows of blocks concatenated, the layers
-    kept as views into them, as :func:`~selfextend.models.quantize.fuse_int8`), or None for mixed types
-    or input sizes."""
-    if len({(m.kind, m.in_features) for m in layers}) != 1:
-        return None
+def fuse_blocks(layers: Sequence[BlockLinear]) -> tuple[BlockLinear, ...]:
+    """Layers computing the outputs of ``layers`` side by side: each run of layers of one type and input
+    size fused into one (rows of blocks concatenated, the layers kept as views into them, as
+    :func:`~selfextend.models.quantize.fuse_int8`), a run of one kept as it is."""
+    runs: list[list[BlockLinear]] = []
+    for m in layers:
+        if runs and (runs[-1][0].kind, runs[-1][0].in_features) == (m.kind, m.in_features):
+            runs[-1].append(m)
+        else:
+            runs.append([m])
+    return tuple(run[0] if len(run) == 1 else _fuse_run(run) for run in runs)
+
+
+def _fuse_run(layers: list[BlockLinear]) -> BlockLinear:
     blocks = torch.cat([m.blocks for m in layers])
     biases = [m.bias for m in layers]
     bias = None
