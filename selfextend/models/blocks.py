@@ -88,7 +88,7 @@ class BlockLinear(nn.Module):
 
     def set_kind(self, kind: int) -> None:
         """Take ``kind`` as the blocks' type (a saved layer's ``block_kind``, read back)."""
-        self.kind = kind
+        self.kind = int(kind)
         self.block_kind = torch.tensor([kind], dtype=torch.int32)
 
     def dequantized(self) -> torch.Tensor:
