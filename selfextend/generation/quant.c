@@ -260,9 +260,9 @@ INLINE void rows32(int type, const uint8_t *w, const void *const *xv, long nb, i
 /* The same for Q4_K and Q5_K: 8 sub-blocks of 32 per super-block, 6-bit scales and mins. */
 INLINE void rows_k4(int type, const uint8_t *w, const void *const *xv, long nb, int R, float *out) {
     const __m256i m4 = _mm256_set1_epi8(0xF), one = _mm256_set1_epi8(1);
-    __m256 acc[TILE];
-    float accm[TILE];
-    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps(), accm[r] = 0.0f;
+    const __m128i pairs = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    __m256 acc[TILE], accm[TILE];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps(), accm[r] = _mm256_setzero_ps();
     long bb = block_bytes(type);
     for (long b = 0; b < nb; b++) {
         const uint8_t *blk = w + b * bb, *qs = blk + (type == Q5_K ? 48 : 16);
@@ -288,13 +288,16 @@ INLINE void rows_k4(int type, const uint8_t *w, const void *const *xv, long nb, 
             }
         }
         float d = f16(blk), dmin = f16(blk + 2);
+        /* each sub-block's min twice, against the activations' two sums of 16 there */
+        __m256i mins = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(_mm_loadl_epi64((const __m128i *)mn), pairs));
         for (int r = 0; r < R; r++) {
             const xqk *x = (const xqk *)xv[r] + b;
+            __m256i m = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)x->bsums), mins);
             acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * x->d), _mm256_cvtepi32_ps(sumi[r]), acc[r]);
-            accm[r] = fmaf(dmin * x->d, (float)mins_k(mn, x), accm[r]);
+            accm[r] = _mm256_fmadd_ps(_mm256_set1_ps(dmin * x->d), _mm256_cvtepi32_ps(m), accm[r]);
         }
     }
-    for (int r = 0; r < R; r++) out[r] = hsum8(acc[r]) - accm[r];
+    for (int r = 0; r < R; r++) out[r] = hsum8(acc[r]) - hsum8(accm[r]);
 }
 
 /* The same for Q6_K: 16 sub-blocks of 16 with int8 scales, values q6 - 32. */
@@ -328,11 +331,11 @@ INLINE void rows_q6k(const uint8_t *w, const void *const *xv, long nb, int R, fl
             }
         }
         float d = f16(blk + 208);
+        __m256i scales = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
         for (int r = 0; r < R; r++) {
             const xqk *x = (const xqk *)xv[r] + b;
-            int corr = 0;
-            for (int k = 0; k < 16; k++) corr += sc[k] * x->bsums[k];
-            __m256i s = _mm256_sub_epi32(sumi[r], _mm256_setr_epi32(32 * corr, 0, 0, 0, 0, 0, 0, 0));
+            __m256i corr = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)x->bsums), scales);
+            __m256i s = _mm256_sub_epi32(sumi[r], _mm256_slli_epi32(corr, 5)); /* the values' offset 32 */
             acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * x->d), _mm256_cvtepi32_ps(s), acc[r]);
         }
     }
