@@ -37,6 +37,7 @@ from selfextend.hf.facts import layer_kinds, sliding_windows
 from selfextend.hf.patch import IMPLEMENTATION, SelfExtendParams
 from selfextend.kv.cache import ContextShiftCache
 from selfextend.kv.layers import CellLayer
+from selfextend.models.blocks import BlockLinear, fuse_blocks
 from selfextend.models.quantize import Int4Linear, Int8Linear, fuse_int4, fuse_int8
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
@@ -46,13 +47,14 @@ Rotations = dict[str, Rotation]  # by kind of layer (full_attention, sliding_att
 
 def fuse_projections(projections: list[nn.Module]) -> tuple[nn.Module, ...]:
     """One fused projection when all are int8, or all int4 in blocks that concatenate (no second copy of
-    the weights), else all of them.
+    the weights); GGUF block layers fused by runs of one type; else all of them.
 
     Fused once per set of layers (remembered on the first one): a second decode step over the same model
     gets the same fused layer, where fusing the views again would copy the weights.
     """
     kinds = {type(p) for p in projections}
-    fuse = {Int8Linear: fuse_int8, Int4Linear: fuse_int4}.get(kinds.pop()) if len(kinds) == 1 else None
+    fusers = {Int8Linear: fuse_int8, Int4Linear: fuse_int4, BlockLinear: fuse_blocks}
+    fuse = fusers.get(kinds.pop()) if len(kinds) == 1 else None
     if fuse is None:
         return tuple(projections)
     ids = tuple(id(p) for p in projections)
@@ -60,7 +62,8 @@ def fuse_projections(projections: list[nn.Module]) -> tuple[nn.Module, ...]:
     if found is None or found[0] != ids:
         found = (ids, fuse(projections))
         projections[0]._fused_with = found  # a tuple: not registered as a submodule
-    return tuple(projections) if found[1] is None else (found[1],)
+    fused = found[1]
+    return tuple(projections) if fused is None else fused if isinstance(fused, tuple) else (fused,)
 
 
 def why_not(model: nn.Module) -> str | None:

@@ -278,23 +278,24 @@ def _chunks(hkv: int, n: int, threads: int) -> int:
     return max(1, min(chunks, n // 64))
 
 
-def build(directory: Path) -> Path:
-    """The kernel's shared library in ``directory``, compiled unless already there for this source, compiler
-    and CPU. Raises ``RuntimeError`` (with the compiler's message) where it does not compile."""
+def build(directory: Path, source: Path = SOURCE) -> Path:
+    """The shared library of ``source`` (the kernels here; :mod:`~selfextend.generation.quant` builds its
+    own) in ``directory``, compiled unless already there for this source, compiler and CPU. Raises
+    ``RuntimeError`` (with the compiler's message) where it does not compile."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise RuntimeError("no C compiler (cc or gcc, or $CC)")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), version.encode(), _cpu().encode()):
+    for part in (source.read_bytes(), " ".join(FLAGS).encode(), version.encode(), _cpu().encode()):
         key.update(part)
-    target = directory / f"native-{key.hexdigest()[:16]}.so"
+    target = directory / f"{source.stem}-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
     directory.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=directory) as tmp:  # then renamed: concurrent builds do not clash
         out = Path(tmp) / target.name
-        command = [cc, *FLAGS, str(SOURCE), "-o", str(out), "-lm"]
+        command = [cc, *FLAGS, str(source), "-o", str(out), "-lm"]
         proc = subprocess.run(command, capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[-500:]}")

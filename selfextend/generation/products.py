@@ -24,6 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from selfextend.generation.native import ACTIVATIONS, HeadNorms, NativeKernels
+from selfextend.generation.quant import QuantKernels, quant_kernels
+from selfextend.models.blocks import BlockLinear
 from selfextend.models.quantize import INT4_GROUP, Int4Linear, Int8Linear
 
 Fn = Callable[[torch.Tensor], torch.Tensor]
@@ -57,6 +59,8 @@ def project(parts: tuple[nn.Module, ...], x: torch.Tensor) -> torch.Tensor:
 def direct(parts: tuple[nn.Module, ...]) -> bool:
     """Whether :func:`product_of` calls a quantized kernel directly (bfloat16 in and out) for ``parts``."""
     layer = parts[0]
+    if all(isinstance(p, BlockLinear) and p.bias is None for p in parts):
+        return quant_kernels() is not None
     if len(parts) != 1 or getattr(layer, "bias", None) is not None:
         return False
     if isinstance(layer, Int4Linear):
@@ -66,9 +70,12 @@ def direct(parts: tuple[nn.Module, ...]) -> bool:
 
 def product_of(parts: tuple[nn.Module, ...], native: NativeKernels | None = None) -> Fn:
     """``x (1, K) -> (1, N)``: the int4 or int8 kernel called directly (bfloat16 out) for one bias-less
-    quantized layer with contiguous buffers (int8: the native one where ``native`` is given), else the
-    modules' forwards (out in ``x``'s type)."""
+    quantized layer with contiguous buffers (int8: the native one where ``native`` is given), the native
+    GGUF block product for bias-less block layers (several: side by side), else the modules' forwards
+    (out in ``x``'s type)."""
     layer = parts[0]
+    if direct(parts) and isinstance(layer, BlockLinear):
+        return blocks_product(parts, quant_kernels())
     if direct(parts) and isinstance(layer, Int4Linear):
         w, sz = layer.weight_int4, layer.scales_zeros
         return lambda x: torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), w, INT4_GROUP, sz)
@@ -91,6 +98,16 @@ def each_add(add: Add, x: torch.Tensor, y: torch.Tensor) -> None:
         return add(x, y)
     for i in range(x.shape[0]):
         add(x[i : i + 1], y[i : i + 1])
+
+
+def blocks_product(parts: tuple[BlockLinear, ...], kernels: QuantKernels) -> Fn:
+    """``x (1, K) -> (1, N)`` bfloat16: the block layers' products, side by side where there are several
+    (of different types: a Q4_K_M file's v projection is Q6_K)."""
+    if len(parts) == 1:
+        blocks, kind = parts[0].blocks.contiguous(), parts[0].kind
+        return lambda x: kernels(x, blocks, kind, torch.bfloat16)
+    held = [(p.blocks.contiguous(), p.kind) for p in parts]
+    return lambda x: torch.cat([kernels(x, b, k, torch.bfloat16) for b, k in held], dim=-1)
 
 
 def norm_of(module: nn.Module, dtype: torch.dtype, native: NativeKernels | None = None) -> Fn:
