@@ -8,6 +8,7 @@ Q4_0 output, Q8_0 embedding, Q5_0 gate/up; K-quants as random valid blocks) runs
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -121,3 +122,34 @@ def test_direct_step_tracks_the_forward(pair) -> None:
             logits = gen.write([out[-1]])
         tokens.append(out)
     assert tokens[0] == tokens[1]
+
+
+@pytest.mark.skipif(quant_kernels() is None, reason="no C compiler here to build the kernel")
+@pytest.mark.parametrize("extend", [False, True])
+def test_direct_rows_are_each_alone_bit_for_bit(pair, extend: bool) -> None:
+    """The block products are batch-invariant, so sequences stepped together through the direct step's rows
+    (different fills, shifting at different times, bf16 cells) get exactly the logits each gets alone."""
+    from selfextend.generation.batched import BatchedDecode
+    from selfextend.hf.patch import self_extend
+
+    _, model = pair
+    ids = [
+        torch.randint(3, 250, (80,), generator=torch.Generator().manual_seed(s)).tolist() for s in range(3)
+    ]
+    fills = (1, 9, 21)
+    runs = []
+    with self_extend(model, 2, 6) if extend else contextlib.nullcontext():
+        for together in (True, False):
+            gens = []
+            for seq, n in zip(ids, fills, strict=True):
+                gen = Generator(model, ContextShiftCache(model, n_ctx=32, n_keep=2, dtype=torch.bfloat16))
+                gen.feed(seq[:n])
+                gens.append(gen)
+            decode = BatchedDecode(model)
+            steps = []
+            for t in range(40):
+                pairs = [(g, seq[n + t]) for g, seq, n in zip(gens, ids, fills, strict=True)]
+                steps.append(torch.stack(decode(pairs) if together else [g.write([tok]) for g, tok in pairs]))
+            runs.append((torch.stack(steps), [g.cache.shifts for g in gens]))
+    assert runs[0][1] == runs[1][1] and len(set(runs[0][1])) > 1
+    assert torch.equal(runs[0][0], runs[1][0])
