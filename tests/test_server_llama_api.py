@@ -6,9 +6,11 @@ from __future__ import annotations
 import re
 
 import pytest
+import torch
 from server_util import request, serving
 from transformers import AutoTokenizer, LlamaForCausalLM
 
+from selfextend.server.engine import Engine
 from selfextend.server.prompts import chat_prompt
 from selfextend.server.schemas import Message
 
@@ -113,3 +115,21 @@ def test_metrics_count_requests_tokens_and_reuse(server):
     assert after["llamacpp:cache_reuse_hits_total"] - before["llamacpp:cache_reuse_hits_total"] == 1
     assert after["llamacpp:kv_cache_tokens"] > 0 and 0 < after["llamacpp:kv_cache_usage_ratio"] <= 1
     assert after["llamacpp:predicted_tokens_seconds"] > 0
+
+
+def test_serve_cells_default_to_generates_type(tiny_dir):
+    """``selfextend serve`` gives its slots the cells ``generate`` uses by default (bf16 where the native
+    decode step runs the model) and answers over them; ``--cache-type`` chooses another."""
+    from server_util import serve_process
+
+    from selfextend.generation.generator import default_cache_dtype
+
+    model = LlamaForCausalLM.from_pretrained(tiny_dir)
+    want = {torch.bfloat16: "bf16", None: "f32"}[default_cache_dtype(model)]
+    with serve_process("-m", str(tiny_dir), "--ctx", "64", "-np", "2") as (base, _):
+        body = {"prompt": "The sea", "max_tokens": 4, "temperature": 0}
+        assert request(base, "POST", "/v1/completions", body)[0] == 200
+        slots = request(base, "GET", "/slots")[1]
+        assert [s["cache_type"] for s in slots] == [want, want]
+    engine = Engine(model, AutoTokenizer.from_pretrained(tiny_dir), 64, cache_dtype=torch.float16)
+    assert engine.info()[0]["cache_type"] == "f16"

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from selfextend.cli.generation_options import sampling_options
+from selfextend.cli.generation_options import cache_type_option, sampling_options
 from selfextend.cli.options import (
     COUNT,
     POSITIVE,
@@ -79,6 +79,7 @@ if TYPE_CHECKING:
     show_default=True,
     help="Seconds SIGTERM waits for requests in flight before it cancels them.",
 )
+@cache_type_option
 @sampling_options
 def serve(
     model: str,
@@ -97,6 +98,7 @@ def serve(
     max_tokens: int,
     slot_save_path: str | None,
     drain_timeout: int,
+    cache_type: str | None,
     sampling: SamplingParams,
     seed: int | None,
 ) -> None:
@@ -118,6 +120,7 @@ def serve(
 
     from selfextend.cli.generate import warn_beyond_reach
     from selfextend.cli.options import load_with_self_extend
+    from selfextend.generation.generator import decode_settings
     from selfextend.models.weights import bound_heap_growth
     from selfextend.server.app import Settings, create_app
     from selfextend.server.engine import Engine
@@ -129,7 +132,10 @@ def serve(
         os.makedirs(slot_save_path, exist_ok=True)
     lm, tokenizer = load_with_self_extend(model, dtype, device, group_size, window, weights)
     warn_beyond_reach(lm, ctx, group_size, window)
-    engine = Engine(lm, tokenizer, ctx, parallel, cache_reuse, prefill_chunk=prefill_chunk)
+    _, cache_dtype = decode_settings(lm, False, cache_type)  # the cells generate and chat use by default
+    engine = Engine(
+        lm, tokenizer, ctx, parallel, cache_reuse, prefill_chunk=prefill_chunk, cache_dtype=cache_dtype
+    )
     settings = Settings(
         model_name=model,
         api_key=api_key,

@@ -33,6 +33,7 @@ from torch import nn
 from selfextend.generation.batched import BatchedDecode
 from selfextend.generation.decode import decode_step_for
 from selfextend.generation.generator import (
+    CACHE_DTYPES,
     PREFILL_CHUNK,
     GenerationStats,
     StopMatcher,
@@ -83,8 +84,8 @@ class Running:
 
 
 class Engine:
-    """Runs jobs on ``parallel`` slots of ``n_ctx`` cells each, from one background thread; prompts are
-    written ``prefill_chunk`` tokens a turn."""
+    """Runs jobs on ``parallel`` slots of ``n_ctx`` cells each (of ``cache_dtype``, None: the model's), from
+    one background thread; prompts are written ``prefill_chunk`` tokens a turn."""
 
     def __init__(
         self,
@@ -95,12 +96,13 @@ class Engine:
         cache_reuse: int = 0,
         max_queue: int = 64,
         prefill_chunk: int = PREFILL_CHUNK,
+        cache_dtype: torch.dtype | None = None,
     ) -> None:
         self.model, self.tokenizer, self.n_ctx = model, tokenizer, n_ctx
         self.cache_reuse, self.max_queue, self.prefill_chunk = cache_reuse, max_queue, prefill_chunk
         self.eos = eos_token_ids(model, tokenizer)
         step = decode_step_for(model)
-        self.slots = [Slot(i, model, n_ctx, step) for i in range(parallel)]
+        self.slots = [Slot(i, model, n_ctx, step, cache_dtype) for i in range(parallel)]
         self.batched = BatchedDecode(model)
         self.metrics = Metrics()
         self.queue: deque[Job] = deque()
@@ -171,6 +173,7 @@ class Engine:
                 "n_ctx": s.n_ctx,
                 "n_past": s.gen.cache.n_past if s.gen else 0,
                 "shifts": s.gen.cache.shifts if s.gen else 0,
+                "cache_type": _cache_type(s),
             }
             for s in self.slots
         ]
@@ -335,3 +338,10 @@ class Engine:
         }
         self.metrics.record(done)
         job.emit({"type": "done", **done})
+
+
+def _cache_type(slot: Slot) -> str:
+    """The slot's cell type by its ``--cache-type`` name (llama.cpp's: f32, bf16, f16)."""
+    model_dtype = next(slot.model.parameters()).dtype
+    dtype = slot.gen.cache.layers[0].keys.dtype if slot.gen else slot.cache_dtype or model_dtype
+    return {v: k for k, v in CACHE_DTYPES.items()}.get(dtype, str(dtype).removeprefix("torch."))
