@@ -61,14 +61,16 @@ def request(
 
 
 @contextmanager
-def serving(model, tokenizer, n_ctx=128, parallel=1, cache_reuse=4, **settings) -> Iterator[tuple]:
+def serving(
+    model, tokenizer, n_ctx=128, parallel=1, cache_reuse=4, prefill_chunk=512, **settings
+) -> Iterator[tuple]:
     """(base URL, engine) of a server in a thread of this process; stopped at the end."""
     import uvicorn
 
     from selfextend.server.app import Settings, create_app
     from selfextend.server.engine import Engine
 
-    engine = Engine(model, tokenizer, n_ctx, parallel, cache_reuse)
+    engine = Engine(model, tokenizer, n_ctx, parallel, cache_reuse, prefill_chunk=prefill_chunk)
     app = create_app(engine, Settings(**{"model_name": "tiny", **settings}))
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))

@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import make_model, tiny_gemma3
 
-from selfextend.generation.batched import SHARED_FROM_ON_CPU, BatchedDecode
+from selfextend.generation.batched import BatchedDecode
 from selfextend.generation.compiled import FastDecode
 from selfextend.generation.generator import Generator
 from selfextend.hf.patch import apply_self_extend
@@ -108,47 +108,68 @@ def test_unserved_model_steps_each_alone() -> None:
     torch.testing.assert_close(together, forward, atol=1e-5, rtol=1e-5)
 
 
+def _counted(step) -> list[int]:
+    """The row counts of every ``step.rows`` call from now on."""
+    sizes: list[int] = []
+    rows_fn = step.rows
+    step.rows = lambda tokens, *args: sizes.append(len(tokens)) or rows_fn(tokens, *args)
+    return sizes
+
+
 def test_lone_sequence_takes_its_direct_step() -> None:
-    """One sequence with a direct decode step of its own goes through it; two share the batched forward."""
+    """One sequence with a direct decode step of its own goes through it; two share the direct step's rows
+    (the eager compiled step is not used)."""
     model = make_model("llama")
     decode = BatchedDecode(model, shared_from=2)
-    sizes: list[int] = []
-    rows_fn = decode.fast.step.rows
-    decode.fast.step.rows = lambda tokens, *args: sizes.append(tokens.shape[0]) or rows_fn(tokens, *args)
+    eager = _counted(decode.fast.step)
     gens = []
     for seed in range(2):
         gen = Generator(model, ContextShiftCache(model, n_ctx=N_CTX, n_keep=N_KEEP))
         gen.feed(_ids(seed)[:10])
         gens.append(gen)
+    direct = _counted(gens[0].step)
     alone = decode([(gens[0], 5)])[0]
-    assert sizes == [] and gens[0].tokens[-1] == 5
+    assert direct == [1] and gens[0].tokens[-1] == 5  # __call__ is rows of one
     decode([(gens[0], 6), (gens[1], 6)])
-    assert sizes == [2]
+    assert direct == [1, 2] and eager == []
     want = Generator(model, ContextShiftCache(model, n_ctx=N_CTX, n_keep=N_KEEP), direct_decode=False)
     want.feed(_ids(0)[:10])
     torch.testing.assert_close(alone, want.write([5]), atol=1e-5, rtol=1e-5)
 
 
-def test_few_sequences_on_the_cpu_take_their_direct_steps() -> None:
-    """On the CPU, fewer than SHARED_FROM_ON_CPU sequences are each written through their own direct step
-    (the same logits as alone); that many share one forward."""
-    model = make_model("llama")
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
+@pytest.mark.parametrize("extend", [False, True])
+@pytest.mark.parametrize("cells", [torch.float32, torch.bfloat16])
+def test_direct_rows_match_each_alone(family: str, extend: bool, cells: torch.dtype) -> None:
+    """Sequences at different fills stepped together through the direct step's rows (shifting at different
+    times) give each one's logits stepped alone, plain and Self-Extend, over float32 and bf16 cells (float
+    weights: to float32 tolerance; GGUF blocks, whose products are batch-invariant: bit for bit, in
+    test_gguf_blocks.py)."""
+    model = _model(family)
+    if extend:
+        apply_self_extend(model, GROUP, WINDOW)
     decode = BatchedDecode(model)
-    assert decode.shared_from == SHARED_FROM_ON_CPU
-    sizes: list[int] = []
-    rows_fn = decode.fast.step.rows
-    decode.fast.step.rows = lambda tokens, *args: sizes.append(tokens.shape[0]) or rows_fn(tokens, *args)
-    gens, wants = [], []
-    for seed in range(SHARED_FROM_ON_CPU):
-        for out in (gens, wants):
-            gen = Generator(model, ContextShiftCache(model, n_ctx=N_CTX, n_keep=N_KEEP))
-            gen.feed(_ids(seed)[:10])
-            out.append(gen)
-    few = SHARED_FROM_ON_CPU - 1
-    got = decode([(g, 7) for g in gens[:few]])
-    assert sizes == []
-    for g, want, logits in zip(gens, wants, got, strict=False):
-        torch.testing.assert_close(logits, want.write([7]), atol=1e-5, rtol=1e-5)
-        assert g.tokens == want.tokens
-    decode([(g, 8) for g in gens])
-    assert sizes == [SHARED_FROM_ON_CPU]
+    runs = []
+    for together in (True, False):
+        gens, seqs = [], []
+        for seed, n in enumerate(PROMPTS):
+            cache = ContextShiftCache(model, n_ctx=N_CTX, n_keep=N_KEEP, dtype=cells)
+            gen = Generator(model, cache)
+            gen.feed(_ids(seed)[:n])
+            gens.append(gen)
+            seqs.append(_ids(seed)[n : n + TOKENS])
+        assert all(g.step is not None and g.step.supported() for g in gens)
+        if together:
+            sizes = _counted(gens[0].step)
+            logits = [decode(list(zip(gens, t, strict=True))) for t in zip(*seqs, strict=True)]
+            assert sizes == [len(PROMPTS)] * TOKENS
+        else:
+            logits = [[g.write([t]) for g, t in zip(gens, ts, strict=True)] for ts in zip(*seqs, strict=True)]
+        shifts = [g.cache.shifts for g in gens]
+        runs.append((torch.stack([torch.stack(row) for row in logits]), shifts, [g.tokens for g in gens]))
+    (got, shifts, tokens), (want, shifts_alone, tokens_alone) = runs
+    assert shifts == shifts_alone and min(shifts) >= 1 and len(set(shifts)) > 1
+    assert tokens == tokens_alone
+    # float32 products of M rows and of one differ in the last bits; a bf16 cell rounds such a key either way
+    tol = 1e-5 if cells == torch.float32 else 1e-2
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)

@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -61,10 +62,18 @@ def _bytes_to_unicode() -> list[str]:
 
 
 def write_tiny_gguf(
-    path: Path, layers: int = 2, hidden: int = 32, heads: int = 4, kv_heads: int = 2, quant: str | None = None
+    path: Path,
+    layers: int = 2,
+    hidden: int = 32,
+    heads: int = 4,
+    kv_heads: int = 2,
+    quant: str | None = None,
+    blocks: dict[str, Callable[[int, int], np.ndarray]] | None = None,
 ) -> Path:
     """A tiny Llama GGUF; with ``quant`` (e.g. ``"Q8_0"``) its matrices in that block format
-    (written with gguf's own quantiser)."""
+    (written with gguf's own quantiser); ``blocks``: by tensor kind (``attn_v``, ``ffn_down``...), a
+    function of (rows, columns) giving its stored blocks instead, of the type named by its first key part
+    (``"Q6_K attn_v"``)."""
     import gguf
 
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -95,6 +104,11 @@ def write_tiny_gguf(
     rng = np.random.default_rng(0)
 
     def add(name: str, *shape: int) -> None:
+        for key, make in (blocks or {}).items():
+            kind, part = key.split()
+            if name.split(".")[-2] == part:
+                writer.add_tensor(name, make(*shape), raw_dtype=gguf.GGMLQuantizationType[kind])
+                return
         values = (rng.standard_normal(shape) * 0.02).astype(np.float32)
         if quant is None:
             writer.add_tensor(name, values)

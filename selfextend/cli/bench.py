@@ -63,9 +63,9 @@ from selfextend.core.validate import plural
     default="prefill,decode,endless,generate",
     show_default=True,
     help="Which measurements to run: prefill, decode, endless (shift cache against plain decoding), "
-    "generate (int8 and, for a GGUF, int4 weights, each plain and with Self-Extend, against llama.cpp when "
-    "llama-cpp-python is installed), first-token (seconds to the first token of a --lengths prompt, int8 and "
-    "int4 with Self-Extend against llama.cpp; not default).",
+    "generate (int8 and, for a GGUF, int4 and gguf weights, each plain and with Self-Extend, against "
+    "llama.cpp when llama-cpp-python is installed), first-token (seconds to the first token of a --lengths "
+    "prompt, int8, int4 and gguf with Self-Extend against llama.cpp; not default).",
 )
 @click.option(
     "-o", "--out", type=click.Path(dir_okay=False), help="Also write every run and the summary as JSON Lines."
@@ -94,8 +94,8 @@ def bench(
     a cache length. Endless: tokens/s through a context-shift cache of --ctx tokens against
     plain decoding at the same average fill, resident memory at start and end, and the cost of
     one shift. Generate: tokens/s of greedy generation through the shift cache with int8 weights and (for a
-    GGUF) int4 weights, each plain and with Self-Extend, against llama.cpp on the same GGUF (ratio column:
-    to llama.cpp). Other ratios compare each variant with plain at the same length, in the same run.
+    GGUF) int4 and gguf weights, each plain and with Self-Extend, against llama.cpp on the same GGUF (ratio
+    column: to llama.cpp). Other ratios compare each variant with plain at the same length, in the same run.
     """
     import psutil
     import torch
@@ -175,7 +175,7 @@ def bench(
         if gguf is None or not llamacpp_available():
             click.echo("llama.cpp: skipped (needs a GGUF model and llama-cpp-python installed)", err=True)
         forms = {}
-        for form in ("int8", "int4") if gguf is not None else ("int8",):
+        for form in ("int8", "int4", "gguf") if gguf is not None else ("int8",):
             forms[form] = (
                 lm if form == weights else load_with_self_extend(model, dtype, device, None, None, form)[0]
             )

@@ -207,9 +207,9 @@ def output_options(f: Callable) -> Callable:
     return f
 
 
-def decode_options(f: Callable) -> Callable:
-    """--compile/--no-compile, --cache-type: how single tokens are decoded and the KV cache's element type."""
-    f = click.option(
+def cache_type_option(f: Callable) -> Callable:
+    """--cache-type: the KV cache's element type."""
+    return click.option(
         "--cache-type",
         type=click.Choice(list(CACHE_TYPES)),
         default=None,
@@ -219,6 +219,11 @@ def decode_options(f: Callable) -> Callable:
         "--compile), "
         "else the model's dtype.",
     )(f)
+
+
+def decode_options(f: Callable) -> Callable:
+    """--compile/--no-compile, --cache-type: how single tokens are decoded and the KV cache's element type."""
+    f = cache_type_option(f)
     f = click.option(
         "--compile/--no-compile",
         "compile_step",

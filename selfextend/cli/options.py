@@ -84,18 +84,20 @@ def model_options(f: Callable) -> Callable:
 
 
 def weights_option(default: str) -> Callable[[Callable], Callable]:
-    """--weights: auto, float (the model's dtype), int8 (weight-only, a quarter of float32's bytes) or int4
-    (a GGUF's own 4-bit blocks). The choices are ``auto`` and ``quantize.WEIGHT_FORMATS``, not imported here
-    so that ``--help`` stays quick (tests/test_int4.py holds them equal)."""
+    """--weights: auto, float (the model's dtype), int8 (weight-only, a quarter of float32's bytes), int4
+    (a GGUF's own 4-bit blocks, repacked) or gguf (a GGUF's blocks as stored). The choices are ``auto``
+    and ``quantize.WEIGHT_FORMATS``, not imported here so that ``--help`` stays quick (tests/test_int4.py
+    holds them equal)."""
     return click.option(
         "--weights",
-        type=click.Choice(["auto", "float", "int8", "int4"]),
+        type=click.Choice(["auto", "float", "int8", "int4", "gguf"]),
         default=default,
         show_default=True,
-        help="Linear-layer weights: auto (int4 for a GGUF on the CPU, int8 otherwise), float (as --dtype), "
-        "int8 (per-row weight-only, bfloat16 products; decoding reads 4x fewer bytes than float32) or int4 "
-        "(a GGUF's Q4_0/Q4_1/Q4_K weights repacked as stored, groups of 32, about 8x fewer bytes; its other "
-        "linear layers int8; a non-GGUF model: all int8).",
+        help="Linear-layer weights: auto (gguf for a GGUF on the CPU, int8 otherwise), float (as --dtype), "
+        "int8 (per-row weight-only, bfloat16 products; decoding reads 4x fewer bytes than float32), int4 "
+        "(a GGUF's Q4_0/Q4_1/Q4_K weights repacked into torch's int4 layout) or gguf (a GGUF's "
+        "Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q5_K/Q6_K blocks as stored, native int8 dot products); int4 and gguf "
+        "hold other linear layers int8 (a non-GGUF model: all int8).",
     )
 
 

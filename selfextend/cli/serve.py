@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from selfextend.cli.generation_options import sampling_options
+from selfextend.cli.generation_options import cache_type_option, sampling_options
 from selfextend.cli.options import (
     COUNT,
     POSITIVE,
@@ -45,6 +45,14 @@ if TYPE_CHECKING:
     "K-shift instead of recomputed (0: the common prefix only).",
 )
 @click.option(
+    "--prefill-chunk",
+    type=POSITIVE,
+    default=512,
+    show_default=True,
+    help="Prompt tokens written per step between the running requests' tokens: a new prompt delays the "
+    "streams already running by at most one such chunk per token (llama-server's --ubatch-size).",
+)
+@click.option(
     "--api-key",
     default=None,
     envvar="SELFEXTEND_API_KEY",
@@ -71,6 +79,7 @@ if TYPE_CHECKING:
     show_default=True,
     help="Seconds SIGTERM waits for requests in flight before it cancels them.",
 )
+@cache_type_option
 @sampling_options
 def serve(
     model: str,
@@ -84,10 +93,12 @@ def serve(
     ctx: int,
     parallel: int,
     cache_reuse: int,
+    prefill_chunk: int,
     api_key: str | None,
     max_tokens: int,
     slot_save_path: str | None,
     drain_timeout: int,
+    cache_type: str | None,
     sampling: SamplingParams,
     seed: int | None,
 ) -> None:
@@ -109,6 +120,7 @@ def serve(
 
     from selfextend.cli.generate import warn_beyond_reach
     from selfextend.cli.options import load_with_self_extend
+    from selfextend.generation.generator import decode_settings
     from selfextend.models.weights import bound_heap_growth
     from selfextend.server.app import Settings, create_app
     from selfextend.server.engine import Engine
@@ -120,7 +132,10 @@ def serve(
         os.makedirs(slot_save_path, exist_ok=True)
     lm, tokenizer = load_with_self_extend(model, dtype, device, group_size, window, weights)
     warn_beyond_reach(lm, ctx, group_size, window)
-    engine = Engine(lm, tokenizer, ctx, parallel, cache_reuse)
+    _, cache_dtype = decode_settings(lm, False, cache_type)  # the cells generate and chat use by default
+    engine = Engine(
+        lm, tokenizer, ctx, parallel, cache_reuse, prefill_chunk=prefill_chunk, cache_dtype=cache_dtype
+    )
     settings = Settings(
         model_name=model,
         api_key=api_key,

@@ -7,10 +7,12 @@ sequence's own cache cells (its positions, its Self-Extend grouping, its sliding
 step does not serve for this token (a model family it does not know, a cache of fewer than two cells, a
 layer whose last slot the token would take) is written alone through its generator's own path.
 
-On the CPU, fewer than :data:`SHARED_FROM_ON_CPU` sequences whose generators have a direct decode step
-(its native kernels) are each written through it, one after the other: the shared step runs its code
-eagerly, a few hundred torch ops per layer, and saves reading the weights again only from about that many
-rows (``python experiments/server_decode.py --concurrent 1,2,4,8``).
+Sequences whose generators share a direct decode step (the CPU's native kernels: every slot of the server)
+go through its :meth:`~selfextend.generation.decode.DecodeStep.rows`: the products take their rows together,
+the rest is the lone token's code per row, so a row's logits do not depend on the batch where the products
+are batch-invariant (the GGUF block products). The others share the compiled step's rows run eagerly,
+which pays from about :data:`SHARED_FROM_ON_CPU` of them on the CPU (a few hundred torch ops per layer;
+``python experiments/server_decode.py --concurrent 1,2,4,8``); fewer are each written alone.
 """
 
 from __future__ import annotations
@@ -49,6 +51,23 @@ class BatchedDecode:
         out: list[torch.Tensor | None] = [None] * len(pairs)
         for gen, _ in pairs:
             gen.make_room(1)
+        direct = [i for i, (gen, _) in enumerate(pairs) if _direct(gen)]
+        if len(direct) > 1 and len({id(pairs[i][0].step.model) for i in direct}) == 1:  # one model's steps
+            step = pairs[direct[0]][0].step
+            logits = step.rows([pairs[i][1] for i in direct], [pairs[i][0].cache for i in direct])
+            for i, row in zip(direct, logits, strict=True):
+                pairs[i][0].written([pairs[i][1]], row)
+                out[i] = row
+            rest = [i for i in range(len(pairs)) if out[i] is None]
+            for i, row in zip(rest, self._others([pairs[i] for i in rest]), strict=True):
+                out[i] = row
+            return out
+        return self._others(pairs)
+
+    def _others(self, pairs: Sequence[tuple[Generator, int]]) -> list[torch.Tensor]:
+        """Sequences without a shared direct step: the compiled step's rows run eagerly where it serves them,
+        else each written alone."""
+        out: list[torch.Tensor | None] = [None] * len(pairs)
         shared = [self.serves() and gen.cache.n_past >= 2 for gen, _ in pairs]
         if sum(shared) < self.shared_from and all(
             _direct(g) for (g, _), s in zip(pairs, shared, strict=True) if s

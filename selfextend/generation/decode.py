@@ -20,6 +20,8 @@ use another path. Forward hooks on the submodules are not run.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -30,11 +32,12 @@ from selfextend.core.decode_query import grouped_decode_keys, self_extend_decode
 from selfextend.core.positions import grouped_query_positions
 from selfextend.core.rope import Rotation
 from selfextend.generation.native import ACTIVATIONS, NativeKernels, native_kernels, rotation_fits
-from selfextend.generation.products import LayerPlan, direct, norm_of, product_of
+from selfextend.generation.products import LayerPlan, direct, each, each_add, norm_of, product_of
 from selfextend.hf.facts import layer_kinds, sliding_windows
 from selfextend.hf.patch import IMPLEMENTATION, SelfExtendParams
 from selfextend.kv.cache import ContextShiftCache
 from selfextend.kv.layers import CellLayer
+from selfextend.models.blocks import BlockLinear, fuse_blocks
 from selfextend.models.quantize import Int4Linear, Int8Linear, fuse_int4, fuse_int8
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
@@ -44,13 +47,14 @@ Rotations = dict[str, Rotation]  # by kind of layer (full_attention, sliding_att
 
 def fuse_projections(projections: list[nn.Module]) -> tuple[nn.Module, ...]:
     """One fused projection when all are int8, or all int4 in blocks that concatenate (no second copy of
-    the weights), else all of them.
+    the weights); GGUF block layers fused by runs of one type; else all of them.
 
     Fused once per set of layers (remembered on the first one): a second decode step over the same model
     gets the same fused layer, where fusing the views again would copy the weights.
     """
     kinds = {type(p) for p in projections}
-    fuse = {Int8Linear: fuse_int8, Int4Linear: fuse_int4}.get(kinds.pop()) if len(kinds) == 1 else None
+    fusers = {Int8Linear: fuse_int8, Int4Linear: fuse_int4, BlockLinear: fuse_blocks}
+    fuse = fusers.get(kinds.pop()) if len(kinds) == 1 else None
     if fuse is None:
         return tuple(projections)
     ids = tuple(id(p) for p in projections)
@@ -58,7 +62,8 @@ def fuse_projections(projections: list[nn.Module]) -> tuple[nn.Module, ...]:
     if found is None or found[0] != ids:
         found = (ids, fuse(projections))
         projections[0]._fused_with = found  # a tuple: not registered as a submodule
-    return tuple(projections) if found[1] is None else (found[1],)
+    fused = found[1]
+    return tuple(projections) if fused is None else fused if isinstance(fused, tuple) else (fused,)
 
 
 def why_not(model: nn.Module) -> str | None:
@@ -132,6 +137,18 @@ def _query_rotation(
     return known[key]
 
 
+class _Batch(NamedTuple):
+    """What :meth:`DecodeStep.rows` knows of its rows for one token: their caches and positions, the native
+    kernels that read each cache (None: torch attention), the rotations (M, 1, 1, D) by kind of layer, and the
+    Self-Extend query rotations computed so far (shared by the layers)."""
+
+    caches: Sequence[ContextShiftCache]
+    pos: list[int]
+    kernels: list[NativeKernels | None]
+    rotations: Rotations
+    grouped: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]
+
+
 class DecodeStep:
     """``step(token, cache) -> logits``: one token at the next position of a context-shift cache.
 
@@ -201,61 +218,78 @@ class DecodeStep:
     @torch.no_grad()
     def __call__(self, token: int, cache: ContextShiftCache) -> torch.Tensor:
         """Logits (vocab,) of the next token after ``token``, written at position ``cache.n_past``."""
-        pos = cache.n_past
+        return self.rows([token], [cache])[0]
+
+    @torch.no_grad()
+    def rows(self, tokens: Sequence[int], caches: Sequence[ContextShiftCache]) -> torch.Tensor:
+        """Logits (M, vocab): row ``j`` the next token's after ``tokens[j]``, written at ``caches[j].n_past``
+        (each cache with room for it).
+
+        The sequences share each product (M rows: the weights are read once for all); norms, rotation and
+        attention run per row over that sequence's own cells (its positions, Self-Extend grouping and sliding
+        layers). Every per-row operation is the one a lone token takes, so where the products are batch-
+        invariant (the native GGUF block products) a row's logits are bit for bit those of stepping it alone.
+        """
+        pos = [cache.n_past for cache in caches]
+        x = self.embed.weight[torch.tensor(tokens)]  # (M, hidden): a copy, added to in place
+        x = x * self.embed_scale.to(x.dtype) if self.embed_scale is not None else x
+        rotations = rotations_at(self.rotary, self.kinds, self.by_kind, x[:, None], torch.tensor(pos))
+        batch = _Batch(caches, pos, [self._kernel(c) for c in caches], rotations, {})
         self_extend = self.model.config._attn_implementation == IMPLEMENTATION
-        x = self.embed.weight[token].view(1, -1)  # (1, hidden), added to in place
-        x = x * self.embed_scale.to(x.dtype) if self.embed_scale is not None else x.clone()
-        rotations = rotations_at(self.rotary, self.kinds, self.by_kind, x[None], torch.tensor([pos]))
-        kernel = self._kernel(cache)
-        if kernel is not None:  # (cos, sin) (rot_dim,) each, by kind
-            flat = {
-                kind: (r.cos.reshape(-1).contiguous(), r.sin.reshape(-1).contiguous())
-                for kind, r in rotations.items()
-            }
-            grouped_rotations: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         for i, (layer, plan) in enumerate(zip(self.layers, self.plan, strict=True)):
-            attn, cells, window = layer.self_attn, cache.layers[i], self.windows[i]
-            qkv = plan.qkv(plan.norm(x))  # (1, (H + 2 Hkv) * D)
-            p = getattr(attn, "self_extend", None) if self_extend else None
+            qkv = plan.qkv(each(plan.norm, x))  # (M, (H + 2 Hkv) * D)
+            p = getattr(layer.self_attn, "self_extend", None) if self_extend else None
             p = p if isinstance(p, SelfExtendParams) and p.group_size > 1 else None
-            if kernel is not None:
-                slot = cells.claim()
-                first = cells.visible_from(pos, window)
-                by = None if p is None else _query_rotation(grouped_rotations, pos, p, self.head_dim)
-                q, q_g = kernel.rope_write(
-                    qkv.float(),
-                    self.heads[:2],
-                    flat[self.kinds[i]],
-                    cells.keys,
-                    cells.values,
-                    slot,
-                    by,
-                    checked=True,
-                    norms=plan.head_norms,
-                )
-                end = slot + 1
-                k, v = cells.keys[..., first:end, :], cells.values[..., first:end, :]  # (1, Hkv, cells, D)
-                k_g = None
-                if p is not None:
-                    k_g = grouped_decode_keys(
-                        k,
-                        pos,
-                        p.group_size,
-                        p.window,
-                        p.inv_freq,
-                        cells.cells(end),
-                        p.rotations,
-                        torch.float32,
-                    )
-                out = kernel(q, k, v, attn.scaling, None if k_g is None else (q_g, k_g), checked=True)
-            else:
-                out = self._attend(attn, qkv.to(x.dtype), rotations[self.kinds[i]], cells, pos, p, window)
-            plan.add_attention(x, plan.o_proj(out.to(x.dtype).view(1, -1)))  # (1, H, 1, D) -> (1, H * D)
-            plan.add_mlp(x, plan.down_proj(plan.act(plan.gate_up(plan.post_norm(x)))))
-        logits = self.head_product(self.final_norm(x))[0].to(x.dtype)
+            out = torch.cat([self._attend_row(batch, j, i, qkv[j : j + 1], p) for j in range(len(pos))])
+            each_add(plan.add_attention, x, plan.o_proj(out.to(x.dtype)))  # out: (M, H * D)
+            each_add(plan.add_mlp, x, plan.down_proj(each(plan.act, plan.gate_up(each(plan.post_norm, x)))))
+        logits = self.head_product(each(self.final_norm, x)).to(x.dtype)
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
+
+    def _attend_row(
+        self, batch: _Batch, j: int, i: int, qkv: torch.Tensor, p: SelfExtendParams | None
+    ) -> torch.Tensor:
+        """Row ``j``'s query, key and value ``qkv`` (1, (H + 2 Hkv) * D) at layer ``i``: the key and value
+        written into its cells, the attention over them (1, H * D)."""
+        attn, cells, window, pos = (
+            self.layers[i].self_attn,
+            batch.caches[j].layers[i],
+            self.windows[i],
+            batch.pos[j],
+        )
+        rotation = batch.rotations[self.kinds[i]]
+        kernel = batch.kernels[j]
+        if kernel is None:
+            rot = Rotation(rotation.cos[j : j + 1], rotation.sin[j : j + 1])
+            return self._attend(attn, qkv.to(self.embed.weight.dtype), rot, cells, pos, p, window).reshape(
+                1, -1
+            )
+        cos_sin = rotation.cos[j].reshape(-1).contiguous(), rotation.sin[j].reshape(-1).contiguous()
+        slot = cells.claim()
+        first = cells.visible_from(pos, window)
+        by = None if p is None else _query_rotation(batch.grouped, pos, p, self.head_dim)
+        q, q_g = kernel.rope_write(
+            qkv.float(),
+            self.heads[:2],
+            cos_sin,
+            cells.keys,
+            cells.values,
+            slot,
+            by,
+            checked=True,
+            norms=self.plan[i].head_norms,
+        )
+        end = slot + 1
+        k, v = cells.keys[..., first:end, :], cells.values[..., first:end, :]  # (1, Hkv, cells, D)
+        k_g = None
+        if p is not None:
+            k_g = grouped_decode_keys(
+                k, pos, p.group_size, p.window, p.inv_freq, cells.cells(end), p.rotations, torch.float32
+            )
+        out = kernel(q, k, v, attn.scaling, None if k_g is None else (q_g, k_g), checked=True)
+        return out.reshape(1, -1)  # (1, H, 1, D) -> (1, H * D)
 
     def _attend(
         self,

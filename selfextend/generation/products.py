@@ -24,6 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from selfextend.generation.native import ACTIVATIONS, HeadNorms, NativeKernels
+from selfextend.generation.quant import QuantKernels, quant_kernels
+from selfextend.models.blocks import BlockLinear
 from selfextend.models.quantize import INT4_GROUP, Int4Linear, Int8Linear
 
 Fn = Callable[[torch.Tensor], torch.Tensor]
@@ -57,6 +59,8 @@ def project(parts: tuple[nn.Module, ...], x: torch.Tensor) -> torch.Tensor:
 def direct(parts: tuple[nn.Module, ...]) -> bool:
     """Whether :func:`product_of` calls a quantized kernel directly (bfloat16 in and out) for ``parts``."""
     layer = parts[0]
+    if all(isinstance(p, BlockLinear) and p.bias is None for p in parts):
+        return quant_kernels() is not None
     if len(parts) != 1 or getattr(layer, "bias", None) is not None:
         return False
     if isinstance(layer, Int4Linear):
@@ -66,18 +70,44 @@ def direct(parts: tuple[nn.Module, ...]) -> bool:
 
 def product_of(parts: tuple[nn.Module, ...], native: NativeKernels | None = None) -> Fn:
     """``x (1, K) -> (1, N)``: the int4 or int8 kernel called directly (bfloat16 out) for one bias-less
-    quantized layer with contiguous buffers (int8: the native one where ``native`` is given), else the
-    modules' forwards (out in ``x``'s type)."""
+    quantized layer with contiguous buffers (int8: the native one where ``native`` is given), the native
+    GGUF block product for bias-less block layers (several: side by side), else the modules' forwards
+    (out in ``x``'s type)."""
     layer = parts[0]
+    if direct(parts) and isinstance(layer, BlockLinear):
+        return blocks_product(parts, quant_kernels())
     if direct(parts) and isinstance(layer, Int4Linear):
         w, sz = layer.weight_int4, layer.scales_zeros
         return lambda x: torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), w, INT4_GROUP, sz)
     if direct(parts):
         w, scale = layer.weight_int8, layer.scale
         if native is not None and w.is_contiguous() and scale.is_contiguous():
-            return lambda x: native.int8_gemv(x, w, scale)
+            return lambda x: each(lambda row: native.int8_gemv(row, w, scale), x)
         return lambda x: torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), w, scale)
     return lambda x: project(parts, x)
+
+
+def each(fn: Fn, x: torch.Tensor) -> torch.Tensor:
+    """``fn`` (a norm or activation of one row) on each row of ``x`` (M, n): the lone token's numbers."""
+    return fn(x) if x.shape[0] == 1 else torch.cat([fn(x[i : i + 1]) for i in range(x.shape[0])])
+
+
+def each_add(add: Add, x: torch.Tensor, y: torch.Tensor) -> None:
+    """``add(x, y)`` (in place into ``x``) row by row, as a lone token's."""
+    if x.shape[0] == 1:
+        return add(x, y)
+    for i in range(x.shape[0]):
+        add(x[i : i + 1], y[i : i + 1])
+
+
+def blocks_product(parts: tuple[BlockLinear, ...], kernels: QuantKernels) -> Fn:
+    """``x (1, K) -> (1, N)`` bfloat16: the block layers' products, side by side where there are several
+    (of different types: a Q4_K_M file's v projection is Q6_K)."""
+    if len(parts) == 1:
+        blocks, kind = parts[0].blocks.contiguous(), parts[0].kind
+        return lambda x: kernels(x, blocks, kind, torch.bfloat16)
+    held = [(p.blocks.contiguous(), p.kind) for p in parts]
+    return lambda x: torch.cat([kernels(x, b, k, torch.bfloat16) for b, k in held], dim=-1)
 
 
 def norm_of(module: nn.Module, dtype: torch.dtype, native: NativeKernels | None = None) -> Fn:

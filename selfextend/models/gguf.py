@@ -12,7 +12,7 @@ tensor the architecture's processor leaves as it is goes into its run form block
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
@@ -25,8 +25,14 @@ if TYPE_CHECKING:
     from gguf import GGUFReader
     from transformers import PretrainedConfig, PreTrainedModel
 
+from selfextend.models.blocks import block_packable
 from selfextend.models.quantize import int4_packable
-from selfextend.models.weights import Int4Blocks, RowBlocks, RunForm, empty_model, fill, int8_placeholders
+from selfextend.models.weights import GGUFBlocks, RowBlocks, RunForm, empty_model, fill, int8_placeholders
+
+KEPT_BLOCKS = {
+    "int4": int4_packable,
+    "gguf": block_packable,
+}  # by form: which stored weights keep their blocks
 
 _BLOCK_BYTES = 4 << 20  # float32 bytes of one block of rows read from a GGUF
 
@@ -83,9 +89,12 @@ class GGUFTable:
 
 
 def gguf_tensors(
-    path: str | Path, model: nn.Module, table: GGUFTable | None = None, int4: bool = False
-) -> Iterator[tuple[str, torch.Tensor | RowBlocks | Int4Blocks]]:
-    """The tensors of a GGUF as ``(transformers name, float32 tensor, RowBlocks or Int4Blocks)``, one by one.
+    path: str | Path,
+    model: nn.Module,
+    table: GGUFTable | None = None,
+    keep: Callable[[int, int, int], bool] | None = None,
+) -> Iterator[tuple[str, torch.Tensor | RowBlocks | GGUFBlocks]]:
+    """The tensors of a GGUF as ``(transformers name, float32 tensor, RowBlocks or GGUFBlocks)``, one by one.
 
     ``model`` is the (meta) skeleton with plain ``nn.Linear`` layers, whose state names give the map
     (made at once, so the skeleton may be changed before the tensors are read); ``table`` is the
@@ -99,8 +108,9 @@ def gguf_tensors(
     asked for. Tensors the model has no place for (e.g. llama.cpp's precomputed ``rope_freqs``) are
     skipped, as transformers does.
 
-    With ``int4``, a linear layer's weight stored in a 4-bit block format comes as :class:`Int4Blocks`,
-    its stored bytes as they are, when the processor does nothing to it but reorder its rows (llama.cpp
+    With ``keep``, a linear layer's weight for which ``keep(type, rows, columns)`` holds (a block format
+    the run form takes as stored, :data:`KEPT_BLOCKS`) comes as :class:`GGUFBlocks`, its stored bytes as
+    they are, when the processor does nothing to it but reorder its rows (llama.cpp
     permutes the q and k rows of Llama-family models; transformers' processor undoes it): the rows of a
     block format are independent, so the stored rows are put in the processor's order (found by passing
     it the row numbers). Anything else the processor does to a tensor sends it down the float path.
@@ -139,26 +149,26 @@ def gguf_tensors(
             return None
         return out[:, 0].astype(np.int64), name
 
-    def as_int4(f: BinaryIO, t: _Stored) -> tuple[str, Int4Blocks] | None:
-        """``t`` as :class:`Int4Blocks` under its model name, or None when it goes the float way."""
+    def as_blocks(f: BinaryIO, t: _Stored) -> tuple[str, GGUFBlocks] | None:
+        """``t`` as :class:`GGUFBlocks` under its model name, or None when it goes the float way."""
         columns = _value_shape(t)[-1]
-        if len(t.raw_shape) != 2 or not int4_packable(t.kind, t.raw_shape[0], columns):
+        if keep is None or len(t.raw_shape) != 2 or not keep(t.kind, t.raw_shape[0], columns):
             return None
         found = row_order(t)
         if found is None or mapping.get(found[1]) not in linear:
             return None
         order, name = found
         raw = t.read(f, 0, t.raw_shape[0])  # (N, bytes per row): the 4-bit bytes, no float copy
-        return mapping[name], Int4Blocks(t.kind, raw if order is None else raw[order], columns)
+        return mapping[name], GGUFBlocks(t.kind, raw if order is None else raw[order], columns)
 
     def blocks(f: BinaryIO, t: _Stored, step: int, start: int = 0) -> Iterator[tuple[int, np.ndarray]]:
         for a in range(start, t.raw_shape[0], step):
             yield a, dequantize(t.read(f, a, min(a + step, t.raw_shape[0])), t.kind)
 
-    def stream() -> Iterator[tuple[str, torch.Tensor | RowBlocks | Int4Blocks]]:
+    def stream() -> Iterator[tuple[str, torch.Tensor | RowBlocks | GGUFBlocks]]:
         with open(path, "rb") as f:
             for t in table.tensors:
-                packed = as_int4(f, t) if int4 else None
+                packed = as_blocks(f, t)
                 if packed is not None:
                     yield packed
                     continue
@@ -212,7 +222,7 @@ def load_gguf(
     """A GGUF's model in ``form``, tensor by tensor (see the module docstring); ``table`` as in
     :func:`gguf_tensors`."""
     model = empty_model(config, RunForm("float", form.dtype))
-    tensors = gguf_tensors(path, model, table, int4=form.weights == "int4")  # the map needs plain linears
+    tensors = gguf_tensors(path, model, table, KEPT_BLOCKS.get(form.weights))  # the map needs plain linears
     if form.quantized:
         int8_placeholders(model, form.dtype)
     return fill(model, tensors, form)

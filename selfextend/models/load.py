@@ -105,12 +105,12 @@ def _place(model: PreTrainedModel, device_map: str | dict[str, Any]) -> None:
 
 
 def auto_weights(weights: str, source: ModelSource, device: torch.device) -> str:
-    """``weights`` itself, or for ``"auto"`` the fastest form that keeps the source's own numbers: int4 for
-    a GGUF on the CPU (its 4-bit blocks as stored, every other linear layer int8: on a GGUF of other block
-    types that is all int8), int8 otherwise."""
+    """``weights`` itself, or for ``"auto"`` the fastest form that keeps the source's own numbers: gguf for
+    a GGUF on the CPU (its blocks as stored where the native products compute their type, every other
+    linear layer int8), int8 otherwise."""
     if weights != "auto":
         return weights
-    return "int4" if source.kind == "gguf" and device.type == "cpu" else "int8"
+    return "gguf" if source.kind == "gguf" and device.type == "cpu" else "int8"
 
 
 def load_model(
@@ -137,7 +137,12 @@ def load_model(
     weight freed as it goes) and only the rest is cast to ``dtype``, so a bfloat16 checkpoint never
     exists in float32.
 
-    ``weights="auto"`` is int4 for a GGUF on the CPU and int8 otherwise (:func:`auto_weights`).
+    ``weights="auto"`` is gguf for a GGUF on the CPU and int8 otherwise (:func:`auto_weights`).
+
+    ``weights="gguf"`` holds a GGUF's linear weights in the block formats the native products compute
+    (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K) as stored, in a
+    :class:`~selfextend.models.blocks.BlockLinear`, and every other linear layer as int8 (a tied output
+    head too: int8 from the embedding).
 
     ``weights="int4"`` holds a GGUF's linear weights stored in 4-bit blocks (Q4_0, Q4_1, Q4_K) as
     :class:`~selfextend.models.quantize.Int4Linear`, repacked from the blocks themselves (no value is
@@ -151,8 +156,8 @@ def load_model(
     source = resolve_model(name_or_path)
     target = _parse_device(device)
     form = run_form(auto_weights(weights, source, target), dtype)
-    if form.weights == "int4" and target.type != "cpu":
-        raise ModelError(f"--weights int4 runs on the CPU only (torch's int4 kernel here), not on {target}")
+    if form.weights in ("int4", "gguf") and target.type != "cpu":
+        raise ModelError(f"--weights {form.weights} runs on the CPU only (its kernels), not on {target}")
     if device_map is not None and form.quantized:
         raise ModelError(
             f"a device map needs float weights: {form.weights} layers are not placed by accelerate"
@@ -169,9 +174,9 @@ def load_model(
             kwargs["device_map"] = device_map
         model = hub_load(source, AutoModelForCausalLM.from_pretrained, **kwargs)
         tokenizer = hub_load(source, AutoTokenizer.from_pretrained)
-        if form.weights == "int4":
+        if form.weights in ("int4", "gguf"):
             log.warning(
-                "--weights int4 repacks a GGUF's 4-bit blocks; %s has none: int8 weights", source.name
+                "--weights %s keeps a GGUF's blocks; %s has none: int8 weights", form.weights, source.name
             )
         if form.quantized:
             quantize_int8(model)

@@ -22,7 +22,9 @@ import numpy as np
 import torch
 from torch import nn
 
-WEIGHT_FORMATS = ("float", "int8", "int4")
+from selfextend.models.blocks import BlockLinear
+
+WEIGHT_FORMATS = ("float", "int8", "int4", "gguf")
 FUSED_MAX_ROWS = 16  # up to this many input rows the fused int8 kernel beats dequantise + GEMM
 
 
@@ -95,10 +97,13 @@ def quantize_int8(model: nn.Module) -> int:
 
 
 def weight_format(model: nn.Module) -> str:
-    """``int4`` when some linear layer holds 4-bit weights, ``int8`` when some holds int8 ones (as
-    :func:`quantize_int8` makes them), else ``float``."""
+    """``gguf`` when some linear layer holds a GGUF's blocks as stored, ``int4`` when some holds 4-bit
+    weights, ``int8`` when some holds int8 ones (as :func:`quantize_int8` makes them), else ``float``."""
     kinds = {type(m) for m in model.modules()}
-    return "int4" if Int4Linear in kinds else "int8" if Int8Linear in kinds else "float"
+    for kind, form in ((BlockLinear, "gguf"), (Int4Linear, "int4"), (Int8Linear, "int8")):
+        if kind in kinds:
+            return form
+    return "float"
 
 
 def fuse_int8(layers: Sequence[Int8Linear]) -> Int8Linear:

@@ -1,8 +1,9 @@
 """A model's run form: the skeleton built on the meta device and filled tensor by tensor, and its file.
 
 Each tensor goes into its run form before the next one is read: per-row int8 plus scales
-(:mod:`selfextend.models.quantize`) for linear weights when the form is int8 (in the int4 form, those
-handed over as a GGUF's 4-bit blocks, :class:`Int4Blocks`, are repacked as they are, and the other
+(:mod:`selfextend.models.quantize`) for linear weights when the form is int8 (in the gguf form, those
+handed over as a GGUF's blocks, :class:`GGUFBlocks`, are kept as they are in a
+:class:`~selfextend.models.blocks.BlockLinear`; in the int4 form its 4-bit ones are repacked; the other
 linear weights are int8); the asked dtype for everything else. The skeleton is built with
 accelerate's ``init_empty_weights`` and filled in place, so neither a float32 copy of the whole model
 nor a second copy of any kind exists while loading (:mod:`selfextend.models.gguf` feeds it from a
@@ -25,13 +26,14 @@ import numpy as np
 import torch
 from torch import nn
 
+from selfextend.models.blocks import BlockLinear
 from selfextend.models.quantize import INT4_GROUP, Int4Linear, Int8Linear, quantize_rows
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
 
 __all__ = [
-    "Int4Blocks",
+    "GGUFBlocks",
     "RowBlocks",
     "RunForm",
     "empty_model",
@@ -47,15 +49,16 @@ __all__ = [
 
 @dataclass(frozen=True)
 class RunForm:
-    """How a model's weights are held while it runs: linear layers as ``weights`` (``float``, ``int8``, or
-    ``int4``: int4 where the source stores 4-bit blocks, int8 elsewhere), and the dtype of the rest."""
+    """How a model's weights are held while it runs: linear layers as ``weights`` (``float``, ``int8``,
+    ``int4``: int4 where the source stores 4-bit blocks, int8 elsewhere; or ``gguf``: a GGUF's blocks as
+    stored where the kernels compute their type, int8 elsewhere), and the dtype of the rest."""
 
     weights: str
     dtype: torch.dtype
 
     @property
     def quantized(self) -> bool:
-        """Whether linear layers are held quantised (int8 or int4), not in ``dtype``."""
+        """Whether linear layers are held quantised (int8, int4 or GGUF blocks), not in ``dtype``."""
         return self.weights != "float"
 
     @property
@@ -104,27 +107,30 @@ class RowBlocks:
 
 
 @dataclass(frozen=True)
-class Int4Blocks:
-    """A linear weight as a GGUF stores it in a 4-bit block format: ``raw`` (N, bytes per row) of type
-    ``kind``, rows already in the model's order; :func:`fill` repacks it into an :class:`Int4Linear`."""
+class GGUFBlocks:
+    """A linear weight as a GGUF stores it in a block format: ``raw`` (N, bytes per row) of type ``kind``,
+    rows already in the model's order; :func:`fill` keeps it in a :class:`BlockLinear` (form ``gguf``) or
+    repacks its 4-bit blocks into an :class:`Int4Linear` (form ``int4``)."""
 
     kind: int
     raw: np.ndarray
     columns: int
 
 
-def _int4_placeholder(model: nn.Module, path: str) -> Int4Linear:
-    """The int8 placeholder at ``path`` swapped for an empty (meta) :class:`Int4Linear` of its shape, its
-    bias (loaded or not) kept; an int4 layer already there is returned as it is."""
+def _placeholder(model: nn.Module, path: str, kind: type[Int4Linear | BlockLinear]) -> nn.Module:
+    """The int8 placeholder at ``path`` swapped for an empty (meta) layer of type ``kind`` and its shape (a
+    block layer's type and row bytes come with its buffers), its bias (loaded or not) kept; a layer of
+    that type already there is returned as it is."""
     module = model.get_submodule(path)
-    if isinstance(module, Int4Linear):
+    if isinstance(module, kind):
         return module
     n, k = module.out_features, module.in_features
-    layer = Int4Linear(
-        torch.empty(n, k // 2, dtype=torch.uint8, device="meta"),
-        torch.empty(k // INT4_GROUP, n, 2, dtype=torch.bfloat16, device="meta"),
-        module.bias,
-    )
+    if kind is Int4Linear:
+        packed = torch.empty(n, k // 2, dtype=torch.uint8, device="meta")
+        layer = Int4Linear(packed, torch.empty(k // INT4_GROUP, n, 2, dtype=torch.bfloat16, device="meta"))
+    else:
+        layer = BlockLinear(torch.empty(n, 0, dtype=torch.uint8, device="meta"), 0, k)
+    layer.bias = module.bias
     parent, _, child = path.rpartition(".")
     setattr(model.get_submodule(parent), child, layer)
     return layer
@@ -153,19 +159,31 @@ def _quantize(value: torch.Tensor | RowBlocks) -> tuple[torch.Tensor, torch.Tens
 
 
 def _assign(
-    model: nn.Module, name: str, tensor: torch.Tensor | RowBlocks | Int4Blocks, dtype: torch.dtype
+    model: nn.Module, name: str, tensor: torch.Tensor | RowBlocks | GGUFBlocks, form: RunForm
 ) -> None:
     """Put one checkpoint tensor into ``model`` in its run form (a float weight of an int8 layer is
-    quantised here; 4-bit blocks are repacked into an int4 layer that replaces the int8 placeholder; an
-    int8 or int4 layer's own buffers go in as they are)."""
+    quantised here; GGUF blocks go into a block layer as they are (form ``gguf``) or are repacked into an
+    int4 layer, either replacing the int8 placeholder; an int8, int4 or block layer's own buffers go in as
+    they are)."""
     path, _, attr = name.rpartition(".")
     module = model.get_submodule(path)
-    if isinstance(tensor, Int4Blocks):
-        layer = _int4_placeholder(model, path)
+    dtype = form.dtype
+    if isinstance(tensor, GGUFBlocks) and form.weights == "gguf":
+        layer = _placeholder(model, path, BlockLinear)
+        layer.blocks = torch.from_numpy(tensor.raw)
+        layer.set_kind(tensor.kind)
+    elif attr == "blocks" or attr == "block_kind":  # a saved block layer
+        layer = _placeholder(model, path, BlockLinear)
+        if attr == "blocks":
+            layer.blocks = _materialise(tensor, None)
+        else:
+            layer.set_kind(int(_materialise(tensor, None)[0]))
+    elif isinstance(tensor, GGUFBlocks):
+        layer = _placeholder(model, path, Int4Linear)
         built = Int4Linear.from_gguf(tensor.kind, tensor.raw, tensor.columns)
         layer.weight_int4, layer.scales_zeros = built.weight_int4, built.scales_zeros
     elif attr in ("weight_int4", "scales_zeros"):  # a saved int4 layer
-        _int4_placeholder(model, path)._buffers[attr] = _materialise(tensor, None)
+        _placeholder(model, path, Int4Linear)._buffers[attr] = _materialise(tensor, None)
     elif isinstance(module, Int8Linear) and attr == "weight":
         q, scale = _quantize(tensor)
         module.weight_int8, module.scale = q, scale.to(torch.bfloat16)
@@ -183,7 +201,7 @@ def _tie_head(model: nn.Module) -> None:
     an int4 head was filled from its own blocks)."""
     head, embed = model.get_output_embeddings(), model.get_input_embeddings()
     tied = getattr(model.config.get_text_config(), "tie_word_embeddings", False)
-    if not tied or head is None or isinstance(head, Int4Linear):
+    if not tied or head is None or isinstance(head, Int4Linear | BlockLinear):
         return
     if not isinstance(head, Int8Linear):
         head.weight = embed.weight
@@ -194,7 +212,7 @@ def _tie_head(model: nn.Module) -> None:
 
 def fill(
     model: PreTrainedModel,
-    tensors: Iterable[tuple[str, torch.Tensor | RowBlocks | Int4Blocks]],
+    tensors: Iterable[tuple[str, torch.Tensor | RowBlocks | GGUFBlocks]],
     form: RunForm,
 ) -> PreTrainedModel:
     """Fill a model from :func:`empty_model` with ``(name, tensor)`` pairs, each turned into its run form
@@ -203,7 +221,7 @@ def fill(
     Raises ``KeyError`` if a tensor has no place in the model or a weight is still missing afterwards.
     """
     for name, tensor in tensors:
-        _assign(model, name, tensor, form.dtype)
+        _assign(model, name, tensor, form)
         del tensor
         release_free_memory()
     _tie_head(model)

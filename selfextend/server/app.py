@@ -10,6 +10,7 @@ server-sent events ending in ``data: [DONE]`` when ``stream`` is true; ``/v1/mod
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid
@@ -25,6 +26,7 @@ from fastapi.staticfiles import StaticFiles
 from selfextend.generation.sampling import SamplingParams
 from selfextend.server.engine import Engine, Job
 from selfextend.server.guard import APIError, Guard, error_body, install_error_handlers
+from selfextend.server.llama_api import add_llama_routes
 from selfextend.server.prompts import Prompt, chat_prompt, completion_prompt
 from selfextend.server.schemas import (
     ChatRequest,
@@ -95,6 +97,7 @@ def create_app(engine: Engine, settings: Settings) -> FastAPI:
     async def slot(slot_id: int, action: str, body: SlotFile | None = None) -> dict[str, Any]:
         return await slot_action(engine, settings.slot_save_path, slot_id, action, body, settings.model_name)
 
+    add_llama_routes(app, engine, settings.model_name, dataclasses.asdict(settings.sampling))
     return app
 
 

@@ -7,9 +7,11 @@ spin, so every parallel region waits for its workers to wake up (a Gemma 3 token
 thread against 10.5 ms on the main one, 2 cores).
 
 Requests wait in a queue until a slot is free (the one holding most of their prompt, :func:`pick`). Each
-turn of the loop gives every running request one step: its prompt (in :data:`PREFILL_CHUNK` pieces,
-context shifts included) and first token on its first step, one token after that. The requests past
-their prompt decode together, in one batched forward where the model allows
+turn of the loop writes one chunk of at most ``prefill_chunk`` prompt tokens (of the oldest request still
+reading its prompt; context shifts included), then gives every request past its prompt its next token,
+as llama-server splits prompts into batches between decode steps: a long new prompt delays the running
+streams by at most one chunk per token. A request's first token comes once its whole prompt is written.
+The requests past their prompt decode together, in one batched forward where the model allows
 (:class:`~selfextend.generation.batched.BatchedDecode`: continuous batching), else one after the other.
 So ``--parallel N`` requests progress together, and a request whose client left (:attr:`Job.cancelled`)
 ends within a step and frees its slot. Results go back through each job's ``emit`` callback (thread-safe
@@ -31,6 +33,8 @@ from torch import nn
 from selfextend.generation.batched import BatchedDecode
 from selfextend.generation.decode import decode_step_for
 from selfextend.generation.generator import (
+    CACHE_DTYPES,
+    PREFILL_CHUNK,
     GenerationStats,
     StopMatcher,
     TextStream,
@@ -39,11 +43,8 @@ from selfextend.generation.generator import (
 )
 from selfextend.generation.sampling import SamplingParams
 from selfextend.models.weights import release_free_memory
+from selfextend.server.metrics import Metrics
 from selfextend.server.slots import Reuse, Slot, pick
-
-
-class Cancelled(Exception):
-    """Raised inside a prefill when the job's client has gone."""
 
 
 @dataclass
@@ -65,12 +66,14 @@ class Job:
 
 @dataclass
 class Running:
-    """A job on its slot: its prompt's token iterator (prefill and first token), text state and counts."""
+    """A job on its slot: how much of its prompt is written, its first token's iterator once it is, text
+    state and counts."""
 
     job: Job
     slot: Slot
     reuse: Reuse
-    tokens: Iterator[tuple[int, GenerationStats]]
+    written: int  # prompt tokens in the slot's cache; the prompt is read in chunks up to its length
+    tokens: Iterator[tuple[int, GenerationStats]] | None
     stream: TextStream
     stops: StopMatcher
     shifts_before: int
@@ -81,7 +84,8 @@ class Running:
 
 
 class Engine:
-    """Runs jobs on ``parallel`` slots of ``n_ctx`` cells each, from one background thread."""
+    """Runs jobs on ``parallel`` slots of ``n_ctx`` cells each (of ``cache_dtype``, None: the model's), from
+    one background thread; prompts are written ``prefill_chunk`` tokens a turn."""
 
     def __init__(
         self,
@@ -91,13 +95,16 @@ class Engine:
         parallel: int = 1,
         cache_reuse: int = 0,
         max_queue: int = 64,
+        prefill_chunk: int = PREFILL_CHUNK,
+        cache_dtype: torch.dtype | None = None,
     ) -> None:
         self.model, self.tokenizer, self.n_ctx = model, tokenizer, n_ctx
-        self.cache_reuse, self.max_queue = cache_reuse, max_queue
+        self.cache_reuse, self.max_queue, self.prefill_chunk = cache_reuse, max_queue, prefill_chunk
         self.eos = eos_token_ids(model, tokenizer)
         step = decode_step_for(model)
-        self.slots = [Slot(i, model, n_ctx, step) for i in range(parallel)]
+        self.slots = [Slot(i, model, n_ctx, step, cache_dtype) for i in range(parallel)]
         self.batched = BatchedDecode(model)
+        self.metrics = Metrics()
         self.queue: deque[Job] = deque()
         self.running: list[Running] = []
         self.tasks: list[Callable[[], None]] = []  # work on idle slots (save, restore), run between steps
@@ -166,6 +173,7 @@ class Engine:
                 "n_ctx": s.n_ctx,
                 "n_past": s.gen.cache.n_past if s.gen else 0,
                 "shifts": s.gen.cache.shifts if s.gen else 0,
+                "cache_type": _cache_type(s),
             }
             for s in self.slots
         ]
@@ -217,48 +225,53 @@ class Engine:
                 gen.rng.seed()
             else:
                 gen.rng.manual_seed(job.seed)
-
-            def progress(n: int) -> None:
-                if job.cancelled.is_set():
-                    raise Cancelled
-
-            tokens = run(gen, job.prompt, 1, self.eos, reuse.tokens, progress=progress)  # later ones: _decode
         except Exception as e:
             self._fail(job, slot, e)
             return
         stops = StopMatcher(job.stops)
-        r = Running(job, slot, reuse, tokens, TextStream(self.tokenizer), stops, gen.cache.shifts, started)
+        r = Running(
+            job, slot, reuse, reuse.tokens, None, TextStream(self.tokenizer), stops, gen.cache.shifts, started
+        )
         self.running.append(r)
         job.emit({"type": "start", "slot": slot.id, "reused": reuse.tokens})
 
     def _fail(self, job: Job, slot: Slot, error: Exception) -> None:
         slot.finish(job.prompt, [], complete=False)
         slot.busy = False
-        if not isinstance(error, Cancelled):
-            job.emit({"type": "error", "message": str(error) or type(error).__name__})
+        job.emit({"type": "error", "message": str(error) or type(error).__name__})
 
     def _turn(self) -> None:
-        """One step for every running job: the prompt and first token of those that just started, then
-        the next token of all the others in one batched decode."""
-        decoding = []
+        """One step: a chunk of the oldest prompt still being read (its first token once it is all
+        written), then the next token of every job past its prompt in one batched decode."""
+        decoding, reading = [], []
         for r in list(self.running):
             if r.job.cancelled.is_set():
                 self._end(r, "cancelled")
             elif r.stats is None:
-                self._first(r)
+                reading.append(r)
             else:
                 decoding.append(r)
+        if reading:
+            self._read(reading[0])
         if decoding:
             self._decode(decoding)
 
-    def _first(self, r: Running) -> None:
-        """The prompt (cancellable between chunks) and the first token."""
+    def _read(self, r: Running) -> None:
+        """Write the next chunk of ``r``'s prompt; after the last, sample its first token."""
+        prompt, gen = r.job.prompt, r.slot.gen
         try:
+            if r.written < len(prompt):
+                end = min(len(prompt), r.written + self.prefill_chunk)
+                gen.feed(prompt[r.written : end], min(self.prefill_chunk, gen.cache.max_chunk()))
+                r.written = end
+                if end < len(prompt):
+                    return
+                r.tokens = run(gen, prompt, 1, self.eos, len(prompt), gen.last_logits)
+            elif r.tokens is None:  # the whole prompt was cached: run() re-feeds its last token
+                r.tokens = run(gen, prompt, 1, self.eos, len(prompt))
             token, r.stats = next(r.tokens)
         except StopIteration:
             return self._end(r, "length")
-        except Cancelled:
-            return self._end(r, "cancelled", complete=False)
         except Exception as e:  # a failure inside the model: this job ends, the server goes on
             self.running.remove(r)
             self._fail(r.job, r.slot, e)
@@ -295,7 +308,8 @@ class Engine:
             return self._end(r, "length")
 
     def _end(self, r: Running, reason: str, complete: bool = True) -> None:
-        r.tokens.close()
+        if r.tokens is not None:
+            r.tokens.close()
         self.running.remove(r)
         slot, job = r.slot, r.job
         if reason == "length":
@@ -311,17 +325,23 @@ class Engine:
         ended_by_eos = reason == "stop" and bool(r.generated) and r.generated[-1] in self.eos
         completion = len(r.generated) - ended_by_eos
         decode_s = now - r.first_token if r.first_token else 0.0
-        job.emit(
-            {
-                "type": "done",
-                "finish_reason": reason,
-                "prompt_tokens": len(job.prompt),
-                "completion_tokens": completion,
-                "cached_tokens": min(r.reuse.tokens, len(job.prompt) - 1),  # the last one is always run
-                "moved_tokens": r.reuse.moved,
-                "shifts": slot.gen.cache.shifts - r.shifts_before,
-                "ttft_s": (r.first_token or now) - r.started,
-                "tokens_per_second": (len(r.generated) - 1) / decode_s if decode_s > 0 else 0.0,
-                "slot": slot.id,
-            }
-        )
+        done = {
+            "finish_reason": reason,
+            "prompt_tokens": len(job.prompt),
+            "completion_tokens": completion,
+            "cached_tokens": min(r.reuse.tokens, len(job.prompt) - 1),  # the last one is always run
+            "moved_tokens": r.reuse.moved,
+            "shifts": slot.gen.cache.shifts - r.shifts_before,
+            "ttft_s": (r.first_token or now) - r.started,
+            "tokens_per_second": (len(r.generated) - 1) / decode_s if decode_s > 0 else 0.0,
+            "slot": slot.id,
+        }
+        self.metrics.record(done)
+        job.emit({"type": "done", **done})
+
+
+def _cache_type(slot: Slot) -> str:
+    """The slot's cell type by its ``--cache-type`` name (llama.cpp's: f32, bf16, f16)."""
+    model_dtype = next(slot.model.parameters()).dtype
+    dtype = slot.gen.cache.layers[0].keys.dtype if slot.gen else slot.cache_dtype or model_dtype
+    return {v: k for k, v in CACHE_DTYPES.items()}.get(dtype, str(dtype).removeprefix("torch."))

@@ -54,17 +54,24 @@ def _template(tokenizer, system: str | None) -> ChatTemplate:
     return ChatTemplate(tokenizer, system)
 
 
-def chat_prompt(tokenizer, messages: Sequence[Message], n_keep: int | None) -> Prompt:
-    """The messages rendered with the model's chat template and a generation prompt. A leading system
-    (or developer) message is the system prompt. ValueError where the template refuses them."""
+def render_chat(tokenizer, messages: Sequence[Message]) -> tuple[ChatTemplate, str]:
+    """(the template, the text) of the messages rendered with the model's chat template and a generation
+    prompt. A leading system (or developer) message is the system prompt. ValueError where the template
+    refuses them."""
     turns = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
     system = turns[0]["content"] if turns[0]["role"] == "system" else None
     rest = turns[1:] if system is not None else turns
     try:
         template = _template(tokenizer, system or None)
-        text = template.render(rest, generation_prompt=True)
+        return template, template.render(rest, generation_prompt=True)
     except TemplateError as e:
         raise ValueError(str(e)) from None
+
+
+def chat_prompt(tokenizer, messages: Sequence[Message], n_keep: int | None) -> Prompt:
+    """The messages as :func:`render_chat` renders them, in token ids. ValueError where the template
+    refuses them."""
+    template, text = render_chat(tokenizer, messages)
     ids = template.ids(text)
     keep = (
         common_prefix(ids, template.ids(template.system_text)) if text.startswith(template.system_text) else 0

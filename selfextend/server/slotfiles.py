@@ -39,7 +39,8 @@ def _path(folder: str | None, body: SlotFile | None) -> Path:
 
 def setup(slot: Slot, model_name: str) -> dict[str, Any]:
     """The server settings a slot file records besides :func:`~selfextend.kv.promptcache.settings`."""
-    cache_type = str(slot.gen.cache.layers[0].keys.dtype if slot.gen else next(slot.model.parameters()).dtype)
+    dtype = slot.gen.cache.layers[0].keys.dtype if slot.gen else slot.cache_dtype
+    cache_type = str(dtype or next(slot.model.parameters()).dtype)
     return {"model": model_name, "ctx": slot.n_ctx, "cache_type": cache_type.removeprefix("torch.")}
 
 

@@ -17,6 +17,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 
 from selfextend.generation.decode import DecodeStep
@@ -88,13 +89,14 @@ class Slot:
     model: nn.Module
     n_ctx: int
     step: DecodeStep | None = None  # one decode step shared by all slots (it fuses the int8 weights once)
+    cache_dtype: torch.dtype | None = None  # the cells' element type (None: the model's)
     gen: Generator | None = None
     history: list[int] = field(default_factory=list)
     last_used: float = 0.0
     busy: bool = False
 
     def _build(self, n_keep: int) -> Generator:
-        cache = ContextShiftCache(self.model, n_ctx=self.n_ctx, n_keep=n_keep)
+        cache = ContextShiftCache(self.model, n_ctx=self.n_ctx, n_keep=n_keep, dtype=self.cache_dtype)
         gen = Generator(self.model, cache, direct_decode=False)
         gen.step = self.step
         self.history = []

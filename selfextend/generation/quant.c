@@ -1,0 +1,418 @@
+/* Products of activation rows with a GGUF tensor's quantized blocks, read as the file stores them.
+ *
+ * quant_mm: y[m, n_out] = x[m, n_in] . W^T, W the raw blocks of one GGUF tensor (n_out rows, each
+ * n_in / block_values blocks; types Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K). As llama.cpp does, each
+ * activation row is quantized once per call to int8 (per 32 values with the sum of the 32 for the
+ * 32-value block formats, Q8_0-style; per 256 with sums per 16 for the K-quants, Q8_K-style: d =
+ * max|x| / 127, q = rint(x / d)), then each block's product is an integer dot product scaled by the two
+ * blocks' float scales:
+ *   Q4_0  d dx (sum(nib q) - 8 sum(q))           Q4_1  d dx sum(nib q) + m dx sum(q)
+ *   Q5_0  d dx (sum(q5 q) - 16 sum(q))           Q8_0  d dx sum(w q)
+ *   Q4_K, Q5_K  d dx sum_j sc_j sum(q_j q) - dmin dx sum_j m_j sum_j(q)   (8 sub-blocks of 32)
+ *   Q6_K  d dx (sum_k sc_k sum(q6_k q) - 32 sum_k sc_k sum_k(q))          (16 sub-blocks of 16)
+ * The integer parts are exact, so only the float steps (one fused multiply-add per block and row, a fixed
+ * horizontal sum) set the rounding, and they are the same for every row whatever the call's row count:
+ * a row's result does not depend on the batch (rows are tiled by TILE for weight reuse, and a tile's
+ * accumulators each see the same instructions as a single row's).
+ *
+ * Paths: AVX2 (maddubs + madd; the 32-value formats' u8 x s8 dot as AVX-512 VNNI / AVX-VNNI dpbusd where
+ * the compiler targets them: the same sums, maddubs never saturates on these ranges), and a portable
+ * scalar path (`portable`), also used where AVX2 is missing. Threads: OpenMP over output rows (torch's
+ * own libgomp); a row's reduction over n_in is never split. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define HAVE_AVX2 1
+#endif
+
+#define INLINE static inline __attribute__((always_inline))
+
+enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+enum { F32 = 0, BF16 = 1 };
+enum { TILE = 4, WEIGHT_TILE_BYTES = 65536 };
+
+typedef struct { float d; int32_t sum; int8_t q[32]; } xq32;         /* an activation block, 32 values */
+typedef struct { float d; int16_t bsums[16]; int8_t q[256]; } xqk;   /* and 256 values (K-quants) */
+
+/* Values and bytes per block of `type`; 0 for a type not computed here. */
+static long block_values(int type) {
+    return type == Q4_K || type == Q5_K || type == Q6_K ? 256 : (type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q8_0) ? 32 : 0;
+}
+
+static long block_bytes(int type) {
+    switch (type) {
+    case Q4_0: return 18;
+    case Q4_1: return 20;
+    case Q5_0: return 22;
+    case Q8_0: return 34;
+    case Q4_K: return 144;
+    case Q5_K: return 176;
+    case Q6_K: return 210;
+    default: return 0;
+    }
+}
+
+INLINE float f16(const uint8_t *p) {
+    _Float16 h;
+    memcpy(&h, p, 2);
+    return (float)h;
+}
+
+INLINE float load_x(const void *x, int type, long i) {
+    if (type == F32) return ((const float *)x)[i];
+    uint32_t u = (uint32_t)((const uint16_t *)x)[i] << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* float32 -> bfloat16 rounded to nearest even, NaN kept a NaN (as torch rounds). */
+INLINE uint16_t to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if (f != f) return 0x7FC0;
+    return (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+}
+
+/* `n` values from x[at...] quantized to int8 with d = max|x| / 127 into q; returns d. */
+INLINE float quantize_block(const void *x, int type, long at, int n, int8_t *q) {
+    float amax = 0.0f;
+    for (int k = 0; k < n; k++) amax = fmaxf(amax, fabsf(load_x(x, type, at + k)));
+    float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+    for (int k = 0; k < n; k++) q[k] = (int8_t)nearbyintf(load_x(x, type, at + k) * id);
+    return d;
+}
+
+static void quantize_row(const void *x, int type, long n, int k_quant, void *out) {
+    if (!k_quant) {
+        for (long b = 0; b < n / 32; b++) {
+            xq32 *o = (xq32 *)out + b;
+            o->d = quantize_block(x, type, 32 * b, 32, o->q);
+            int s = 0;
+            for (int k = 0; k < 32; k++) s += o->q[k];
+            o->sum = s;
+        }
+        return;
+    }
+    for (long b = 0; b < n / 256; b++) {
+        xqk *o = (xqk *)out + b;
+        o->d = quantize_block(x, type, 256 * b, 256, o->q);
+        for (int g = 0; g < 16; g++) {
+            int s = 0;
+            for (int k = 0; k < 16; k++) s += o->q[16 * g + k];
+            o->bsums[g] = (int16_t)s;
+        }
+    }
+}
+
+/* The 8 six-bit scales and mins of a Q4_K / Q5_K super-block (llama.cpp's get_scale_min_k4). */
+INLINE void scales_k4(const uint8_t *s, uint8_t *sc, uint8_t *mn) {
+    for (int j = 0; j < 4; j++) {
+        sc[j] = s[j] & 63;
+        mn[j] = s[j + 4] & 63;
+        sc[j + 4] = (s[j + 8] & 0xF) | ((s[j] >> 6) << 4);
+        mn[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4);
+    }
+}
+
+/* The sum over sub-blocks of 32 of mn[j] times the activations' sum there. */
+INLINE int mins_k(const uint8_t *mn, const xqk *x) {
+    int s = 0;
+    for (int j = 0; j < 8; j++) s += mn[j] * (x->bsums[2 * j] + x->bsums[2 * j + 1]);
+    return s;
+}
+
+/* One weight row (nb blocks) times one quantized activation row: the portable path. */
+static float dot_scalar(int type, const uint8_t *w, const void *xv, long nb) {
+    float acc = 0.0f, accm = 0.0f;
+    long bb = block_bytes(type);
+    for (long b = 0; b < nb; b++) {
+        const uint8_t *blk = w + b * bb;
+        if (block_values(type) == 32) {
+            const xq32 *x = (const xq32 *)xv + b;
+            int isum = 0;
+            if (type == Q8_0) {
+                for (int k = 0; k < 32; k++) isum += ((const int8_t *)blk + 2)[k] * x->q[k];
+            } else {
+                const uint8_t *qs = blk + (type == Q4_0 ? 2 : type == Q4_1 ? 4 : 6);
+                uint32_t qh = 0;
+                if (type == Q5_0) memcpy(&qh, blk + 2, 4);
+                for (int k = 0; k < 16; k++) {
+                    int lo = (qs[k] & 0xF) | (int)((qh >> k) & 1) << 4;
+                    int hi = (qs[k] >> 4) | (int)((qh >> (k + 16)) & 1) << 4;
+                    isum += lo * x->q[k] + hi * x->q[k + 16];
+                }
+                if (type != Q4_1) isum -= (type == Q4_0 ? 8 : 16) * x->sum;
+            }
+            acc = fmaf(f16(blk) * x->d, (float)isum, acc);
+            if (type == Q4_1) accm = fmaf(f16(blk + 2) * x->d, (float)x->sum, accm);
+            continue;
+        }
+        const xqk *x = (const xqk *)xv + b;
+        int isum = 0;
+        if (type == Q6_K) {
+            const int8_t *sc = (const int8_t *)(blk + 192);
+            for (int h = 0; h < 2; h++) {
+                const uint8_t *ql = blk + 64 * h, *qh = blk + 128 + 32 * h;
+                for (int t = 0; t < 4; t++) {
+                    for (int half = 0; half < 2; half++) {
+                        int s = 0;
+                        for (int l = 16 * half; l < 16 * half + 16; l++) {
+                            int q = ((t & 1 ? ql[l + 32] : ql[l]) >> (t & 2 ? 4 : 0) & 0xF) | ((qh[l] >> (2 * t)) & 3) << 4;
+                            s += q * x->q[128 * h + 32 * t + l];
+                        }
+                        isum += sc[8 * h + 2 * t + half] * s;
+                    }
+                }
+            }
+            for (int k = 0; k < 16; k++) isum -= 32 * sc[k] * x->bsums[k];
+            acc = fmaf(f16(blk + 208) * x->d, (float)isum, acc);
+            continue;
+        }
+        uint8_t sc[8], mn[8];
+        scales_k4(blk + 4, sc, mn);
+        const uint8_t *qh = blk + 16, *qs = blk + (type == Q5_K ? 48 : 16);
+        for (int c = 0; c < 4; c++) {
+            int s_lo = 0, s_hi = 0;
+            for (int l = 0; l < 32; l++) {
+                int lo = qs[32 * c + l] & 0xF, hi = qs[32 * c + l] >> 4;
+                if (type == Q5_K) {
+                    lo |= ((qh[l] >> (2 * c)) & 1) << 4;
+                    hi |= ((qh[l] >> (2 * c + 1)) & 1) << 4;
+                }
+                s_lo += lo * x->q[64 * c + l];
+                s_hi += hi * x->q[64 * c + 32 + l];
+            }
+            isum += sc[2 * c] * s_lo + sc[2 * c + 1] * s_hi;
+        }
+        acc = fmaf(f16(blk) * x->d, (float)isum, acc);
+        accm = fmaf(f16(blk + 2) * x->d, (float)mins_k(mn, x), accm);
+    }
+    return type == Q4_K || type == Q5_K ? acc - accm : acc + accm;
+}
+
+#ifdef HAVE_AVX2
+INLINE float hsum8(__m256 v) {
+    __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    a = _mm_add_ps(a, _mm_movehl_ps(a, a));
+    a = _mm_add_ss(a, _mm_movehdup_ps(a));
+    return _mm_cvtss_f32(a);
+}
+
+/* 8 int32 sums of 4 products u8 x s8 each (bytes 4k..4k+3 into lane k). */
+INLINE __m256i dot_u8s8(__m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
+/* Byte k of the result 0xFF where bit k of the 32 bits at p is set (llama.cpp's bytes_from_bits_32). */
+INLINE __m256i bits_to_bytes(const uint8_t *p) {
+    uint32_t x32;
+    memcpy(&x32, p, 4);
+    const __m256i shuffle = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
+    __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32((int)x32), shuffle);
+    bytes = _mm256_or_si256(bytes, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+    return _mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1));
+}
+
+/* One weight row times R activation rows x[r] (R = 1 or TILE), the 32-value block formats. */
+INLINE void rows32(int type, const uint8_t *w, const void *const *xv, long nb, int R, float *out) {
+    const __m256i m4 = _mm256_set1_epi8(0xF);
+    __m256 acc[TILE];
+    float accm[TILE];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps(), accm[r] = 0.0f;
+    long bb = block_bytes(type);
+    for (long b = 0; b < nb; b++) {
+        const uint8_t *blk = w + b * bb;
+        float d = f16(blk);
+        __m256i u;
+        if (type == Q8_0) {
+            u = _mm256_loadu_si256((const __m256i *)(blk + 2));
+        } else {
+            __m128i q = _mm_loadu_si128((const __m128i *)(blk + (type == Q4_0 ? 2 : type == Q4_1 ? 4 : 6)));
+            u = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), m4);
+            if (type == Q5_0) u = _mm256_or_si256(u, _mm256_and_si256(bits_to_bytes(blk + 2), _mm256_set1_epi8(0x10)));
+        }
+        for (int r = 0; r < R; r++) {
+            const xq32 *x = (const xq32 *)xv[r] + b;
+            __m256i xs = _mm256_loadu_si256((const __m256i *)x->q), p;
+            if (type == Q8_0) {
+                p = dot_u8s8(_mm256_abs_epi8(u), _mm256_sign_epi8(xs, u));
+            } else {
+                p = dot_u8s8(u, xs);
+                if (type != Q4_1) p = _mm256_sub_epi32(p, _mm256_setr_epi32((type == Q4_0 ? 8 : 16) * x->sum, 0, 0, 0, 0, 0, 0, 0));
+            }
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * x->d), _mm256_cvtepi32_ps(p), acc[r]);
+            if (type == Q4_1) accm[r] = fmaf(f16(blk + 2) * x->d, (float)x->sum, accm[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) out[r] = hsum8(acc[r]) + accm[r];
+}
+
+/* The same for Q4_K and Q5_K: 8 sub-blocks of 32 per super-block, 6-bit scales and mins. */
+INLINE void rows_k4(int type, const uint8_t *w, const void *const *xv, long nb, int R, float *out) {
+    const __m256i m4 = _mm256_set1_epi8(0xF), one = _mm256_set1_epi8(1);
+    const __m128i pairs = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    __m256 acc[TILE], accm[TILE];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps(), accm[r] = _mm256_setzero_ps();
+    long bb = block_bytes(type);
+    for (long b = 0; b < nb; b++) {
+        const uint8_t *blk = w + b * bb, *qs = blk + (type == Q5_K ? 48 : 16);
+        uint8_t sc[8], mn[8];
+        scales_k4(blk + 4, sc, mn);
+        __m256i sumi[TILE];
+        for (int r = 0; r < R; r++) sumi[r] = _mm256_setzero_si256();
+        __m256i qh = type == Q5_K ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : _mm256_setzero_si256();
+        for (int c = 0; c < 4; c++) {
+            __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+            __m256i lo = _mm256_and_si256(q, m4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+            if (type == Q5_K) {
+                __m256i bits = _mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * c));
+                lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(bits, one), 4));
+                hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(bits, 1), one), 4));
+            }
+            __m256i s_lo = _mm256_set1_epi16(sc[2 * c]), s_hi = _mm256_set1_epi16(sc[2 * c + 1]);
+            for (int r = 0; r < R; r++) {
+                const int8_t *xq = ((const xqk *)xv[r] + b)->q + 64 * c;
+                __m256i p_lo = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)xq)), s_lo);
+                __m256i p_hi = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(xq + 32))), s_hi);
+                sumi[r] = _mm256_add_epi32(sumi[r], _mm256_add_epi32(p_lo, p_hi));
+            }
+        }
+        float d = f16(blk), dmin = f16(blk + 2);
+        /* each sub-block's min twice, against the activations' two sums of 16 there */
+        __m256i mins = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(_mm_loadl_epi64((const __m128i *)mn), pairs));
+        for (int r = 0; r < R; r++) {
+            const xqk *x = (const xqk *)xv[r] + b;
+            __m256i m = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)x->bsums), mins);
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * x->d), _mm256_cvtepi32_ps(sumi[r]), acc[r]);
+            accm[r] = _mm256_fmadd_ps(_mm256_set1_ps(dmin * x->d), _mm256_cvtepi32_ps(m), accm[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) out[r] = hsum8(acc[r]) - hsum8(accm[r]);
+}
+
+/* The same for Q6_K: 16 sub-blocks of 16 with int8 scales, values q6 - 32. */
+INLINE void rows_q6k(const uint8_t *w, const void *const *xv, long nb, int R, float *out) {
+    const __m256i m4 = _mm256_set1_epi8(0xF), m3 = _mm256_set1_epi8(3), m30 = _mm256_set1_epi8(0x30);
+    __m256 acc[TILE];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (long b = 0; b < nb; b++) {
+        const uint8_t *blk = w + b * 210;
+        const int8_t *sc = (const int8_t *)(blk + 192);
+        __m256i sumi[TILE];
+        for (int r = 0; r < R; r++) sumi[r] = _mm256_setzero_si256();
+        for (int h = 0; h < 2; h++) {
+            __m256i q0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h));
+            __m256i q1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32));
+            __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
+            __m256i v[4] = {
+                _mm256_or_si256(_mm256_and_si256(q0, m4), _mm256_slli_epi16(_mm256_and_si256(qh, m3), 4)),
+                _mm256_or_si256(_mm256_and_si256(q1, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30)),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q0, 4), m4), _mm256_and_si256(qh, m30)),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q1, 4), m4), _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30)),
+            };
+            for (int t = 0; t < 4; t++) {
+                int k = 8 * h + 2 * t;
+                __m256i s = _mm256_set_m128i(_mm_set1_epi16(sc[k + 1]), _mm_set1_epi16(sc[k]));
+                for (int r = 0; r < R; r++) {
+                    const int8_t *xq = ((const xqk *)xv[r] + b)->q + 128 * h + 32 * t;
+                    __m256i p = _mm256_maddubs_epi16(v[t], _mm256_loadu_si256((const __m256i *)xq));
+                    sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(p, s));
+                }
+            }
+        }
+        float d = f16(blk + 208);
+        __m256i scales = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
+        for (int r = 0; r < R; r++) {
+            const xqk *x = (const xqk *)xv[r] + b;
+            __m256i corr = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)x->bsums), scales);
+            __m256i s = _mm256_sub_epi32(sumi[r], _mm256_slli_epi32(corr, 5)); /* the values' offset 32 */
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * x->d), _mm256_cvtepi32_ps(s), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) out[r] = hsum8(acc[r]);
+}
+
+/* R = 1 and R = TILE instances of each: the same instructions per accumulator. */
+#define ROWS(name, call)                                                                  \
+    static void name##_1(int type, const uint8_t *w, const void *const *x, long nb, float *out) { \
+        (void)type;                                                                       \
+        call(1);                                                                          \
+    }                                                                                     \
+    static void name##_tile(int type, const uint8_t *w, const void *const *x, long nb, float *out) { \
+        (void)type;                                                                       \
+        call(TILE);                                                                       \
+    }
+#define CALL32(R) rows32(type, w, x, nb, R, out)
+#define CALLK4(R) rows_k4(type, w, x, nb, R, out)
+#define CALLQ6K(R) rows_q6k(w, x, nb, R, out)
+ROWS(r32, CALL32)
+ROWS(rk4, CALLK4)
+ROWS(rq6k, CALLQ6K)
+#endif
+
+typedef void (*rows_fn)(int, const uint8_t *, const void *const *, long, float *);
+
+/* y (m, n_out; float32 or bfloat16 by y_type) = x (m, n_in; float32 or bfloat16 by x_type) . W^T, W of
+ * `type` as rows of raw GGUF blocks. Returns 0, 1 where scratch memory could not be had, 2 for a type or
+ * size it does not take. */
+int quant_mm(int type, const uint8_t *w, long n_out, long n_in, const void *x, int x_type, long m, void *y,
+             int y_type, int portable) {
+    long bv = block_values(type), bb = block_bytes(type);
+    if (bv == 0 || n_in % bv != 0 || m < 0 || n_out < 0) return 2;
+    int k_quant = bv == 256;
+    long nb = n_in / bv, row_bytes = nb * bb;
+    long xrow = k_quant ? nb * (long)sizeof(xqk) : nb * (long)sizeof(xq32);
+    char *xq = malloc(m * xrow + 1);
+    if (xq == NULL) return 1;
+    long x_size = x_type == F32 ? 4 : 2;
+#pragma omp parallel for schedule(static) if (m > 1)
+    for (long i = 0; i < m; i++) quantize_row((const char *)x + i * n_in * x_size, x_type, n_in, k_quant, xq + i * xrow);
+    rows_fn one = NULL, tile = NULL;
+#ifdef HAVE_AVX2
+    if (!portable) {
+        one = k_quant ? (type == Q6_K ? rq6k_1 : rk4_1) : r32_1;
+        tile = k_quant ? (type == Q6_K ? rq6k_tile : rk4_tile) : r32_tile;
+    }
+#endif
+    /* weight rows per task: one for a few activation rows (even shares), else about 64 KiB of them,
+     * read from the cache for every tile of activation rows */
+    long jb = m < TILE ? 1 : (WEIGHT_TILE_BYTES / row_bytes > 1 ? WEIGHT_TILE_BYTES / row_bytes : 1);
+    long tasks = (n_out + jb - 1) / jb;
+#pragma omp parallel for schedule(static)
+    for (long t = 0; t < tasks; t++) {
+        long j_end = (t + 1) * jb < n_out ? (t + 1) * jb : n_out;
+        for (long i = 0; i < m; i += TILE) {
+            int R = m - i < TILE ? (int)(m - i) : TILE;
+            const void *xs[TILE];
+            for (int r = 0; r < R; r++) xs[r] = xq + (i + r) * xrow;
+            for (long j = t * jb; j < j_end; j++) {
+                const uint8_t *wr = w + j * row_bytes;
+                float out[TILE];
+                if (one == NULL) {
+                    for (int r = 0; r < R; r++) out[r] = dot_scalar(type, wr, xs[r], nb);
+                } else if (R == TILE) {
+                    tile(type, wr, xs, nb, out);
+                } else {
+                    for (int r = 0; r < R; r++) one(type, wr, &xs[r], nb, &out[r]);
+                }
+                for (int r = 0; r < R; r++) {
+                    long at = (i + r) * n_out + j;
+                    if (y_type == F32) ((float *)y)[at] = out[r];
+                    else ((uint16_t *)y)[at] = to_bf16(out[r]);
+                }
+            }
+        }
+    }
+    free(xq);
+    return 0;
+}

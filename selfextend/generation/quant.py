@@ -1,0 +1,98 @@
+"""Products with a GGUF tensor's quantized blocks as stored (``quant.c``), for one row or a prefill chunk.
+
+The kernel quantizes each activation row once per call to int8 blocks and takes integer dot products
+with the weight's blocks, as llama.cpp does (AVX2, VNNI where compiled for, or a portable path), so a
+token reads the file's own bytes. A row's result does not depend on how many rows the call holds. It is
+built as the decode step's kernels are (:func:`selfextend.generation.build.build`, into the same
+cache), and registered on import as the product of :class:`~selfextend.models.blocks.BlockLinear`.
+``$SELFEXTEND_QUANT_PORTABLE=1`` forces the portable path; ``$SELFEXTEND_NATIVE=0`` turns the kernel
+off (the layers then use their reference product).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import subprocess
+import warnings
+from pathlib import Path
+
+import torch
+
+from selfextend.generation.build import build
+from selfextend.generation.native import ENV, TYPES, _bind
+from selfextend.models.blocks import BLOCK_KINDS, block_shape, use_kernel
+from selfextend.models.sources import cache_root
+
+SOURCE = Path(__file__).with_name("quant.c")
+PORTABLE_ENV = "SELFEXTEND_QUANT_PORTABLE"
+_OUT = {torch.float32: 0, torch.bfloat16: 1}
+
+
+class QuantKernels:
+    """The compiled ``quant_mm``; ``portable``: its scalar path, not the vector one."""
+
+    def __init__(self, library: Path, portable: bool = False) -> None:
+        self.library, self.portable = library, portable
+        ptr, long, i32 = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
+        lib = ctypes.CDLL(str(library))
+        self._mm = _bind(lib.quant_mm, [i32, ptr, long, long, ptr, i32, long, ptr, i32, i32], i32)
+
+    def __call__(
+        self, x: torch.Tensor, blocks: torch.Tensor, kind: int, out_dtype: torch.dtype = torch.float32
+    ) -> torch.Tensor:
+        """``x (M, K) @ W^T -> (M, N)`` in ``out_dtype`` (float32 or bfloat16) for W the GGUF blocks
+        ``blocks`` (N, bytes per row) uint8 of type ``kind`` (one of :data:`BLOCK_KINDS`); ``x`` float32 or
+        bfloat16 (others are taken as float32). ValueError for shapes that do not fit."""
+        if kind not in BLOCK_KINDS:
+            raise ValueError(f"quant_mm computes GGUF types {sorted(BLOCK_KINDS)}, not {kind}")
+        if x.dtype not in (torch.float32, torch.bfloat16):
+            x = x.float()
+        x = x.reshape(-1, x.shape[-1]).contiguous()
+        (m, k), n = x.shape, blocks.shape[0]
+        values, size = block_shape(kind)
+        if blocks.dtype != torch.uint8 or blocks.dim() != 2 or not blocks.is_contiguous():
+            raise ValueError("quant_mm takes the blocks as contiguous (rows, bytes per row) uint8")
+        if k % values or blocks.shape[1] != k // values * size:
+            raise ValueError(f"quant_mm: rows of {k} values do not fit blocks of {blocks.shape[1]} bytes")
+        out = torch.empty(m, n, dtype=out_dtype)
+        failed = self._mm(
+            kind,
+            blocks.data_ptr(),
+            n,
+            k,
+            x.data_ptr(),
+            TYPES[x.dtype],
+            m,
+            out.data_ptr(),
+            _OUT[out_dtype],
+            int(self.portable),
+        )
+        if failed:
+            raise MemoryError(f"quant_mm: no scratch space for {m} rows of {k}")
+        return out
+
+
+@functools.cache
+def quant_kernels() -> QuantKernels | None:
+    """The kernel, built once per process (and once per machine on disk), or None where
+    ``$SELFEXTEND_NATIVE`` is ``0`` or it cannot be built (then with one warning saying why)."""
+    if os.environ.get(ENV) == "0":
+        return None
+    try:
+        return QuantKernels(
+            build(cache_root() / "kernels", SOURCE, "quant"), os.environ.get(PORTABLE_ENV) == "1"
+        )
+    except (RuntimeError, OSError, subprocess.SubprocessError) as e:
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        warnings.warn(f"native GGUF block products not built ({reason}); using the reference", stacklevel=2)
+        return None
+
+
+def _registered(x: torch.Tensor, blocks: torch.Tensor, kind: int) -> torch.Tensor | None:
+    kernels = quant_kernels()
+    return None if kernels is None else kernels(x, blocks, kind)
+
+
+use_kernel(_registered)

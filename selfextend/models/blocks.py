@@ -1,0 +1,139 @@
+"""Linear layers holding a GGUF tensor's quantized blocks as the file stores them (``--weights gguf``).
+
+Why: a token's decode reads every weight once, so the bytes read per token are what the layers hold. As
+stored, a Q4_K_M file's layers are 4.5 to 6.6 bits a weight, with nothing rounded again (int8 would hold
+a Q6_K output head in 1.23x its bytes; torch's int4 packing takes only the 4-bit formats, and its
+kernel reads them far below the bandwidth). The product is ``torch.ops.selfextend.block_mm``, a custom op
+(torch.compile takes it as one node): its kernel is the native one of :mod:`selfextend.generation.quant`
+once that module is imported (it registers itself: this layer sits below the kernels), else a
+reference of the same weights, slow: the blocks dequantised by ``gguf`` a slab of rows at a time, then a
+float32 product.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+# gguf.GGMLQuantizationType values of the block formats held as stored
+BLOCK_KINDS = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
+_SLAB_ROWS = 256  # rows dequantised at a time by the reference product
+
+Kernel = Callable[[torch.Tensor, torch.Tensor, int], "torch.Tensor | None"]
+_kernel: list[Kernel | None] = [None]
+
+
+def block_shape(kind: int) -> tuple[int, int]:
+    """(values, bytes) of one block of GGUF type ``kind``."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    return GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
+
+
+def block_packable(kind: int, rows: int, columns: int) -> bool:
+    """Whether a GGUF weight of type ``kind`` and (rows, columns) is held as stored: a block format the
+    kernels compute (:data:`BLOCK_KINDS`)."""
+    return kind in BLOCK_KINDS and rows > 0 and columns % block_shape(kind)[0] == 0
+
+
+def use_kernel(kernel: Kernel) -> None:
+    """Make ``kernel(x (M, K) float32, blocks, kind) -> (M, N) float32`` (or None where it cannot run) the
+    product of every :class:`BlockLinear`: :mod:`selfextend.generation.quant` registers the native one."""
+    _kernel[0] = kernel
+
+
+def reference_product(x: torch.Tensor, blocks: torch.Tensor, kind: int) -> torch.Tensor:
+    """``x (M, K) @ dequantize(blocks)^T`` in float32, a slab of weight rows at a time."""
+    from gguf import dequantize
+
+    out = torch.empty(x.shape[0], blocks.shape[0])
+    raw = blocks.numpy()
+    for a in range(0, raw.shape[0], _SLAB_ROWS):
+        w = torch.from_numpy(
+            np.ascontiguousarray(dequantize(raw[a : a + _SLAB_ROWS], kind), dtype=np.float32)
+        )
+        out[:, a : a + w.shape[0]] = x @ w.T
+    return out
+
+
+@torch.library.custom_op("selfextend::block_mm", mutates_args=())
+def block_mm(x: torch.Tensor, blocks: torch.Tensor, kind: int) -> torch.Tensor:
+    """``x (M, K) float32 @ W^T -> (M, N) float32`` for W the GGUF blocks ``blocks`` (N, bytes per row) of
+    type ``kind``: the registered kernel, else :func:`reference_product`."""
+    kernel = _kernel[0]
+    out = kernel(x, blocks, kind) if kernel is not None else None
+    return reference_product(x, blocks, kind) if out is None else out
+
+
+@block_mm.register_fake
+def _(x: torch.Tensor, blocks: torch.Tensor, kind: int) -> torch.Tensor:
+    return x.new_empty(x.shape[0], blocks.shape[0])
+
+
+class BlockLinear(nn.Module):
+    """``y = x W^T + b`` with ``W`` the rows of a GGUF tensor's blocks of type ``kind`` as stored: ``blocks``
+    (N, bytes per row) uint8. ``block_kind`` (a buffer) carries the type into the saved run form."""
+
+    def __init__(
+        self, blocks: torch.Tensor, kind: int, in_features: int, bias: torch.Tensor | None = None
+    ) -> None:
+        super().__init__()
+        self.kind, self.in_features, self.out_features = kind, in_features, blocks.shape[0]
+        self.register_buffer("blocks", blocks)
+        self.register_buffer("block_kind", torch.tensor([kind], dtype=torch.int32, device=blocks.device))
+        self.register_buffer("bias", bias)
+
+    def set_kind(self, kind: int) -> None:
+        """Take ``kind`` as the blocks' type (a saved layer's ``block_kind``, read back)."""
+        self.kind = int(kind)
+        self.block_kind = torch.tensor([kind], dtype=torch.int32)
+
+    def dequantized(self) -> torch.Tensor:
+        """The (N, K) float32 weight this layer multiplies by."""
+        from gguf import dequantize
+
+        return torch.from_numpy(np.ascontiguousarray(dequantize(self.blocks.numpy(), self.kind)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).float().contiguous()
+        y = block_mm(rows, self.blocks, self.kind).to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        name = BLOCK_KINDS.get(self.kind, self.kind)
+        return f"in_features={self.in_features}, out_features={self.out_features}, GGUF {name} blocks"
+
+
+def fuse_blocks(layers: Sequence[BlockLinear]) -> tuple[BlockLinear, ...]:
+    """Layers computing the outputs of ``layers`` side by side: each run of layers of one type and input
+    size fused into one (rows of blocks concatenated, the layers kept as views into them, as
+    :func:`~selfextend.models.quantize.fuse_int8`), a run of one kept as it is."""
+    runs: list[list[BlockLinear]] = []
+    for m in layers:
+        if runs and (runs[-1][0].kind, runs[-1][0].in_features) == (m.kind, m.in_features):
+            runs[-1].append(m)
+        else:
+            runs.append([m])
+    return tuple(run[0] if len(run) == 1 else _fuse_run(run) for run in runs)
+
+
+def _fuse_run(layers: list[BlockLinear]) -> BlockLinear:
+    blocks = torch.cat([m.blocks for m in layers])
+    biases = [m.bias for m in layers]
+    bias = None
+    if any(b is not None for b in biases):
+        bias = torch.cat(
+            [torch.zeros(m.out_features) if b is None else b for m, b in zip(layers, biases, strict=True)]
+        )
+    fused = BlockLinear(blocks, layers[0].kind, layers[0].in_features, bias)
+    start = 0
+    for m in layers:
+        rows = slice(start, start + m.out_features)
+        m.blocks = blocks[rows]
+        if m.bias is not None:
+            m.bias = bias[rows]
+        start = rows.stop
+    return fused

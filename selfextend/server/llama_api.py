@@ -1,0 +1,90 @@
+"""llama-server's own endpoints, which its users script against: ``/tokenize``, ``/detokenize``,
+``/apply-template``, ``/props`` and ``/metrics`` (Prometheus' text format).
+
+Bodies and answers follow llama-server's: ``/tokenize`` takes ``content`` (and ``add_special``,
+``with_pieces``) and answers ``tokens``; ``/detokenize`` takes ``tokens`` and answers ``content``;
+``/apply-template`` takes chat ``messages`` and answers the ``prompt`` text the chat endpoint would read.
+Tokenising runs on a worker thread, so a large body does not hold up other requests.
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.responses import PlainTextResponse
+from pydantic import Field
+from starlette.concurrency import run_in_threadpool
+
+from selfextend.server.engine import Engine
+from selfextend.server.guard import APIError
+from selfextend.server.prompts import render_chat
+from selfextend.server.schemas import Message, Strict
+
+
+class TokenizeRequest(Strict):
+    content: str
+    add_special: bool = False  # llama-server's default: no BOS
+    with_pieces: bool = False
+
+
+class DetokenizeRequest(Strict):
+    tokens: list[int]
+
+
+class TemplateRequest(Strict):
+    messages: list[Message] = Field(min_length=1)
+
+
+def add_llama_routes(app: FastAPI, engine: Engine, model_name: str, defaults: dict[str, Any]) -> None:
+    """Add llama-server's endpoints over ``engine`` to ``app``; ``defaults`` are the generation settings
+    that ``/props`` reports."""
+    tokenizer = engine.tokenizer
+
+    @app.post("/tokenize")
+    async def tokenize(request: TokenizeRequest) -> dict[str, Any]:
+        def run() -> list[int]:
+            return list(tokenizer(request.content, add_special_tokens=request.add_special).input_ids)
+
+        ids = await run_in_threadpool(run) if request.content else []
+        if not request.with_pieces:
+            return {"tokens": ids}
+        return {"tokens": [{"id": t, "piece": tokenizer.decode([t])} for t in ids]}
+
+    @app.post("/detokenize")
+    async def detokenize(request: DetokenizeRequest) -> dict[str, Any]:
+        if any(not 0 <= t < len(tokenizer) for t in request.tokens):
+            raise APIError(400, f"token ids must be in [0, {len(tokenizer)})", "tokens")
+        return {"content": await run_in_threadpool(tokenizer.decode, request.tokens)}
+
+    @app.post("/apply-template")
+    async def apply_template(request: TemplateRequest) -> dict[str, Any]:
+        try:
+            _, text = await run_in_threadpool(render_chat, tokenizer, request.messages)
+        except ValueError as e:
+            raise APIError(400, f"the chat template refused the messages: {e}", "messages") from None
+        return {"prompt": text}
+
+    @app.get("/props")
+    async def props() -> dict[str, Any]:
+        return {
+            "default_generation_settings": {"n_ctx": engine.n_ctx, "params": defaults},
+            "total_slots": len(engine.slots),
+            "model_path": model_name,
+            "chat_template": getattr(tokenizer, "chat_template", None) or "",
+            "modalities": {"vision": False, "audio": False},
+            "build_info": f"selfextend {_version()}",
+        }
+
+    @app.get("/metrics", response_class=PlainTextResponse)
+    async def metrics() -> PlainTextResponse:
+        text = engine.metrics.prometheus(engine.info(), len(engine.queue))
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+
+def _version() -> str:
+    try:
+        return version("selfextend")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown"

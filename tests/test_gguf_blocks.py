@@ -1,0 +1,155 @@
+"""``--weights gguf``: a GGUF's blocks held as stored (:class:`BlockLinear`) and multiplied natively.
+
+Oracles: transformers' own GGUF loader (``gguf.quants.dequantize``, its processor undoing llama.cpp's q/k
+row permutation) for the weights and the float model's logits; the model's own forward for the decode
+step. A tiny Llama GGUF mixing the block types a ``Q4_K_M`` file holds (Q4_K q/k, Q6_K v and down,
+Q4_0 output, Q8_0 embedding, Q5_0 gate/up; K-quants as random valid blocks) runs everything quickly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import pytest
+import torch
+from test_int4 import PROJECTIONS, _teacher_forced
+from test_models import write_tiny_gguf
+from test_quant import gguf_blocks
+
+from selfextend.generation.decode import DecodeStep
+from selfextend.generation.generator import Generator
+from selfextend.generation.quant import quant_kernels
+from selfextend.kv.cache import ContextShiftCache
+from selfextend.models import load_model
+from selfextend.models.blocks import BlockLinear, block_mm, reference_product
+from selfextend.models.quantize import Int8Linear, weight_format
+
+Q4_K, Q6_K, Q5_0, Q4_0 = 12, 14, 6, 2
+STORED = {"q_proj": Q4_K, "k_proj": Q4_K, "v_proj": Q6_K, "o_proj": Q4_0}
+STORED |= {"gate_proj": Q5_0, "up_proj": Q5_0, "down_proj": Q6_K}
+
+
+def _random(kind: int):
+    return lambda rows, columns: gguf_blocks(kind, rows, columns, seed=rows + columns, scales=(2e-5, 1e-4))
+
+
+@pytest.fixture(scope="module")
+def tiny_mixed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    blocks = {"Q4_K attn_q": _random(Q4_K), "Q4_K attn_k": _random(Q4_K), "Q6_K attn_v": _random(Q6_K)}
+    blocks |= {"Q6_K ffn_down": _random(Q6_K), "Q4_0 attn_output": _random(Q4_0)}
+    path = tmp_path_factory.mktemp("mixed") / "tiny-mixed.gguf"
+    return write_tiny_gguf(path, hidden=256, heads=4, kv_heads=2, quant="Q5_0", blocks=blocks)
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_mixed: Path):
+    """The tiny GGUF as transformers loads it (float32, its own dequantisation) and with gguf weights."""
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(
+        str(tiny_mixed.parent), gguf_file=tiny_mixed.name, dtype=torch.float32
+    )
+    model, _ = load_model(str(tiny_mixed), weights="gguf")
+    return reference.eval(), model
+
+
+def test_layers_hold_the_stored_blocks(pair, tiny_mixed: Path) -> None:
+    """Every projection keeps its stored type, and its blocks dequantise to transformers' weight (q and k
+    rows in the model's order); the cached run form reads back the same layers."""
+    reference, model = pair
+    for ref_layer, layer in zip(reference.model.layers, model.model.layers, strict=True):
+        for name in PROJECTIONS:
+            part = layer.self_attn if hasattr(layer.self_attn, name) else layer.mlp
+            ref_part = ref_layer.self_attn if hasattr(ref_layer.self_attn, name) else ref_layer.mlp
+            module = getattr(part, name)
+            assert isinstance(module, BlockLinear) and module.kind == STORED[name], name
+            torch.testing.assert_close(module.dequantized(), getattr(ref_part, name).weight, atol=0, rtol=0)
+    assert weight_format(model) == "gguf" and isinstance(model.lm_head, Int8Linear)
+    again, _ = load_model(str(tiny_mixed), weights="gguf")
+    a, b = model.state_dict(), again.state_dict()
+    assert a.keys() == b.keys() and any(k.endswith(".blocks") for k in a)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert [getattr(m, "kind", None) for m in model.modules()] == [
+        getattr(m, "kind", None) for m in again.modules()
+    ]
+
+
+def test_logits_close_to_float(pair) -> None:
+    """The activations are rounded to int8 per block in each product: logits are the float model's to that
+    rounding carried through the layers (2% of the largest), and prefill chunks do not change a row."""
+    reference, model = pair
+    ids = torch.randint(3, 250, (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want, got = reference(ids).logits, model(ids).logits
+        head = model(ids[:, :25]).logits
+    assert (got - want).abs().max() < 0.02 * want.abs().max()
+    assert torch.corrcoef(torch.stack([got.flatten(), want.flatten()]))[0, 1] > 0.999
+    assert torch.equal(head, got[:, :25])  # causal, and each product's rows independent of the others
+
+
+def test_reference_product_is_the_kernels_math() -> None:
+    """Without the native kernel a layer multiplies by gguf's dequantisation in float32."""
+    blocks = torch.from_numpy(gguf_blocks(Q4_K, 9, 512))
+    x = torch.randn(3, 512)
+    w = BlockLinear(blocks, Q4_K, 512).dequantized()
+    torch.testing.assert_close(reference_product(x, blocks, Q4_K), x @ w.T)
+    torch.testing.assert_close(
+        block_mm(x, blocks, Q4_K), x @ w.T, rtol=0, atol=0.02 * float((x @ w.T).abs().max())
+    )
+
+
+@pytest.mark.skipif(quant_kernels() is None, reason="no C compiler here to build the kernel")
+def test_direct_step_tracks_the_forward(pair) -> None:
+    """The decode step calls the block products directly (bfloat16 rows in and out, q/k fused, v apart
+    for its other type): the model's own forward's logits through context shifts to bfloat16 rounding,
+    the same argmax, and the same greedy tokens."""
+    _, model = pair
+    ids = torch.randint(3, 250, (70,), generator=torch.Generator().manual_seed(1)).tolist()
+    step = DecodeStep(model)
+    assert [len(parts) for parts in step.qkv[:1] + step.gate_up[:1]] == [2, 1]  # q/k fused; gate/up fused
+    want, _ = _teacher_forced(model, ids)
+    got, served = _teacher_forced(model, ids, step)
+    assert served >= 30
+    assert (got - want).abs().max() < 0.02 * want.abs().max()
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.95
+    tokens = []
+    for direct in (True, False):
+        gen = Generator(model, ContextShiftCache(model, n_ctx=64, n_keep=2), direct_decode=direct)
+        logits, out = gen.feed(ids[:10]), []
+        for _ in range(12):
+            out.append(int(logits.argmax()))
+            logits = gen.write([out[-1]])
+        tokens.append(out)
+    assert tokens[0] == tokens[1]
+
+
+@pytest.mark.skipif(quant_kernels() is None, reason="no C compiler here to build the kernel")
+@pytest.mark.parametrize("extend", [False, True])
+def test_direct_rows_are_each_alone_bit_for_bit(pair, extend: bool) -> None:
+    """The block products are batch-invariant, so sequences stepped together through the direct step's rows
+    (different fills, shifting at different times, bf16 cells) get exactly the logits each gets alone."""
+    from selfextend.generation.batched import BatchedDecode
+    from selfextend.hf.patch import self_extend
+
+    _, model = pair
+    ids = [
+        torch.randint(3, 250, (80,), generator=torch.Generator().manual_seed(s)).tolist() for s in range(3)
+    ]
+    fills = (1, 9, 21)
+    runs = []
+    with self_extend(model, 2, 6) if extend else contextlib.nullcontext():
+        for together in (True, False):
+            gens = []
+            for seq, n in zip(ids, fills, strict=True):
+                gen = Generator(model, ContextShiftCache(model, n_ctx=32, n_keep=2, dtype=torch.bfloat16))
+                gen.feed(seq[:n])
+                gens.append(gen)
+            decode = BatchedDecode(model)
+            steps = []
+            for t in range(40):
+                pairs = [(g, seq[n + t]) for g, seq, n in zip(gens, ids, fills, strict=True)]
+                steps.append(torch.stack(decode(pairs) if together else [g.write([tok]) for g, tok in pairs]))
+            runs.append((torch.stack(steps), [g.cache.shifts for g in gens]))
+    assert runs[0][1] == runs[1][1] and len(set(runs[0][1])) > 1
+    assert torch.equal(runs[0][0], runs[1][0])

@@ -1,0 +1,125 @@
+"""The native products with GGUF blocks as stored (``generation/quant.c``).
+
+Oracles: ``gguf.quants.dequantize`` of the same bytes. (a) The kernel against a plain float64 reference
+of the same math (the weight dequantised, each activation row quantized to int8 per block as the kernel
+does and dequantised): float32 rounding apart. (b) Against the float product ``x @ dequantize(W)^T``:
+within the bound the activations' int8 rounding sets (half a step per value, times |W|). (c) Batch
+invariance: each row of a many-row call is bitwise the one-row call's. Each on the vector path and the
+portable one, with output sizes and row counts that are not multiples of anything.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
+
+from selfextend.generation.quant import QuantKernels, quant_kernels
+from selfextend.models.blocks import BLOCK_KINDS
+
+KERNELS = quant_kernels()
+pytestmark = pytest.mark.skipif(KERNELS is None, reason="no C compiler here to build the kernel")
+QUANTIZABLE = ("Q4_0", "Q4_1", "Q5_0", "Q8_0")  # gguf.quants.quantize writes these; the K-quants are random
+N_OUT = 37
+
+
+def gguf_blocks(
+    kind: int, rows: int, columns: int, seed: int = 0, scales: tuple[float, float] = (0.001, 0.02)
+) -> np.ndarray:
+    """(rows, bytes per row) of type ``kind``: gguf's quantiser on random weights where it has one, else
+    random bytes with float16 scales in ``scales`` (a K-quant's d and dmin; Q6_K's d is last)."""
+    rng = np.random.default_rng(seed)
+    name = BLOCK_KINDS[kind]
+    if name in QUANTIZABLE:
+        w = rng.standard_normal((rows, columns)).astype(np.float32)
+        return quants.quantize(w, GGMLQuantizationType(kind))
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
+    raw = rng.integers(0, 256, (rows, columns // block, size), dtype=np.uint8)
+    at = slice(208, 210) if name == "Q6_K" else slice(0, 4)
+    halves = (at.stop - at.start) // 2
+    raw[..., at] = rng.uniform(*scales, (rows, columns // block, halves)).astype(np.float16).view(np.uint8)
+    return raw.reshape(rows, -1)
+
+
+def activation_steps(x: np.ndarray, per: int) -> tuple[np.ndarray, np.ndarray]:
+    """The kernel's int8 activation blocks of ``per`` values, dequantised (float64), and each value's
+    scale d: float32 d = max|x| / 127, q = rint(x * (1 / d)), as quant.c computes them."""
+    m, k = x.shape
+    xb = x.reshape(m, k // per, per).astype(np.float32)
+    d = (np.abs(xb).max(axis=-1, keepdims=True) / np.float32(127)).astype(np.float32)
+    inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d != 0).astype(np.float32)
+    q = np.rint(xb * inv)
+    return (q * d.astype(np.float64)).reshape(m, k), np.broadcast_to(d, xb.shape).reshape(m, k)
+
+
+def per_block(kind: int) -> int:
+    """Activation values per int8 block: the K-quants' 256, else 32."""
+    return 256 if GGML_QUANT_SIZES[GGMLQuantizationType(kind)][0] == 256 else 32
+
+
+KINDS = sorted(BLOCK_KINDS)
+PATHS = [False, True]
+
+
+def columns_of(kind: int) -> int:
+    return 256 * 3 if per_block(kind) == 256 else 32 * 13
+
+
+@pytest.fixture(scope="module", params=PATHS, ids=["vector", "portable"])
+def kernels(request: pytest.FixtureRequest) -> QuantKernels:
+    return QuantKernels(KERNELS.library, portable=request.param)
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=[BLOCK_KINDS[k] for k in KINDS])
+@pytest.mark.parametrize("m", [1, 7, 512])
+def test_product_is_the_same_math_and_close_to_float(kernels: QuantKernels, kind: int, m: int) -> None:
+    columns = columns_of(kind)
+    raw = gguf_blocks(kind, N_OUT, columns, seed=kind)
+    w = quants.dequantize(raw, GGMLQuantizationType(kind)).astype(np.float64)  # (N, K)
+    x = torch.randn(m, columns, generator=torch.Generator().manual_seed(m))
+    got = kernels(x, torch.from_numpy(raw), kind).double().numpy()
+    xd, d = activation_steps(x.numpy(), per_block(kind))
+    same_math = xd @ w.T
+    magnitude = np.abs(xd) @ np.abs(w).T
+    assert np.all(np.abs(got - same_math) <= 2e-5 * magnitude + 1e-30), BLOCK_KINDS[kind]
+    exact = x.double().numpy() @ w.T  # (b): the activations' rounding, at most half a step each
+    bound = (d / 2) @ np.abs(w).T
+    assert np.all(np.abs(got - exact) <= 1.0001 * bound + 2e-5 * magnitude)
+    assert np.abs(got - exact).max() > 0  # int8 activations really are rounded
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=[BLOCK_KINDS[k] for k in KINDS])
+def test_rows_do_not_depend_on_the_batch(kernels: QuantKernels, kind: int) -> None:
+    """Every row of a 512-row call (tiles of 4) and of a 7-row one (a tile and a tail) equals that row
+    alone, bit for bit, in float32 and rounded to bfloat16."""
+    columns = columns_of(kind)
+    blocks = torch.from_numpy(gguf_blocks(kind, N_OUT, columns, seed=1))
+    x = torch.randn(512, columns, generator=torch.Generator().manual_seed(3))
+    many = kernels(x, blocks, kind)
+    tail = kernels(x[:7], blocks, kind)
+    for i in range(512):
+        one = kernels(x[i : i + 1], blocks, kind)
+        assert torch.equal(many[i : i + 1], one), i
+        if i < 7:
+            assert torch.equal(tail[i : i + 1], one), i
+    halves = kernels(x[:7].bfloat16(), blocks, kind, out_dtype=torch.bfloat16)
+    assert torch.equal(halves[3:4], kernels(x[3:4].bfloat16(), blocks, kind, out_dtype=torch.bfloat16))
+
+
+def test_vector_and_portable_paths_agree() -> None:
+    """The two paths share the integer sums, so they differ only in float32 summation order."""
+    vector, portable = QuantKernels(KERNELS.library), QuantKernels(KERNELS.library, portable=True)
+    for kind in KINDS:
+        blocks = torch.from_numpy(gguf_blocks(kind, N_OUT, columns_of(kind), seed=5))
+        x = torch.randn(9, columns_of(kind))
+        a, b = vector(x, blocks, kind), portable(x, blocks, kind)
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * float(b.abs().max()))
+
+
+def test_bad_shapes_are_refused() -> None:
+    blocks = torch.from_numpy(gguf_blocks(12, 4, 256))
+    with pytest.raises(ValueError, match="do not fit"):
+        KERNELS(torch.randn(1, 512), blocks, 12)
+    with pytest.raises(ValueError, match="computes GGUF types"):
+        KERNELS(torch.randn(1, 256), blocks, 10)
