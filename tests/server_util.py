@@ -9,7 +9,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from urllib.parse import urlsplit
 
@@ -58,6 +58,26 @@ def request(
         return response.status, json.loads(text)
     except ValueError:
         return response.status, text
+
+
+def side_by_side(engine, calls: Sequence[Callable[[], None]], timeout: float = 90) -> None:
+    """Run ``calls`` (each sends one request) on threads of their own, the engine held until all their
+    requests are queued, so that it takes them together."""
+    gate = threading.Event()
+    with engine.wake:
+        engine.tasks.append(lambda: gate.wait(60))
+        engine.wake.notify()
+    threads = [threading.Thread(target=call) for call in calls]
+    try:
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 30
+        while len(engine.queue) < len(calls) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        gate.set()
+    for t in threads:
+        t.join(timeout)
 
 
 @contextmanager

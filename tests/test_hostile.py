@@ -9,19 +9,26 @@ code path, without paying a torch import per case). API cases assert the documen
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
+import openai
 import pytest
 import torch
 from click.testing import CliRunner
 from conftest import make_model
+from server_util import connect, request, serving, side_by_side
 
 from selfextend import apply_self_extend, max_usable_length, remove_self_extend
 from selfextend.bench.runner import BenchConfig
@@ -31,12 +38,16 @@ from selfextend.evaluation.methods import Method, MethodError, parse_method, par
 from selfextend.evaluation.passkey import passkey_plan
 from selfextend.evaluation.results import ResultsWarning, read_jsonl, rejected_path, repair_tail
 from selfextend.evaluation.sweep import check_lengths, plan
+from selfextend.generation.decode import decode_step_for
 from selfextend.generation.generator import Generator, run
 from selfextend.generation.sampling import SamplingParams
 from selfextend.kv.cache import ContextShiftCache
 from selfextend.kv.promptcache import PromptCacheError
 from selfextend.kv.promptcache import load as load_prompt_cache
 from selfextend.models import ModelError, check_gguf, load_config, load_model, resolve_model
+from selfextend.server import slotfiles
+from selfextend.server.engine import Engine, Job, Stopped
+from selfextend.server.slots import Slot
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -617,3 +628,369 @@ def test_sigterm_stops_generate_like_ctrl_c(tiny_dir, tmp_path):
     # Everything streamed was flushed. Bytes, not text: a random token may hold "\r", which
     # read_text's universal newlines would turn into "\n".
     assert out.read_bytes() and out.read_bytes() in stdout
+
+
+# --------------------------------------------------------------------------------------------------
+# The server under faults: one request's failure ends that request only, a failed step leaves its slot
+# consistent, abandoned and oversized requests free the engine at once (real loopback, real `openai`)
+# --------------------------------------------------------------------------------------------------
+
+
+class PoisonRows:
+    """A test hook in place of an engine's batched step: the logits of slot ``slot``'s sequence turn NaN
+    from its ``after``-th step on (a float16 model overflowing, say); every other row is left alone."""
+
+    def __init__(self, engine: Engine, slot: int, after: int) -> None:
+        self.engine, self.inner, self.slot, self.after, self.steps = engine, engine.batched, slot, after, 0
+
+    def __call__(self, pairs):
+        out = self.inner(pairs)
+        target = self.engine.slots[self.slot].gen
+        for i, (gen, _) in enumerate(pairs):
+            if gen is target:
+                self.steps += 1
+                if self.steps >= self.after:
+                    out[i] = torch.full_like(out[i], float("nan"))
+        return out
+
+
+def _client(base: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=60)
+
+
+def test_nan_logits_end_one_stream_while_another_finishes(tiny):
+    model, tok = tiny
+    with serving(model, tok, n_ctx=128, parallel=2, max_tokens=64) as (base, engine):
+        engine.batched = PoisonRows(engine, slot=0, after=3)
+        client, out = _client(base), {}
+        common = dict(model="t", max_tokens=40, stream=True)
+
+        def victim() -> None:  # sampled with top_k 0: NaN logits make torch.multinomial raise
+            extra = {"id_slot": 0, "top_k": 0, "ignore_eos": True}
+            stream = client.completions.create(
+                **common, prompt="Once upon a time", temperature=1.0, extra_body=extra
+            )
+            out["victim_text"] = []
+            try:
+                for chunk in stream:
+                    out["victim_text"].append(chunk.choices[0].text)
+            except openai.APIError as e:
+                out["victim"] = e
+
+        def other() -> None:
+            extra = {"id_slot": 1, "ignore_eos": True}
+            chunks = list(
+                client.completions.create(**common, prompt="The sea is", temperature=0, extra_body=extra)
+            )
+            out["other"] = chunks[-1].choices[0].finish_reason
+
+        side_by_side(engine, [victim, other])  # both queued before the engine takes either
+        assert "generation failed" in str(out["victim"]) and out["victim_text"]  # it failed mid-stream
+        assert out["other"] == "length"  # the other stream ran to its end
+        # top_k > 0: no finite logit to choose among; a plain request gets an OpenAI error body
+        with pytest.raises(openai.InternalServerError, match="generation failed"):
+            client.completions.create(
+                model="t",
+                prompt="Again",
+                max_tokens=8,
+                temperature=1.0,
+                extra_body={"id_slot": 0, "top_k": 5},
+            )
+        status, health = request(base, "GET", "/health")
+        assert status == 200 and health["slots_idle"] == 2 and engine.thread.is_alive()
+        engine.batched = engine.batched.inner
+        reply = client.completions.create(model="t", prompt="Still here?", max_tokens=4, temperature=0)
+        assert reply.choices[0].finish_reason in ("length", "stop")
+
+
+def _ask(engine: Engine, prompt: list[int], max_tokens: int = 8) -> tuple[str, dict]:
+    """(text, last event) of one greedy job on ``engine``."""
+    events: list[dict] = []
+    done = threading.Event()
+
+    def emit(event: dict) -> None:
+        events.append(event)
+        if event["type"] in ("done", "error"):
+            done.set()
+
+    assert engine.submit(
+        Job(list(prompt), 0, SamplingParams(temperature=0), max_tokens, emit, ignore_eos=True)
+    )
+    assert done.wait(120)
+    return "".join(e["text"] for e in events if e["type"] == "text"), events[-1]
+
+
+@contextlib.contextmanager
+def _engine(model, tok, n_ctx: int = 128) -> Iterator[Engine]:
+    engine = Engine(model, tok, n_ctx, 1, 0)
+    engine.start()
+    try:
+        yield engine
+    finally:
+        engine.stop()
+
+
+def _fresh(model, tok, prompt: list[int]) -> tuple[str, list[int], torch.Tensor]:
+    """(text, cached tokens, last logits) of ``prompt`` on a fresh engine."""
+    with _engine(model, tok) as engine:
+        text, end = _ask(engine, prompt)
+        gen = engine.slots[0].gen
+        assert end["type"] == "done"
+        return text, list(gen.tokens), gen.last_logits.clone()
+
+
+def _one_fill(engine: Engine) -> None:
+    """Every layer of the slot's cache ends where the tokens it records do."""
+    gen = engine.slots[0].gen
+    assert {layer.next_pos for layer in gen.cache.layers} == {len(gen.tokens)}
+
+
+def _fails_once(call, at: int, error: Exception):
+    """``call`` that raises ``error`` on its ``at``-th call (counting from 1)."""
+    calls = [0]
+
+    def wrapped(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == at:
+            raise error
+        return call(*args, **kwargs)
+
+    return wrapped
+
+
+def test_failed_prefill_leaves_the_slot_as_a_fresh_one(tiny):
+    """A RuntimeError in layer 1 while the second piece of a prompt is read (layer 0 has taken its cells):
+    the retry of the same prompt answers as a fresh slot does, to the logits."""
+    model, tok = tiny
+    prompt = list(range(1000, 1100))  # 100 tokens in 128 cells: pieces of 64 and 36, no shift
+    want = _fresh(model, tok, prompt)
+    layer = model.model.layers[1]
+    with _engine(model, tok) as engine:
+        layer.forward = _fails_once(layer.forward, 2, RuntimeError("injected failure"))
+        try:
+            _, end = _ask(engine, prompt)
+        finally:
+            del layer.forward
+        assert end["type"] == "error" and "injected failure" in end["message"]
+        _one_fill(engine)
+        text, _ = _ask(engine, prompt)
+        gen = engine.slots[0].gen
+        assert (text, gen.tokens) == want[:2]
+        torch.testing.assert_close(gen.last_logits, want[2], atol=1e-5, rtol=1e-5)
+
+
+def test_failed_decode_step_leaves_the_slot_consistent(tiny):
+    """A MemoryError midway through a decode step (layers 0 and 1 have taken the token's cell, as the
+    kernels' scratch allocation failing would leave them): a next prompt that goes on from what the slot
+    holds answers as a fresh slot does."""
+    model, tok = tiny
+    with _engine(model, tok) as engine:
+        step = engine.slots[0].step
+        assert step is not None and step.supported()
+        plan = step.plan[1]
+        step.plan[1] = plan._replace(o_proj=_fails_once(plan.o_proj, 3, MemoryError("no scratch space")))
+        try:
+            _, end = _ask(engine, list(range(500, 540)))
+        finally:
+            step.plan[1] = plan
+        assert end["type"] == "error" and "no scratch space" in end["message"]
+        _one_fill(engine)
+        held = list(engine.slots[0].gen.tokens)
+        assert len(held) > 40  # the failed step came after some tokens of the reply
+        text, _ = _ask(engine, [*held, 7, 8, 9])
+        gen = engine.slots[0].gen
+        want = _fresh(model, tok, [*held, 7, 8, 9])
+        assert (text, gen.tokens) == want[:2]
+        torch.testing.assert_close(gen.last_logits, want[2], atol=1e-4, rtol=1e-4)
+
+
+def test_slot_restore_failing_unexpectedly_leaves_the_slot_empty(tiny, tmp_path, monkeypatch):
+    model, tok = tiny
+    slot = Slot(0, model, 64, decode_step_for(model))
+    gen = slot.generator(0)
+    gen.feed(list(range(200, 230)))
+    slot.finish(list(range(200, 230)), [], True)
+    slotfiles.save(slot, tmp_path / "s.slot", "tiny")
+    other = Slot(1, model, 64, slot.step)
+    other.generator(0).feed(list(range(300, 310)))
+    real = ContextShiftCache.load_prefix
+
+    def half(self, keys, values, n_past, positions=None):
+        self.layers[0].fill(
+            keys[0][..., :n_past, :], values[0][..., :n_past, :], torch.arange(n_past), n_past
+        )
+        raise RuntimeError("injected failure")
+
+    monkeypatch.setattr(ContextShiftCache, "load_prefix", half)
+    with pytest.raises(RuntimeError, match="injected"):
+        slotfiles.restore(other, tmp_path / "s.slot", "tiny")
+    monkeypatch.setattr(ContextShiftCache, "load_prefix", real)
+    assert other.gen.tokens == [] and other.history == []
+    assert all(layer.n_used == 0 and layer.next_pos == 0 for layer in other.gen.cache.layers)
+    fresh = Slot(2, model, 64, slot.step).generator(0)
+    torch.testing.assert_close(other.gen.feed([5, 6, 7]), fresh.feed([5, 6, 7]))
+
+
+def test_slot_actions_are_answered_when_the_loop_ends(tiny, monkeypatch):
+    """A slot action waiting as the loop stops is run; one handed in later, or waiting when the loop dies of
+    an error, gets an answer too (never a wait for good), and so does a queued request."""
+    model, tok = tiny
+    engine = Engine(model, tok, 32)
+    answers: list = []
+    waiting = threading.Thread(target=lambda: answers.append(engine.with_slot(0, lambda s: s.id + 40)))
+    waiting.start()
+    deadline = time.monotonic() + 10
+    while not engine.tasks and time.monotonic() < deadline:
+        time.sleep(0.01)
+    engine.stop()  # the loop has not run yet: it starts with a stop pending and a task queued
+    engine.run_loop()
+    waiting.join(10)
+    assert answers == [40]
+    with pytest.raises(Stopped):
+        engine.with_slot(0, lambda s: s.id)
+
+    broken = Engine(model, tok, 32)
+    monkeypatch.setattr(broken, "_assign", lambda: 1 / 0)
+    events: list[dict] = []
+    broken.submit(Job([1, 2, 3], 0, SamplingParams(), 4, events.append))
+    errors: list[Exception] = []
+
+    def act() -> None:
+        try:
+            broken.with_slot(0, lambda s: s.id)
+        except Exception as e:
+            errors.append(e)
+
+    waiting = threading.Thread(target=act)
+    waiting.start()
+    while not broken.tasks and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with pytest.raises(ZeroDivisionError):
+        broken.run_loop()
+    waiting.join(10)
+    assert [type(e) for e in errors] == [Stopped] and events[-1]["type"] == "error"
+    idle = Engine(model, tok, 32)  # no loop at all: the wait is bounded and withdraws the action
+    with pytest.raises(TimeoutError):
+        idle.with_slot(0, lambda s: s.id, wait=0.2)
+    assert not idle.tasks
+
+
+def test_plain_request_whose_client_left_is_cancelled(tiny):
+    model, tok = tiny
+    with serving(model, tok, n_ctx=64, parallel=1, max_tokens=100_000) as (base, engine):
+        inner, after_cancel = engine.batched, []
+
+        def counted(pairs):
+            if engine.running and engine.running[0].job.cancelled.is_set():
+                after_cancel.append(len(pairs))
+            return inner(pairs)
+
+        engine.batched = counted
+        conn = connect(base)
+        body = {"prompt": "Go on forever", "max_tokens": 100_000, "ignore_eos": True, "temperature": 0}
+        conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+        slot = engine.slots[0]
+        deadline = time.monotonic() + 30
+        while not (slot.gen and slot.gen.cache.shifts >= 1) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert slot.busy and slot.gen.cache.shifts >= 1  # well under way (64 cells: it has shifted)
+        conn.sock.shutdown(socket.SHUT_RDWR)
+        conn.close()
+        deadline = time.monotonic() + 15
+        while slot.busy and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not slot.busy and len(after_cancel) <= 1  # freed within a step of the cancellation
+        shifts = slot.gen.cache.shifts
+        time.sleep(0.3)
+        assert slot.gen.cache.shifts == shifts and request(base, "GET", "/health")[0] == 200
+
+
+def _timed_health(base: str, stop: threading.Event, waits: list[float]) -> None:
+    while not stop.is_set():
+        t0 = time.perf_counter()
+        status, _ = request(base, "GET", "/health", timeout=30)
+        assert status == 200
+        waits.append(time.perf_counter() - t0)
+        time.sleep(0.02)
+
+
+def test_four_million_token_body_is_refused_at_once(tiny):
+    """An 8 MB body of token ids (4,000,000 of them, under the 8 MiB body limit) is a 400 naming the prompt
+    limit, answered in seconds (not prefilled through shifts); /health answers all the while."""
+    model, tok = tiny
+    with serving(model, tok, n_ctx=128, parallel=1) as (base, engine):
+        body = b'{"max_tokens": 1, "prompt": [' + b",".join([b"1"] * 4_000_000) + b"]}"
+        assert len(body) < 8 * 2**20
+        stop, waits = threading.Event(), []
+        health = threading.Thread(target=_timed_health, args=(base, stop, waits))
+        health.start()
+        t0 = time.perf_counter()
+        try:
+            status, out = request(base, "POST", "/v1/completions", body, timeout=60)
+        finally:
+            stop.set()
+            health.join(30)
+        took = time.perf_counter() - t0
+        assert status == 400 and out["error"]["code"] == "context_length_exceeded", out
+        assert "at most 512" in out["error"]["message"] and out["error"]["param"] == "prompt"
+        assert took < 20 and waits and max(waits) < 2.0, (took, max(waits, default=None))
+        assert not engine.queue and not any(s.busy for s in engine.slots)
+        at_limit = [1] * 512
+        reply = _client(base).completions.create(model="t", prompt=at_limit, max_tokens=1)
+        assert reply.usage.prompt_tokens == 512
+        with pytest.raises(openai.BadRequestError, match="513 tokens; this server takes at most 512"):
+            _client(base).completions.create(model="t", prompt=[*at_limit, 1], max_tokens=1)
+
+
+def test_serve_help_documents_the_prompt_limit():
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    out = subprocess.run(
+        [sys.executable, "-m", "selfextend", "serve", "--help"], capture_output=True, text=True, env=env
+    )
+    text = " ".join(out.stdout.split())
+    assert "--max-prompt-tokens" in text and "in tokens (default: 4 x --ctx)" in text and "400" in text
+
+
+ENCODING_CASES = [
+    ({"prompt": "a\ud800b"}, "prompt"),
+    ({"prompt": ["caf\udce9"]}, "prompt"),
+    ({"prompt": "a\x00b"}, "prompt"),
+    ({"prompt": "ab", "stop": ["\ud800"]}, "stop.0"),
+    ({"prompt": "ab", "stop": "\x00"}, "stop"),
+    ({"messages": [{"role": "user", "content": "a\ud800b"}]}, "messages.0.content"),
+    (
+        {"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "\x00"}]},
+        "messages.1.content",
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def small_server(tiny):
+    model, tok = tiny
+    with serving(model, tok, n_ctx=64) as (base, _):
+        yield base
+
+
+@pytest.mark.parametrize(
+    "body,param", ENCODING_CASES, ids=[f"{i}-{c[1]}" for i, c in enumerate(ENCODING_CASES)]
+)
+def test_text_that_cannot_be_encoded_is_a_400(small_server, body, param):
+    """A lone surrogate (JSON spells one as ``"\\ud800"``; the ``openai`` client cannot send it, so the
+    body goes as JSON with ASCII escapes) or a NUL (through the real client): a 400 naming the field, never
+    a 500."""
+    path = "/v1/completions" if "prompt" in body else "/v1/chat/completions"
+    status, out = request(small_server, "POST", path, json.dumps({**body, "max_tokens": 2}).encode())
+    error = out["error"]
+    assert status == 400 and error["param"] == param and error["type"] == "invalid_request_error", out
+    assert set(error) == {"message", "type", "param", "code"}
+    assert request(small_server, "GET", "/health")[0] == 200
+    try:
+        json.dumps(body, ensure_ascii=False).encode()
+    except UnicodeEncodeError:  # a lone surrogate: the openai client cannot send it
+        return
+    client = _client(small_server)
+    create = client.completions.create if "prompt" in body else client.chat.completions.create
+    with pytest.raises(openai.BadRequestError) as e:
+        create(model="t", max_tokens=2, **body)
+    assert e.value.body["param"] == param

@@ -16,7 +16,7 @@ import time
 import openai
 import pytest
 import torch
-from server_util import connect, request, serve_process, serving
+from server_util import connect, request, serve_process, serving, side_by_side
 from transformers import AutoTokenizer, LlamaForCausalLM
 
 import selfextend
@@ -180,10 +180,6 @@ def test_parallel_requests_decode_together_and_match_alone(tiny, client):
                 return rows(tokens, *args)
 
             step.rows = counted
-            gate = threading.Event()
-            with engine.wake:  # the engine waits on this until both requests are queued
-                engine.tasks.append(lambda: gate.wait(60))
-                engine.wake.notify()
             c = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
             results: dict[int, str] = {}
 
@@ -194,18 +190,9 @@ def test_parallel_requests_decode_together_and_match_alone(tiny, client):
                     .text
                 )
 
-            threads = [threading.Thread(target=ask, args=(i,)) for i in range(2)]
             try:
-                for t in threads:
-                    t.start()
-                deadline = time.monotonic() + 30
-                while len(engine.queue) < 2 and time.monotonic() < deadline:
-                    time.sleep(0.01)
-                gate.set()
-                for t in threads:
-                    t.join()
+                side_by_side(engine, [lambda i=i: ask(i) for i in range(2)])
             finally:
-                gate.set()
                 del step.rows
     assert [results[0], results[1]] == alone
     assert sizes.count(2) >= 10  # the two replies' tokens came out of shared forwards
@@ -296,7 +283,7 @@ def test_chat_refusals(server, client):
 
 def test_long_prompt_is_read_through_shifts(client, tiny):
     _, tok = tiny
-    text = " ".join(f"line {i} of a long letter." for i in range(120))
+    text = " ".join(f"line {i} of a long letter." for i in range(100))  # under 4 x 256 (--max-prompt-tokens)
     n = len(tok(text).input_ids)
     assert n > 256
     out = client.completions.create(model="tiny", prompt=text, max_tokens=3, temperature=0)

@@ -67,6 +67,13 @@ if TYPE_CHECKING:
     help="The largest max_tokens a request may ask for (tokens).",
 )
 @click.option(
+    "--max-prompt-tokens",
+    type=POSITIVE,
+    default=None,
+    help="The longest prompt a request may send, in tokens (default: 4 x --ctx); a longer one is answered "
+    "with a 400. Prompts longer than --ctx are read through context shifts.",
+)
+@click.option(
     "--slot-save-path",
     type=click.Path(file_okay=False),
     default=None,
@@ -96,6 +103,7 @@ def serve(
     prefill_chunk: int,
     api_key: str | None,
     max_tokens: int,
+    max_prompt_tokens: int | None,
     slot_save_path: str | None,
     drain_timeout: int,
     cache_type: str | None,
@@ -141,6 +149,7 @@ def serve(
         api_key=api_key,
         max_tokens=max_tokens,
         default_max_tokens=min(512, max_tokens),
+        max_prompt_tokens=max_prompt_tokens,
         sampling=sampling,
         slot_save_path=slot_save_path,
     )

@@ -5,6 +5,10 @@ server-sent events ending in ``data: [DONE]`` when ``stream`` is true; ``/v1/mod
 ``/slots`` (state, save and restore); the chat page at ``/``. Responses carry OpenAI's ``usage`` with
 ``prompt_tokens_details.cached_tokens`` (prompt tokens taken from the cache) and a ``selfextend`` object
 (slot, tokens moved by K-shift, context shifts, time to first token, tokens/s).
+
+A request's body is read and turned into token ids on a worker thread (:func:`_prepare`), so that a huge
+one never holds up the others or ``/health``; a prompt over ``--max-prompt-tokens`` is a 400. A request
+whose client disconnects is cancelled, streamed or not: its slot is free within a step.
 """
 
 from __future__ import annotations
@@ -14,20 +18,21 @@ import dataclasses
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
 
-from fastapi import FastAPI
-from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
+from fastapi import FastAPI, Request
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from fastapi.staticfiles import StaticFiles
+from starlette.concurrency import run_in_threadpool
 
 from selfextend.generation.sampling import SamplingParams
 from selfextend.server.engine import Engine, Job
 from selfextend.server.guard import APIError, Guard, error_body, install_error_handlers
 from selfextend.server.llama_api import add_llama_routes
-from selfextend.server.prompts import Prompt, chat_prompt, completion_prompt
+from selfextend.server.prompts import Body, Prompt, chat_prompt, completion_prompt, read_body, too_long
 from selfextend.server.schemas import (
     ChatRequest,
     CompletionRequest,
@@ -38,6 +43,8 @@ from selfextend.server.schemas import (
 from selfextend.server.slotfiles import slot_action
 
 PAGE = resources.files("selfextend.server") / "page"
+PROMPT_CELLS = 4
+"""The longest prompt a request may send, by default, in multiples of a slot's cells (--max-prompt-tokens)."""
 
 
 @dataclass
@@ -49,6 +56,7 @@ class Settings:
     max_tokens: int = 4096  # the most a request may ask for
     default_max_tokens: int = 512  # for chat requests that do not say (completions: OpenAI's 16)
     max_body: int = 8 * 2**20
+    max_prompt_tokens: int | None = None  # None: PROMPT_CELLS times a slot's cells
     sampling: SamplingParams = field(default_factory=SamplingParams)
     slot_save_path: str | None = None
 
@@ -76,18 +84,26 @@ def create_app(engine: Engine, settings: Settings) -> FastAPI:
         model = {"id": settings.model_name, "object": "model", "created": created, "owned_by": "selfextend"}
         return {"object": "list", "data": [{**model, "meta": meta}]}
 
-    @app.post("/v1/completions")
-    async def completions(request: CompletionRequest):
-        prompt = completion_prompt(engine.tokenizer, request.prompt, request.n_keep)
-        return await _answer(engine, settings, request, prompt, chat=False)
+    max_prompt = settings.max_prompt_tokens or PROMPT_CELLS * engine.n_ctx
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: ChatRequest):
+    def completion(request: CompletionRequest) -> Prompt:
+        return completion_prompt(engine.tokenizer, request.prompt, request.n_keep)
+
+    def chat(request: ChatRequest) -> Prompt:
         try:
-            prompt = chat_prompt(engine.tokenizer, request.messages, request.n_keep)
+            return chat_prompt(engine.tokenizer, request.messages, request.n_keep)
         except ValueError as e:
             raise APIError(400, f"the chat template refused the messages: {e}", "messages") from None
-        return await _answer(engine, settings, request, prompt, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(raw: Request):
+        request, prompt = await _prepare(raw, CompletionRequest, completion, max_prompt)
+        return await _answer(engine, settings, request, prompt, raw)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(raw: Request):
+        request, prompt = await _prepare(raw, ChatRequest, chat, max_prompt)
+        return await _answer(engine, settings, request, prompt, raw)
 
     @app.get("/slots")
     async def slots() -> list[dict[str, Any]]:
@@ -99,6 +115,23 @@ def create_app(engine: Engine, settings: Settings) -> FastAPI:
 
     add_llama_routes(app, engine, settings.model_name, dataclasses.asdict(settings.sampling))
     return app
+
+
+async def _prepare(
+    raw: Request, kind: type[Body], build: Callable[[Body], Prompt], max_prompt: int
+) -> tuple[Body, Prompt]:
+    """The request and its prompt, read and tokenised on a worker thread; a prompt over ``max_prompt``
+    tokens refused."""
+    body = await raw.body()
+
+    def work() -> tuple[Body, Prompt]:
+        request = read_body(body, kind, max_prompt)
+        prompt = build(request)
+        if len(prompt.ids) > max_prompt:
+            raise too_long(len(prompt.ids), max_prompt)
+        return request, prompt
+
+    return await run_in_threadpool(work)
 
 
 def _check(engine: Engine, settings: Settings, request: Sampling, prompt: Prompt) -> int:
@@ -122,7 +155,7 @@ def _check(engine: Engine, settings: Settings, request: Sampling, prompt: Prompt
     return max_tokens
 
 
-async def _answer(engine: Engine, settings: Settings, request: Sampling, prompt: Prompt, chat: bool):
+async def _answer(engine: Engine, settings: Settings, request: Sampling, prompt: Prompt, raw: Request):
     max_tokens = _check(engine, settings, request, prompt)
     try:
         sampling = sampling_params(request, settings.sampling)
@@ -151,11 +184,12 @@ async def _answer(engine: Engine, settings: Settings, request: Sampling, prompt:
     )
     if not engine.submit(job):
         raise APIError(429, "the server is busy: too many requests waiting", None, "queue_full")
-    shape = Shape(settings.model_name, chat)
+    shape = Shape(settings.model_name, prompt.chat)
     if request.stream:
         usage = request.stream_options is not None and request.stream_options.include_usage
         return StreamingResponse(_stream(engine, job, events, shape, usage), media_type="text/event-stream")
     text = []
+    watch = asyncio.create_task(_watch(raw, events))
     try:
         while True:
             event = await events.get()
@@ -165,8 +199,19 @@ async def _answer(engine: Engine, settings: Settings, request: Sampling, prompt:
                 return JSONResponse(_failure(event), status_code=500)
             elif event["type"] == "done":
                 return shape.whole("".join(text), event)
+            elif event["type"] == "gone":
+                return Response(status_code=499)  # no one reads it
     finally:
+        watch.cancel()
         engine.cancel(job)  # a no-op once done; frees the slot if the client left first
+
+
+async def _watch(raw: Request, events: asyncio.Queue) -> None:
+    """Put a ``gone`` event in ``events`` once the client disconnects (a streaming response watches for that
+    itself; a plain one would otherwise run on to ``max_tokens``)."""
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass
+    events.put_nowait({"type": "gone"})
 
 
 def _failure(event: dict[str, Any]) -> dict[str, Any]:

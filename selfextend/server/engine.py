@@ -16,6 +16,12 @@ The requests past their prompt decode together, in one batched forward where the
 So ``--parallel N`` requests progress together, and a request whose client left (:attr:`Job.cancelled`)
 ends within a step and frees its slot. Results go back through each job's ``emit`` callback (thread-safe
 on the caller's side).
+
+A failure ends only the request it belongs to (an ``error`` event): a model step that raises ends the
+requests of that step, a token that cannot be sampled (NaN or inf logits) ends its own request. A slot whose
+step failed midway is put back to the tokens it had recorded as written (:meth:`Slot.recover`). Should the
+loop end anyway, everyone still waiting (queued and running requests, slot actions) is answered on the way
+out.
 """
 
 from __future__ import annotations
@@ -45,6 +51,14 @@ from selfextend.generation.sampling import SamplingParams
 from selfextend.models.weights import release_free_memory
 from selfextend.server.metrics import Metrics
 from selfextend.server.slots import Reuse, Slot, pick
+
+SLOT_WAIT_S = 120.0
+"""The longest a slot action waits for the loop to take it (it runs between two turns; a turn reads a whole
+new prompt): then it is withdrawn and :meth:`Engine.with_slot` raises ``TimeoutError``."""
+
+
+class Stopped(RuntimeError):
+    """The engine's loop has ended: it takes no more work."""
 
 
 @dataclass
@@ -110,6 +124,7 @@ class Engine:
         self.tasks: list[Callable[[], None]] = []  # work on idle slots (save, restore), run between steps
         self.wake = threading.Condition()
         self.stopping = False
+        self.closed = False  # the loop has ended: work handed in now is refused
         self.thread = threading.Thread(target=self.run_loop, name="selfextend-engine", daemon=True)
 
     # --- called from the server's threads ----------------------------------------------------------
@@ -140,15 +155,18 @@ class Engine:
         with self.wake:
             self.wake.notify()
 
-    def with_slot(self, slot_id: int, action: Callable[[Slot], Any]) -> Any:
+    def with_slot(self, slot_id: int, action: Callable[[Slot], Any], wait: float = SLOT_WAIT_S) -> Any:
         """Run ``action(slot)`` on the engine's thread while the slot is idle; returns its result or raises
-        its exception. ``LookupError`` when the slot is busy."""
+        its exception. ``LookupError`` when the slot is busy, :class:`Stopped` once the loop has ended,
+        ``TimeoutError`` (nothing done) when the loop has not taken it within ``wait`` seconds."""
         done = threading.Event()
         box: dict[str, Any] = {}
 
         def task() -> None:
             slot = self.slots[slot_id]
             try:
+                if self.closed:
+                    raise Stopped("the server is stopping")
                 if slot.busy:
                     raise LookupError(f"slot {slot_id} is busy")
                 box["value"] = action(slot)
@@ -157,9 +175,16 @@ class Engine:
             done.set()
 
         with self.wake:
+            if self.closed:
+                raise Stopped("the server is stopping")
             self.tasks.append(task)
             self.wake.notify()
-        done.wait()
+        if not done.wait(wait):
+            with self.wake:
+                if task in self.tasks:  # not taken yet: withdrawn
+                    self.tasks.remove(task)
+                    raise TimeoutError(f"slot {slot_id}: the server was busy for {wait:g} s; try again")
+            done.wait()  # taken: its action is under way
         if "error" in box:
             raise box["error"]
         return box["value"]
@@ -182,23 +207,40 @@ class Engine:
 
     def run_loop(self) -> None:
         """The engine's loop on the calling thread, until :meth:`stop` is called from another."""
-        with torch.no_grad():
-            self._loop()
+        try:
+            with torch.no_grad():
+                self._loop()
+        finally:
+            self._close()
 
     def _loop(self) -> None:
         while True:
             with self.wake:
                 while not (self.queue or self.running or self.tasks or self.stopping):
                     self.wake.wait()
-                if self.stopping and not (self.queue or self.running):
+                if self.stopping and not (self.queue or self.running or self.tasks):
                     return
-                tasks, self.tasks = self.tasks, []
                 starting = self._assign()
+                tasks, self.tasks = self.tasks, []
             for task in tasks:
                 task()
             for job, slot in starting:
                 self._start(job, slot)
             self._turn()
+
+    def _close(self) -> None:
+        """Answer everyone still waiting once the loop has ended (no one, unless it ended by an error it
+        could not handle): queued and running requests get an error, slot actions :class:`Stopped`."""
+        with self.wake:
+            self.closed = True
+            tasks, self.tasks = self.tasks, []
+            jobs = [*self.queue, *(r.job for r in self.running)]
+            self.queue.clear()
+            self.running = []
+        for task in tasks:
+            task()
+        for job in jobs:
+            job.emit({"type": "error", "message": "the server is stopping"})
 
     def _assign(self) -> list[tuple[Job, Slot]]:
         """Take queued jobs that have a free slot (in order; a job waiting for a busy slot it asked for
@@ -236,21 +278,35 @@ class Engine:
         job.emit({"type": "start", "slot": slot.id, "reused": reuse.tokens})
 
     def _fail(self, job: Job, slot: Slot, error: Exception) -> None:
+        """End ``job`` on an error: its slot back to what it holds for certain, and free."""
+        slot.recover()
         slot.finish(job.prompt, [], complete=False)
         slot.busy = False
         job.emit({"type": "error", "message": str(error) or type(error).__name__})
 
+    def _drop(self, r: Running, error: Exception) -> None:
+        """End a running job on an error (:meth:`_fail`)."""
+        if r.tokens is not None:
+            r.tokens.close()
+        if r in self.running:
+            self.running.remove(r)
+        self._fail(r.job, r.slot, error)
+
     def _turn(self) -> None:
         """One step: a chunk of the oldest prompt still being read (its first token once it is all
-        written), then the next token of every job past its prompt in one batched decode."""
+        written), then the next token of every job past its prompt in one batched decode. An error ends
+        only its job."""
         decoding, reading = [], []
         for r in list(self.running):
-            if r.job.cancelled.is_set():
-                self._end(r, "cancelled")
-            elif r.stats is None:
-                reading.append(r)
-            else:
-                decoding.append(r)
+            try:
+                if r.job.cancelled.is_set():
+                    self._end(r, "cancelled")
+                elif r.stats is None:
+                    reading.append(r)
+                else:
+                    decoding.append(r)
+            except Exception as e:
+                self._drop(r, e)
         if reading:
             self._read(reading[0])
         if decoding:
@@ -273,9 +329,7 @@ class Engine:
         except StopIteration:
             return self._end(r, "length")
         except Exception as e:  # a failure inside the model: this job ends, the server goes on
-            self.running.remove(r)
-            self._fail(r.job, r.slot, e)
-            return
+            return self._drop(r, e)
         r.tokens.close()
         self._accept(r, token)
 
@@ -285,11 +339,13 @@ class Engine:
             logits = self.batched([(r.slot.gen, r.generated[-1]) for r in rs])
         except Exception as e:  # a failure inside the model: these jobs end, the server goes on
             for r in rs:
-                self.running.remove(r)
-                self._fail(r.job, r.slot, e)
+                self._drop(r, e)
             return
         for r, row in zip(rs, logits, strict=True):
-            self._accept(r, r.slot.gen.next_token(row))
+            try:
+                self._accept(r, r.slot.gen.next_token(row))
+            except Exception as e:  # no token to sample (NaN or inf logits): this job ends, the others go on
+                self._drop(r, e)
 
     def _accept(self, r: Running, token: int) -> None:
         """Stream ``token``'s text; end the job on EOS, a stop string or its token limit."""

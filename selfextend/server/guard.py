@@ -125,15 +125,17 @@ class Guard:
             return await _send_error(send, 413, f"request body over {self.max_body} bytes")
         if scope["method"] not in ("POST", "PUT", "PATCH"):
             return await self.app(scope, receive, send)
-        body, more = b"", True
+        parts, size, more = [], 0, True
         while more:
             message = await receive()
             if message["type"] == "http.disconnect":
                 return
-            body += message.get("body", b"")
+            parts.append(message.get("body", b""))
+            size += len(parts[-1])
             more = message.get("more_body", False)
-            if len(body) > self.max_body:
+            if size > self.max_body:
                 return await _send_error(send, 413, f"request body over {self.max_body} bytes")
+        body = b"".join(parts)  # joined once: adding piece by piece copies a big body over and over
         replayed = False
 
         async def replay() -> Message:

@@ -1,22 +1,33 @@
-"""Requests to token ids: chat messages through the model's chat template, completion prompts as given.
+"""Requests to token ids: the body read, chat messages through the model's chat template, completion prompts
+as given.
 
 The tokens kept at every context shift (``n_keep``) default to the system part for a chat (what the
 template writes before the first user turn: BOS and the system prompt, as ``selfextend chat`` keeps) and
 to none for a completion; ``n_keep = -1`` keeps the whole prompt, as llama.cpp's.
+
+Everything here may take long on a big body (parsing millions of token ids, tokenising megabytes of text),
+so the routes run it off the event loop. Text a tokenizer cannot take (a lone surrogate such as
+``"\\ud800"``, which JSON can spell) and NUL characters are refused with a 400 naming the field.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import TypeVar
 
+import pydantic
+from fastapi.exceptions import RequestValidationError
 from jinja2 import TemplateError
 
 from selfextend.chat.template import ChatTemplate
 from selfextend.generation.generator import common_prefix
 from selfextend.server.guard import APIError
-from selfextend.server.schemas import Message
+from selfextend.server.schemas import Message, Sampling
+
+Body = TypeVar("Body", bound=Sampling)
 
 
 @dataclass
@@ -25,6 +36,50 @@ class Prompt:
     n_keep: int
     stops: tuple[str, ...] = ()
     chat: bool = False
+
+
+def too_long(n: int, limit: int) -> APIError:
+    """The refusal of a prompt of ``n`` tokens over ``limit``."""
+    return APIError(
+        400,
+        f"the prompt has {n} tokens; this server takes at most {limit} (--max-prompt-tokens)",
+        "prompt",
+        "context_length_exceeded",
+    )
+
+
+def read_body(body: bytes, kind: type[Body], max_prompt: int) -> Body:
+    """The request ``body`` (JSON) as ``kind``: :class:`APIError` for JSON that does not parse or a prompt
+    of more than ``max_prompt`` token ids (counted before the validation, which takes seconds on millions),
+    ``RequestValidationError`` for fields of the wrong type or range."""
+    try:
+        data = json.loads(body)
+    except ValueError:  # bad JSON or bytes that are not UTF-8
+        raise APIError(400, "the request body is not valid JSON", None, "invalid_json") from None
+    ids = data.get("prompt") if isinstance(data, dict) else None
+    if isinstance(ids, list) and len(ids) > max_prompt:
+        raise too_long(len(ids), max_prompt)
+    try:
+        request = kind.model_validate(data)
+    except pydantic.ValidationError as e:
+        raise RequestValidationError(e.errors(include_url=False, include_input=False)) from None
+    for i, stop in enumerate(request.stops()):
+        check_text(stop, "stop" if isinstance(request.stop, str) else f"stop.{i}")
+    return request
+
+
+def check_text(text: str, param: str) -> None:
+    """:class:`APIError` (400, naming ``param``) where ``text`` holds a NUL or cannot be encoded (a lone
+    surrogate)."""
+    try:
+        text.encode()
+    except UnicodeEncodeError as e:
+        bad = f"a lone surrogate (U+{ord(text[e.start]):04X})"
+    else:
+        if "\x00" not in text:
+            return
+        bad = "a NUL character"
+    raise APIError(400, f"{param}: the text holds {bad}, which is not valid text", param, "invalid_value")
 
 
 def _keep(n_keep: int | None, default: int, n: int) -> int:
@@ -41,6 +96,7 @@ def completion_prompt(tokenizer, prompt: str | list[str] | list[int], n_keep: in
             raise APIError(400, "one prompt per request (n = 1)", "prompt")
         prompt = prompt[0]
     if isinstance(prompt, str):
+        check_text(prompt, "prompt")
         ids = list(tokenizer(prompt).input_ids) if prompt else []
     else:
         ids = list(prompt)
@@ -59,6 +115,8 @@ def render_chat(tokenizer, messages: Sequence[Message]) -> tuple[ChatTemplate, s
     prompt. A leading system (or developer) message is the system prompt. ValueError where the template
     refuses them."""
     turns = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
+    for i, turn in enumerate(turns):
+        check_text(turn["content"], f"messages.{i}.content")
     system = turns[0]["content"] if turns[0]["role"] == "system" else None
     rest = turns[1:] if system is not None else turns
     try:

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from selfextend.kv import promptcache
-from selfextend.server.engine import Engine
+from selfextend.server.engine import Engine, Stopped
 from selfextend.server.guard import APIError
 from selfextend.server.schemas import SlotFile
 from selfextend.server.slots import Slot
@@ -109,15 +109,15 @@ def restore(slot: Slot, path: Path, model_name: str) -> dict[str, Any]:
             raise promptcache.PromptCacheError(f"{path.name}: damaged slot state")
         gen = slot.generator(n_keep)
         gen.cache.load_prefix(payload["keys"], payload["values"], len(tokens), promptcache.positions(payload))
-    except APIError:
-        slot.reset()
-        raise
+        gen.tokens = tokens
+        gen.last_logits = payload["logits"] if payload["logits"].numel() else None
+        slot.history = history
     except (promptcache.PromptCacheError, ValueError) as e:
         slot.reset()
         raise APIError(400, str(e), "filename") from None
-    gen.tokens = tokens
-    gen.last_logits = payload["logits"] if payload["logits"].numel() else None
-    slot.history = history
+    except BaseException:  # a refusal, or anything unforeseen: the slot is left empty, never half-loaded
+        slot.reset()
+        raise
     return {"id_slot": slot.id, "filename": path.name, "n_restored": len(tokens)}
 
 
@@ -146,3 +146,5 @@ async def slot_action(
         return await asyncio.to_thread(engine.with_slot, slot_id, work)
     except LookupError as e:
         raise APIError(409, str(e), "id_slot") from None
+    except (Stopped, TimeoutError) as e:
+        raise APIError(503, str(e)) from None

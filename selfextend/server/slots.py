@@ -156,10 +156,25 @@ class Slot:
         self.last_used = time.monotonic()
 
     def reset(self) -> None:
-        """Forget everything cached."""
+        """Forget everything cached: every layer empty, whatever state a failed step or load left it in."""
         if self.gen is not None:
-            self.gen.rewind(0)
+            self.gen.cache.reset()
+            self.gen.tokens, self.gen.last_logits = [], None
         self.history = []
+
+    def recover(self) -> None:
+        """After a step that failed midway: every layer back to the tokens the generator recorded as written
+        (a layer may have taken a cell for the token it was computing, or a shift have stopped halfway),
+        or, where that cannot be exact, :meth:`reset`. The next prompt then reuses only what is right."""
+        gen = self.gen
+        if gen is None:
+            return
+        n, cache = len(gen.tokens), gen.cache
+        if cache.can_truncate(n):
+            cache.truncate(n)
+            if all(layer.next_pos == n and layer.max_position() == n - 1 for layer in cache.layers):
+                return
+        self.reset()
 
 
 def pick(slots: Sequence[Slot], prompt: Sequence[int], wanted: int | None = None) -> Slot | None:
