@@ -37,6 +37,7 @@ from selfextend.generation.generator import (
     eos_token_ids,
     run,
 )
+from selfextend.generation.grammar import Grammar
 from selfextend.generation.sampling import SamplingParams
 from selfextend.models.weights import release_free_memory
 from selfextend.server.slots import Reuse, Slot, pick
@@ -60,6 +61,7 @@ class Job:
     slot_id: int | None = None
     cache_prompt: bool = True  # False: recompute the whole prompt
     ignore_eos: bool = False  # True: an end-of-sequence token is text like any other, up to max_tokens
+    grammar: Grammar | None = None  # the response format (JSON schema) the reply follows
     cancelled: threading.Event = field(default_factory=threading.Event)
 
 
@@ -212,7 +214,7 @@ class Engine:
         try:
             reuse = slot.prepare(job.prompt, job.n_keep, self.cache_reuse, job.cache_prompt)
             gen = slot.gen
-            gen.sampling = job.sampling
+            gen.sampling, gen.grammar = job.sampling, job.grammar
             if job.seed is None:
                 gen.rng.seed()
             else:
