@@ -98,3 +98,39 @@ def test_greedy_reply_does_not_depend_on_the_cache():
         assert other_slot == other and 0 < partly < reused
     assert len(fresh.split()) > 2
     assert [cached, *(t for t, _, _ in batch), moved] == [fresh] * 5
+
+
+def test_banned_token_never_appears_and_json_schema_holds(server):
+    """Issue 30 item 6 on the real model: logit_bias -100 on the token the greedy reply to "hi" starts with
+    (and on every token of that reply) keeps them all out; a json_schema reply parses and validates."""
+    import json
+
+    import jsonschema
+    from transformers import AutoTokenizer
+
+    from selfextend.models import ensure_converted, resolve_model
+
+    tok = AutoTokenizer.from_pretrained(ensure_converted(resolve_model("smollm2-135m")))
+    client = openai.OpenAI(base_url=server + "/v1", api_key="none", max_retries=0, timeout=300)
+    messages = [{"role": "user", "content": "hi"}]
+    plain = client.chat.completions.create(model="m", messages=messages, max_tokens=8, temperature=0)
+    ids = tok(plain.choices[0].message.content, add_special_tokens=False).input_ids
+    for banned in ({ids[0]}, set(ids)):
+        out = client.chat.completions.create(
+            model="m", messages=messages, max_tokens=8, temperature=0, logit_bias=dict.fromkeys(banned, -100)
+        )
+        text = out.choices[0].message.content
+        assert text and not banned & set(tok(text, add_special_tokens=False).input_ids), (banned, text)
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 40}, "country": {"type": "string"}},
+        "required": ["city", "country"],
+        "additionalProperties": False,
+    }
+    ask = [{"role": "user", "content": "Name a famous city and its country, as JSON."}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "place", "schema": schema, "strict": True}}
+    out = client.chat.completions.create(
+        model="m", messages=ask, max_tokens=64, temperature=0, response_format=fmt
+    )
+    assert out.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(out.choices[0].message.content), schema)

@@ -10,7 +10,10 @@ layer whose last slot the token would take) is written alone through its generat
 On the CPU, fewer than :data:`SHARED_FROM_ON_CPU` sequences whose generators have a direct decode step
 (its native kernels) are each written through it, one after the other: the shared step runs its code
 eagerly, a few hundred torch ops per layer, and saves reading the weights again only from about that many
-rows (``python experiments/server_decode.py --concurrent 1,2,4,8``).
+rows (``python experiments/server_decode.py --concurrent 1,2,4,8``). Each of them gets, bit for bit, the
+logits it gets alone, so a greedy reply does not depend on how many requests run beside it; rows of the
+shared forward are computed by other kernels, equal to the direct step's only to float32 rounding, so from
+that many concurrent requests (2 on a GPU) a near-tie between two tokens can go the other way.
 """
 
 from __future__ import annotations
