@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import math
+
 import pytest
 import torch
 from click.testing import CliRunner
@@ -311,3 +314,79 @@ def test_zero_new_tokens_reads_the_prompt_and_prints_the_summary(tiny_dir, tmp_p
     summary = r.stderr.strip().splitlines()[-1]
     assert summary.startswith("0 tokens in") and "stopped: max tokens" in summary
     assert pc.exists()  # the prompt alone was what was asked for: it is cached
+
+
+@pytest.mark.parametrize("cells", [torch.float32, torch.bfloat16])
+def test_greedy_reply_is_the_same_fresh_or_cached(tiny_dir, cells):
+    """Issue 30 item 7: a prompt computed fresh and the same prompt with all but its last token cached
+    (what a repeated server request does) give bit-identical first logits and the same greedy tokens: the
+    last prompt token goes through the decode step both times, over the cells as stored."""
+    from selfextend.generation.generator import Generator, run
+    from selfextend.kv.cache import ContextShiftCache
+    from selfextend.models import load_model
+
+    model, tok = load_model(str(tiny_dir))
+    prompt = tok("A fresh prompt and a cached prompt give the same reply, token for token").input_ids
+
+    def reply(gen: Generator, reused: int) -> tuple[list[int], torch.Tensor]:
+        tokens, first = [], None
+        for token, _ in run(gen, prompt, 12, reused=reused):
+            first = gen.last_logits.clone() if first is None else first  # the prompt's, before any write
+            tokens.append(token)
+        return tokens, first
+
+    gen = Generator(model, ContextShiftCache(model, 128, dtype=cells))
+    fresh, fresh_logits = reply(gen, 0)
+    gen.rewind(len(prompt))  # the cache holds the prompt (without its logits), as a slot after a request
+    cached, cached_logits = reply(gen, len(prompt))
+    other = Generator(model, ContextShiftCache(model, 128, dtype=cells))
+    again, again_logits = reply(other, 0)
+    assert torch.equal(fresh_logits, cached_logits) and torch.equal(fresh_logits, again_logits)
+    assert fresh == cached == again and len(fresh) == 12
+
+
+def test_logit_bias_adds_and_bans():
+    """Issue 30 item 6: a bias is added to its token's logit before every other step; -inf bans the token
+    from greedy and sampled draws alike (top-k's candidates included)."""
+    logits = torch.tensor([1.0, 3.0, 2.0, 0.5])
+    bias = SamplingParams(temperature=1.0, logit_bias={1: -math.inf, 3: 1.5})
+    expected = torch.softmax(torch.tensor([1.0, -math.inf, 2.0, 2.0]), -1)
+    assert torch.allclose(distribution(logits, bias, torch.tensor([])), expected)
+    assert sample(logits, SamplingParams(logit_bias={1: -math.inf}), torch.tensor([])) == 2
+    assert sample(logits, SamplingParams(logit_bias={0: 100}), torch.tensor([])) == 0
+    rng = torch.Generator().manual_seed(0)
+    for top_k in (0, 2):
+        params = SamplingParams(temperature=2.0, top_k=top_k, logit_bias={1: -math.inf, 2: -math.inf})
+        assert {sample(logits, params, torch.tensor([]), rng) for _ in range(200)} == {0, 3}
+    with pytest.raises(ValueError, match="logit bias"):
+        SamplingParams(logit_bias={1: 101}).validate()
+
+
+def test_grammar_keeps_a_random_model_to_the_schema(tiny_dir):
+    """Issue 30 item 6: with a JSON schema's grammar, even a random model's greedy reply is a document the
+    schema accepts, ended by an end-of-sequence token."""
+    import jsonschema
+
+    from selfextend.generation.generator import Generator, eos_token_ids, run
+    from selfextend.generation.grammar import Grammar
+    from selfextend.kv.cache import ContextShiftCache
+    from selfextend.models import load_model
+
+    model, tok = load_model(str(tiny_dir))
+    eos = eos_token_ids(model, tok)
+    gen = Generator(model, ContextShiftCache(model, 128), grammar=Grammar(tok, SCHEMA, eos))
+    tokens = [t for t, _ in run(gen, tok("Give me JSON:").input_ids, 80, eos)]
+    assert tokens[-1] in eos
+    jsonschema.validate(json.loads(tok.decode(tokens[:-1])), SCHEMA)
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "colour": {"enum": ["red", "green", "blue"]},
+        "count": {"type": "integer", "minimum": 0, "maximum": 99},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["colour", "count", "ok"],
+    "additionalProperties": False,
+}

@@ -252,6 +252,23 @@ BAD = [
     (b'{"prompt": "x", "id_slot": 9}', "id_slot"),
     (b"[1, 2]", None),
     (b"{}", "prompt"),
+    (b'{"prompt": "x", "logit_bias": {"5": 101}}', "logit_bias"),
+    (b'{"prompt": "x", "logit_bias": {"99999999": -100}}', "logit_bias"),
+    (b'{"prompt": "x", "logit_bias": [[5, 1, 2]]}', "logit_bias"),
+    (b'{"prompt": "x", "tools": [{"type": "function", "function": {"name": "f"}}]}', "tools"),
+    (b'{"prompt": "x", "tool_choice": "required"}', "tool_choice"),
+    (b'{"prompt": "x", "functions": [{"name": "f"}]}', "functions"),
+    (b'{"prompt": "x", "logprobs": 2}', "logprobs"),
+    (b'{"prompt": "x", "echo": true}', "echo"),
+    (b'{"prompt": "x", "suffix": "end"}', "suffix"),
+    (b'{"prompt": "x", "best_of": 3}', "best_of"),
+    (b'{"prompt": "x", "grammar": "root ::= \\"a\\""}', "grammar"),
+    (b'{"prompt": "x", "response_format": {"type": "xml"}}', "response_format.type"),
+    (b'{"prompt": "x", "response_format": {"type": "json_schema"}}', "response_format"),
+    (
+        b'{"prompt": "x", "response_format": {"type": "json_object", "schema": {"type": "objectx"}}}',
+        "response_format",
+    ),
 ]
 
 
@@ -479,3 +496,59 @@ def test_cache_prompt_false_recomputes(client):
     fresh = client.completions.create(**kwargs, extra_body={"cache_prompt": False})
     assert fresh.usage.prompt_tokens_details.cached_tokens == 0
     assert fresh.choices[0].text == again.choices[0].text
+
+
+def greedy_ids(model, ids: list[int], n: int, banned: set[int]) -> list[int]:
+    """n greedy steps over fresh forwards, ``banned`` tokens' logits at -inf."""
+    out: list[int] = []
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(torch.tensor([ids + out])).logits[0, -1]
+            logits[list(banned)] = float("-inf")
+            out.append(int(logits.argmax()))
+    return out
+
+
+def test_logit_bias_bans_tokens(client, tiny):
+    """Issue 30 item 6: banned tokens (-100, false, by id or by text as llama-server reads them) never
+    appear; the reply is the greedy one with those tokens removed."""
+    model, tok = tiny
+    ids = tok("The banned words").input_ids
+    plain = greedy_ids(model, ids, 8, set())
+    text = tok.decode(plain[:2])
+    banned = {str(plain[0]): -100, str(plain[1]): False, text: -100}
+    out = client.completions.create(
+        model="tiny", prompt="The banned words", max_tokens=8, temperature=0, logit_bias=banned
+    )
+    gone = {plain[0], plain[1], *tok(text, add_special_tokens=False).input_ids}
+    assert out.choices[0].text == tok.decode(greedy_ids(model, ids, 8, gone), skip_special_tokens=True)
+    sampled = client.completions.create(
+        model="tiny", prompt="The banned words", max_tokens=8, temperature=1.5, seed=3, logit_bias=banned
+    )
+    assert not gone & set(tok(sampled.choices[0].text, add_special_tokens=False).input_ids)
+
+
+def test_json_schema_reply_parses_and_validates(client):
+    """Issue 30 item 6: response_format json_schema holds even a random model's reply to the schema;
+    json_object to some JSON object."""
+    import jsonschema
+    from test_generate import SCHEMA
+
+    fmt = {"type": "json_schema", "json_schema": {"name": "thing", "schema": SCHEMA, "strict": True}}
+    messages = [{"role": "user", "content": "A colour, a count and a flag, as JSON."}]
+    out = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=64, temperature=0, response_format=fmt
+    )
+    assert out.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(out.choices[0].message.content), SCHEMA)
+    out = client.chat.completions.create(
+        model="tiny",
+        messages=messages,
+        max_tokens=64,
+        temperature=1.0,
+        seed=1,
+        response_format={"type": "json_object"},
+    )
+    assert out.choices[0].finish_reason != "stop" or isinstance(
+        json.loads(out.choices[0].message.content), dict
+    )

@@ -153,11 +153,11 @@ def test_request_sampling_fields_reach_the_sampler():
         frequency_penalty=0.5,
         presence_penalty=-0.25,
     )
-    got = sampling_params(request, SamplingParams())
+    got = sampling_params(request, SamplingParams(), None)
     assert got == SamplingParams(0.5, 7, 0.9, 0.1, 1.2, 16, 0.5, -0.25)
     assert (
         sampling_params(
-            CompletionRequest(prompt="x", top_p=1e-6), SamplingParams(temperature=0.8)
+            CompletionRequest(prompt="x", top_p=1e-6), SamplingParams(temperature=0.8), None
         ).temperature
         == 0
     )

@@ -17,6 +17,7 @@ from selfextend.core.validate import ValidationError, check_int, check_seed, plu
 from selfextend.generation import compiled, decode
 from selfextend.generation.compiled import fast_decode_for
 from selfextend.generation.decode import decode_step_for
+from selfextend.generation.grammar import Grammar, GrammarMask
 from selfextend.generation.native import native_kernels
 from selfextend.generation.sampling import SamplingParams, sample
 from selfextend.hf.facts import cache_kwargs
@@ -123,6 +124,7 @@ class Generator:
     last_logits: torch.Tensor | None = None  # the logits after the last token written to the cache
     direct_decode: bool = True  # single tokens through a DecodeStep where it serves the model
     compile: bool = False  # single tokens through the compiled step (generation.compiled) where it serves
+    grammar: Grammar | None = None  # the response format every token drawn must keep (None: any text)
 
     def __post_init__(self) -> None:
         if not isinstance(self.cache, ContextShiftCache):
@@ -209,8 +211,15 @@ class Generator:
         return logits
 
     def next_token(self, logits: torch.Tensor) -> int:
+        """The next token after ``logits`` (vocab,) under :attr:`sampling`, among those :attr:`grammar`
+        allows (masked before every other step of the chain) and then taken by it."""
         recent = torch.tensor(self.sampling.recent(self.tokens), dtype=torch.long, device=logits.device)
-        return sample(logits, self.sampling, recent, self.rng if logits.device.type == "cpu" else None)
+        if self.grammar is not None:
+            logits = GrammarMask(self.grammar)(recent.view(1, -1), logits.view(1, -1))[0]
+        token = sample(logits, self.sampling, recent, self.rng if logits.device.type == "cpu" else None)
+        if self.grammar is not None:
+            self.grammar.consume(token)
+        return token
 
     def decode(
         self,
@@ -250,6 +259,12 @@ def run(
 
     ``reused_logits``: the last prompt token's logits when the whole prompt is cached with them.
     ``progress``: called with the number of prompt tokens written after each :data:`PREFILL_CHUNK`.
+
+    The last prompt token, whose logits pick the first reply token, is always written alone, through the
+    path of every later token (the decode step over the cells as stored), after the rest in prefill
+    pieces: a prompt computed fresh and one whose every token but the last is cached then do the same
+    arithmetic, so greedy replies do not depend on what the cache held (a prefill's last row and the
+    decode step round differently, and near-ties flip).
     """
     max_new_tokens = check_int(max_new_tokens, "max_new_tokens", -1)  # refused before the prefill
     stats = GenerationStats(prompt_tokens=len(prompt_ids), reused_tokens=reused, n_ctx=generator.cache.n_ctx)
@@ -261,8 +276,9 @@ def run(
             # the whole prompt is cached without its logits: re-feed its last token to get them
             generator.rewind(len(generator.tokens) - 1)
             reused -= 1
-        chunk = min(PREFILL_CHUNK, generator.cache.max_chunk())
-        logits = generator.feed(prompt_ids[reused:], chunk, progress)
+        if reused < len(prompt_ids) - 1:
+            generator.feed(prompt_ids[reused:-1], min(PREFILL_CHUNK, generator.cache.max_chunk()), progress)
+        logits = generator.feed(prompt_ids[-1:], progress=progress)
     generator.last_logits = logits
     stats.prompt_seconds = time.perf_counter() - t0
     t0 = time.perf_counter()

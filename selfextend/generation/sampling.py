@@ -2,7 +2,9 @@
 
 llama.cpp's default chain is penalties, top-k, top-p, min-p, then temperature, then the draw: the filters
 see the untempered distribution, so the set of tokens kept does not depend on the temperature (dividing by
-the temperature first, as transformers' own ``generate`` does, keeps a different set). The repeat, top-k,
+the temperature first, as transformers' own ``generate`` does, keeps a different set). Before all of them,
+as llama.cpp, the logit bias (:class:`LogitBias`: a token's bias added to its logit; -inf bans it). The
+repeat, top-k,
 top-p, min-p and temperature steps are transformers' processors; the frequency and presence penalties
 (OpenAI's, applied by llama.cpp in its penalties step) have no transformers processor, so
 :class:`CountPenalty` is ours.
@@ -15,7 +17,8 @@ step's attention.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 import torch
 from transformers import (
@@ -43,6 +46,7 @@ class SamplingParams:
     repeat_last_n: int = 64  # tokens the penalties look back over; 0 = none, -1 = the whole context
     frequency_penalty: float = 0.0  # subtracted once per occurrence in the last repeat_last_n tokens
     presence_penalty: float = 0.0  # subtracted once from every token that occurs there
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit; -inf bans
 
     def validate(self) -> None:
         """Refuse settings that cannot work (:class:`~selfextend.core.validate.ValidationError`) and store
@@ -55,6 +59,12 @@ class SamplingParams:
         self.repeat_last_n = check_int(self.repeat_last_n, "repeat-last-n", -1)
         self.frequency_penalty = check_float(self.frequency_penalty, "frequency penalty", -2.0, 2.0)
         self.presence_penalty = check_float(self.presence_penalty, "presence penalty", -2.0, 2.0)
+        self.logit_bias = {
+            check_int(t, "logit bias token", 0): b
+            if b == -math.inf
+            else check_float(b, "logit bias", -100, 100)
+            for t, b in self.logit_bias.items()
+        }
 
     def recent(self, tokens: list[int]) -> list[int]:
         """The tokens the penalties look at: the last ``repeat_last_n`` (llama.cpp: 0 = none,
@@ -77,9 +87,25 @@ class CountPenalty(LogitsProcessor):
         return scores - counts * self.frequency - (counts > 0).to(scores.dtype) * self.presence
 
 
+class LogitBias(LogitsProcessor):
+    """Each token's bias added to its score (a bias of -inf bans the token; ids past the scores' width
+    are left out): llama.cpp's logit-bias sampler, the first of its chain."""
+
+    def __init__(self, bias: dict[int, float]) -> None:
+        self.ids = torch.tensor(list(bias), dtype=torch.long)
+        self.bias = torch.tensor(list(bias.values()), dtype=torch.float32)
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        inside = self.ids < scores.shape[-1]
+        ids, bias = self.ids[inside].to(scores.device), self.bias[inside].to(scores.device, scores.dtype)
+        return scores.index_add(-1, ids, bias.expand(*scores.shape[:-1], -1))
+
+
 def penalties(params: SamplingParams) -> LogitsProcessorList:
-    """The penalty steps for ``params``: repetition, then frequency and presence."""
+    """The steps before top-k for ``params``: the logit bias, repetition, then frequency and presence."""
     chain = LogitsProcessorList()
+    if params.logit_bias:
+        chain.append(LogitBias(params.logit_bias))
     if params.repetition_penalty != 1.0:
         chain.append(RepetitionPenaltyLogitsProcessor(params.repetition_penalty))
     if params.frequency_penalty or params.presence_penalty:

@@ -38,6 +38,7 @@ from selfextend.server.schemas import (
     CompletionRequest,
     Sampling,
     SlotFile,
+    response_grammar,
     sampling_params,
 )
 from selfextend.server.slotfiles import slot_action
@@ -158,9 +159,10 @@ def _check(engine: Engine, settings: Settings, request: Sampling, prompt: Prompt
 async def _answer(engine: Engine, settings: Settings, request: Sampling, prompt: Prompt, raw: Request):
     max_tokens = _check(engine, settings, request, prompt)
     try:
-        sampling = sampling_params(request, settings.sampling)
+        sampling = sampling_params(request, settings.sampling, engine.tokenizer)
     except ValueError as e:
         raise APIError(400, str(e), None, "invalid_value") from None
+    grammar = response_grammar(request, engine.tokenizer, engine.eos)
     loop = asyncio.get_running_loop()
     events: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
 
@@ -181,6 +183,7 @@ async def _answer(engine: Engine, settings: Settings, request: Sampling, prompt:
         slot_id=request.id_slot,
         cache_prompt=request.cache_prompt,
         ignore_eos=request.ignore_eos,
+        grammar=grammar,
     )
     if not engine.submit(job):
         raise APIError(429, "the server is busy: too many requests waiting", None, "queue_full")

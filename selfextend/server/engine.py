@@ -47,6 +47,7 @@ from selfextend.generation.generator import (
     eos_token_ids,
     run,
 )
+from selfextend.generation.grammar import Grammar
 from selfextend.generation.sampling import SamplingParams
 from selfextend.models.weights import release_free_memory
 from selfextend.server.metrics import Metrics
@@ -75,6 +76,7 @@ class Job:
     slot_id: int | None = None
     cache_prompt: bool = True  # False: recompute the whole prompt
     ignore_eos: bool = False  # True: an end-of-sequence token is text like any other, up to max_tokens
+    grammar: Grammar | None = None  # the response format (JSON schema) the reply follows
     cancelled: threading.Event = field(default_factory=threading.Event)
 
 
@@ -262,7 +264,7 @@ class Engine:
         try:
             reuse = slot.prepare(job.prompt, job.n_keep, self.cache_reuse, job.cache_prompt)
             gen = slot.gen
-            gen.sampling = job.sampling
+            gen.sampling, gen.grammar = job.sampling, job.grammar
             if job.seed is None:
                 gen.rng.seed()
             else:
@@ -313,18 +315,19 @@ class Engine:
             self._decode(decoding)
 
     def _read(self, r: Running) -> None:
-        """Write the next chunk of ``r``'s prompt; after the last, sample its first token."""
+        """Write the next chunk of ``r``'s prompt; after the last, its last token alone (through the path of
+        every later token, :func:`~selfextend.generation.generator.run`) and the first token drawn."""
         prompt, gen = r.job.prompt, r.slot.gen
+        last = len(prompt) - 1
         try:
-            if r.written < len(prompt):
-                end = min(len(prompt), r.written + self.prefill_chunk)
+            if r.written < last:
+                end = min(last, r.written + self.prefill_chunk)
                 gen.feed(prompt[r.written : end], min(self.prefill_chunk, gen.cache.max_chunk()))
-                r.written = end
-                if end < len(prompt):
+                done, r.written = end - r.written, end
+                if end < last or done == self.prefill_chunk:  # the last token in the next turn's chunk
                     return
-                r.tokens = run(gen, prompt, 1, self.eos, len(prompt), gen.last_logits)
-            elif r.tokens is None:  # the whole prompt was cached: run() re-feeds its last token
-                r.tokens = run(gen, prompt, 1, self.eos, len(prompt))
+            if r.tokens is None:
+                r.tokens = run(gen, prompt, 1, self.eos, r.written)
             token, r.stats = next(r.tokens)
         except StopIteration:
             return self._end(r, "length")

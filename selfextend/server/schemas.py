@@ -2,18 +2,24 @@
 
 Models are strict (a string where a number belongs is refused, not converted) and let unknown fields
 through (OpenAI clients send many this server ignores). Numbers must be finite; ranges are checked here
-so that a bad value is a 400 with the field's name, before any work.
+so that a bad value is a 400 with the field's name, before any work. A field that would change what the
+answer means and that this server does not implement (:data:`UNSUPPORTED`: tool calls, log
+probabilities...) is a 400 naming it unless its value asks for nothing, never ignored.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic_core import PydanticCustomError
 
 from selfextend.core.validate import MAX_SEED
+from selfextend.generation.grammar import Grammar
 from selfextend.generation.sampling import SamplingParams
+from selfextend.server.guard import APIError
 
 Finite = Annotated[float, Field(allow_inf_nan=False)]
 
@@ -24,6 +30,42 @@ class Strict(BaseModel):
 
 class StreamOptions(Strict):
     include_usage: bool = False
+
+
+UNSUPPORTED: dict[str, tuple[str, tuple[Any, ...]]] = {
+    "tools": ("tool calls", ([],)),
+    "tool_choice": ("tool calls", ("none",)),
+    "functions": ("function calls", ([],)),
+    "function_call": ("function calls", ("none",)),
+    "logprobs": ("log probabilities", (False,)),
+    "top_logprobs": ("log probabilities", (0,)),
+    "echo": ("echoing the prompt", (False,)),
+    "suffix": ("suffixes (insertion)", ("",)),
+    "best_of": ("several candidates (best_of)", (1,)),
+    "grammar": ("GBNF grammars (response_format json_schema is)", ("",)),
+}
+"""Field -> (what this server does not do, the values that ask for none of it; None always does)."""
+
+Bias = float | Literal[False]
+
+
+class ResponseFormat(Strict):
+    """OpenAI's ``response_format``; llama.cpp's ``schema`` beside ``type`` is taken too."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None  # OpenAI's {"name", "schema", "strict"}
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+
+    def schema_of(self) -> dict[str, Any] | None:
+        """The JSON schema the reply must follow, None for plain text."""
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return self.schema_ or {"type": "object"}
+        schema = (self.json_schema or {}).get("schema", self.schema_)
+        if not isinstance(schema, dict):
+            raise APIError(400, "response_format json_schema needs json_schema.schema", "response_format")
+        return schema
 
 
 class Sampling(Strict):
@@ -48,6 +90,41 @@ class Sampling(Strict):
     id_slot: int | None = Field(None, ge=0)
     cache_prompt: bool = True  # llama.cpp's: False recomputes the whole prompt
     ignore_eos: bool = False  # llama.cpp's: True writes past end-of-sequence tokens, to max_tokens
+    logit_bias: dict[str, Bias] | list[list[Any]] | None = None  # id or text -> bias, or [id or text, bias]
+    response_format: ResponseFormat | None = None
+    json_schema: dict[str, Any] | None = None  # llama.cpp's: the schema the reply follows
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    logprobs: Any = None
+    top_logprobs: Any = None
+    echo: Any = None
+    suffix: Any = None
+    best_of: Any = None
+    grammar: Any = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, value: dict[str, Bias] | list[list[Any]] | None) -> list[tuple[int | str, Bias]]:
+        """Pairs of (id or text, bias): numbers in [-100, 100], or false."""
+        pairs = list(value.items()) if isinstance(value, dict) else [tuple(p) for p in value or []]
+        for pair in pairs:
+            key, bias = pair if len(pair) == 2 else (None, None)
+            number = isinstance(bias, (int, float)) and not isinstance(bias, bool)
+            if not isinstance(key, (int, str)) or isinstance(key, bool) or not (number or bias is False):
+                raise PydanticCustomError("logit_bias", "entries are [token id or text, bias]")
+            if number and not (math.isfinite(bias) and -100 <= bias <= 100):
+                raise PydanticCustomError("logit_bias", f"biases must be in [-100, 100] or false, got {bias}")
+        return pairs
+
+    @field_validator(*UNSUPPORTED)
+    @classmethod
+    def _unsupported(cls, value: Any, info: ValidationInfo) -> Any:
+        what, neutral = UNSUPPORTED[info.field_name]
+        if value is not None and value not in neutral:
+            raise PydanticCustomError("unsupported", f"this server does not implement {what}")
+        return value
 
     def stops(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -100,7 +177,35 @@ REQUEST_FIELDS = {
 ``repetition_penalty``)."""
 
 
-def sampling_params(request: Sampling, defaults: SamplingParams) -> SamplingParams:
+def logit_bias(request: Sampling, tokenizer) -> dict[int, float]:
+    """``logit_bias`` as llama-server reads it: keys are token ids, or text whose every token gets the
+    bias (an object's keys are strings: those that are integers are ids); a bias of ``false`` or -100
+    (OpenAI's "ban") bans the token, others are added to its logit. :class:`APIError` for an id outside
+    the vocabulary."""
+    out: dict[int, float] = {}
+    for key, bias in request.logit_bias or []:
+        key = int(key) if isinstance(key, str) and key.strip().lstrip("-").isdigit() else key
+        ids = tokenizer(key, add_special_tokens=False).input_ids if isinstance(key, str) else [key]
+        if any(not 0 <= t < len(tokenizer) for t in ids):
+            raise APIError(400, f"logit_bias token ids must be in [0, {len(tokenizer)})", "logit_bias")
+        out.update(dict.fromkeys(ids, -math.inf if bias is False or bias == -100 else float(bias)))
+    return out
+
+
+def response_grammar(request: Sampling, tokenizer, eos: tuple[int, ...]) -> Grammar | None:
+    """The grammar the reply must follow (``response_format`` json_object / json_schema, or llama.cpp's
+    ``json_schema``), None for free text. :class:`APIError` for a schema llguidance cannot use."""
+    schema = request.response_format.schema_of() if request.response_format is not None else None
+    schema = request.json_schema if schema is None else schema
+    if schema is None:
+        return None
+    try:
+        return Grammar(tokenizer, schema, eos)
+    except ValueError as e:
+        raise APIError(400, str(e), "response_format") from None
+
+
+def sampling_params(request: Sampling, defaults: SamplingParams, tokenizer) -> SamplingParams:
     """The request's sampling settings over the server's ``defaults``, validated."""
     changes: dict[str, Any] = {
         target: getattr(request, name)
@@ -109,6 +214,8 @@ def sampling_params(request: Sampling, defaults: SamplingParams) -> SamplingPara
     }
     if changes.get("temperature", 1.0) < GREEDY_BELOW or changes.get("top_p", 1.0) < GREEDY_BELOW:
         changes["temperature"], changes["top_p"] = 0.0, 1.0
+    if request.logit_bias:
+        changes["logit_bias"] = logit_bias(request, tokenizer)
     params = dataclasses.replace(defaults, **changes)
     params.validate()
     return params
