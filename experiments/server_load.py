@@ -35,14 +35,14 @@ OUT = Path(__file__).parent / "results" / "server_load.json"
 CLIENTS, REQUESTS, PARALLEL, CTX, MAX_TOKENS = 8, 25, 4, 1024, 24
 
 
-def one_request(client: openai.OpenAI, messages: list[dict]) -> dict:
+def one_request(client: openai.OpenAI, messages: list[dict], max_tokens: int = MAX_TOKENS) -> dict:
     t0 = time.perf_counter()
     ttft, text, tokens = None, "", 0
     try:
         stream = client.chat.completions.create(
             model="m",
             messages=messages,
-            max_tokens=MAX_TOKENS,
+            max_tokens=max_tokens,
             temperature=0.7,
             stream=True,
             stream_options={"include_usage": True},
@@ -58,12 +58,14 @@ def one_request(client: openai.OpenAI, messages: list[dict]) -> dict:
     return {"status": 200, "ttft": ttft, "tokens": tokens, "text": text, "seconds": time.perf_counter() - t0}
 
 
-def client_loop(base: str, index: int, count: int, results: list, done: list) -> None:
+def client_loop(
+    base: str, index: int, count: int, results: list, done: list, max_tokens: int = MAX_TOKENS
+) -> None:
     client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=600)
     history = [{"role": "system", "content": f"You are assistant number {index}. Be brief."}]
     for i in range(count):
         history.append({"role": "user", "content": f"Question {i}: name something blue, number {i}."})
-        r = one_request(client, history[-7:] if len(history) > 7 else history)
+        r = one_request(client, history[-7:] if len(history) > 7 else history, max_tokens)
         history.append({"role": "assistant", "content": r.get("text", "")})
         r["client"] = index
         results.append(r)
@@ -104,13 +106,14 @@ class RssProbe:
         return self.process.memory_info().rss
 
 
-def run_phase(base: str, clients: int, count: int, rss_probe=None) -> dict:
-    """``clients`` conversations of ``count`` requests at once; with ``rss_probe``, the server's RSS after
-    the first 10 requests, after every 10 more and at the end."""
+def run_phase(base: str, clients: int, count: int, rss_probe=None, max_tokens: int = MAX_TOKENS) -> dict:
+    """``clients`` conversations of ``count`` requests of at most ``max_tokens`` at once; with
+    ``rss_probe``, the server's RSS after the first 10 requests, after every 10 more and at the end."""
     results: list[dict] = []
     done: list[int] = []
     threads = [
-        threading.Thread(target=client_loop, args=(base, i, count, results, done)) for i in range(clients)
+        threading.Thread(target=client_loop, args=(base, i, count, results, done, max_tokens))
+        for i in range(clients)
     ]
     t0 = time.perf_counter()
     for t in threads:

@@ -70,11 +70,12 @@ def rendered_tokens(tok, messages) -> int:
     return len(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"])
 
 
-def conversation(base: str, tok, reuse: bool, label: str) -> list[dict]:
+def conversation(base: str, tok, reuse: bool, label: str, turns: int = len(TOPICS)) -> list[dict]:
+    """The first ``turns`` turns of the scripted chat against the server at ``base``, one row per turn."""
     client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=600)
     history: list[dict] = []
     rows = []
-    for turn, topic in enumerate(TOPICS):
+    for turn, topic in enumerate(TOPICS[:turns]):
         history.append({"role": "user", "content": f"Tell me about {topic}."})
         dropped = 0
         while rendered_tokens(tok, [{"role": "system", "content": SYSTEM}, *history]) > BUDGET:
@@ -97,22 +98,22 @@ def conversation(base: str, tok, reuse: bool, label: str) -> list[dict]:
                 ttft = ttft or time.perf_counter() - t0
                 text += chunk.choices[0].delta.content
             if chunk.choices and chunk.choices[0].finish_reason:
-                last = chunk.model_extra["selfextend"]
+                last = (chunk.model_extra or {}).get("selfextend") or {}  # ours only: llama-server has none
             if chunk.usage:
                 usage = chunk.usage
         history.append({"role": "assistant", "content": text})
-        cached = usage.prompt_tokens_details.cached_tokens
+        cached = getattr(usage.prompt_tokens_details, "cached_tokens", None)
         row = {
             "mode": label,
             "turn": turn + 1,
             "dropped_exchanges": dropped,
             "prompt_tokens": usage.prompt_tokens,
             "cached_tokens": cached,
-            "computed_tokens": usage.prompt_tokens - cached,
-            "moved_tokens": last["moved_tokens"],
+            "computed_tokens": None if cached is None else usage.prompt_tokens - cached,
+            "moved_tokens": last.get("moved_tokens"),
             "ttft_s": round(ttft or time.perf_counter() - t0, 3),
             "reply_tokens": usage.completion_tokens,
-            "tokens_per_second": round(last["tokens_per_second"], 2),
+            "tokens_per_second": round(last["tokens_per_second"], 2) if last else None,
         }
         rows.append(row)
         print(json.dumps(row), flush=True)
