@@ -30,4 +30,4 @@ browser:
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/lint-imports
+	$(PY) .ci/lint_imports.py
