@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 BIN := $(VENV)/bin
 
-.PHONY: install demo test lint browser
+.PHONY: install demo test lint browser wheel-check docs
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -27,7 +27,15 @@ test: install browser
 browser:
 	command -v chromium >/dev/null || { command -v apt-get >/dev/null && (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) || echo "no chromium: the chat page's browser test will skip"; }
 
+# The documentation site (docs/, mkdocs.yml) into ./site; any warning (a broken link or reference) fails it.
+docs: install
+	$(BIN)/mkdocs build --strict
+
+# A plain wheel into a fresh venv (torch included: minutes), then `selfextend generate` from another folder.
+wheel-check:
+	bash .ci/wheel_check.sh
+
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/lint-imports
+	$(PY) .ci/lint_imports.py

@@ -63,6 +63,57 @@ def test_unknown_models_one_line(args, message, tmp_path, monkeypatch):
     assert len(lines) == 1 and message in lines[0], r.stderr
 
 
+@pytest.mark.parametrize("args", [["info", ""], ["info", "-m", ""], ["info", "-m", " "]])
+def test_info_empty_model_name_refused(args):
+    """An empty model name is an error, as for every other command, not the default model."""
+    r = invoke(*args)
+    assert r.exit_code == 2 and r.stdout == ""
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: no model given"), r.stderr
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native kernels", "no kernels"])
+def test_info_cache_type_is_generates_default(tiny_dir, monkeypatch, native):
+    """info's KV cache lines are for the cells generate uses by default (bf16 where the native decode step
+    runs, else the float32 model's own type), in the bytes such a cache allocates."""
+    import torch
+
+    from selfextend.generation import generator
+    from selfextend.kv.cache import ContextShiftCache
+    from selfextend.models import load_model
+
+    if not native:
+        monkeypatch.setattr(generator, "native_kernels", lambda: None)
+    model, _ = load_model(str(tiny_dir), weights="float")
+    dtype = generator.default_cache_dtype(model) or torch.float32
+    name = {torch.bfloat16: "bf16", torch.float32: "f32"}[dtype]
+    assert name == ("bf16" if native and generator.native_kernels() is not None else "f32")
+    r = invoke("info", tiny_dir, "-g", "4", "-w", "64")
+    assert r.exit_code == 0, r.stderr
+    cache = ContextShiftCache(model, 256, dtype=dtype)
+    allocated = sum(t.nbytes for layer in cache.layers for t in (layer.keys, layer.values))
+    line = next(x for x in r.stdout.splitlines() if x.startswith("KV cache at 256 tokens"))
+    assert line.split(None, 5)[-1] == f"{allocated / 2**20:,.1f} MiB ({name})", line
+    assert f"({name}, generate's default cells)" in r.stdout and "fp16" not in r.stdout
+
+
+def test_sigterm_handler_given_back():
+    """The group's SIGTERM handler (stop like Ctrl-C) lasts only while it runs: an in-process caller such
+    as CliRunner keeps its own."""
+    import signal
+
+    def mine(signum, frame):
+        pass
+
+    before = signal.signal(signal.SIGTERM, mine)
+    try:
+        assert invoke("info", "no-such-model").exit_code != 0
+        assert invoke("--version").exit_code == 0
+        assert signal.getsignal(signal.SIGTERM) is mine
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
 def test_non_rope_model_refused(tmp_path):
     GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50)).save_pretrained(tmp_path)
     for args in (["info", tmp_path], ["generate", "-m", tmp_path, "-p", "hi"]):

@@ -11,17 +11,22 @@ import base64
 import itertools
 import json
 import os
+import re
 import shutil
 import subprocess
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 from server_util import free_port, request, serving
 from transformers import AutoTokenizer, LlamaForCausalLM
 
+import selfextend
+
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no chromium here (apt-get install chromium)")
+needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="no chromium here (apt-get install chromium)")
+PAGE_JS = Path(selfextend.__file__).parent / "server" / "page" / "chat.js"
 
 
 class Browser:
@@ -112,6 +117,25 @@ def _smollm2(tiny_dir) -> tuple:
     return (*load_model("smollm2-135m", weights="int8"), "smollm2-135m")
 
 
+@pytest.mark.skipif(shutil.which("node") is None, reason="no node here")
+def test_stats_line_counts_in_singular_and_plural():
+    """The line under a reply says "1 token" and "1 context shift", not "1 tokens" (node runs the page's
+    own functions, taken out of chat.js)."""
+    source = PAGE_JS.read_text(encoding="utf-8")
+    functions = "\n".join(
+        re.search(rf"^function {f}\(.*?^}}", source, re.S | re.M)[0] for f in ("plural", "statsText")
+    )
+    stats = {"tokens_per_second": 2.5, "ttft_s": 0.25, "cached_tokens": 1, "moved_tokens": 0, "slot": 0}
+    script = functions + "".join(
+        f"\nconsole.log(statsText({json.dumps({**stats, 'shifts': n})}, {n}));" for n in (1, 2)
+    )
+    out = subprocess.run(["node", "-e", script], capture_output=True, text=True, timeout=60, check=True)
+    one, two = out.stdout.splitlines()
+    assert one.startswith("1 token, ") and ", 1 context shift, 1 prompt token reused" in one, one
+    assert two.startswith("2 tokens, ") and ", 2 context shifts, " in two, two
+
+
+@needs_chromium
 @pytest.mark.parametrize(
     "load", [_tiny, pytest.param(_smollm2, marks=pytest.mark.real)], ids=["tiny", "real"]
 )

@@ -69,7 +69,11 @@ def fuse_projections(projections: list[nn.Module]) -> tuple[nn.Module, ...]:
 def why_not(model: nn.Module) -> str | None:
     """Why :class:`DecodeStep` (and the compiled step, which serves the same families) cannot run ``model``,
     or None when it can."""
-    config = model.config
+    return config_problem(model.config) or layout_problem(model)
+
+
+def config_problem(config) -> str | None:
+    """Why :class:`DecodeStep` cannot run a model of ``config`` whatever its layout, or None."""
     if config.model_type not in FAMILIES:
         return f"model type {config.model_type}"
     act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
@@ -77,7 +81,7 @@ def why_not(model: nn.Module) -> str | None:
         return "activation or tensor-parallel layout"
     if getattr(config, "attn_logit_softcapping", None) is not None:
         return "attention logit soft-capping"
-    return layout_problem(model)
+    return None
 
 
 def layout_problem(model: nn.Module) -> str | None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -290,15 +291,25 @@ def run(
 
 
 def default_cache_dtype(model: nn.Module) -> torch.dtype | None:
-    """The KV cache's element type when none is asked for and the step is not compiled: bfloat16 for a
-    float32 model that the direct :class:`~selfextend.generation.decode.DecodeStep` decodes on the CPU with
-    its native kernels (which read bf16 cells as stored, plain or Self-Extend: side by side in
-    ``python experiments/decode_paths.py direct:f32 direct:bf16``, 0.93-0.95x the time of f32 cells, for
-    half the memory; perplexity +0.03%, README), else None, the model's dtype (torch's bf16 CPU attention
-    is slower than its float32 one: bf16 cells would halve the speed there)."""
+    """The KV cache's element type when none is asked for and the step is not compiled: bfloat16 where
+    :func:`native_cells_default` holds for ``model`` as it runs (and its module layout is the direct step's),
+    else None, the model's dtype."""
     param = next(model.parameters())
-    direct = param.device.type == "cpu" and param.dtype == torch.float32 and decode.serves(model)
-    return CACHE_DTYPES[NATIVE_CACHE_TYPE] if direct and native_kernels() is not None else None
+    native = decode.layout_problem(model) is None and native_cells_default(
+        model.config, param.device, param.dtype
+    )
+    return CACHE_DTYPES[NATIVE_CACHE_TYPE] if native else None
+
+
+def native_cells_default(config: Any, device: torch.device | str, dtype: torch.dtype) -> bool:
+    """Whether a model of ``config`` run in ``dtype`` on ``device`` gets bf16 cells by default: a float32
+    model that the direct :class:`~selfextend.generation.decode.DecodeStep` decodes on the CPU with its native
+    kernels (which read bf16 cells as stored, plain or Self-Extend: side by side in
+    ``python experiments/decode_paths.py direct:f32 direct:bf16``, 0.93-0.95x the time of f32 cells, for
+    half the memory; perplexity +0.03%, README). Elsewhere the cells are in the model's dtype (torch's bf16
+    CPU attention is slower than its float32 one: bf16 cells would halve the speed there)."""
+    direct = torch.device(device).type == "cpu" and dtype == torch.float32
+    return direct and decode.config_problem(config) is None and native_kernels() is not None
 
 
 def decode_settings(

@@ -23,12 +23,22 @@ function add(cls, text) {
   return div;
 }
 
+// "1 token", "2 tokens" (as the command line's summaries count).
+function plural(n, word) {
+  return `${n} ${n === 1 ? word : word + "s"}`;
+}
+
+// The line under a reply: its counts and rates from the response's selfextend fields.
+function statsText(s, tokens) {
+  return `${plural(tokens, "token")}, ${s.tokens_per_second.toFixed(1)} tokens/s, ` +
+    `first token after ${s.ttft_s.toFixed(2)} s, ${plural(s.shifts, "context shift")}, ` +
+    `${plural(s.cached_tokens, "prompt token")} reused (${s.moved_tokens} moved), slot ${s.slot}`;
+}
+
 function statsLine(s, tokens) {
   const div = document.createElement("div");
   div.className = "stats";
-  div.textContent = `${tokens} tokens, ${s.tokens_per_second.toFixed(1)} tokens/s, ` +
-    `first token after ${s.ttft_s.toFixed(2)} s, ${s.shifts} context shifts, ` +
-    `${s.cached_tokens} prompt tokens reused (${s.moved_tokens} moved), slot ${s.slot}`;
+  div.textContent = statsText(s, tokens);
   $("log").appendChild(div);
 }
 

@@ -57,8 +57,11 @@ class Group(click.Group):
         kwargs["standalone_mode"] = False
         warnings.showwarning = _warning_line
         _log_to_stderr()
+        previous = None
         if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM stops like Ctrl-C: summary, output flushed
+            # SIGTERM stops like Ctrl-C (summary, output flushed); given back afterwards, so a caller that
+            # runs the group in its own process (click's CliRunner) keeps its handler
+            previous = signal.signal(signal.SIGTERM, _interrupt)
         try:
             return super().main(*args, **kwargs)
         except click.exceptions.Exit as e:
@@ -75,6 +78,9 @@ class Group(click.Group):
         except (ValueError, NotImplementedError, OSError, RuntimeError, ArithmeticError) as e:
             click.echo(f"error: {first_line(e)}", err=True)
             sys.exit(2)
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
 
 
 @click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})

@@ -6,17 +6,24 @@ import click
 
 from selfextend.cli.options import self_extend_options
 
+CELL_BYTES = {"bf16": 2, "f32": 4}
+
 
 def _mib(n: int) -> str:
     return f"{n / 2**20:,.1f} MiB"
 
 
-def _kv(config, tokens: int) -> str:
-    """A context-shift cache's bytes at ``tokens`` cells (fp16), and the all-layers size where smaller."""
+def _kv(config, tokens: int, cells: str) -> str:
+    """A context-shift cache's bytes at ``tokens`` cells of type ``cells`` (bf16 or f32), and the all-layers
+    size where smaller."""
     from selfextend.kv.cache import cache_bytes
 
-    now, every = cache_bytes(config, tokens), cache_bytes(config, tokens, sliding=False)
-    return f"{_mib(now)} (fp16)" + (f"; {_mib(every)} if every layer held them all" if now < every else "")
+    size = CELL_BYTES[cells]
+    now, every = (
+        cache_bytes(config, tokens, bytes_per_value=size),
+        cache_bytes(config, tokens, 0, size, False),
+    )
+    return f"{_mib(now)} ({cells})" + (f"; {_mib(every)} if every layer held them all" if now < every else "")
 
 
 @click.command()
@@ -34,21 +41,24 @@ def info(model_arg: str | None, model_opt: str | None, group_size: int, window: 
 
     Reads only the config (no weights). Weights: the bytes of the loaded model in each --weights /
     --dtype form (int8: 1 byte per linear weight + a bfloat16 scale per row, the rest float32).
-    KV bytes are for fp16: 2 (K and V) x 2 bytes x head_dim x kv_heads x layers per token; at N tokens,
-    those of a context-shift cache of N cells (--ctx N), whose sliding-window layers hold 2 x (window - 1)
-    cells (plus the --keep ones) instead of N.
+    KV bytes are for the cells `generate` uses by default on the CPU in float32 (bf16 where its native
+    decode step serves the model, else f32): 2 (K and V) x 2 or 4 bytes x head_dim x kv_heads x layers per
+    token; at N tokens, those of a context-shift cache of N cells (--ctx N), whose sliding-window layers
+    hold 2 x (window - 1) cells (plus the --keep ones) instead of N.
     """
     import torch
 
     from selfextend.core.positions import max_length, validate
+    from selfextend.generation.generator import NATIVE_CACHE_TYPE, native_cells_default
     from selfextend.kv.cache import sliding_cells
     from selfextend.models import load_config, model_facts
     from selfextend.models.weights import RunForm, form_bytes
 
-    if model_arg and model_opt and model_arg != model_opt:
+    if model_arg is not None and model_opt is not None and model_arg != model_opt:
         raise click.UsageError(f"two models given ({model_arg}, {model_opt}): give MODEL or -m/--model")
-    model = model_arg or model_opt or "smollm2-135m"
+    model = next((m for m in (model_arg, model_opt) if m is not None), "smollm2-135m")
     config = load_config(model)
+    cells = NATIVE_CACHE_TYPE if native_cells_default(config, "cpu", torch.float32) else "f32"
     facts = model_facts(config)
     trained = facts.trained_window
     group_size, window = validate(group_size, window, trained)
@@ -68,9 +78,10 @@ def info(model_arg: str | None, model_opt: str | None, group_size: int, window: 
         ("vocab", facts.vocab_size),
         (
             "KV cache per token",
-            f"{facts.kv_bytes_per_token():,} bytes (fp16), {facts.kv_bytes_per_token(4):,} (fp32)",
+            f"{facts.kv_bytes_per_token(CELL_BYTES[cells]):,} bytes ({cells}, generate's default cells)"
+            + ("" if cells == "f32" else f", {facts.kv_bytes_per_token(4):,} (f32)"),
         ),
-        (f"KV cache at {trained} tokens", _kv(config, trained)),
+        (f"KV cache at {trained} tokens", _kv(config, trained, cells)),
         (
             "weights in memory",
             ", ".join(
@@ -102,7 +113,7 @@ def info(model_arg: str | None, model_opt: str | None, group_size: int, window: 
                 f"Self-Extend G={group_size} W={window}",
                 f"up to {reach:,} tokens ({reach / trained:.1f}x the window)",
             ),
-            (f"KV cache at {reach:,} tokens", _kv(config, reach)),
+            (f"KV cache at {reach:,} tokens", _kv(config, reach, cells)),
         ]
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
