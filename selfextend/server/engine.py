@@ -39,7 +39,6 @@ from torch import nn
 from selfextend.generation.batched import BatchedDecode
 from selfextend.generation.decode import decode_step_for
 from selfextend.generation.generator import (
-    CACHE_DTYPES,
     PREFILL_CHUNK,
     GenerationStats,
     StopMatcher,
@@ -200,7 +199,7 @@ class Engine:
                 "n_ctx": s.n_ctx,
                 "n_past": s.gen.cache.n_past if s.gen else 0,
                 "shifts": s.gen.cache.shifts if s.gen else 0,
-                "cache_type": _cache_type(s),
+                "cache_type": s.cache_type(),
             }
             for s in self.slots
         ]
@@ -397,10 +396,3 @@ class Engine:
         }
         self.metrics.record(done)
         job.emit({"type": "done", **done})
-
-
-def _cache_type(slot: Slot) -> str:
-    """The slot's cell type by its ``--cache-type`` name (llama.cpp's: f32, bf16, f16)."""
-    model_dtype = next(slot.model.parameters()).dtype
-    dtype = slot.gen.cache.layers[0].keys.dtype if slot.gen else slot.cache_dtype or model_dtype
-    return {v: k for k, v in CACHE_DTYPES.items()}.get(dtype, str(dtype).removeprefix("torch."))

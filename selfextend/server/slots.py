@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from selfextend.generation.decode import DecodeStep
-from selfextend.generation.generator import Generator, common_prefix
+from selfextend.generation.generator import CACHE_DTYPES, Generator, common_prefix
 from selfextend.kv.cache import ContextShiftCache
 from selfextend.kv.sliding import SlidingShiftLayer
 
@@ -109,6 +109,12 @@ class Slot:
             self.gen = self._build(n_keep)
         self.gen.cache.n_keep = n_keep
         return self.gen
+
+    def cache_type(self) -> str:
+        """The cells' element type by its ``--cache-type`` name (llama.cpp's: f32, bf16, f16)."""
+        model_dtype = next(self.model.parameters()).dtype
+        dtype = self.gen.cache.layers[0].keys.dtype if self.gen else self.cache_dtype or model_dtype
+        return {v: k for k, v in CACHE_DTYPES.items()}.get(dtype, str(dtype).removeprefix("torch."))
 
     def continues(self, prompt: Sequence[int]) -> bool:
         """Whether ``prompt`` continues the history of a cache that has shifted."""
