@@ -163,7 +163,7 @@ def test_front_trimmed_chat_moves_chunks(client, tiny):
 
 
 def test_parallel_requests_decode_together_and_match_alone(tiny, client):
-    """Two slots decoding in one batched forward give each request the text it gets alone (Self-Extend on:
+    """Two slots decoding in one batched step give each request the text it gets alone (Self-Extend on:
     its grouped keys are per cache). Both requests are queued before the engine takes either, so they
     run side by side."""
     model, tok = tiny
@@ -171,12 +171,11 @@ def test_parallel_requests_decode_together_and_match_alone(tiny, client):
     with selfextend.self_extend(model, group_size=2, window=8):
         alone = [greedy(model, tok, tok(p).input_ids, 16) for p in prompts]
         with serving(model, tok, n_ctx=64, parallel=2, max_tokens=64) as (base, engine):
-            engine.batched.shared_from = 2  # (on the CPU two rows would each take their direct step)
-            step = engine.batched.fast.step
+            step = engine.slots[0].step  # the direct step all slots share: busy slots go through its rows
             rows, sizes = step.rows, []
 
             def counted(tokens, *args):
-                sizes.append(tokens.shape[0])
+                sizes.append(len(tokens))
                 return rows(tokens, *args)
 
             step.rows = counted
@@ -195,7 +194,7 @@ def test_parallel_requests_decode_together_and_match_alone(tiny, client):
             finally:
                 del step.rows
     assert [results[0], results[1]] == alone
-    assert sizes.count(2) >= 10  # the two replies' tokens came out of shared forwards
+    assert sizes.count(2) >= 10  # the two replies' tokens came out of shared steps
 
 
 def test_extreme_but_valid_numbers_do_not_fail(client):

@@ -25,21 +25,22 @@ def tiny(tiny_dir):
 
 
 class Recorder:
-    """Every write to a slot's cache, in order: (generator, tokens written), and each job's events."""
+    """Every token a slot's cache took, in order: (generator, tokens written), from :meth:`Generator.written`
+    (which prefill pieces, lone tokens and the batched step's rows all end in)."""
 
     def __init__(self) -> None:
         self.writes: list[tuple[int, int]] = []
         self.lock = threading.Lock()
 
     def wrap(self, monkeypatch) -> None:
-        write = Generator.write
+        written = Generator.written
 
-        def recorded(gen: Generator, ids: list[int]) -> torch.Tensor:
+        def recorded(gen: Generator, ids: list[int], logits: torch.Tensor) -> None:
             with self.lock:
                 self.writes.append((id(gen), len(ids)))
-            return write(gen, ids)
+            written(gen, ids, logits)
 
-        monkeypatch.setattr(Generator, "write", recorded)
+        monkeypatch.setattr(Generator, "written", recorded)
 
 
 def job(ids: list[int], n: int, events: list, started: threading.Event | None = None) -> Job:
