@@ -935,7 +935,7 @@ def test_four_million_token_body_is_refused_at_once(tiny):
         took = time.perf_counter() - t0
         assert status == 400 and out["error"]["code"] == "context_length_exceeded", out
         assert "at most 512" in out["error"]["message"] and out["error"]["param"] == "prompt"
-        assert took < 20 and waits and max(waits) < 2.0, (took, max(waits, default=None))
+        assert took < 30 and waits and max(waits) < 5.0, (took, max(waits, default=None))  # 0.8 s, 0.7 s here
         assert not engine.queue and not any(s.busy for s in engine.slots)
         at_limit = [1] * 512
         reply = _client(base).completions.create(model="t", prompt=at_limit, max_tokens=1)
