@@ -739,10 +739,10 @@ def _fresh(model, tok, prompt: list[int]) -> tuple[str, list[int], torch.Tensor]
         return text, list(gen.tokens), gen.last_logits.clone()
 
 
-def _one_fill(engine: Engine) -> None:
-    """Every layer of the slot's cache ends where the tokens it records do."""
+def _fills(engine: Engine) -> tuple[set[int], int]:
+    """(where each layer of the slot's cache ends, how many tokens it records)."""
     gen = engine.slots[0].gen
-    assert {layer.next_pos for layer in gen.cache.layers} == {len(gen.tokens)}
+    return {layer.next_pos for layer in gen.cache.layers}, len(gen.tokens)
 
 
 def _fails_once(call, at: int, error: Exception):
@@ -772,11 +772,12 @@ def test_failed_prefill_leaves_the_slot_as_a_fresh_one(tiny):
         finally:
             del layer.forward
         assert end["type"] == "error" and "injected failure" in end["message"]
-        _one_fill(engine)
+        fills, n = _fills(engine)
         text, _ = _ask(engine, prompt)
         gen = engine.slots[0].gen
         assert (text, gen.tokens) == want[:2]
         torch.testing.assert_close(gen.last_logits, want[2], atol=1e-5, rtol=1e-5)
+        assert fills == {n}  # every layer at one fill, the one the tokens say
 
 
 def test_failed_decode_step_leaves_the_slot_consistent(tiny):
@@ -794,7 +795,7 @@ def test_failed_decode_step_leaves_the_slot_consistent(tiny):
         finally:
             step.plan[1] = plan
         assert end["type"] == "error" and "no scratch space" in end["message"]
-        _one_fill(engine)
+        fills, n = _fills(engine)
         held = list(engine.slots[0].gen.tokens)
         assert len(held) > 40  # the failed step came after some tokens of the reply
         text, _ = _ask(engine, [*held, 7, 8, 9])
@@ -802,6 +803,7 @@ def test_failed_decode_step_leaves_the_slot_consistent(tiny):
         want = _fresh(model, tok, [*held, 7, 8, 9])
         assert (text, gen.tokens) == want[:2]
         torch.testing.assert_close(gen.last_logits, want[2], atol=1e-4, rtol=1e-4)
+        assert fills == {n}  # every layer at one fill, the one the tokens say
 
 
 def test_slot_restore_failing_unexpectedly_leaves_the_slot_empty(tiny, tmp_path, monkeypatch):
@@ -933,7 +935,7 @@ def test_four_million_token_body_is_refused_at_once(tiny):
         took = time.perf_counter() - t0
         assert status == 400 and out["error"]["code"] == "context_length_exceeded", out
         assert "at most 512" in out["error"]["message"] and out["error"]["param"] == "prompt"
-        assert took < 20 and waits and max(waits) < 2.0, (took, max(waits, default=None))
+        assert took < 30 and waits and max(waits) < 5.0, (took, max(waits, default=None))  # 0.8 s, 0.7 s here
         assert not engine.queue and not any(s.busy for s in engine.slots)
         at_limit = [1] * 512
         reply = _client(base).completions.create(model="t", prompt=at_limit, max_tokens=1)

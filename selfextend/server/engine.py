@@ -17,11 +17,8 @@ So ``--parallel N`` requests progress together, and a request whose client left 
 ends within a step and frees its slot. Results go back through each job's ``emit`` callback (thread-safe
 on the caller's side).
 
-A failure ends only the request it belongs to (an ``error`` event): a model step that raises ends the
-requests of that step, a token that cannot be sampled (NaN or inf logits) ends its own request. A slot whose
-step failed midway is put back to the tokens it had recorded as written (:meth:`Slot.recover`). Should the
-loop end anyway, everyone still waiting (queued and running requests, slot actions) is answered on the way
-out.
+A failure (a step that raises, NaN logits) ends only the requests it belongs to, with an ``error`` event,
+and leaves their slots consistent (:meth:`Slot.recover`); whoever still waits when the loop ends is answered.
 """
 
 from __future__ import annotations
@@ -52,9 +49,7 @@ from selfextend.models.weights import release_free_memory
 from selfextend.server.metrics import Metrics
 from selfextend.server.slots import Reuse, Slot, pick
 
-SLOT_WAIT_S = 120.0
-"""The longest a slot action waits for the loop to take it (it runs between two turns; a turn reads a whole
-new prompt): then it is withdrawn and :meth:`Engine.with_slot` raises ``TimeoutError``."""
+SLOT_WAIT_S = 120.0  # the longest a slot action waits to be taken (between turns; a turn reads whole prompts)
 
 
 class Stopped(RuntimeError):
