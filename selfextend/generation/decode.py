@@ -245,7 +245,6 @@ class DecodeStep:
                         p.inv_freq,
                         cells.cells(end),
                         p.rotations,
-                        torch.float32,
                     )
                 out = kernel(q, k, v, attn.scaling, None if k_g is None else (q_g, k_g), checked=True)
             else:
