@@ -61,19 +61,22 @@ def test_kernel_matches_the_math(dtype, h, hkv, d, n) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n_g", [1, 500, 999])
 def test_kernel_takes_grouped_keys_first(dtype, n_g) -> None:
-    """With Self-Extend's grouped query and keys, the first n_g scores are q_g . k_g, one softmax over all."""
+    """With Self-Extend's grouped query and keys (in the cells' type), the first n_g scores are q_g . k_g, one
+    softmax over all."""
     k, v = cells(3, 1000, 64, dtype, seed=n_g)
     g = torch.Generator().manual_seed(2)
     q, q_g = (torch.randn(1, 9, 1, 64, generator=g) for _ in range(2))
     k_g = torch.randn(1, 3, 1200, 64, generator=g)[..., :n_g, :]  # a view of a longer buffer, as the cache's
+    k_g = k_g.to(dtype)  # grouped keys in the cells' type, as the cache keeps them
     got = KERNEL(q, k, v, 0.125, (q_g, k_g))
     torch.testing.assert_close(got, reference(q, k, v, 0.125, (q_g, k_g)), atol=2e-6, rtol=1e-5)
+    other = torch.float32 if dtype == torch.bfloat16 else torch.bfloat16
     torch.testing.assert_close(
-        KERNEL(q, k, v, 0.125, (q_g, k_g.bfloat16())),
-        reference(q, k, v, 0.125, (q_g, k_g.bfloat16())),
+        KERNEL(q, k, v, 0.125, (q_g, k_g.to(other))),
+        reference(q, k, v, 0.125, (q_g, k_g.to(other).to(dtype))),
         atol=2e-6,
         rtol=1e-5,
-    )  # other grouped types are upcast
+    )  # grouped keys of another type are read in the cells' type
 
 
 @needs_kernel

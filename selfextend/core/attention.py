@@ -47,8 +47,10 @@ def attend(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention that also returns the natural log-sum-exp of each row's scaled scores.
 
-    q (B, H, Lq, D), k/v (B, H, Lk, D) -> out (B, H, Lq, D), lse (B, H, Lq) in float32.
-    ``is_causal`` is top-left aligned (row r sees keys 0..r); ``mask`` is additive, in q's dtype.
+    q (B, H, Lq, D), k/v (B, Hkv, Lk, D) with Hkv dividing H (query head ``h`` reads KV head
+    ``h // (H / Hkv)``) -> out (B, H, Lq, D), lse (B, H, Lq) in float32. ``is_causal`` is top-left aligned
+    (row r sees keys 0..r); ``mask`` is additive, in q's dtype. On the CPU the fused kernel reads the shared
+    KV heads in place (no (B, H, Lk, D) copies of the keys and values); the other paths repeat them.
     """
     if q.device.type == "cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
@@ -108,6 +110,7 @@ def attend_cuda(
     available while it was written, so only its CPU fallback is tested.
     """
     lq, lk = q.shape[-2], k.shape[-2]
+    k, v = repeat_kv(k, q.shape[1] // k.shape[1]), repeat_kv(v, q.shape[1] // v.shape[1])
     if mask is None and q.dtype in (torch.float16, torch.bfloat16):
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, scale=scale)[
             :2
@@ -136,6 +139,7 @@ def attend_math(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Portable ``attend``: explicit matmuls over query chunks, so memory stays (chunk, Lk)."""
     lq, lk = q.shape[-2], k.shape[-2]
+    k, v = repeat_kv(k, q.shape[1] // k.shape[1]), repeat_kv(v, q.shape[1] // v.shape[1])
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
     for r0 in range(0, lq, chunk):
@@ -206,8 +210,7 @@ def sliding_window_attention(
     """
     if cells is not None and cells.first is None:
         return attention_by_position(q, k, v, q_pos, cells.positions, scale, sliding=window)
-    n_rep = q.shape[1] // k.shape[1]
-    out, _ = _neighbor_pass(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), window, scale)
+    out, _ = _neighbor_pass(q, k, v, window, scale)
     return out
 
 
@@ -268,8 +271,7 @@ def self_extend_attention(
     ``cells`` (None: gapless, ending at ``q_pos[:, -1]``). Returns (B, H, Lq, D). Decode steps (Lq = 1) take a
     direct path, reading grouped keys from ``cells.grouped`` where the cache keeps them.
     """
-    b, h, lq, d = q.shape
-    hkv, lk = k.shape[1], k.shape[2]
+    lq, d, lk = q.shape[2], q.shape[3], k.shape[2]
     scale = d**-0.5 if scale is None else scale
     q_pos = q_pos.to(q.device).long()
     cells = cells if cells is not None else untagged_cells(k, q_pos)
@@ -282,9 +284,8 @@ def self_extend_attention(
         se = (group_size, window, inv_freq, k_g)
         return attention_by_position(q, k, v, q_pos, cells.positions, scale, self_extend=se)
 
-    n_rep, n_grouped = h // hkv, lk - window
-    v = repeat_kv(v, n_rep)
-    out, lse = _neighbor_pass(q, repeat_kv(k, n_rep), v, window, scale)
+    n_grouped = lk - window
+    out, lse = _neighbor_pass(q, k, v, window, scale)
     if n_grouped <= 0:
         return out
     if group_size == 1:  # grouped positions are the normal ones
@@ -292,7 +293,7 @@ def self_extend_attention(
     else:
         k_g = grouped_prefix(k, cells, n_grouped, group_size, inv_freq)
         q_g = rotate(q, grouped_query_positions(q_pos, group_size, window) - q_pos, inv_freq)
-    grouped = _grouped_pass(q_g, repeat_kv(k_g, n_rep), v, window, scale)
+    grouped = _grouped_pass(q_g, k_g, v, window, scale)
     if grouped is not None:
         first, out_g, lse_g = grouped
         out[..., first:, :], _ = merge_into(out[..., first:, :], lse[..., first:], out_g, lse_g)

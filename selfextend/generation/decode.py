@@ -290,7 +290,7 @@ class DecodeStep:
         k_g = None
         if p is not None:
             k_g = grouped_decode_keys(
-                k, pos, p.group_size, p.window, p.inv_freq, cells.cells(end), p.rotations, torch.float32
+                k, pos, p.group_size, p.window, p.inv_freq, cells.cells(end), p.rotations
             )
         out = kernel(q, k, v, attn.scaling, None if k_g is None else (q_g, k_g), checked=True)
         return out.reshape(1, -1)  # (1, H, 1, D) -> (1, H * D)

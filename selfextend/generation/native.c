@@ -9,7 +9,7 @@
  * decode_attention's arguments: q, qg: (Hkv, R, D) float32, scaled here by `scale` (R query heads share a KV head; qg is the query at
  * its Self-Extend grouped position). k, v: Hkv rows of `n` cells of D elements in the cache's type
  * (float32, bfloat16 or float16), `k_stride`/`v_stride` elements apart per KV head. kg: the first `ng`
- * keys at grouped positions, float32, `kg_stride` apart. Scores are qg . kg[j] for j < ng and q . k[j]
+ * keys at grouped positions, in the same type, `kg_stride` apart. Scores are qg . kg[j] for j < ng and q . k[j]
  * after, one softmax over all n. out: (Hkv, R, D) float32. D a multiple of 16, at most 256.
  *
  * Work is split into (KV head, chunk of cells) tasks over the OpenMP threads torch already runs (the
@@ -95,7 +95,7 @@ INLINE void exp_row(float *x, long n, float *m, float *l) {
 
 /* Cells [c0, c1) of one KV head: the chunk's maximum score m[h], sum of e^(s - m) l[h] and
  * e^(s - m)-weighted value sum acc[h * nv ...] for each of its r query heads; s: r * (c1 - c0) scratch. */
-INLINE void chunk(const float *q0, const float *qg0, float scale, const void *k, const float *kg, const void *v,
+INLINE void chunk(const float *q0, const float *qg0, float scale, const void *k, const void *kg, const void *v,
                   long c0, long c1, long ng, long r, long nv, int type, float *m, float *l, v16 *acc, float *s) {
     v16 q[MAX_R * MAX_V], qg[MAX_R * MAX_V], tmp[BLOCK * MAX_V];
     long len = c1 - c0;
@@ -105,7 +105,7 @@ INLINE void chunk(const float *q0, const float *qg0, float scale, const void *k,
         if (c0 < ng) qg[i] = ((const v16 *)qg0)[i] * scale;
     }
     for (long j = c0; j < c1; j++) {
-        const v16 *qj = j < ng ? qg : q, *row = j < ng ? (const v16 *)(kg + j * nv * 16) : row_of(k, j, nv, type, tmp);
+        const v16 *qj = j < ng ? qg : q, *row = row_of(j < ng ? kg : k, j, nv, type, tmp);
         for (long h = 0; h < r; h++) {
             v16 t = qj[h * nv] * row[0];
             for (long c = 1; c < nv; c++) t += qj[h * nv + c] * row[c];
@@ -134,7 +134,7 @@ INLINE void chunk(const float *q0, const float *qg0, float scale, const void *k,
 }
 
 /* Returns 0, 1 when a size is out of range or 2 when there is no scratch space (nothing written then). */
-int decode_attention(const float *q, const float *qg, const void *k, const float *kg, const void *v, long n,
+int decode_attention(const float *q, const float *qg, const void *k, const void *kg, const void *v, long n,
                      long ng, long hkv, long r, long d, long k_stride, long kg_stride, long v_stride, int type,
                      float scale, long n_chunks, float *out) {
     if (r < 1 || r > MAX_R || n < 1 || n_chunks < 1 || d % 16 != 0 || d > 16 * MAX_V) return 1;
@@ -155,8 +155,9 @@ int decode_attention(const float *q, const float *qg, const void *k, const float
             for (long h = 0; h < r; h++) m[t * r + h] = -INFINITY, l[t * r + h] = 0.0f;
             continue;
         }
-        const float *qt = q + g * r * d, *qgt = ng > 0 ? qg + g * r * d : NULL, *kgt = kg + g * kg_stride;
+        const float *qt = q + g * r * d, *qgt = ng > 0 ? qg + g * r * d : NULL;
         const char *kt = (const char *)k + g * k_stride * width, *vt = (const char *)v + g * v_stride * width;
+        const char *kgt = (const char *)kg + g * kg_stride * width;
         float *mt = m + t * r, *lt = l + t * r, *st = s + t * r * len;
         v16 *at = acc + t * r * nv;
 #define CHUNK(NV, TYPE) chunk(qt, qgt, scale, kt, kgt, vt, c0, c1, ng, r, NV, TYPE, mt, lt, at, st)

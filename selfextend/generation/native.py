@@ -109,7 +109,8 @@ class NativeKernels:
         checked: bool = False,
     ) -> torch.Tensor:
         """q (1, H, 1, D); k, v (1, Hkv, n, D) cell views, n >= 1; ``grouped``: q_g (1, H, 1, D) and k_g
-        (1, Hkv, n_g, D), n_g <= n, read as float32 (a float32 buffer with contiguous rows is read in place).
+        (1, Hkv, n_g, D), n_g <= n, read in the cells' type (a buffer of that type with contiguous rows is
+        read in place: the cache keeps its grouped keys so).
         ``checked``: the caller has seen :meth:`takes` accept these cells' layout and made q and ``grouped``
         of these shapes (the decode step, once per token for every layer). ValueError otherwise."""
         if not checked:
@@ -121,7 +122,7 @@ class NativeKernels:
         q = q.float().contiguous()  # (1, H, 1, D) = (Hkv, H / Hkv, D) in memory
         q_g, k_g, n_g, kg_stride = q, q, 0, 0
         if grouped is not None:
-            q_g, k_g = grouped[0].float().contiguous(), grouped[1].float()
+            q_g, k_g = grouped[0].float().contiguous(), grouped[1].to(k.dtype)
             if k_g.stride(-1) != 1 or k_g.stride(-2) != d:
                 k_g = k_g.contiguous()
             n_g, kg_stride = k_g.shape[2], k_g.stride(1)

@@ -51,7 +51,7 @@ class GroupedKeys:
         positions are gapless (then a few new keys go through ``rotations``); ``ready``: slots ``[0, ready)``
         hold written keys (then up to :data:`AHEAD` of them past ``n`` are rotated too)."""
         buf = self.buf
-        dtype = torch.promote_types(keys.dtype, torch.float32)  # a bf16/f16 cache's keys are rounded once
+        dtype = keys.dtype  # rotated in float32, rounded to the cache's type: no float32 copy of every key
         fits = buf is not None and (buf.shape, buf.dtype, buf.device) == (keys.shape, dtype, keys.device)
         if not fits:
             self.buf = buf = torch.empty_like(keys, dtype=dtype)
