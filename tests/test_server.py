@@ -264,6 +264,7 @@ BAD = [
     (b'{"prompt": "x", "grammar": "root ::= \\"a\\""}', "grammar"),
     (b'{"prompt": "x", "response_format": {"type": "xml"}}', "response_format.type"),
     (b'{"prompt": "x", "response_format": {"type": "json_schema"}}', "response_format"),
+    (b'{"prompt": "x", "response_format": {"type": "json_object"}, "ignore_eos": true}', "ignore_eos"),
     (
         b'{"prompt": "x", "response_format": {"type": "json_object", "schema": {"type": "objectx"}}}',
         "response_format",

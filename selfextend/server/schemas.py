@@ -199,6 +199,8 @@ def response_grammar(request: Sampling, tokenizer, eos: tuple[int, ...]) -> Gram
     schema = request.json_schema if schema is None else schema
     if schema is None:
         return None
+    if request.ignore_eos:
+        raise APIError(400, "ignore_eos would write past the end of the JSON document", "ignore_eos")
     try:
         return Grammar(tokenizer, schema, eos)
     except ValueError as e:
