@@ -150,6 +150,7 @@ class _Batch(NamedTuple):
     pos: list[int]
     kernels: list[NativeKernels | None]
     rotations: Rotations
+    flat: list[dict[str, tuple[torch.Tensor, torch.Tensor]]]  # row j's (cos, sin) (rot_dim,) by kind
     grouped: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -238,7 +239,14 @@ class DecodeStep:
         x = self.embed.weight[torch.tensor(tokens)]  # (M, hidden): a copy, added to in place
         x = x * self.embed_scale.to(x.dtype) if self.embed_scale is not None else x
         rotations = rotations_at(self.rotary, self.kinds, self.by_kind, x[:, None], torch.tensor(pos))
-        batch = _Batch(caches, pos, [self._kernel(c) for c in caches], rotations, {})
+        flat = [  # once per token, not per layer: the native rotation's flat factors of each row
+            {
+                k: (r.cos[j].reshape(-1).contiguous(), r.sin[j].reshape(-1).contiguous())
+                for k, r in rotations.items()
+            }
+            for j in range(len(pos))
+        ]
+        batch = _Batch(caches, pos, [self._kernel(c) for c in caches], rotations, flat, {})
         self_extend = self.model.config._attn_implementation == IMPLEMENTATION
         for i, (layer, plan) in enumerate(zip(self.layers, self.plan, strict=True)):
             qkv = plan.qkv(each(plan.norm, x))  # (M, (H + 2 Hkv) * D)
@@ -270,7 +278,7 @@ class DecodeStep:
             return self._attend(attn, qkv.to(self.embed.weight.dtype), rot, cells, pos, p, window).reshape(
                 1, -1
             )
-        cos_sin = rotation.cos[j].reshape(-1).contiguous(), rotation.sin[j].reshape(-1).contiguous()
+        cos_sin = batch.flat[j][self.kinds[i]]
         slot = cells.claim()
         first = cells.visible_from(pos, window)
         by = None if p is None else _query_rotation(batch.grouped, pos, p, self.head_dim)
