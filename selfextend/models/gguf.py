@@ -127,6 +127,11 @@ def gguf_tensors(
     mapping = get_gguf_hf_weights_map(model, processor)
     linear = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, nn.Linear)}
     parsed: dict[str, dict] = {"config": model.config.to_dict(), "tensors": {}}
+    module_names = {id(m): n for n, m in model.named_modules()}
+    embedding = f"{module_names[id(model.get_input_embeddings())]}.weight"
+    tied = getattr(model.config.get_text_config(), "tie_word_embeddings", False)
+    out_head = model.get_output_embeddings() if tied else None
+    head = None if out_head is None else f"{module_names[id(out_head)]}.weight"
 
     def process(weights: np.ndarray, name: str) -> tuple[np.ndarray, str]:
         result = processor.process(
@@ -149,17 +154,27 @@ def gguf_tensors(
             return None
         return out[:, 0].astype(np.int64), name
 
-    def as_blocks(f: BinaryIO, t: _Stored) -> tuple[str, GGUFBlocks] | None:
-        """``t`` as :class:`GGUFBlocks` under its model name, or None when it goes the float way."""
+    def as_blocks(f: BinaryIO, t: _Stored, target: str | None = None) -> tuple[str, GGUFBlocks] | None:
+        """``t`` as :class:`GGUFBlocks` under its model name (or ``target``, a linear layer's weight it
+        fills too), or None when it goes the float way."""
         columns = _value_shape(t)[-1]
         if keep is None or len(t.raw_shape) != 2 or not keep(t.kind, t.raw_shape[0], columns):
             return None
         found = row_order(t)
-        if found is None or mapping.get(found[1]) not in linear:
+        if found is None or (target or mapping.get(found[1])) not in linear:
             return None
         order, name = found
         raw = t.read(f, 0, t.raw_shape[0])  # (N, bytes per row): the 4-bit bytes, no float copy
-        return mapping[name], GGUFBlocks(t.kind, raw if order is None else raw[order], columns)
+        return target or mapping[name], GGUFBlocks(t.kind, raw if order is None else raw[order], columns)
+
+    def tied_head(f: BinaryIO, t: _Stored) -> tuple[str, GGUFBlocks] | None:
+        """A tied output head's own :class:`GGUFBlocks` when ``t`` is the embedding it shares: the head
+        then reads the file's bytes (a Q6_K embedding: 0.82 bytes a weight, not int8's 1.0 in a slower
+        product), while the embedding itself goes the float way (a lookup reads one row a token)."""
+        if head is None or mapping.get(t.name) != embedding:
+            return None
+        found = as_blocks(f, t, head)
+        return None if found is None else (head, found[1])
 
     def blocks(f: BinaryIO, t: _Stored, step: int, start: int = 0) -> Iterator[tuple[int, np.ndarray]]:
         for a in range(start, t.raw_shape[0], step):
@@ -168,6 +183,9 @@ def gguf_tensors(
     def stream() -> Iterator[tuple[str, torch.Tensor | RowBlocks | GGUFBlocks]]:
         with open(path, "rb") as f:
             for t in table.tensors:
+                shared = tied_head(f, t)
+                if shared is not None:
+                    yield shared
                 packed = as_blocks(f, t)
                 if packed is not None:
                     yield packed
