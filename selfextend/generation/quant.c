@@ -257,17 +257,37 @@ INLINE void rows32(int type, const uint8_t *w, const void *const *xv, long nb, i
     for (int r = 0; r < R; r++) out[r] = hsum8(acc[r]) + accm[r];
 }
 
+/* The 8 scales (sc) and 8 mins (mn) of scales_k4, a byte each, from the 12 packed bytes s, with 32-bit
+ * word operations: words 0 and 1 hold the low 6 bits of scales and mins 0-3, word 2 the low 4 bits of
+ * scales and mins 4-7, whose high 2 bits are the top bits of words 0 and 1. */
+INLINE void scales_k4_words(const uint8_t *s, uint64_t *sc, uint64_t *mn) {
+    uint32_t u0, u1, u2;
+    memcpy(&u0, s, 4);
+    memcpy(&u1, s + 4, 4);
+    memcpy(&u2, s + 8, 4);
+    const uint32_t low6 = 0x3f3f3f3f, low4 = 0x0f0f0f0f, top2 = 0x03030303;
+    uint32_t sc_hi = (u2 & low4) | ((u0 >> 6) & top2) << 4, mn_hi = ((u2 >> 4) & low4) | ((u1 >> 6) & top2) << 4;
+    *sc = (uint64_t)(u0 & low6) | (uint64_t)sc_hi << 32;
+    *mn = (uint64_t)(u1 & low6) | (uint64_t)mn_hi << 32;
+}
+
 /* The same for Q4_K and Q5_K: 8 sub-blocks of 32 per super-block, 6-bit scales and mins. */
 INLINE void rows_k4(int type, const uint8_t *w, const void *const *xv, long nb, int R, float *out) {
     const __m256i m4 = _mm256_set1_epi8(0xF), one = _mm256_set1_epi8(1);
     const __m128i pairs = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    /* int16 lane 2c (bytes 4c, 4c+1) and 2c+1 of the scales, broadcast to every lane */
+    const __m256i pick_lo[4] = {_mm256_set1_epi16(0x0100), _mm256_set1_epi16(0x0504), _mm256_set1_epi16(0x0908),
+                                _mm256_set1_epi16(0x0d0c)};
+    const __m256i pick_hi[4] = {_mm256_set1_epi16(0x0302), _mm256_set1_epi16(0x0706), _mm256_set1_epi16(0x0b0a),
+                                _mm256_set1_epi16(0x0f0e)};
     __m256 acc[TILE], accm[TILE];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps(), accm[r] = _mm256_setzero_ps();
     long bb = block_bytes(type);
     for (long b = 0; b < nb; b++) {
         const uint8_t *blk = w + b * bb, *qs = blk + (type == Q5_K ? 48 : 16);
-        uint8_t sc[8], mn[8];
-        scales_k4(blk + 4, sc, mn);
+        uint64_t sc8, mn8;
+        scales_k4_words(blk + 4, &sc8, &mn8);
+        __m256i scales = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)sc8)));
         __m256i sumi[TILE];
         for (int r = 0; r < R; r++) sumi[r] = _mm256_setzero_si256();
         __m256i qh = type == Q5_K ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : _mm256_setzero_si256();
@@ -279,7 +299,7 @@ INLINE void rows_k4(int type, const uint8_t *w, const void *const *xv, long nb, 
                 lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(bits, one), 4));
                 hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(bits, 1), one), 4));
             }
-            __m256i s_lo = _mm256_set1_epi16(sc[2 * c]), s_hi = _mm256_set1_epi16(sc[2 * c + 1]);
+            __m256i s_lo = _mm256_shuffle_epi8(scales, pick_lo[c]), s_hi = _mm256_shuffle_epi8(scales, pick_hi[c]);
             for (int r = 0; r < R; r++) {
                 const int8_t *xq = ((const xqk *)xv[r] + b)->q + 64 * c;
                 __m256i p_lo = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)xq)), s_lo);
@@ -289,7 +309,7 @@ INLINE void rows_k4(int type, const uint8_t *w, const void *const *xv, long nb, 
         }
         float d = f16(blk), dmin = f16(blk + 2);
         /* each sub-block's min twice, against the activations' two sums of 16 there */
-        __m256i mins = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(_mm_loadl_epi64((const __m128i *)mn), pairs));
+        __m256i mins = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(_mm_cvtsi64_si128((long long)mn8), pairs));
         for (int r = 0; r < R; r++) {
             const xqk *x = (const xqk *)xv[r] + b;
             __m256i m = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)x->bsums), mins);
@@ -303,11 +323,19 @@ INLINE void rows_k4(int type, const uint8_t *w, const void *const *xv, long nb, 
 /* The same for Q6_K: 16 sub-blocks of 16 with int8 scales, values q6 - 32. */
 INLINE void rows_q6k(const uint8_t *w, const void *const *xv, long nb, int R, float *out) {
     const __m256i m4 = _mm256_set1_epi8(0xF), m3 = _mm256_set1_epi8(3), m30 = _mm256_set1_epi8(0x30);
+    /* for sub-block pair t of a half: int16 scale 2t in the low 128 bits' lanes, 2t + 1 in the high ones */
+    __m256i pick[4];
+    for (int t = 0; t < 4; t++)
+        pick[t] = _mm256_set_m128i(_mm_set1_epi16((short)((4 * t + 2) | (4 * t + 3) << 8)),
+                                   _mm_set1_epi16((short)((4 * t) | (4 * t + 1) << 8)));
     __m256 acc[TILE];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (long b = 0; b < nb; b++) {
         const uint8_t *blk = w + b * 210;
         const int8_t *sc = (const int8_t *)(blk + 192);
+        __m256i scales = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
+        __m256i halves[2] = {_mm256_permute2x128_si256(scales, scales, 0x00),
+                             _mm256_permute2x128_si256(scales, scales, 0x11)};
         __m256i sumi[TILE];
         for (int r = 0; r < R; r++) sumi[r] = _mm256_setzero_si256();
         for (int h = 0; h < 2; h++) {
@@ -321,8 +349,7 @@ INLINE void rows_q6k(const uint8_t *w, const void *const *xv, long nb, int R, fl
                 _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q1, 4), m4), _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30)),
             };
             for (int t = 0; t < 4; t++) {
-                int k = 8 * h + 2 * t;
-                __m256i s = _mm256_set_m128i(_mm_set1_epi16(sc[k + 1]), _mm_set1_epi16(sc[k]));
+                __m256i s = _mm256_shuffle_epi8(halves[h], pick[t]); /* scales 8h + 2t and 8h + 2t + 1 */
                 for (int r = 0; r < R; r++) {
                     const int8_t *xq = ((const xqk *)xv[r] + b)->q + 128 * h + 32 * t;
                     __m256i p = _mm256_maddubs_epi16(v[t], _mm256_loadu_si256((const __m256i *)xq));
@@ -331,7 +358,6 @@ INLINE void rows_q6k(const uint8_t *w, const void *const *xv, long nb, int R, fl
             }
         }
         float d = f16(blk + 208);
-        __m256i scales = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
         for (int r = 0; r < R; r++) {
             const xqk *x = (const xqk *)xv[r] + b;
             __m256i corr = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)x->bsums), scales);
