@@ -68,6 +68,13 @@ from selfextend.core.validate import plural
     "prompt, int8, int4 and gguf with Self-Extend against llama.cpp; not default).",
 )
 @click.option(
+    "--forms",
+    default="int8,int4,gguf",
+    show_default=True,
+    help="Weight forms the generate and first-token cases time (a GGUF; other models: int8 only), e.g. "
+    "gguf,int4 where int8 is slow to load on a large model.",
+)
+@click.option(
     "-o", "--out", type=click.Path(dir_okay=False), help="Also write every run and the summary as JSON Lines."
 )
 def bench(
@@ -86,6 +93,7 @@ def bench(
     ctx: int,
     endless_tokens: int,
     cases: str,
+    forms: str,
     out: str | None,
 ) -> None:
     """Time and memory of Self-Extend against plain SDPA attention and the full-matrix reference.
@@ -119,6 +127,9 @@ def bench(
     unknown = wanted - {"prefill", "decode", "endless", "generate", "first-token"}
     if unknown:
         raise click.BadParameter(f"unknown case {', '.join(sorted(unknown))}", param_hint="--cases")
+    timed_forms = [f.strip() for f in forms.split(",") if f.strip()]
+    if not timed_forms or set(timed_forms) - {"int8", "int4", "gguf"}:
+        raise click.BadParameter(f"'{forms}': name int8, int4 or gguf, comma-separated", param_hint="--forms")
     cfg = BenchConfig(
         parse_lengths(lengths, "--lengths"),
         parse_lengths(decode_lengths, "--decode-lengths"),
@@ -174,16 +185,16 @@ def bench(
         gguf = resolve_model(model).gguf_path
         if gguf is None or not llamacpp_available():
             click.echo("llama.cpp: skipped (needs a GGUF model and llama-cpp-python installed)", err=True)
-        forms = {}
-        for form in ("int8", "int4", "gguf") if gguf is not None else ("int8",):
-            forms[form] = (
+        loaded = {}
+        for form in timed_forms if gguf is not None else ("int8",):
+            loaded[form] = (
                 lm if form == weights else load_with_self_extend(model, dtype, device, None, None, form)[0]
             )
         if "generate" in wanted and endless_tokens > 0:
-            for r in bench_generate(forms, cfg, gguf, torch.get_num_threads()):
+            for r in bench_generate(loaded, cfg, gguf, torch.get_num_threads()):
                 record(r)
         if "first-token" in wanted:
-            for r in bench_first_token(forms, cfg, gguf, torch.get_num_threads()):
+            for r in bench_first_token(loaded, cfg, gguf, torch.get_num_threads()):
                 record(r)
     bandwidth = read_bandwidth_gbs() if "generate" in wanted else None
     weights_said = ", ".join(
