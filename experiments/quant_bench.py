@@ -1,4 +1,4 @@
-"""One GGUF block product at a 1B-class shape: the native kernel (``generation/quant.c``) against torch's
+"""One GGUF block product at a 1B-class shape: the native kernel (``models/quant.c``) against torch's
 int4 kernel on the same Q4_K blocks, one row (decode) and a 512-row chunk (prefill), interleaved rounds.
 
 Each prints milliseconds, the GB/s of the blocks read (Q4_K: 144 bytes per 256 weights; torch's int4
@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from selfextend.bench.speed import read_bandwidth_gbs
-from selfextend.generation.quant import quant_kernels
+from selfextend.models.quant import quant_kernels
 from selfextend.models.quantize import INT4_GROUP, Q4_K, Int4Linear
 
 

@@ -57,7 +57,9 @@ def test_bench_records_and_plot(tiny_dir, tmp_path):
 def test_bench_bad_case(tiny_dir):
     r = CliRunner().invoke(main, ["bench", "--model", str(tiny_dir), "--cases", "warp"])
     assert r.exit_code != 0 and "unknown case" in r.stderr
-    r = CliRunner().invoke(main, ["bench", "--model", str(tiny_dir), "--cases", "generate", "--forms", "int4,x"])
+    r = CliRunner().invoke(
+        main, ["bench", "--model", str(tiny_dir), "--cases", "generate", "--forms", "int4,x"]
+    )
     assert r.exit_code != 0 and "--forms" in r.stderr and "Traceback" not in r.stderr
 
 

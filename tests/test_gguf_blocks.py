@@ -10,6 +10,9 @@ random valid blocks) runs everything quickly.
 from __future__ import annotations
 
 import contextlib
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,10 +23,10 @@ from test_quant import gguf_blocks
 
 from selfextend.generation.decode import DecodeStep
 from selfextend.generation.generator import Generator
-from selfextend.generation.quant import quant_kernels
 from selfextend.kv.cache import ContextShiftCache
 from selfextend.models import load_model
 from selfextend.models.blocks import BlockLinear, block_mm, reference_product
+from selfextend.models.quant import quant_kernels
 from selfextend.models.quantize import weight_format
 
 Q4_K, Q6_K, Q5_0, Q4_0 = 12, 14, 6, 2
@@ -160,3 +163,25 @@ def test_direct_rows_are_each_alone_bit_for_bit(pair, extend: bool) -> None:
             runs.append((torch.stack(steps), [g.cache.shifts for g in gens]))
     assert runs[0][1] == runs[1][1] and len(set(runs[0][1])) > 1
     assert torch.equal(runs[0][0], runs[1][0])
+
+
+def test_a_model_loaded_alone_multiplies_natively(tiny_mixed: Path, tmp_path: Path) -> None:
+    """A library user who loads a model and never imports the generation package (``ppl`` did not) gets the
+    native block product, not the float reference (which made ``ppl --weights gguf`` the float model's)."""
+    code = f"""
+import sys, torch
+from selfextend.models import load_model
+from selfextend.models.blocks import reference_product
+from selfextend.models.quant import quant_kernels
+model, _ = load_model({str(tiny_mixed)!r}, weights="gguf")
+layer = model.model.layers[0].mlp.gate_proj
+x = torch.randn(3, layer.in_features, generator=torch.Generator().manual_seed(0))
+with torch.no_grad():
+    got = layer(x)
+assert "selfextend.generation" not in sys.modules, "the generation package was imported"
+assert torch.equal(got, quant_kernels()(x, layer.blocks, layer.kind))
+assert not torch.equal(got, reference_product(x, layer.blocks, layer.kind))
+"""
+    env = {**os.environ, "SELFEXTEND_CACHE": str(tmp_path / "cache")}
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]

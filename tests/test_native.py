@@ -14,9 +14,9 @@ from test_decode import TOL, decoded_logits
 import selfextend
 from selfextend.core.rope import Rotation
 from selfextend.generation import native
-from selfextend.generation.build import build
 from selfextend.generation.decode import DecodeStep
 from selfextend.generation.native import native_kernels
+from selfextend.models.build import build
 
 KERNEL = native_kernels()
 needs_kernel = pytest.mark.skipif(KERNEL is None, reason="no C compiler here to build the attention kernel")

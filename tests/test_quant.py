@@ -1,4 +1,4 @@
-"""The native products with GGUF blocks as stored (``generation/quant.c``).
+"""The native products with GGUF blocks as stored (``models/quant.c``).
 
 Oracles: ``gguf.quants.dequantize`` of the same bytes. (a) The kernel against a plain float64 reference
 of the same math (the weight dequantised, each activation row quantized to int8 per block as the kernel
@@ -15,8 +15,8 @@ import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
-from selfextend.generation.quant import QuantKernels, quant_kernels
 from selfextend.models.blocks import BLOCK_KINDS
+from selfextend.models.quant import QuantKernels, quant_kernels
 
 KERNELS = quant_kernels()
 pytestmark = pytest.mark.skipif(KERNELS is None, reason="no C compiler here to build the kernel")

@@ -14,7 +14,7 @@ head at ~16 GB/s (``experiments/native_bench.py``). ``native.c`` has, per token 
   them the bfloat16 row they take; a norm added to the residual (Gemma's norms after attention and MLP);
   and an int8 product of one row (the output head) at bandwidth.
 
-It is compiled by :mod:`selfextend.generation.build` (the system C compiler, ``-O3 -march=native``) into
+It is compiled by :mod:`selfextend.models.build` (the system C compiler, ``-O3 -march=native``) into
 ``$SELFEXTEND_CACHE/kernels``, once per source, compiler and target; callers build it before they time
 anything (:func:`native_kernels` at model load). Where no compiler works, :func:`native_kernels` returns
 None and the step uses torch ops; ``SELFEXTEND_NATIVE=0`` asks for that too.
@@ -30,18 +30,16 @@ import functools
 import os
 import warnings
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 
-from selfextend.generation.build import build
+from selfextend.models.build import ENV, TYPES, bind, build
 from selfextend.models.sources import cache_root
 
 SOURCE = Path(__file__).with_name("native.c")
-TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 MAX_QUERY_ROWS = 16  # query heads per KV head the kernel takes (native.c's MAX_R)
 MAX_HEAD_DIM = 256  # and head size (a multiple of 16: 16 * MAX_V there)
-ENV = "SELFEXTEND_NATIVE"
 NO_MEMORY = 2  # what decode_attention returns without scratch space (1: sizes it cannot read)
 ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1}  # transformers' names of the gated activations native.c has
 
@@ -70,16 +68,16 @@ class NativeKernels:
         self.library = library
         lib = ctypes.CDLL(str(library))
         ptr, long, i32, f32 = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
-        self._fn = _bind(lib.decode_attention, [*[ptr] * 5, *[long] * 8, i32, f32, long, ptr], i32)
-        self._write = _bind(
+        self._fn = bind(lib.decode_attention, [*[ptr] * 5, *[long] * 8, i32, f32, long, ptr], i32)
+        self._write = bind(
             lib.rope_write,
             [ptr, *[long] * 4, *[ptr] * 4, *[long] * 3, i32, *[ptr] * 3, long, ptr, ptr, ptr, f32],
             None,
         )
-        self._norm = _bind(lib.rms_norm_bf16, [ptr, ptr, long, f32, ptr], None)
-        self._norm_add = _bind(lib.rms_norm_add, [ptr, i32, ptr, long, f32, ptr], None)
-        self._gated = _bind(lib.gated_bf16, [ptr, long, i32, ptr], None)
-        self._gemv = _bind(lib.int8_gemv, [ptr, ptr, ptr, long, long, ptr], i32)
+        self._norm = bind(lib.rms_norm_bf16, [ptr, ptr, long, f32, ptr], None)
+        self._norm_add = bind(lib.rms_norm_add, [ptr, i32, ptr, long, f32, ptr], None)
+        self._gated = bind(lib.gated_bf16, [ptr, long, i32, ptr], None)
+        self._gemv = bind(lib.int8_gemv, [ptr, ptr, ptr, long, long, ptr], i32)
 
     def takes(self, heads: int, k: torch.Tensor, v: torch.Tensor) -> bool:
         """Whether the kernel reads cells ``k``, ``v`` (B, Hkv, n, D) for ``heads`` query heads: one sequence
@@ -308,12 +306,6 @@ def rotation_fits(rotation: tuple[torch.Tensor, torch.Tensor], d: int) -> bool:
 def _norm_weight_fits(weight: torch.Tensor) -> bool:
     """Whether a norm's ``weight`` is the (n,) contiguous float32 factors the C norms read."""
     return weight.dim() == 1 and weight.dtype == torch.float32 and weight.is_contiguous()
-
-
-def _bind(fn: Any, argtypes: list[Any], restype: Any) -> Any:
-    """``fn`` with its C signature set (ctypes converts and checks the arguments)."""
-    fn.argtypes, fn.restype = argtypes, restype
-    return fn
 
 
 def _chunks(hkv: int, n: int, threads: int) -> int:

@@ -24,8 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from selfextend.generation.native import ACTIVATIONS, HeadNorms, NativeKernels
-from selfextend.generation.quant import QuantKernels, quant_kernels
 from selfextend.models.blocks import BlockLinear
+from selfextend.models.quant import QuantKernels, quant_kernels
 from selfextend.models.quantize import INT4_GROUP, Int4Linear, Int8Linear
 
 Fn = Callable[[torch.Tensor], torch.Tensor]

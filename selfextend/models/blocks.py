@@ -4,15 +4,14 @@ Why: a token's decode reads every weight once, so the bytes read per token are w
 stored, a Q4_K_M file's layers are 4.5 to 6.6 bits a weight, with nothing rounded again (int8 would hold
 a Q6_K output head in 1.23x its bytes; torch's int4 packing takes only the 4-bit formats, and its
 kernel reads them far below the bandwidth). The product is ``torch.ops.selfextend.block_mm``, a custom op
-(torch.compile takes it as one node): its kernel is the native one of :mod:`selfextend.generation.quant`
-once that module is imported (it registers itself: this layer sits below the kernels), else a
-reference of the same weights, slow: the blocks dequantised by ``gguf`` a slab of rows at a time, then a
-float32 product.
+(torch.compile takes it as one node): the native kernel of :mod:`selfextend.models.quant`, else (no C
+compiler, ``$SELFEXTEND_NATIVE=0``) a reference of the same weights, slow: the blocks dequantised by
+``gguf`` a slab of rows at a time, then a float32 product.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -21,9 +20,6 @@ from torch import nn
 # gguf.GGMLQuantizationType values of the block formats held as stored
 BLOCK_KINDS = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
 _SLAB_ROWS = 256  # rows dequantised at a time by the reference product
-
-Kernel = Callable[[torch.Tensor, torch.Tensor, int], "torch.Tensor | None"]
-_kernel: list[Kernel | None] = [None]
 
 
 def block_shape(kind: int) -> tuple[int, int]:
@@ -37,12 +33,6 @@ def block_packable(kind: int, rows: int, columns: int) -> bool:
     """Whether a GGUF weight of type ``kind`` and (rows, columns) is held as stored: a block format the
     kernels compute (:data:`BLOCK_KINDS`)."""
     return kind in BLOCK_KINDS and rows > 0 and columns % block_shape(kind)[0] == 0
-
-
-def use_kernel(kernel: Kernel) -> None:
-    """Make ``kernel(x (M, K) float32, blocks, kind) -> (M, N) float32`` (or None where it cannot run) the
-    product of every :class:`BlockLinear`: :mod:`selfextend.generation.quant` registers the native one."""
-    _kernel[0] = kernel
 
 
 def reference_product(x: torch.Tensor, blocks: torch.Tensor, kind: int) -> torch.Tensor:
@@ -62,10 +52,11 @@ def reference_product(x: torch.Tensor, blocks: torch.Tensor, kind: int) -> torch
 @torch.library.custom_op("selfextend::block_mm", mutates_args=())
 def block_mm(x: torch.Tensor, blocks: torch.Tensor, kind: int) -> torch.Tensor:
     """``x (M, K) float32 @ W^T -> (M, N) float32`` for W the GGUF blocks ``blocks`` (N, bytes per row) of
-    type ``kind``: the registered kernel, else :func:`reference_product`."""
-    kernel = _kernel[0]
-    out = kernel(x, blocks, kind) if kernel is not None else None
-    return reference_product(x, blocks, kind) if out is None else out
+    type ``kind``: the native kernel, else :func:`reference_product`."""
+    from selfextend.models.quant import quant_kernels  # it imports this module's block facts
+
+    kernels = quant_kernels()
+    return reference_product(x, blocks, kind) if kernels is None else kernels(x, blocks, kind)
 
 
 @block_mm.register_fake

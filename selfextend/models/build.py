@@ -7,6 +7,8 @@ directory under the cache root. A library is named after everything its code dep
 built on a CPU with instructions another lacks (AVX-512, SVE) is never loaded there, where it would kill
 the process with SIGILL. A build prints one line on stderr (that it compiles, then how long it took), so
 whoever times a run can see it; a compiler that hangs is stopped after :data:`COMPILE_TIMEOUT` seconds.
+It sits with the model loading because the GGUF block layers (:mod:`selfextend.models.quant`) use it as
+the decode step's kernels do; :func:`bind` and :data:`TYPES` are what their ctypes bindings share.
 """
 
 from __future__ import annotations
@@ -19,10 +21,21 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
+
+import torch
 
 FLAGS = ("-O3", "-march=native", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC")
 COMPILE_TIMEOUT = 300.0  # seconds a compile may take before the caller falls back to torch ops
 QUERY_TIMEOUT = 60.0  # and a question to the compiler (its version, its target)
+ENV = "SELFEXTEND_NATIVE"  # "0": no native kernel is built or used (torch ops, reference products)
+TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # element types as the C sources number them
+
+
+def bind(fn: Any, argtypes: list[Any], restype: Any) -> Any:
+    """``fn`` with its C signature set (ctypes converts and checks the arguments)."""
+    fn.argtypes, fn.restype = argtypes, restype
+    return fn
 
 
 def build(directory: Path, source: Path, name: str) -> Path:

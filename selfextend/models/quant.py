@@ -3,8 +3,8 @@
 The kernel quantizes each activation row once per call to int8 blocks and takes integer dot products
 with the weight's blocks, as llama.cpp does (AVX2, VNNI where compiled for, or a portable path), so a
 token reads the file's own bytes. A row's result does not depend on how many rows the call holds. It is
-built as the decode step's kernels are (:func:`selfextend.generation.build.build`, into the same
-cache), and registered on import as the product of :class:`~selfextend.models.blocks.BlockLinear`.
+built as the decode step's kernels are (:func:`selfextend.models.build.build`, into the same
+cache); :class:`~selfextend.models.blocks.BlockLinear` calls it, whoever imports the model.
 ``$SELFEXTEND_QUANT_PORTABLE=1`` forces the portable path; ``$SELFEXTEND_NATIVE=0`` turns the kernel
 off (the layers then use their reference product).
 """
@@ -20,9 +20,8 @@ from pathlib import Path
 
 import torch
 
-from selfextend.generation.build import build
-from selfextend.generation.native import ENV, TYPES, _bind
-from selfextend.models.blocks import BLOCK_KINDS, block_shape, use_kernel
+from selfextend.models.blocks import BLOCK_KINDS, block_shape
+from selfextend.models.build import ENV, TYPES, bind, build
 from selfextend.models.sources import cache_root
 
 SOURCE = Path(__file__).with_name("quant.c")
@@ -37,7 +36,7 @@ class QuantKernels:
         self.library, self.portable = library, portable
         ptr, long, i32 = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
         lib = ctypes.CDLL(str(library))
-        self._mm = _bind(lib.quant_mm, [i32, ptr, long, long, ptr, i32, long, ptr, i32, i32], i32)
+        self._mm = bind(lib.quant_mm, [i32, ptr, long, long, ptr, i32, long, ptr, i32, i32], i32)
 
     def __call__(
         self, x: torch.Tensor, blocks: torch.Tensor, kind: int, out_dtype: torch.dtype = torch.float32
@@ -88,11 +87,3 @@ def quant_kernels() -> QuantKernels | None:
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
         warnings.warn(f"native GGUF block products not built ({reason}); using the reference", stacklevel=2)
         return None
-
-
-def _registered(x: torch.Tensor, blocks: torch.Tensor, kind: int) -> torch.Tensor | None:
-    kernels = quant_kernels()
-    return None if kernels is None else kernels(x, blocks, kind)
-
-
-use_kernel(_registered)
