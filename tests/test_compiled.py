@@ -22,7 +22,7 @@ from selfextend.generation.generator import Generator
 from selfextend.hf.patch import apply_self_extend, remove_self_extend
 from selfextend.kv.cache import ContextShiftCache
 
-N_CTX, N_KEEP, PROMPT, TOKENS = 40, 3, 10, 120  # 120 tokens through a 40-cell cache: >= 5 shifts
+N_CTX, N_KEEP, PROMPT, TOKENS = 40, 3, 10, 70  # 80 tokens through a 40-cell cache: 3 shifts
 GROUP, WINDOW = 3, 7
 
 
