@@ -316,10 +316,10 @@ def test_int8_gemv_takes_rows_together_as_each_alone(k) -> None:
     g = torch.Generator().manual_seed(k)
     w = torch.randint(-127, 128, (70, k), dtype=torch.int8, generator=g)
     scale = (torch.rand(70, generator=g) / 50).bfloat16()
-    x = torch.randn(4, k, generator=g)
+    x = torch.randn(6, k, generator=g)  # a group of 4 rows and one of 2
     got = KERNEL.int8_gemv(x, w, scale)
-    assert got.shape == (4, 70)
-    assert torch.equal(got, torch.cat([KERNEL.int8_gemv(x[i : i + 1], w, scale) for i in range(4)]))
+    assert got.shape == (6, 70)
+    assert torch.equal(got, torch.cat([KERNEL.int8_gemv(x[i : i + 1], w, scale) for i in range(6)]))
 
 
 @needs_kernel

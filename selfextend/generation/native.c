@@ -342,17 +342,25 @@ int int8_gemv(const uint16_t *x, const int8_t *w, const uint16_t *scale, long m,
 #pragma omp parallel for schedule(static)
     for (long r = 0; r < n; r++) {
         const int8_t *row = w + r * k;
-        for (long j = 0; j < m; j++) {
-            const float *xj = xf + j * k;
-            v16 a = {0}, b = {0};
+        for (long j0 = 0; j0 < m; j0 += 4) { /* up to 4 rows share each widened weight vector */
+            long mj = m - j0 < 4 ? m - j0 : 4;
+            v16 a[4], b[4];
+            for (long j = 0; j < mj; j++) a[j] = b[j] = (v16){0};
             long i = 0;
             for (; i + 32 <= k; i += 32) {
-                a += *(const v16 *)(xj + i) * widen(row + i);
-                b += *(const v16 *)(xj + i + 16) * widen(row + i + 16);
+                v16 w0 = widen(row + i), w1 = widen(row + i + 16);
+                for (long j = 0; j < mj; j++) {
+                    const float *xj = xf + (j0 + j) * k;
+                    a[j] += *(const v16 *)(xj + i) * w0;
+                    b[j] += *(const v16 *)(xj + i + 16) * w1;
+                }
             }
-            float s = hsum(a + b);
-            for (; i < k; i++) s += xj[i] * (float)row[i];
-            out[j * n + r] = to_bf16(s * from_bf16(scale[r]));
+            for (long j = 0; j < mj; j++) {
+                const float *xj = xf + (j0 + j) * k;
+                float s = hsum(a[j] + b[j]);
+                for (long t = i; t < k; t++) s += xj[t] * (float)row[t];
+                out[(j0 + j) * n + r] = to_bf16(s * from_bf16(scale[r]));
+            }
         }
     }
     free(xf);
