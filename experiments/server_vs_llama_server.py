@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -49,20 +50,20 @@ def command(name: str, args: argparse.Namespace, gguf: Path, port: int) -> list[
             *(str(args.llama_server), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port)),
             *("-np", str(args.parallel), "-c", str(args.parallel * args.ctx), "--no-kv-unified"),
             *("-t", str(args.threads), "-tb", str(args.threads), "--cache-reuse", str(args.cache_reuse)),
-            "--no-webui",
+            *("-ctk", args.cache_type, "-ctv", args.cache_type, "--no-webui"),
         ]
     return [
         *(sys.executable, "-m", "selfextend", "serve", "-m", str(gguf), "--port", str(port)),
         *("--parallel", str(args.parallel), "--ctx", str(args.ctx), "--threads", str(args.threads)),
-        *("--cache-reuse", str(args.cache_reuse)),
+        *("--cache-reuse", str(args.cache_reuse), "--cache-type", args.cache_type, "--weights", args.weights),
     ]
 
 
-def start(cmd: list[str], base: str, log: Path, timeout: float = 900) -> subprocess.Popen:
-    """Start a server with its output in ``log``; return once /health answers 200 (a one-line error with
-    the log's tail if it exits or never gets there)."""
+def start(cmd: list[str], base: str, log: Path, env: dict, timeout: float = 900) -> subprocess.Popen:
+    """Start a server with ``env`` and its output in ``log``; return once /health answers 200 (a one-line
+    error with the log's tail if it exits or never gets there)."""
     with log.open("w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -89,8 +90,11 @@ def measure(name: str, args: argparse.Namespace, gguf: Path, tok, round_: int) -
     base = f"http://127.0.0.1:{port}"
     settings = {"server": name, "round": round_, "model": gguf.name, "parallel": args.parallel}
     settings.update(ctx_per_slot=args.ctx, threads=args.threads, cache_reuse=args.cache_reuse)
+    weights = args.weights if name == "selfextend" else "gguf"
+    settings.update(server_env=args.env, cache_type=args.cache_type, weights=weights)
     log = Path(tempfile.gettempdir()) / f"server_vs_llama_server.{name}.log"
-    proc = start(command(name, args, gguf, port), base, log)
+    env = {**os.environ, **dict(e.split("=", 1) for e in args.env)}
+    proc = start(command(name, args, gguf, port), base, log, env)
     try:
         run_phase(base, 1, 1, max_tokens=8)  # warm-up, not recorded
         load = run_phase(base, args.clients, args.requests, max_tokens=args.max_tokens)
@@ -129,12 +133,15 @@ def main() -> None:
     ap.add_argument("--parallel", type=int, default=4, help="slots")
     ap.add_argument("--ctx", type=int, default=1024, help="cells per slot")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--cache-type", default="f16", help="KV cell type, both (llama.cpp's names: f16, bf16)")
+    ap.add_argument("--weights", default="auto", help="selfextend serve's --weights (auto, gguf, int4)")
     ap.add_argument("--cache-reuse", type=int, default=256, help="smallest reused chunk (tokens), both")
     ap.add_argument("--clients", type=int, default=8, help="concurrent streaming clients")
     ap.add_argument("--requests", type=int, default=6, help="requests per client")
     ap.add_argument("--max-tokens", type=int, default=64, help="max_tokens of each load request")
     ap.add_argument("--turns", type=int, default=len(TOPICS), help="turns of the trimmed chat")
     ap.add_argument("--rounds", type=int, default=1, help="rounds; each alternates which server goes first")
+    ap.add_argument("--env", action="append", default=[], help="NAME=VALUE for both servers' processes")
     ap.add_argument("--out", type=Path, default=OUT, help="JSON Lines, appended")
     args = ap.parse_args()
     gguf = resolve_model(args.model).gguf_path

@@ -304,8 +304,22 @@ def test_int8_gemv_is_torchs_int8_product(n, k) -> None:
     assert got.shape == (1, n) and got.dtype == torch.bfloat16
     want = (x.bfloat16().double() @ w.double().T) * scale.double()
     _within_one_bf16_step(got[0], want[0].bfloat16())
-    with pytest.raises(ValueError, match="one contiguous row"):
+    with pytest.raises(ValueError, match="contiguous rows of"):
         KERNEL.int8_gemv(torch.randn(1, k + 1), w, scale)
+
+
+@needs_kernel
+@pytest.mark.parametrize("k", [576, 1000])
+def test_int8_gemv_takes_rows_together_as_each_alone(k) -> None:
+    """Several rows in one call (batched decoding reads an int8 head once for all slots): each row's output
+    is bit for bit the one it gets alone."""
+    g = torch.Generator().manual_seed(k)
+    w = torch.randint(-127, 128, (70, k), dtype=torch.int8, generator=g)
+    scale = (torch.rand(70, generator=g) / 50).bfloat16()
+    x = torch.randn(6, k, generator=g)  # a group of 4 rows and one of 2
+    got = KERNEL.int8_gemv(x, w, scale)
+    assert got.shape == (6, 70)
+    assert torch.equal(got, torch.cat([KERNEL.int8_gemv(x[i : i + 1], w, scale) for i in range(6)]))
 
 
 @needs_kernel

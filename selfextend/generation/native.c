@@ -330,25 +330,38 @@ INLINE v16 widen(const int8_t *p) {
 }
 #endif
 
-/* out (n,) = bf16((x . w[r]) * scale[r]) for one bfloat16 row x (k,) and int8 weight rows w (n, k) with
- * bfloat16 row scales: torch's _weight_int8pack_mm for a single row (float32 sums), the weight rows split
- * over the OpenMP threads. Returns 1 (nothing written) when there is no scratch space. */
-int int8_gemv(const uint16_t *x, const int8_t *w, const uint16_t *scale, long n, long k, uint16_t *out) {
-    float *xf = malloc(sizeof(float) * (k + 16));
+/* out (m, n): out[j][r] = bf16((x[j] . w[r]) * scale[r]) for m bfloat16 rows x (m, k) and int8 weight rows
+ * w (n, k) with bfloat16 row scales: torch's _weight_int8pack_mm (float32 sums), the weight rows split over
+ * the OpenMP threads and each read once for all m rows (a row's sums in the same order whatever m is, so a
+ * row's output does not depend on the batch). Returns 1 (nothing written) when there is no scratch space. */
+int int8_gemv(const uint16_t *x, const int8_t *w, const uint16_t *scale, long m, long n, long k,
+              uint16_t *out) {
+    float *xf = malloc(sizeof(float) * (m * k + 16));
     if (xf == NULL) return 1;
-    for (long i = 0; i < k; i++) xf[i] = from_bf16(x[i]);
+    for (long i = 0; i < m * k; i++) xf[i] = from_bf16(x[i]);
 #pragma omp parallel for schedule(static)
     for (long r = 0; r < n; r++) {
         const int8_t *row = w + r * k;
-        v16 a = {0}, b = {0};
-        long i = 0;
-        for (; i + 32 <= k; i += 32) {
-            a += *(const v16 *)(xf + i) * widen(row + i);
-            b += *(const v16 *)(xf + i + 16) * widen(row + i + 16);
+        for (long j0 = 0; j0 < m; j0 += 4) { /* up to 4 rows share each widened weight vector */
+            long mj = m - j0 < 4 ? m - j0 : 4;
+            v16 a[4], b[4];
+            for (long j = 0; j < mj; j++) a[j] = b[j] = (v16){0};
+            long i = 0;
+            for (; i + 32 <= k; i += 32) {
+                v16 w0 = widen(row + i), w1 = widen(row + i + 16);
+                for (long j = 0; j < mj; j++) {
+                    const float *xj = xf + (j0 + j) * k;
+                    a[j] += *(const v16 *)(xj + i) * w0;
+                    b[j] += *(const v16 *)(xj + i + 16) * w1;
+                }
+            }
+            for (long j = 0; j < mj; j++) {
+                const float *xj = xf + (j0 + j) * k;
+                float s = hsum(a[j] + b[j]);
+                for (long t = i; t < k; t++) s += xj[t] * (float)row[t];
+                out[(j0 + j) * n + r] = to_bf16(s * from_bf16(scale[r]));
+            }
         }
-        float s = hsum(a + b);
-        for (; i < k; i++) s += xf[i] * (float)row[i];
-        out[r] = to_bf16(s * from_bf16(scale[r]));
     }
     free(xf);
     return 0;

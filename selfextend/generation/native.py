@@ -77,7 +77,7 @@ class NativeKernels:
         self._norm = bind(lib.rms_norm_bf16, [ptr, ptr, long, f32, ptr], None)
         self._norm_add = bind(lib.rms_norm_add, [ptr, i32, ptr, long, f32, ptr], None)
         self._gated = bind(lib.gated_bf16, [ptr, long, i32, ptr], None)
-        self._gemv = bind(lib.int8_gemv, [ptr, ptr, ptr, long, long, ptr], i32)
+        self._gemv = bind(lib.int8_gemv, [ptr, ptr, ptr, long, long, long, ptr], i32)
 
     def takes(self, heads: int, k: torch.Tensor, v: torch.Tensor) -> bool:
         """Whether the kernel reads cells ``k``, ``v`` (B, Hkv, n, D) for ``heads`` query heads: one sequence
@@ -275,18 +275,22 @@ class NativeKernels:
         return out
 
     def int8_gemv(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        """``(x . weight^T) * scale`` for one row ``x`` (1, K) (taken as bfloat16), ``weight`` (N, K) int8 and
-        ``scale`` (N,) bfloat16, out (1, N) bfloat16: torch's ``_weight_int8pack_mm`` for a single row, which
-        reads a large weight (an output head) at a third of the bandwidth (experiments/native_bench.py)."""
+        """``(x . weight^T) * scale`` for rows ``x`` (M, K) (taken as bfloat16), ``weight`` (N, K) int8 and
+        ``scale`` (N,) bfloat16, out (M, N) bfloat16: torch's ``_weight_int8pack_mm``, which reads a large
+        weight (an output head) at a third of the bandwidth (experiments/native_bench.py). The weight is read
+        once for all rows, and each row's output is the one it gets alone (batched decoding)."""
         n, k = weight.shape
         x = x.to(torch.bfloat16)
-        if x.numel() != k or not (x.is_contiguous() and weight.is_contiguous() and scale.is_contiguous()):
-            raise ValueError(f"int8_gemv takes one contiguous row of {k}, not {tuple(x.shape)}")
+        if x.dim() != 2 or x.shape[1] != k or not (x.is_contiguous() and weight.is_contiguous()):
+            raise ValueError(f"int8_gemv takes contiguous rows of {k}, not {tuple(x.shape)}")
         if weight.dtype != torch.int8 or scale.dtype != torch.bfloat16 or scale.numel() != n:
             raise ValueError("int8_gemv takes int8 weights with one bfloat16 scale per row")
-        out = torch.empty(1, n, dtype=torch.bfloat16)
-        if self._gemv(x.data_ptr(), weight.data_ptr(), scale.data_ptr(), n, k, out.data_ptr()):
-            raise MemoryError(f"int8_gemv: no scratch space for a row of {k}")
+        if not scale.is_contiguous():
+            raise ValueError("int8_gemv takes contiguous scales")
+        m = x.shape[0]
+        out = torch.empty(m, n, dtype=torch.bfloat16)
+        if self._gemv(x.data_ptr(), weight.data_ptr(), scale.data_ptr(), m, n, k, out.data_ptr()):
+            raise MemoryError(f"int8_gemv: no scratch space for {m} rows of {k}")
         return out
 
 

@@ -82,7 +82,7 @@ def product_of(parts: tuple[nn.Module, ...], native: NativeKernels | None = None
     if direct(parts):
         w, scale = layer.weight_int8, layer.scale
         if native is not None and w.is_contiguous() and scale.is_contiguous():
-            return lambda x: each(lambda row: native.int8_gemv(row, w, scale), x)
+            return lambda x: native.int8_gemv(x.contiguous(), w, scale)
         return lambda x: torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), w, scale)
     return lambda x: project(parts, x)
 
