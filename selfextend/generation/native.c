@@ -22,35 +22,38 @@
 #include <string.h>
 
 enum { F32 = 0, BF16 = 1, F16 = 2 };
-enum { MAX_R = 16, MAX_V = 16, BLOCK = 32 }; /* query rows, 16-float vectors per row, cells per V block */
+enum { MAX_R = 16, MAX_V8 = 32, TILE = 2, HEADS = 4 }; /* query rows, 8-float vectors per row; a value tile */
 
 #define INLINE static inline __attribute__((always_inline))
-typedef float v16 __attribute__((vector_size(64), aligned(4), may_alias));
+typedef float v16 __attribute__((vector_size(64), aligned(4), may_alias)); /* int8_gemv's vectors */
 typedef float v8 __attribute__((vector_size(32)));
+typedef float v8u __attribute__((vector_size(32), aligned(4), may_alias)); /* v8 at any float's address */
 typedef float v4 __attribute__((vector_size(16)));
-typedef uint16_t u16x16 __attribute__((vector_size(32), aligned(2), may_alias));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
-typedef _Float16 h16 __attribute__((vector_size(32), aligned(2), may_alias));
+typedef uint16_t u16x8 __attribute__((vector_size(16), aligned(2), may_alias));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+typedef _Float16 h8 __attribute__((vector_size(16), aligned(2), may_alias));
 
-INLINE float hsum(v16 x) {
-    v8 a = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7) +
-           __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
+INLINE float hsum8(v8 a) {
     v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
     return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
-/* Cell j's row as float32 vectors: the cell itself for a float32 cache, else converted into `tmp`. */
-INLINE const v16 *row_of(const void *base, long j, long nv, int type, v16 *tmp) {
-    if (type == F32) return (const v16 *)((const float *)base + j * nv * 16);
-    for (long c = 0; c < nv; c++) {
-        if (type == BF16) {
-            u32x16 bits = __builtin_convertvector(((const u16x16 *)base)[j * nv + c], u32x16) << 16;
-            memcpy(&tmp[c], &bits, sizeof(v16));
-        } else {
-            tmp[c] = __builtin_convertvector(((const h16 *)base)[j * nv + c], v16);
-        }
+INLINE float hsum(v16 x) {
+    return hsum8(__builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7) +
+                 __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15));
+}
+
+/* Eight elements of a cell row, from `base` at element `i`, as float32 in one vector (bfloat16 widened by a
+ * shift, float16 by the F16C conversion): what the score and value loops read. */
+INLINE v8 load8(const void *base, long i, int type) {
+    if (type == F32) return *(const v8u *)((const float *)base + i);
+    if (type == BF16) {
+        u32x8 bits = __builtin_convertvector(*(const u16x8 *)((const uint16_t *)base + i), u32x8) << 16;
+        v8 x;
+        memcpy(&x, &bits, sizeof x);
+        return x;
     }
-    return tmp;
+    return __builtin_convertvector(*(const h8 *)((const _Float16 *)base + i), v8);
 }
 
 /* e^x for x <= 0 (scores minus their maximum): Cody-Waite reduction to x = n ln2 + f, |f| <= ln2 / 2,
@@ -93,42 +96,77 @@ INLINE void exp_row(float *x, long n, float *m, float *l) {
     *l = sum;
 }
 
-/* Cells [c0, c1) of one KV head: the chunk's maximum score m[h], sum of e^(s - m) l[h] and
- * e^(s - m)-weighted value sum acc[h * nv ...] for each of its r query heads; s: r * (c1 - c0) scratch. */
-INLINE void chunk(const float *q0, const float *qg0, float scale, const void *k, const void *kg, const void *v,
-                  long c0, long c1, long ng, long r, long nv, int type, float *m, float *l, v16 *acc, float *s) {
-    v16 q[MAX_R * MAX_V], qg[MAX_R * MAX_V], tmp[BLOCK * MAX_V];
-    long len = c1 - c0;
-    for (long i = 0; i < r * nv; i++) {
-        q[i] = ((const v16 *)q0)[i] * scale;
-        qg[i] = q[i];
-        if (c0 < ng) qg[i] = ((const v16 *)qg0)[i] * scale;
-    }
-    for (long j = c0; j < c1; j++) {
-        const v16 *qj = j < ng ? qg : q, *row = row_of(j < ng ? kg : k, j, nv, type, tmp);
-        for (long h = 0; h < r; h++) {
-            v16 t = qj[h * nv] * row[0];
-            for (long c = 1; c < nv; c++) t += qj[h * nv + c] * row[c];
-            s[h * len + j - c0] = hsum(t);
+/* The sums of eight vectors, t[i]'s into lane i: three rounds of pairwise adds between shuffled pairs. */
+INLINE v8 sums8(const v8 *t) {
+    v8 a[4], b[2];
+    for (int i = 0; i < 4; i++)
+        a[i] = __builtin_shufflevector(t[2 * i], t[2 * i + 1], 0, 8, 2, 10, 4, 12, 6, 14) +
+               __builtin_shufflevector(t[2 * i], t[2 * i + 1], 1, 9, 3, 11, 5, 13, 7, 15);
+    for (int i = 0; i < 2; i++)
+        b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
+               __builtin_shufflevector(a[2 * i], a[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+    return __builtin_shufflevector(b[0], b[1], 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(b[0], b[1], 4, 5, 6, 7, 12, 13, 14, 15);
+}
+
+/* Query head h's scores against cells [j, j + 8) into s[0 .. 8): one vector of sums per cell, the eight
+ * reduced together. */
+INLINE void scores8(const v8 *qh, const void *base, long j, long n8, int type, float *s) {
+    v8 t[8];
+    for (int i = 0; i < 8; i++) {
+        v8 a = qh[0] * load8(base, (j + i) * n8 * 8, type), b = {0};
+        for (long c = 1; c < n8; c++) {
+            if (c % 2) b += qh[c] * load8(base, ((j + i) * n8 + c) * 8, type);
+            else a += qh[c] * load8(base, ((j + i) * n8 + c) * 8, type);
         }
+        t[i] = a + b;
     }
-    for (long h = 0; h < r; h++) {
-        exp_row(s + h * len, len, m + h, l + h);
-        for (long c = 0; c < nv; c++) acc[h * nv + c] = (v16){0};
+    *(v8u *)s = sums8(t);
+}
+
+/* Cells [c0, c1) of one KV head: the chunk's maximum score m[h], sum of e^(s - m) l[h] and
+ * e^(s - m)-weighted value sum acc[h * d ...] for each of its r query heads; s: r * (c1 - c0) scratch.
+ * n8 = d / 8 eight-float vectors per row; every loop runs over those, so a constant n8 unrolls into registers.
+ * Scores go eight cells at a time (a cell's keys converted once per query head, from L1 after the first);
+ * values a tile of TILE vectors for up to HEADS heads at a time, each value converted once per tile. */
+INLINE void chunk(const float *q0, const float *qg0, float scale, const void *k, const void *kg, const void *v,
+                  long c0, long c1, long ng, long r, long n8, int type, float *m, float *l, float *acc, float *s) {
+    v8 q[MAX_R * MAX_V8], qg[MAX_R * MAX_V8];
+    long len = c1 - c0, d = n8 * 8;
+    for (long i = 0; i < r * n8; i++) {
+        q[i] = *(const v8u *)(q0 + i * 8) * scale;
+        qg[i] = q[i];
+        if (c0 < ng) qg[i] = *(const v8u *)(qg0 + i * 8) * scale;
     }
-    for (long b0 = c0; b0 < c1; b0 += BLOCK) { /* a block's rows stay in L1 while every head reads them */
-        long b1 = b0 + BLOCK < c1 ? b0 + BLOCK : c1;
-        const v16 *rows = type == F32 ? (const v16 *)((const float *)v + b0 * nv * 16) : tmp;
-        if (type != F32)
-            for (long j = b0; j < b1; j++) row_of(v, j, nv, type, tmp + (j - b0) * nv);
-        for (long h = 0; h < r; h++) {
-            v16 a[MAX_V];
-            for (long c = 0; c < nv; c++) a[c] = acc[h * nv + c];
-            for (long j = b0; j < b1; j++) {
-                float p = s[h * len + j - c0];
-                for (long c = 0; c < nv; c++) a[c] += p * rows[(j - b0) * nv + c];
+    for (long j = c0; j < c1;) {
+        int grouped = j < ng;
+        long end = grouped && ng < c1 ? ng : c1; /* a run of cells read with the same query and keys */
+        const v8 *qj = grouped ? qg : q;
+        const void *base = grouped ? kg : k;
+        for (; j + 8 <= end; j += 8)
+            for (long h = 0; h < r; h++) scores8(qj + h * n8, base, j, n8, type, s + h * len + j - c0);
+        for (; j < end; j++)
+            for (long h = 0; h < r; h++) {
+                v8 t = qj[h * n8] * load8(base, j * d, type);
+                for (long c = 1; c < n8; c++) t += qj[h * n8 + c] * load8(base, j * d + c * 8, type);
+                s[h * len + j - c0] = hsum8(t);
             }
-            for (long c = 0; c < nv; c++) acc[h * nv + c] = a[c];
+    }
+    for (long h = 0; h < r; h++) exp_row(s + h * len, len, m + h, l + h);
+    for (long h0 = 0; h0 < r; h0 += HEADS) {
+        long hn = r - h0 < HEADS ? r - h0 : HEADS;
+        for (long c = 0; c < n8; c += TILE) {
+            v8 a[HEADS][TILE] = {0};
+            for (long j = c0; j < c1; j++) {
+                v8 x[TILE];
+                for (long i = 0; i < TILE; i++) x[i] = load8(v, j * d + (c + i) * 8, type);
+                for (long h = 0; h < hn; h++) {
+                    float p = s[(h0 + h) * len + j - c0];
+                    for (long i = 0; i < TILE; i++) a[h][i] += p * x[i];
+                }
+            }
+            for (long h = 0; h < hn; h++)
+                for (long i = 0; i < TILE; i++) *(v8u *)(acc + (h0 + h) * d + (c + i) * 8) = a[h][i];
         }
     }
 }
@@ -137,10 +175,10 @@ INLINE void chunk(const float *q0, const float *qg0, float scale, const void *k,
 int decode_attention(const float *q, const float *qg, const void *k, const void *kg, const void *v, long n,
                      long ng, long hkv, long r, long d, long k_stride, long kg_stride, long v_stride, int type,
                      float scale, long n_chunks, float *out) {
-    if (r < 1 || r > MAX_R || n < 1 || n_chunks < 1 || d % 16 != 0 || d > 16 * MAX_V) return 1;
-    long nv = d / 16, width = type == F32 ? 4 : 2, len = (n + n_chunks - 1) / n_chunks, tasks = hkv * n_chunks;
+    if (r < 1 || r > MAX_R || n < 1 || n_chunks < 1 || d % 16 != 0 || d > 8 * MAX_V8) return 1;
+    long n8 = d / 8, width = type == F32 ? 4 : 2, len = (n + n_chunks - 1) / n_chunks, tasks = hkv * n_chunks;
     float *m = malloc(sizeof(float) * tasks * r * 2), *s = malloc(sizeof(float) * tasks * r * len);
-    v16 *acc = malloc(sizeof(v16) * tasks * r * nv);
+    float *acc = malloc(sizeof(float) * tasks * r * d);
     if (m == NULL || s == NULL || acc == NULL) {
         free(m);
         free(s);
@@ -159,15 +197,16 @@ int decode_attention(const float *q, const float *qg, const void *k, const void 
         const char *kt = (const char *)k + g * k_stride * width, *vt = (const char *)v + g * v_stride * width;
         const char *kgt = (const char *)kg + g * kg_stride * width;
         float *mt = m + t * r, *lt = l + t * r, *st = s + t * r * len;
-        v16 *at = acc + t * r * nv;
-#define CHUNK(NV, TYPE) chunk(qt, qgt, scale, kt, kgt, vt, c0, c1, ng, r, NV, TYPE, mt, lt, at, st)
-        if (nv == 4 && type == F32) CHUNK(4, F32);
-        else if (nv == 4 && type == BF16) CHUNK(4, BF16);
-        else if (nv == 4 && type == F16) CHUNK(4, F16);
-        else if (nv == 8 && type == F32) CHUNK(8, F32);
-        else if (nv == 8 && type == BF16) CHUNK(8, BF16);
-        else if (nv == 8 && type == F16) CHUNK(8, F16);
-        else CHUNK(nv, type);
+        float *at = acc + t * r * d;
+#define CHUNK(N8, TYPE) chunk(qt, qgt, scale, kt, kgt, vt, c0, c1, ng, r, N8, TYPE, mt, lt, at, st)
+        if (n8 == 8 && type == F32) CHUNK(8, F32);
+        else if (n8 == 8 && type == BF16) CHUNK(8, BF16);
+        else if (n8 == 8 && type == F16) CHUNK(8, F16);
+        else if (n8 == 16 && type == F32) CHUNK(16, F32);
+        else if (n8 == 16 && type == BF16) CHUNK(16, BF16);
+        else if (n8 == 16 && type == F16) CHUNK(16, F16);
+        else if (n8 == 32 && type == BF16) CHUNK(32, BF16);
+        else CHUNK(n8, type);
 #undef CHUNK
     }
     for (long g = 0; g < hkv; g++) {
@@ -181,7 +220,7 @@ int decode_attention(const float *q, const float *qg, const void *k, const void 
             for (long c = 0; c < n_chunks; c++) {
                 long at = (g * n_chunks + c) * r + h;
                 if (l[at] == 0.0f) continue;
-                float w = expf(m[at] - mx), *a = (float *)(acc + at * nv);
+                float w = expf(m[at] - mx), *a = acc + at * d;
                 sum += w * l[at];
                 for (long i = 0; i < d; i++) o[i] += w * a[i];
             }
