@@ -20,6 +20,7 @@ from selfextend.models.diskcache import (
     parse_dtype,
     run_form,
 )
+from selfextend.models.quant import quant_kernels
 from selfextend.models.quantize import Int8Linear, quantize_int8
 from selfextend.models.sources import DEFAULT_MODEL, ModelSource, hub_load, resolve_model
 from selfextend.models.weights import (
@@ -105,13 +106,14 @@ def _place(model: PreTrainedModel, device_map: str | dict[str, Any]) -> None:
 
 
 def auto_weights(weights: str, source: ModelSource, device: torch.device) -> str:
-    """``weights`` itself, or for ``"auto"``: int4 for a GGUF on the CPU (its 4-bit blocks repacked, every
-    other linear layer int8), int8 otherwise. ``gguf`` (the blocks as stored, native int8 dot products) is
-    faster on SmolLM2 (1.08x at --ctx 512) but not yet the default: with bf16 cells its greedy answer to
-    "What is the capital of France?" goes wrong where int4's does not (docs: limits)."""
+    """``weights`` itself, or for ``"auto"``: for a GGUF on the CPU its blocks as stored (``gguf``: native
+    int8 dot products, the fastest form there and within 0.3% of float perplexity), or ``int4`` (its 4-bit
+    blocks repacked for torch's kernel) where the native products cannot be built; int8 otherwise."""
     if weights != "auto":
         return weights
-    return "int4" if source.kind == "gguf" and device.type == "cpu" else "int8"
+    if source.kind != "gguf" or device.type != "cpu":
+        return "int8"
+    return "gguf" if quant_kernels() is not None else "int4"
 
 
 def load_model(
@@ -138,12 +140,13 @@ def load_model(
     weight freed as it goes) and only the rest is cast to ``dtype``, so a bfloat16 checkpoint never
     exists in float32.
 
-    ``weights="auto"`` is int4 for a GGUF on the CPU and int8 otherwise (:func:`auto_weights`).
+    ``weights="auto"`` is gguf (int4 without a C compiler) for a GGUF on the CPU and int8 otherwise
+    (:func:`auto_weights`).
 
     ``weights="gguf"`` holds a GGUF's linear weights in the block formats the native products compute
     (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K) as stored, in a
-    :class:`~selfextend.models.blocks.BlockLinear`, and every other linear layer as int8 (a tied output
-    head too: int8 from the embedding).
+    :class:`~selfextend.models.blocks.BlockLinear` (a tied output head reads the embedding's own blocks),
+    and every other linear layer as int8.
 
     ``weights="int4"`` holds a GGUF's linear weights stored in 4-bit blocks (Q4_0, Q4_1, Q4_K) as
     :class:`~selfextend.models.quantize.Int4Linear`, repacked from the blocks themselves (no value is
