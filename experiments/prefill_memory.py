@@ -28,7 +28,7 @@ def worker(variant: str, tokens: int, ctx: int, group_size: int, window: int) ->
     from selfextend.kv.cache import ContextShiftCache
     from selfextend.models import load_model
 
-    model, tokenizer = load_model("smollm2-135m")
+    model, tokenizer = load_model("smollm2-135m", weights="auto")  # generate's default weights
     ids = tokenizer(default_books()["sherlock-holmes"][: tokens * 8]).input_ids[:tokens]
     if variant == "selfextend":
         selfextend.apply_self_extend(model, group_size, window)

@@ -33,7 +33,12 @@ def section_blocks(kind: str) -> list[str]:
 
 def test_answers_and_reuses(server):
     client = openai.OpenAI(base_url=server + "/v1", api_key="none", max_retries=0, timeout=300)
-    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    # the README's example; with no system prompt this 4-bit model answers in French (llama.cpp on the same
+    # file too: "L'Étoile, la Marseillaise, ...")
+    messages = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "What is the capital of France?"},
+    ]
     out = client.chat.completions.create(model="m", messages=messages, max_tokens=24, temperature=0)
     assert "Paris" in out.choices[0].message.content
     history = [{"role": "system", "content": "You are a helpful assistant."}]
