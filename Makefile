@@ -20,8 +20,10 @@ demo: install
 	$(BIN)/selfextend info smollm2-135m --group-size 4 --window 1024
 	$(BIN)/selfextend generate --system "You are a pirate. Answer like one." -p "Tell me about the sea." --ctx 256 -n 400 --seed 0
 
+# One pytest worker per core, each on one thread (two-thread workers on two cores spin against each other);
+# a file's tests stay on one worker, so a module's loaded model is loaded once.
 test: install browser
-	$(BIN)/pytest -q
+	OMP_NUM_THREADS=1 $(BIN)/pytest -q -n auto --dist loadfile
 
 # The chat page's browser test needs Debian's chromium; where apt cannot install it, that test skips.
 browser:

@@ -28,14 +28,18 @@ from transformers import (
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Every model conversion of the session goes into a temporary cache (inherited by subprocesses), never
-    into the user's own ``~/.cache/selfextend``."""
+    """Every model conversion of the session goes into a temporary cache (inherited by subprocesses and by
+    pytest-xdist's workers, which share the one their controller made), never into the user's own
+    ``~/.cache/selfextend``."""
+    if hasattr(config, "workerinput"):  # an xdist worker: its controller's cache is in the environment
+        return
     config.selfextend_cache = tempfile.mkdtemp(prefix="selfextend-test-cache-")
     os.environ["SELFEXTEND_CACHE"] = config.selfextend_cache
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    shutil.rmtree(getattr(config, "selfextend_cache", ""), ignore_errors=True)
+    if hasattr(config, "selfextend_cache"):
+        shutil.rmtree(config.selfextend_cache, ignore_errors=True)
 
 
 TRAINED = 64  # max_position_embeddings of the tiny models
