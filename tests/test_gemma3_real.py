@@ -99,7 +99,7 @@ def test_int8_perplexity_within_one_percent_of_float(gemma, text):
     from selfextend.models.quantize import quantize_int8
 
     float32, tokenizer = gemma
-    ids = tokenizer(text[:6000], return_tensors="pt").input_ids[:, :1024]  # 1k x 262k-entry logits per forward
+    ids = tokenizer(text[:6000], return_tensors="pt").input_ids[:, :1024]  # 1k x 262k logits a forward
     assert ids.shape[1] == 1024
     reference = perplexity(token_nll(float32, ids))
     model = copy.deepcopy(float32)

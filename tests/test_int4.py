@@ -200,15 +200,15 @@ def test_int4_without_gguf_blocks_is_int8_with_a_warning(tiny_dir: Path, caplog)
     assert [r.getMessage() for r in caplog.records if "int4" in r.getMessage()] != []
 
 
-def test_auto_weights_are_the_blocks_for_a_gguf_on_the_cpu_only(tiny_q4: Path, tiny_dir: Path, caplog) -> None:
+def test_auto_weights_are_the_blocks_for_a_gguf_on_the_cpu(tiny_q4: Path, tiny_dir: Path, caplog) -> None:
     """``--weights auto`` (the default of generate, chat and serve): a GGUF's own blocks on the CPU (int4
     without the native products), and int8 without a word for a model directory or another device."""
-    native = quant_kernels() is not None
-    assert auto_weights("auto", resolve_model(str(tiny_q4)), torch.device("cpu")) == ("gguf" if native else "int4")
+    blocks = "gguf" if quant_kernels() is not None else "int4"
+    assert auto_weights("auto", resolve_model(str(tiny_q4)), torch.device("cpu")) == blocks
     assert auto_weights("auto", resolve_model(str(tiny_q4)), torch.device("cuda")) == "int8"
     assert auto_weights("auto", resolve_model(str(tiny_dir)), torch.device("cpu")) == "int8"
     assert auto_weights("float", resolve_model(str(tiny_q4)), torch.device("cpu")) == "float"
-    assert weight_format(load_model(str(tiny_q4), weights="auto")[0]) == ("gguf" if native else "int4")
+    assert weight_format(load_model(str(tiny_q4), weights="auto")[0]) == blocks
     with caplog.at_level(logging.WARNING, logger="selfextend"):
         assert weight_format(load_model(str(tiny_dir), weights="auto")[0]) == "int8"
     assert not [r for r in caplog.records if "int4" in r.getMessage()]
