@@ -62,7 +62,8 @@ def step_fn(model: torch.nn.Module, path: str) -> Callable[[Generator], object]:
 
 
 def load(name: str, threads: int, self_extend: bool) -> torch.nn.Module:
-    """Model ``name`` as ``generate`` runs it (int4), ``threads`` threads; Self-Extend G=4, W=1024 if set."""
+    """Model ``name`` as ``generate`` runs it (its default weights), ``threads`` threads; Self-Extend G=4,
+    W=1024 if set."""
     torch.set_num_threads(threads)
     model, _ = load_model(name, weights="auto")
     if self_extend:
