@@ -14,8 +14,9 @@
  *
  * Work is split into (KV head, chunk of cells) tasks over the OpenMP threads torch already runs (the
  * same libgomp), each a pass over its keys then its values with a local softmax; the chunks are merged
- * with their maxima, as flash-decoding does. Vectors are gcc/clang vector extensions of 16 floats, which
- * -march=native lowers to the machine's registers (one AVX-512 register, two AVX2 ones, ...). */
+ * with their maxima, as flash-decoding does. Attention's vectors are gcc/clang vector extensions of 8
+ * floats (one AVX2 register, kept in registers; int8_gemv's are 16: one AVX-512 register, two AVX2 ones),
+ * which -march=native lowers to the machine's registers. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>

@@ -39,7 +39,7 @@ from selfextend.models.sources import cache_root
 
 SOURCE = Path(__file__).with_name("native.c")
 MAX_QUERY_ROWS = 16  # query heads per KV head the kernel takes (native.c's MAX_R)
-MAX_HEAD_DIM = 256  # and head size (a multiple of 16: 16 * MAX_V there)
+MAX_HEAD_DIM = 256  # and head size (a multiple of 16; 8 * MAX_V8 there)
 NO_MEMORY = 2  # what decode_attention returns without scratch space (1: sizes it cannot read)
 ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1}  # transformers' names of the gated activations native.c has
 
