@@ -25,7 +25,7 @@ from selfextend.generation.decode import DecodeStep
 from selfextend.generation.generator import Generator
 from selfextend.kv.cache import ContextShiftCache
 from selfextend.models import load_model
-from selfextend.models.blocks import BlockLinear, block_mm, reference_product
+from selfextend.models.blocks import INTERLEAVED, BlockLinear, block_mm, reference_product
 from selfextend.models.quant import quant_kernels
 from selfextend.models.quantize import weight_format
 
@@ -59,15 +59,17 @@ def pair(tiny_mixed: Path):
 
 
 def test_layers_hold_the_stored_blocks(pair, tiny_mixed: Path) -> None:
-    """Every projection keeps its stored type, and its blocks dequantise to transformers' weight (q and k
-    rows in the model's order); the cached run form reads back the same layers."""
+    """Every projection keeps its stored type (Q4_0 in the kernels' 8-row interleaved form), and its blocks
+    dequantise to transformers' weight (q and k rows in the model's order); the cached run form reads back
+    the same layers."""
     reference, model = pair
     for ref_layer, layer in zip(reference.model.layers, model.model.layers, strict=True):
         for name in PROJECTIONS:
             part = layer.self_attn if hasattr(layer.self_attn, name) else layer.mlp
             ref_part = ref_layer.self_attn if hasattr(ref_layer.self_attn, name) else ref_layer.mlp
             module = getattr(part, name)
-            assert isinstance(module, BlockLinear) and module.kind == STORED[name], name
+            want = INTERLEAVED.get(STORED[name], STORED[name])
+            assert isinstance(module, BlockLinear) and module.kind == want, name
             torch.testing.assert_close(module.dequantized(), getattr(ref_part, name).weight, atol=0, rtol=0)
     # the tied head reads the embedding's own blocks (Q5_0 here), which dequantise to transformers' head
     assert weight_format(model) == "gguf" and isinstance(model.lm_head, BlockLinear)

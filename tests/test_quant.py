@@ -5,7 +5,8 @@ of the same math (the weight dequantised, each activation row quantized to int8 
 does and dequantised): float32 rounding apart. (b) Against the float product ``x @ dequantize(W)^T``:
 within the bound the activations' int8 rounding sets (half a step per value, times |W|). (c) Batch
 invariance: each row of a many-row call is bitwise the one-row call's. Each on the vector path and the
-portable one, with output sizes and row counts that are not multiples of anything.
+portable one, with output sizes and row counts that are not multiples of anything (of 8 for the 8-row
+interleaved forms of Q4_0 and Q4_1, which must hold rows in eights).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
-from selfextend.models.blocks import BLOCK_KINDS
+from selfextend.models.blocks import BLOCK_KINDS, INTERLEAVED, base_kind, pack8, unpack8
 from selfextend.models.quant import QuantKernels, quant_kernels
 
 KERNELS = quant_kernels()
@@ -58,12 +59,39 @@ def per_block(kind: int) -> int:
     return 256 if GGML_QUANT_SIZES[GGMLQuantizationType(kind)][0] == 256 else 32
 
 
-KINDS = sorted(BLOCK_KINDS)
+KINDS = sorted(BLOCK_KINDS) + sorted(INTERLEAVED.values())
+NAMES = [BLOCK_KINDS.get(k) or BLOCK_KINDS[base_kind(k)] + "x8" for k in KINDS]
 PATHS = [False, True]
 
 
 def columns_of(kind: int) -> int:
-    return 256 * 3 if per_block(kind) == 256 else 32 * 13
+    return 256 * 3 if per_block(base_kind(kind)) == 256 else 32 * 13
+
+
+def kernel_blocks(kind: int, rows: int, seed: int) -> tuple[torch.Tensor, np.ndarray]:
+    """(the kernel's blocks of ``kind``, the same rows as the GGUF stores them): ``rows`` of random weights,
+    rounded up to eights for an interleaved form."""
+    base = base_kind(kind)
+    if kind != base:
+        rows = -(-rows // 8) * 8
+    raw = gguf_blocks(base, rows, columns_of(kind), seed=seed)
+    return torch.from_numpy(pack8(raw, base) if kind != base else raw), raw
+
+
+def test_interleaving_rearranges_the_same_bytes() -> None:
+    """pack8 moves each group's 4-bit values and scale bytes (the multiset of a group's nibbles is kept)
+    and unpack8 undoes it."""
+    for base in INTERLEAVED:
+        raw = gguf_blocks(base, 24, 32 * 5, seed=base)
+        packed = pack8(raw, base)
+        assert packed.shape == raw.shape and not np.array_equal(packed, raw)
+        assert np.array_equal(unpack8(packed, base), raw)
+        for g in range(3):
+            nibbles = [
+                np.sort(np.concatenate([a[8 * g : 8 * g + 8] & 15, a[8 * g : 8 * g + 8] >> 4]), axis=None)
+                for a in (packed, raw)
+            ]
+            assert np.array_equal(*nibbles)
 
 
 @pytest.fixture(scope="module", params=PATHS, ids=["vector", "portable"])
@@ -71,30 +99,30 @@ def kernels(request: pytest.FixtureRequest) -> QuantKernels:
     return QuantKernels(KERNELS.library, portable=request.param)
 
 
-@pytest.mark.parametrize("kind", KINDS, ids=[BLOCK_KINDS[k] for k in KINDS])
+@pytest.mark.parametrize("kind", KINDS, ids=NAMES)
 @pytest.mark.parametrize("m", [1, 7, 512])
 def test_product_is_the_same_math_and_close_to_float(kernels: QuantKernels, kind: int, m: int) -> None:
     columns = columns_of(kind)
-    raw = gguf_blocks(kind, N_OUT, columns, seed=kind)
-    w = quants.dequantize(raw, GGMLQuantizationType(kind)).astype(np.float64)  # (N, K)
+    blocks, raw = kernel_blocks(kind, N_OUT, seed=kind)
+    w = quants.dequantize(raw, GGMLQuantizationType(base_kind(kind))).astype(np.float64)  # (N, K)
     x = torch.randn(m, columns, generator=torch.Generator().manual_seed(m))
-    got = kernels(x, torch.from_numpy(raw), kind).double().numpy()
-    xd, d = activation_steps(x.numpy(), per_block(kind))
+    got = kernels(x, blocks, kind).double().numpy()
+    xd, d = activation_steps(x.numpy(), per_block(base_kind(kind)))
     same_math = xd @ w.T
     magnitude = np.abs(xd) @ np.abs(w).T
-    assert np.all(np.abs(got - same_math) <= 2e-5 * magnitude + 1e-30), BLOCK_KINDS[kind]
+    assert np.all(np.abs(got - same_math) <= 2e-5 * magnitude + 1e-30), kind
     exact = x.double().numpy() @ w.T  # (b): the activations' rounding, at most half a step each
     bound = (d / 2) @ np.abs(w).T
     assert np.all(np.abs(got - exact) <= 1.0001 * bound + 2e-5 * magnitude)
     assert np.abs(got - exact).max() > 0  # int8 activations really are rounded
 
 
-@pytest.mark.parametrize("kind", KINDS, ids=[BLOCK_KINDS[k] for k in KINDS])
+@pytest.mark.parametrize("kind", KINDS, ids=NAMES)
 def test_rows_do_not_depend_on_the_batch(kernels: QuantKernels, kind: int) -> None:
     """Every row of a 512-row call (tiles of 4) and of a 7-row one (a tile and a tail) equals that row
     alone, bit for bit, in float32 and rounded to bfloat16."""
     columns = columns_of(kind)
-    blocks = torch.from_numpy(gguf_blocks(kind, N_OUT, columns, seed=1))
+    blocks, _ = kernel_blocks(kind, N_OUT, seed=1)
     x = torch.randn(512, columns, generator=torch.Generator().manual_seed(3))
     many = kernels(x, blocks, kind)
     tail = kernels(x[:7], blocks, kind)
@@ -108,13 +136,19 @@ def test_rows_do_not_depend_on_the_batch(kernels: QuantKernels, kind: int) -> No
 
 
 def test_vector_and_portable_paths_agree() -> None:
-    """The two paths share the integer sums, so they differ only in float32 summation order."""
+    """The two paths share the integer sums, so they differ only in float32 summation order; over the
+    interleaved forms, whose vector lanes are rows, not at all. The interleaved forms give the stored
+    rows' products to that order too."""
     vector, portable = QuantKernels(KERNELS.library), QuantKernels(KERNELS.library, portable=True)
     for kind in KINDS:
-        blocks = torch.from_numpy(gguf_blocks(kind, N_OUT, columns_of(kind), seed=5))
+        blocks, raw = kernel_blocks(kind, N_OUT, seed=5)
         x = torch.randn(9, columns_of(kind))
         a, b = vector(x, blocks, kind), portable(x, blocks, kind)
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * float(b.abs().max()))
+        if kind != base_kind(kind):
+            assert torch.equal(a, b)
+            stored = vector(x, torch.from_numpy(raw), base_kind(kind))
+            torch.testing.assert_close(a, stored, rtol=1e-5, atol=1e-5 * float(b.abs().max()))
 
 
 def test_bad_shapes_are_refused() -> None:
@@ -123,3 +157,5 @@ def test_bad_shapes_are_refused() -> None:
         KERNELS(torch.randn(1, 512), blocks, 12)
     with pytest.raises(ValueError, match="computes GGUF types"):
         KERNELS(torch.randn(1, 256), blocks, 10)
+    with pytest.raises(ValueError, match="in eights"):
+        KERNELS(torch.randn(1, 32), torch.from_numpy(gguf_blocks(3, 12, 32)), INTERLEAVED[3])

@@ -20,6 +20,7 @@
  * scalar path (`portable`), also used where AVX2 is missing. Threads: OpenMP over output rows (torch's
  * own libgomp); a row's reduction over n_in is never split. */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -30,19 +31,21 @@
 
 #define INLINE static inline __attribute__((always_inline))
 
-enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, Q4_0X8 = 1002, Q4_1X8 = 1003 };
 enum { F32 = 0, BF16 = 1 };
-enum { TILE = 4, WEIGHT_TILE_BYTES = 65536 };
+enum { TILE = 4, WR_MAX = 4, WR_TILE = 2, WEIGHT_TILE_BYTES = 65536 };
 
-typedef struct { float d; int32_t sum; int8_t q[32]; } xq32;         /* an activation block, 32 values */
+typedef struct { float d, s; int32_t sum; int8_t q[32]; } xq32;      /* an activation block, 32 values; s = d sum */
 typedef struct { float d; int16_t bsums[16]; int8_t q[256]; } xqk;   /* and 256 values (K-quants) */
 
 /* Values and bytes per block of `type`; 0 for a type not computed here. */
 static long block_values(int type) {
+    if (type == Q4_0X8 || type == Q4_1X8) type -= 1000;
     return type == Q4_K || type == Q5_K || type == Q6_K ? 256 : (type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q8_0) ? 32 : 0;
 }
 
 static long block_bytes(int type) {
+    if (type == Q4_0X8 || type == Q4_1X8) type -= 1000;
     switch (type) {
     case Q4_0: return 18;
     case Q4_1: return 20;
@@ -94,6 +97,7 @@ static void quantize_row(const void *x, int type, long n, int k_quant, void *out
             int s = 0;
             for (int k = 0; k < 32; k++) s += o->q[k];
             o->sum = s;
+            o->s = o->d * (float)s;
         }
         return;
     }
@@ -148,7 +152,7 @@ static float dot_scalar(int type, const uint8_t *w, const void *xv, long nb) {
                 if (type != Q4_1) isum -= (type == Q4_0 ? 8 : 16) * x->sum;
             }
             acc = fmaf(f16(blk) * x->d, (float)isum, acc);
-            if (type == Q4_1) accm = fmaf(f16(blk + 2) * x->d, (float)x->sum, accm);
+            if (type == Q4_1) accm = fmaf(f16(blk + 2), x->s, accm);
             continue;
         }
         const xqk *x = (const xqk *)xv + b;
@@ -194,6 +198,34 @@ static float dot_scalar(int type, const uint8_t *w, const void *xv, long nb) {
     return type == Q4_K || type == Q5_K ? acc - accm : acc + accm;
 }
 
+/* The 8-row interleaved forms (Q4_0X8, Q4_1X8: blocks.py's pack8): per group of 8 weight rows and block
+ * of 32 values, the 8 rows' d (float16), Q4_1's 8 m, then 128 bytes where byte 16 s + 4 k + i holds value
+ * 4 s + i of row k in its low nibble and of row 4 + k in its high one. One 32-byte load after unpacking
+ * then holds 4 values of each of the 8 rows (lane k: row k), and a product's 8 lanes are 8 outputs. */
+INLINE int x8_value(const uint8_t *qs, int row, int j) {
+    uint8_t byte = qs[16 * (j / 4) + 4 * (row % 4) + j % 4];
+    return row < 4 ? byte & 0xF : byte >> 4;
+}
+
+/* The 8 rows of a group (nb blocks) times one quantized activation row into out[0..8]: the portable path,
+ * the same float operations per row as the vector one (whose lanes are the rows). */
+static void x8_scalar(int type, const uint8_t *w, const xq32 *x, long nb, float *out) {
+    long bb = 8 * block_bytes(type);
+    const int head = type == Q4_1X8 ? 32 : 16;
+    for (int k = 0; k < 8; k++) {
+        float acc = 0.0f, accm = 0.0f;
+        for (long b = 0; b < nb; b++) {
+            const uint8_t *blk = w + b * bb;
+            int isum = 0;
+            for (int j = 0; j < 32; j++) isum += x8_value(blk + head, k, j) * x[b].q[j];
+            if (type == Q4_0X8) isum -= 8 * x[b].sum;
+            acc = fmaf(f16(blk + 2 * k) * x[b].d, (float)isum, acc);
+            if (type == Q4_1X8) accm = fmaf(f16(blk + 16 + 2 * k), x[b].s, accm);
+        }
+        out[k] = acc + accm;
+    }
+}
+
 #ifdef HAVE_AVX2
 INLINE float hsum8(__m256 v) {
     __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -223,38 +255,56 @@ INLINE __m256i bits_to_bytes(const uint8_t *p) {
     return _mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1));
 }
 
-/* One weight row times R activation rows x[r] (R = 1 or TILE), the 32-value block formats. */
-INLINE void rows32(int type, const uint8_t *w, const void *const *xv, long nb, int R, float *out) {
+/* WR weight rows (w, w + row_bytes, ...) times R activation rows x[r], the 32-value block formats, into
+ * out[wr * TILE + r]; `type`, WR and R constants at every call, so each format and tile shape gets its own
+ * loop with the accumulators in registers. A weight block is unpacked once for the R rows and an
+ * activation block loaded once for the WR weight rows. Q4_0 and Q5_0 take their offset (8, 16) off the
+ * weights and multiply |w| by x carrying w's sign (the integer sums are those of the offset taken off the
+ * sums); Q4_1 adds m times the activation block's d sum. Every accumulator sees the same instructions
+ * whatever WR and R are, so a product does not depend on the tile it was computed in. */
+INLINE void rows32(int type, const uint8_t *w, long row_bytes, int WR, const void *const *xv, long nb, int R,
+                   float *out) {
     const __m256i m4 = _mm256_set1_epi8(0xF);
-    __m256 acc[TILE];
-    float accm[TILE];
-    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps(), accm[r] = 0.0f;
-    long bb = block_bytes(type);
+    const __m256i offset = _mm256_set1_epi8(type == Q4_0 ? 8 : 16);
+    const xq32 *x[TILE];
+    __m256 acc[WR_MAX][TILE];
+    float accm[WR_MAX][TILE];
+    for (int r = 0; r < R; r++) x[r] = (const xq32 *)xv[r];
+    for (int k = 0; k < WR; k++)
+        for (int r = 0; r < R; r++) acc[k][r] = _mm256_setzero_ps(), accm[k][r] = 0.0f;
+    const long bb = type == Q4_0 ? 18 : type == Q4_1 ? 20 : type == Q5_0 ? 22 : 34;
     for (long b = 0; b < nb; b++) {
-        const uint8_t *blk = w + b * bb;
-        float d = f16(blk);
-        __m256i u;
-        if (type == Q8_0) {
-            u = _mm256_loadu_si256((const __m256i *)(blk + 2));
-        } else {
-            __m128i q = _mm_loadu_si128((const __m128i *)(blk + (type == Q4_0 ? 2 : type == Q4_1 ? 4 : 6)));
-            u = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), m4);
-            if (type == Q5_0) u = _mm256_or_si256(u, _mm256_and_si256(bits_to_bytes(blk + 2), _mm256_set1_epi8(0x10)));
+        __m256 d[WR_MAX];
+        __m256i u[WR_MAX], sw[WR_MAX]; /* the weights as unsigned bytes (|w| where signed); w, whose sign x takes */
+        float m[WR_MAX];
+        for (int k = 0; k < WR; k++) {
+            const uint8_t *blk = w + k * row_bytes + b * bb;
+            d[k] = _mm256_set1_ps(f16(blk));
+            m[k] = type == Q4_1 ? f16(blk + 2) : 0.0f;
+            if (type == Q8_0) {
+                sw[k] = _mm256_loadu_si256((const __m256i *)(blk + 2));
+                u[k] = _mm256_sign_epi8(sw[k], sw[k]);
+            } else {
+                __m128i q = _mm_loadu_si128((const __m128i *)(blk + (type == Q4_0 ? 2 : type == Q4_1 ? 4 : 6)));
+                u[k] = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), m4);
+                if (type == Q5_0) u[k] = _mm256_or_si256(u[k], _mm256_and_si256(bits_to_bytes(blk + 2), _mm256_set1_epi8(0x10)));
+                sw[k] = _mm256_sub_epi8(u[k], offset);
+                if (type != Q4_1) u[k] = _mm256_sign_epi8(sw[k], sw[k]);
+            }
         }
         for (int r = 0; r < R; r++) {
-            const xq32 *x = (const xq32 *)xv[r] + b;
-            __m256i xs = _mm256_loadu_si256((const __m256i *)x->q), p;
-            if (type == Q8_0) {
-                p = dot_u8s8(_mm256_abs_epi8(u), _mm256_sign_epi8(xs, u));
-            } else {
-                p = dot_u8s8(u, xs);
-                if (type != Q4_1) p = _mm256_sub_epi32(p, _mm256_setr_epi32((type == Q4_0 ? 8 : 16) * x->sum, 0, 0, 0, 0, 0, 0, 0));
+            const xq32 *xb = x[r] + b;
+            __m256i xs = _mm256_loadu_si256((const __m256i *)xb->q);
+            __m256 dx = _mm256_broadcast_ss(&xb->d);
+            for (int k = 0; k < WR; k++) {
+                __m256i p = dot_u8s8(u[k], type == Q4_1 ? xs : _mm256_sign_epi8(xs, sw[k]));
+                acc[k][r] = _mm256_fmadd_ps(dx, _mm256_mul_ps(_mm256_cvtepi32_ps(p), d[k]), acc[k][r]);
+                if (type == Q4_1) accm[k][r] = fmaf(m[k], xb->s, accm[k][r]);
             }
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * x->d), _mm256_cvtepi32_ps(p), acc[r]);
-            if (type == Q4_1) accm[r] = fmaf(f16(blk + 2) * x->d, (float)x->sum, accm[r]);
         }
     }
-    for (int r = 0; r < R; r++) out[r] = hsum8(acc[r]) + accm[r];
+    for (int k = 0; k < WR; k++)
+        for (int r = 0; r < R; r++) out[k * TILE + r] = hsum8(acc[k][r]) + accm[k][r];
 }
 
 /* The 8 scales (sc) and 8 mins (mn) of scales_k4, a byte each, from the 12 packed bytes s, with 32-bit
@@ -368,25 +418,126 @@ INLINE void rows_q6k(const uint8_t *w, const void *const *xv, long nb, int R, fl
     for (int r = 0; r < R; r++) out[r] = hsum8(acc[r]);
 }
 
-/* R = 1 and R = TILE instances of each: the same instructions per accumulator. */
-#define ROWS(name, call)                                                                  \
-    static void name##_1(int type, const uint8_t *w, const void *const *x, long nb, float *out) { \
-        (void)type;                                                                       \
-        call(1);                                                                          \
-    }                                                                                     \
-    static void name##_tile(int type, const uint8_t *w, const void *const *x, long nb, float *out) { \
-        (void)type;                                                                       \
-        call(TILE);                                                                       \
+/* A group of 8 interleaved weight rows times R activation rows x[r] into out[r * 8 + k]. Per block: the
+ * 8 unpacked 32-byte steps (4 values of each row) times each row's 4 activation values broadcast, summed
+ * as int16 (at most 8 x 2 x 15 x 127 = 30480) and once to int32, then scaled by the 8 rows' d at once. */
+INLINE void rows_x8(int type, const uint8_t *w, const void *const *xv, long nb, int R, float *out) {
+    const __m256i m4 = _mm256_set1_epi8(0xF), ones = _mm256_set1_epi16(1);
+    const long bb = type == Q4_0X8 ? 144 : 160;
+    const int head = type == Q4_1X8 ? 32 : 16;
+    __m256 acc[TILE], accm[TILE];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps(), accm[r] = _mm256_setzero_ps();
+    for (long b = 0; b < nb; b++) {
+        const uint8_t *blk = w + b * bb;
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+        const __m256 m = type == Q4_1X8 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16))) : d;
+        __m256i u[8];
+        for (int s = 0; s < 8; s++) {
+            __m128i q = _mm_loadu_si128((const __m128i *)(blk + head + 16 * s));
+            u[s] = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), m4);
+        }
+        for (int r = 0; r < R; r++) {
+            const xq32 *xb = (const xq32 *)xv[r] + b;
+            int32_t xi[8];
+            memcpy(xi, xb->q, 32);
+            __m256i s16 = _mm256_setzero_si256();
+            for (int s = 0; s < 8; s++) s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(u[s], _mm256_set1_epi32(xi[s])));
+            __m256i p = _mm256_madd_epi16(s16, ones);
+            if (type == Q4_0X8) p = _mm256_sub_epi32(p, _mm256_set1_epi32(8 * xb->sum));
+            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_broadcast_ss(&xb->d)), _mm256_cvtepi32_ps(p), acc[r]);
+            if (type == Q4_1X8) accm[r] = _mm256_fmadd_ps(m, _mm256_broadcast_ss(&xb->s), accm[r]);
+        }
     }
-#define CALL32(R) rows32(type, w, x, nb, R, out)
-#define CALLK4(R) rows_k4(type, w, x, nb, R, out)
-#define CALLQ6K(R) rows_q6k(w, x, nb, R, out)
-ROWS(r32, CALL32)
-ROWS(rk4, CALLK4)
-ROWS(rq6k, CALLQ6K)
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(out + 8 * r, type == Q4_1X8 ? _mm256_add_ps(acc[r], accm[r]) : _mm256_add_ps(acc[r], _mm256_setzero_ps()));
+}
+
+static void x8_q40_1(const uint8_t *w, const void *const *x, long nb, float *out) { rows_x8(Q4_0X8, w, x, nb, 1, out); }
+static void x8_q40_t(const uint8_t *w, const void *const *x, long nb, float *out) { rows_x8(Q4_0X8, w, x, nb, TILE, out); }
+static void x8_q41_1(const uint8_t *w, const void *const *x, long nb, float *out) { rows_x8(Q4_1X8, w, x, nb, 1, out); }
+static void x8_q41_t(const uint8_t *w, const void *const *x, long nb, float *out) { rows_x8(Q4_1X8, w, x, nb, TILE, out); }
+
+/* Each format's tile shapes: (weight rows, activation rows) = (1, 1), (WR_MAX, 1) for a decode step,
+ * (1, TILE) and (WR_TILE, TILE) for a chunk; the K-quants take one weight row at a time. */
+#define SHAPES(name, call)                                                                                   \
+    static void name##_1x1(const uint8_t *w, long rb, const void *const *x, long nb, float *out) { call(1, 1); } \
+    static void name##_wx1(const uint8_t *w, long rb, const void *const *x, long nb, float *out) { call(WR_MAX, 1); } \
+    static void name##_1xt(const uint8_t *w, long rb, const void *const *x, long nb, float *out) { call(1, TILE); } \
+    static void name##_wxt(const uint8_t *w, long rb, const void *const *x, long nb, float *out) { call(WR_TILE, TILE); }
+#define CALLQ40(WR, R) rows32(Q4_0, w, rb, WR, x, nb, R, out)
+#define CALLQ41(WR, R) rows32(Q4_1, w, rb, WR, x, nb, R, out)
+#define CALLQ50(WR, R) rows32(Q5_0, w, rb, WR, x, nb, R, out)
+#define CALLQ80(WR, R) rows32(Q8_0, w, rb, WR, x, nb, R, out)
+#define CALLK4(WR, R) for (int k = 0; k < WR; k++) rows_k4(Q4_K, w + k * rb, x, nb, R, out + k * TILE)
+#define CALLK5(WR, R) for (int k = 0; k < WR; k++) rows_k4(Q5_K, w + k * rb, x, nb, R, out + k * TILE)
+#define CALLQ6K(WR, R) for (int k = 0; k < WR; k++) rows_q6k(w + k * rb, x, nb, R, out + k * TILE)
+SHAPES(rq40, CALLQ40)
+SHAPES(rq41, CALLQ41)
+SHAPES(rq50, CALLQ50)
+SHAPES(rq80, CALLQ80)
+SHAPES(rq4k, CALLK4)
+SHAPES(rq5k, CALLK5)
+SHAPES(rq6k, CALLQ6K)
 #endif
 
-typedef void (*rows_fn)(int, const uint8_t *, const void *const *, long, float *);
+/* A tile shape's product: weight rows from w (row_bytes apart) times activation rows x[r] into
+ * out[weight row * TILE + activation row]. */
+typedef void (*tile_fn)(const uint8_t *, long, const void *const *, long, float *);
+
+/* Results out[k * TILE + r] of weight rows j.. and activation rows i.. into y (m, n_out). */
+static void store(void *y, int y_type, long n_out, long i, long j, const float *out, int wr, int R) {
+    for (int k = 0; k < wr; k++)
+        for (int r = 0; r < R; r++) {
+            long at = (i + r) * n_out + j + k;
+            if (y_type == F32) ((float *)y)[at] = out[k * TILE + r];
+            else ((uint16_t *)y)[at] = to_bf16(out[k * TILE + r]);
+        }
+}
+
+/* Tasks over an even share of the threads of a group's worth of rows or more. */
+static long tasks_of(long units, long unit_bytes, long m) {
+    if (m < TILE) return units;
+    long threads = omp_get_max_threads(), most = WEIGHT_TILE_BYTES / unit_bytes;
+    long tasks = (units + (most > 1 ? most : 1) - 1) / (most > 1 ? most : 1);
+    tasks = (tasks + threads - 1) / threads * threads;
+    return tasks < units ? tasks : units;
+}
+
+/* quant_mm for the 8-row interleaved forms: groups of 8 weight rows per task, quantized rows xq. */
+static void mm_x8(int type, const uint8_t *w, long n_out, long nb, const char *xq, long m, void *y, int y_type,
+                  int portable) {
+    long groups = n_out / 8, group_bytes = nb * block_bytes(type) * 8, xrow = nb * (long)sizeof(xq32);
+    long tasks = tasks_of(groups, group_bytes, m), per = (groups + tasks - 1) / tasks;
+#pragma omp parallel for schedule(static)
+    for (long t = 0; t < tasks; t++) {
+        long g_end = (t + 1) * per < groups ? (t + 1) * per : groups;
+        for (long i = 0; i < m; i += TILE) {
+            int R = m - i < TILE ? (int)(m - i) : TILE;
+            const void *xs[TILE];
+            for (int r = 0; r < R; r++) xs[r] = xq + (i + r) * xrow;
+            for (long g = t * per; g < g_end; g++) {
+                const uint8_t *wg = w + g * group_bytes;
+                float out[8 * TILE];
+                int done = 0;
+#ifdef HAVE_AVX2
+                if (!portable) {
+                    if (R == TILE) (type == Q4_0X8 ? x8_q40_t : x8_q41_t)(wg, xs, nb, out);
+                    else
+                        for (int r = 0; r < R; r++) (type == Q4_0X8 ? x8_q40_1 : x8_q41_1)(wg, &xs[r], nb, out + 8 * r);
+                    done = 1;
+                }
+#endif
+                if (!done)
+                    for (int r = 0; r < R; r++) x8_scalar(type, wg, (const xq32 *)xs[r], nb, out + 8 * r);
+                for (int r = 0; r < R; r++)
+                    for (int k = 0; k < 8; k++) {
+                        long at = (i + r) * n_out + 8 * g + k;
+                        if (y_type == F32) ((float *)y)[at] = out[8 * r + k];
+                        else ((uint16_t *)y)[at] = to_bf16(out[8 * r + k]);
+                    }
+            }
+        }
+    }
+}
 
 /* y (m, n_out; float32 or bfloat16 by y_type) = x (m, n_in; float32 or bfloat16 by x_type) . W^T, W of
  * `type` as rows of raw GGUF blocks. Returns 0, 1 where scratch memory could not be had, 2 for a type or
@@ -395,6 +546,7 @@ int quant_mm(int type, const uint8_t *w, long n_out, long n_in, const void *x, i
              int y_type, int portable) {
     long bv = block_values(type), bb = block_bytes(type);
     if (bv == 0 || n_in % bv != 0 || m < 0 || n_out < 0) return 2;
+    if ((type == Q4_0X8 || type == Q4_1X8) && n_out % 8 != 0) return 2;
     int k_quant = bv == 256;
     long nb = n_in / bv, row_bytes = nb * bb;
     long xrow = k_quant ? nb * (long)sizeof(xqk) : nb * (long)sizeof(xq32);
@@ -403,38 +555,69 @@ int quant_mm(int type, const uint8_t *w, long n_out, long n_in, const void *x, i
     long x_size = x_type == F32 ? 4 : 2;
 #pragma omp parallel for schedule(static) if (m > 1)
     for (long i = 0; i < m; i++) quantize_row((const char *)x + i * n_in * x_size, x_type, n_in, k_quant, xq + i * xrow);
-    rows_fn one = NULL, tile = NULL;
-#ifdef HAVE_AVX2
-    if (!portable) {
-        one = k_quant ? (type == Q6_K ? rq6k_1 : rk4_1) : r32_1;
-        tile = k_quant ? (type == Q6_K ? rq6k_tile : rk4_tile) : r32_tile;
+    if (type == Q4_0X8 || type == Q4_1X8) {
+        mm_x8(type, w, n_out, nb, xq, m, y, y_type, portable);
+        free(xq);
+        return 0;
     }
+    tile_fn f11 = NULL, fw1 = NULL, f1t = NULL, fwt = NULL;
+#ifdef HAVE_AVX2
+#define PICK(name) f11 = name##_1x1, fw1 = name##_wx1, f1t = name##_1xt, fwt = name##_wxt
+    if (!portable) {
+        switch (type) {
+        case Q4_0: PICK(rq40); break;
+        case Q4_1: PICK(rq41); break;
+        case Q5_0: PICK(rq50); break;
+        case Q8_0: PICK(rq80); break;
+        case Q4_K: PICK(rq4k); break;
+        case Q5_K: PICK(rq5k); break;
+        default: PICK(rq6k);
+        }
+    }
+#undef PICK
 #endif
-    /* weight rows per task: one for a few activation rows (even shares), else about 64 KiB of them,
-     * read from the cache for every tile of activation rows */
-    long jb = m < TILE ? 1 : (WEIGHT_TILE_BYTES / row_bytes > 1 ? WEIGHT_TILE_BYTES / row_bytes : 1);
+    /* weight rows per task: WR_MAX for a few activation rows, else at most about 64 KiB of them (read from
+     * the cache for every tile of activation rows), as many tasks as a multiple of the threads */
+    long jb = WR_MAX;
+    if (m >= TILE) {
+        long share = tasks_of(n_out, row_bytes, m);
+        jb = ((n_out + share - 1) / share + WR_TILE - 1) / WR_TILE * WR_TILE;
+    }
     long tasks = (n_out + jb - 1) / jb;
 #pragma omp parallel for schedule(static)
     for (long t = 0; t < tasks; t++) {
-        long j_end = (t + 1) * jb < n_out ? (t + 1) * jb : n_out;
+        long j0 = t * jb, j_end = j0 + jb < n_out ? j0 + jb : n_out;
         for (long i = 0; i < m; i += TILE) {
             int R = m - i < TILE ? (int)(m - i) : TILE;
             const void *xs[TILE];
             for (int r = 0; r < R; r++) xs[r] = xq + (i + r) * xrow;
-            for (long j = t * jb; j < j_end; j++) {
-                const uint8_t *wr = w + j * row_bytes;
-                float out[TILE];
-                if (one == NULL) {
-                    for (int r = 0; r < R; r++) out[r] = dot_scalar(type, wr, xs[r], nb);
-                } else if (R == TILE) {
-                    tile(type, wr, xs, nb, out);
-                } else {
-                    for (int r = 0; r < R; r++) one(type, wr, &xs[r], nb, &out[r]);
+            float out[WR_MAX * TILE];
+            if (f11 == NULL) {
+                for (long j = j0; j < j_end; j++) {
+                    for (int r = 0; r < R; r++) out[r] = dot_scalar(type, w + j * row_bytes, xs[r], nb);
+                    store(y, y_type, n_out, i, j, out, 1, R);
                 }
+            } else if (R == TILE) {
+                long j = j0;
+                for (; j + WR_TILE <= j_end; j += WR_TILE) {
+                    fwt(w + j * row_bytes, row_bytes, xs, nb, out);
+                    store(y, y_type, n_out, i, j, out, WR_TILE, TILE);
+                }
+                for (; j < j_end; j++) {
+                    f1t(w + j * row_bytes, row_bytes, xs, nb, out);
+                    store(y, y_type, n_out, i, j, out, 1, TILE);
+                }
+            } else {
                 for (int r = 0; r < R; r++) {
-                    long at = (i + r) * n_out + j;
-                    if (y_type == F32) ((float *)y)[at] = out[r];
-                    else ((uint16_t *)y)[at] = to_bf16(out[r]);
+                    long j = j0;
+                    for (; j + WR_MAX <= j_end; j += WR_MAX) {
+                        fw1(w + j * row_bytes, row_bytes, &xs[r], nb, out);
+                        store(y, y_type, n_out, i + r, j, out, WR_MAX, 1);
+                    }
+                    for (; j < j_end; j++) {
+                        f11(w + j * row_bytes, row_bytes, &xs[r], nb, out);
+                        store(y, y_type, n_out, i + r, j, out, 1, 1);
+                    }
                 }
             }
         }

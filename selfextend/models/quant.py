@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from selfextend.models.blocks import BLOCK_KINDS, block_shape
+from selfextend.models.blocks import BLOCK_KINDS, INTERLEAVED, block_shape
 from selfextend.models.build import ENV, TYPES, bind, build
 from selfextend.models.sources import cache_root
 
@@ -42,9 +42,10 @@ class QuantKernels:
         self, x: torch.Tensor, blocks: torch.Tensor, kind: int, out_dtype: torch.dtype = torch.float32
     ) -> torch.Tensor:
         """``x (M, K) @ W^T -> (M, N)`` in ``out_dtype`` (float32 or bfloat16) for W the GGUF blocks
-        ``blocks`` (N, bytes per row) uint8 of type ``kind`` (one of :data:`BLOCK_KINDS`); ``x`` float32 or
-        bfloat16 (others are taken as float32). ValueError for shapes that do not fit."""
-        if kind not in BLOCK_KINDS:
+        ``blocks`` (N, bytes per row) uint8 of type ``kind`` (one of :data:`BLOCK_KINDS`, or an 8-row
+        interleaved form of :data:`~selfextend.models.blocks.INTERLEAVED`); ``x`` float32 or bfloat16
+        (others are taken as float32). ValueError for shapes that do not fit."""
+        if kind not in BLOCK_KINDS and kind not in INTERLEAVED.values():
             raise ValueError(f"quant_mm computes GGUF types {sorted(BLOCK_KINDS)}, not {kind}")
         if x.dtype not in (torch.float32, torch.bfloat16):
             x = x.float()
@@ -55,6 +56,8 @@ class QuantKernels:
             raise ValueError("quant_mm takes the blocks as contiguous (rows, bytes per row) uint8")
         if k % values or blocks.shape[1] != k // values * size:
             raise ValueError(f"quant_mm: rows of {k} values do not fit blocks of {blocks.shape[1]} bytes")
+        if kind in INTERLEAVED.values() and n % 8:
+            raise ValueError(f"quant_mm: an interleaved form holds rows in eights, not {n}")
         out = torch.empty(m, n, dtype=out_dtype)
         failed = self._mm(
             kind,

@@ -172,6 +172,7 @@ def _assign(
         layer = _placeholder(model, path, BlockLinear)
         layer.blocks = torch.from_numpy(tensor.raw)
         layer.set_kind(tensor.kind)
+        layer.interleave()
     elif attr == "blocks" or attr == "block_kind":  # a saved block layer
         layer = _placeholder(model, path, BlockLinear)
         if attr == "blocks":
