@@ -16,7 +16,7 @@ from selfextend.core.rope import Rotation
 from selfextend.generation import native
 from selfextend.generation.decode import DecodeStep
 from selfextend.generation.native import native_kernels
-from selfextend.models.build import build
+from selfextend.models.build import ENV, build
 
 KERNEL = native_kernels()
 needs_kernel = pytest.mark.skipif(KERNEL is None, reason="no C compiler here to build the attention kernel")
@@ -120,7 +120,7 @@ def test_no_compiler_means_no_kernel(tmp_path, monkeypatch) -> None:
         with pytest.warns(UserWarning, match="native decode kernels not built .false does not say"):
             assert native_kernels() is None
         monkeypatch.delenv("CC")
-        monkeypatch.setenv(native.ENV, "0")
+        monkeypatch.setenv(ENV, "0")
         native_kernels.cache_clear()
         assert native_kernels() is None
     finally:

@@ -27,15 +27,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
-import warnings
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
-from selfextend.models.build import ENV, TYPES, bind, build
-from selfextend.models.sources import cache_root
+from selfextend.models.build import TYPES, bind, kernels
 
 SOURCE = Path(__file__).with_name("native.c")
 MAX_QUERY_ROWS = 16  # query heads per KV head the kernel takes (native.c's MAX_R)
@@ -325,11 +322,5 @@ def _chunks(hkv: int, n: int, threads: int) -> int:
 def native_kernels() -> NativeKernels | None:
     """The kernels, built once per process (and once per machine on disk), or None where
     ``$SELFEXTEND_NATIVE`` is ``0`` or they cannot be built (then with one warning saying why)."""
-    if os.environ.get(ENV) == "0":
-        return None
-    try:
-        return NativeKernels(build(cache_root() / "kernels", SOURCE, "native"))
-    except (RuntimeError, OSError) as e:
-        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-        warnings.warn(f"native decode kernels not built ({reason}); decoding through torch ops", stacklevel=2)
-        return None
+    missing = "native decode kernels not built ({reason}); decoding through torch ops"
+    return kernels(SOURCE, "native", NativeKernels, missing)

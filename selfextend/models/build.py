@@ -20,11 +20,16 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
+from selfextend.models.sources import cache_root
+
+T = TypeVar("T")
 FLAGS = ("-O3", "-march=native", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC")
 COMPILE_TIMEOUT = 300.0  # seconds a compile may take before the caller falls back to torch ops
 QUERY_TIMEOUT = 60.0  # and a question to the compiler (its version, its target)
@@ -36,6 +41,20 @@ def bind(fn: Any, argtypes: list[Any], restype: Any) -> Any:
     """``fn`` with its C signature set (ctypes converts and checks the arguments)."""
     fn.argtypes, fn.restype = argtypes, restype
     return fn
+
+
+def kernels(source: Path, name: str, make: Callable[[Path], T], missing: str) -> T | None:
+    """``make(library)`` of C ``source`` built as ``name`` into the cache root's ``kernels`` folder
+    (:func:`build`), or None where ``$SELFEXTEND_NATIVE`` is ``0`` or it cannot be built, then with one
+    warning: ``missing`` with ``{reason}`` replaced by why."""
+    if os.environ.get(ENV) == "0":
+        return None
+    try:
+        return make(build(cache_root() / "kernels", source, name))
+    except (RuntimeError, OSError, subprocess.SubprocessError) as e:
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        warnings.warn(missing.format(reason=reason), stacklevel=3)
+        return None
 
 
 def build(directory: Path, source: Path, name: str) -> Path:

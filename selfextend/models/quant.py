@@ -14,15 +14,12 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
-import subprocess
-import warnings
 from pathlib import Path
 
 import torch
 
 from selfextend.models.blocks import BLOCK_KINDS, INTERLEAVED, block_shape
-from selfextend.models.build import ENV, TYPES, bind, build
-from selfextend.models.sources import cache_root
+from selfextend.models.build import TYPES, bind, kernels
 
 SOURCE = Path(__file__).with_name("quant.c")
 PORTABLE_ENV = "SELFEXTEND_QUANT_PORTABLE"
@@ -80,13 +77,7 @@ class QuantKernels:
 def quant_kernels() -> QuantKernels | None:
     """The kernel, built once per process (and once per machine on disk), or None where
     ``$SELFEXTEND_NATIVE`` is ``0`` or it cannot be built (then with one warning saying why)."""
-    if os.environ.get(ENV) == "0":
-        return None
-    try:
-        return QuantKernels(
-            build(cache_root() / "kernels", SOURCE, "quant"), os.environ.get(PORTABLE_ENV) == "1"
-        )
-    except (RuntimeError, OSError, subprocess.SubprocessError) as e:
-        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-        warnings.warn(f"native GGUF block products not built ({reason}); using the reference", stacklevel=2)
-        return None
+    portable = os.environ.get(PORTABLE_ENV) == "1"
+    return kernels(
+        SOURCE, "quant", lambda library: QuantKernels(library, portable), "using the reference products"
+    )
