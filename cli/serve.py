@@ -45,6 +45,15 @@ if TYPE_CHECKING:
     "K-shift instead of recomputed (0: the common prefix only).",
 )
 @click.option(
+    "-cram",
+    "--cache-ram",
+    type=COUNT,
+    default=2048,
+    show_default=True,
+    help="MiB of cells kept in memory of conversations whose slot went to another, so that their next "
+    "request reuses them instead of computing its prompt again (llama-server's --cache-ram; 0: none).",
+)
+@click.option(
     "--prefill-chunk",
     type=POSITIVE,
     default=512,
@@ -100,6 +109,7 @@ def serve(
     ctx: int,
     parallel: int,
     cache_reuse: int,
+    cache_ram: int,
     prefill_chunk: int,
     api_key: str | None,
     max_tokens: int,
@@ -142,7 +152,14 @@ def serve(
     warn_beyond_reach(lm, ctx, group_size, window)
     _, cache_dtype = decode_settings(lm, False, cache_type)  # the cells generate and chat use by default
     engine = Engine(
-        lm, tokenizer, ctx, parallel, cache_reuse, prefill_chunk=prefill_chunk, cache_dtype=cache_dtype
+        lm,
+        tokenizer,
+        ctx,
+        parallel,
+        cache_reuse,
+        prefill_chunk=prefill_chunk,
+        cache_dtype=cache_dtype,
+        cache_ram=cache_ram * 2**20,
     )
     settings = Settings(
         model_name=model,

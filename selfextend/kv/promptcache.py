@@ -66,15 +66,7 @@ def save(
     ``positions`` records each layer's cells' positions, increasing. With the logits, a run whose prompt is
     exactly ``tokens`` starts from the same numbers as the run that saved it, instead of recomputing the last
     token another way. ``extra``: JSON-able state of the cache's owner (a chat session), stored with it."""
-    n = len(tokens)
-    positions, keys, values = [], [], []
-    for layer in cache.layers:
-        pos = layer.positions[: layer.n_used]
-        take = torch.nonzero(pos < n).squeeze(1)
-        take = take[torch.argsort(pos[take])]
-        positions.append(pos[take].cpu())
-        keys.append(layer.keys.index_select(-2, take).cpu())
-        values.append(layer.values.index_select(-2, take).cpu())
+    positions, keys, values = snapshot(cache, len(tokens))
     payload = {
         "format": FORMAT,
         "settings": json.dumps(settings(model), sort_keys=True),
@@ -90,6 +82,20 @@ def save(
     tmp = path.with_name(path.name + ".tmp")
     torch.save(payload, tmp)
     os.replace(tmp, path)
+
+
+def snapshot(cache: ContextShiftCache, n: int) -> tuple[list[torch.Tensor], ...]:
+    """(positions, keys, values) per layer: copies of the cells of the first ``n`` positions, in order of
+    position (what :meth:`~selfextend.kv.cache.ContextShiftCache.load_prefix` puts back)."""
+    positions, keys, values = [], [], []
+    for layer in cache.layers:
+        pos = layer.positions[: layer.n_used]
+        take = torch.nonzero(pos < n).squeeze(1)
+        take = take[torch.argsort(pos[take])]
+        positions.append(pos[take].cpu())
+        keys.append(layer.keys.index_select(-2, take).cpu())
+        values.append(layer.values.index_select(-2, take).cpu())
+    return positions, keys, values
 
 
 def _bad(path: str | Path, what: str) -> PromptCacheError:

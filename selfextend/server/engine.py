@@ -47,6 +47,7 @@ from selfextend.generation.grammar import Grammar
 from selfextend.generation.sampling import SamplingParams
 from selfextend.models.weights import release_free_memory
 from selfextend.server.metrics import Metrics
+from selfextend.server.promptstore import PromptStore
 from selfextend.server.slots import Reuse, Slot, pick
 
 SLOT_WAIT_S = 120.0  # the longest a slot action waits to be taken (between turns; a turn reads whole prompts)
@@ -95,7 +96,8 @@ class Running:
 
 class Engine:
     """Runs jobs on ``parallel`` slots of ``n_ctx`` cells each (of ``cache_dtype``, None: the model's), from
-    one background thread; prompts are written ``prefill_chunk`` tokens a turn."""
+    one background thread; prompts are written ``prefill_chunk`` tokens a turn. ``cache_ram``: bytes of
+    cells kept of conversations whose slot went to another (:class:`PromptStore`; 0: none)."""
 
     def __init__(
         self,
@@ -107,6 +109,7 @@ class Engine:
         max_queue: int = 64,
         prefill_chunk: int = PREFILL_CHUNK,
         cache_dtype: torch.dtype | None = None,
+        cache_ram: int = 0,
     ) -> None:
         self.model, self.tokenizer, self.n_ctx = model, tokenizer, n_ctx
         self.cache_reuse, self.max_queue, self.prefill_chunk = cache_reuse, max_queue, prefill_chunk
@@ -115,6 +118,7 @@ class Engine:
         self.slots = [Slot(i, model, n_ctx, step, cache_dtype) for i in range(parallel)]
         self.batched = BatchedDecode(model)
         self.metrics = Metrics()
+        self.store = PromptStore(cache_ram) if cache_ram > 0 else None
         self.queue: deque[Job] = deque()
         self.running: list[Running] = []
         self.tasks: list[Callable[[], None]] = []  # work on idle slots (save, restore), run between steps
@@ -256,6 +260,8 @@ class Engine:
     def _start(self, job: Job, slot: Slot) -> None:
         started = time.perf_counter()
         try:
+            if self.store is not None and job.cache_prompt:
+                self.store.swap(slot, job.prompt)
             reuse = slot.prepare(job.prompt, job.n_keep, self.cache_reuse, job.cache_prompt)
             gen = slot.gen
             gen.sampling, gen.grammar = job.sampling, job.grammar

@@ -79,7 +79,9 @@ def add_llama_routes(app: FastAPI, engine: Engine, model_name: str, defaults: di
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> PlainTextResponse:
-        text = engine.metrics.prometheus(engine.info(), len(engine.queue))
+        store = engine.store
+        stored = (store.hits, store.restored, store.nbytes) if store is not None else (0, 0, 0)
+        text = engine.metrics.prometheus(engine.info(), len(engine.queue), stored)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
 

@@ -36,8 +36,11 @@ class Metrics:
             self.reused_tokens += done["cached_tokens"]
             self.reuse_hits += done["cached_tokens"] > 0
 
-    def prometheus(self, slots: list[dict[str, Any]], queued: int) -> str:
-        """The counters and the slots' live state in Prometheus' text exposition format."""
+    def prometheus(
+        self, slots: list[dict[str, Any]], queued: int, stored: tuple[int, int, int] = (0, 0, 0)
+    ) -> str:
+        """The counters and the slots' live state in Prometheus' text exposition format; ``stored``: the
+        prompt store's hits, tokens they held and bytes held now."""
         with self.lock:
             totals = (
                 ("prompt_tokens_total", "counter", "Number of prompt tokens processed.", self.prompt_tokens),
@@ -89,6 +92,9 @@ class Metrics:
             ("requests_processing", "gauge", "Number of requests processing.", busy),
             ("requests_deferred", "gauge", "Number of requests deferred.", queued),
             ("slots_total", "gauge", "Number of slots.", len(slots)),
+            ("prompt_store_hits_total", "counter", "Prompts given a conversation kept in memory.", stored[0]),
+            ("prompt_store_tokens_total", "counter", "Prompt tokens those conversations held.", stored[1]),
+            ("prompt_store_bytes", "gauge", "Bytes of cells kept in memory (--cache-ram).", stored[2]),
         )
         lines = []
         for name, kind, text, value in (*totals, *live):

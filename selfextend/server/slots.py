@@ -72,6 +72,16 @@ def reuse_chunks(gen: Generator, prompt: Sequence[int], start: int, min_chunk: i
     return i, chunks
 
 
+def held(tokens: Sequence[int], history: Sequence[int], prompt: Sequence[int]) -> int:
+    """Prompt tokens a cache holding ``tokens`` (after ``history``, its tokens before context shifts) keeps at
+    their place: the history's length if the prompt continues a history the shifts cut, else the common
+    prefix of ``tokens`` and the prompt."""
+    n = len(history)
+    if n > len(tokens) and list(prompt[:n]) == list(history):
+        return n
+    return common_prefix(tokens, prompt)
+
+
 def can_move(cache: ContextShiftCache) -> bool:
     """Whether chunks can be moved in this cache (sliding-window layers keep their own window layout)."""
     return not any(isinstance(layer, SlidingShiftLayer) for layer in cache.layers)
@@ -125,9 +135,7 @@ class Slot:
     def score(self, prompt: Sequence[int]) -> int:
         """Prompt tokens this slot holds at their place: its history's length if the prompt continues it,
         else the common prefix of its cache and the prompt."""
-        if self.gen is None:
-            return 0
-        return len(self.history) if self.continues(prompt) else common_prefix(self.gen.tokens, prompt)
+        return 0 if self.gen is None else held(self.gen.tokens, self.history, prompt)
 
     def prepare(self, prompt: Sequence[int], n_keep: int, min_chunk: int = 0, reuse: bool = True) -> Reuse:
         """Make the cache hold the longest reusable start of ``prompt``; returns what was reused.
