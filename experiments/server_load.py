@@ -35,7 +35,11 @@ OUT = Path(__file__).parent / "results" / "server_load.json"
 CLIENTS, REQUESTS, PARALLEL, CTX, MAX_TOKENS = 8, 25, 4, 1024, 24
 
 
-def one_request(client: openai.OpenAI, messages: list[dict], max_tokens: int = MAX_TOKENS) -> dict:
+def one_request(
+    client: openai.OpenAI, messages: list[dict], max_tokens: int = MAX_TOKENS, full: bool = False
+) -> dict:
+    """One streaming chat request; ``full``: every reply runs to ``max_tokens`` (``ignore_eos``, which
+    llama-server takes too), so that servers compare on equal work."""
     t0 = time.perf_counter()
     ttft, text, tokens = None, "", 0
     try:
@@ -46,6 +50,7 @@ def one_request(client: openai.OpenAI, messages: list[dict], max_tokens: int = M
             temperature=0.7,
             stream=True,
             stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True} if full else None,
         )
         for chunk in stream:
             if chunk.choices and chunk.choices[0].delta.content:
@@ -59,13 +64,19 @@ def one_request(client: openai.OpenAI, messages: list[dict], max_tokens: int = M
 
 
 def client_loop(
-    base: str, index: int, count: int, results: list, done: list, max_tokens: int = MAX_TOKENS
+    base: str,
+    index: int,
+    count: int,
+    results: list,
+    done: list,
+    max_tokens: int = MAX_TOKENS,
+    full: bool = False,
 ) -> None:
     client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=600)
     history = [{"role": "system", "content": f"You are assistant number {index}. Be brief."}]
     for i in range(count):
         history.append({"role": "user", "content": f"Question {i}: name something blue, number {i}."})
-        r = one_request(client, history[-7:] if len(history) > 7 else history, max_tokens)
+        r = one_request(client, history[-7:] if len(history) > 7 else history, max_tokens, full)
         history.append({"role": "assistant", "content": r.get("text", "")})
         r["client"] = index
         results.append(r)
@@ -106,13 +117,15 @@ class RssProbe:
         return self.process.memory_info().rss
 
 
-def run_phase(base: str, clients: int, count: int, rss_probe=None, max_tokens: int = MAX_TOKENS) -> dict:
-    """``clients`` conversations of ``count`` requests of at most ``max_tokens`` at once; with
-    ``rss_probe``, the server's RSS after the first 10 requests, after every 10 more and at the end."""
+def run_phase(
+    base: str, clients: int, count: int, rss_probe=None, max_tokens: int = MAX_TOKENS, full: bool = False
+) -> dict:
+    """``clients`` conversations of ``count`` requests of at most ``max_tokens`` (``full``: exactly) at once;
+    with ``rss_probe``, the server's RSS after the first 10 requests, after every 10 more and at the end."""
     results: list[dict] = []
     done: list[int] = []
     threads = [
-        threading.Thread(target=client_loop, args=(base, i, count, results, done, max_tokens))
+        threading.Thread(target=client_loop, args=(base, i, count, results, done, max_tokens, full))
         for i in range(clients)
     ]
     t0 = time.perf_counter()

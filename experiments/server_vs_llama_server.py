@@ -2,7 +2,8 @@
 GGUF, the same slots, the same cells per slot and the same threads, one server at a time on loopback.
 
 Each server gets one warm-up request, then the same bounded streaming load (``server_load.run_phase``:
-``--clients`` conversations of ``--requests`` requests of at most ``--max-tokens`` tokens at once), then the
+``--clients`` conversations of ``--requests`` requests of at most ``--max-tokens`` tokens at once; with
+``--full-replies`` every reply runs to ``--max-tokens``, so that the servers do the same work), then the
 scripted chat trimmed from the front (``server_trimmed_chat.conversation``, cache reuse on; llama-server
 with ``--cache-reuse`` of the same chunk size as ours). Rounds alternate which server goes first. Writes
 one JSON line per server, round and phase to experiments/results/server_vs_llama_server.jsonl (``--out``,
@@ -11,6 +12,7 @@ ours / llama-server's per round: aggregate tokens/s (higher is better for us), T
 trimmed chat's median TTFT from its first trimmed turn on (lower is better for us).
 
     python experiments/server_vs_llama_server.py --clients 8 --requests 6 --max-tokens 64
+    python experiments/server_vs_llama_server.py --rounds 2 --full-replies
     python experiments/server_vs_llama_server.py -m /work/llama/models/llama-3.2-1b-synthetic-Q4_K_M.gguf
 """
 
@@ -97,8 +99,11 @@ def measure(name: str, args: argparse.Namespace, gguf: Path, tok, round_: int) -
     proc = start(command(name, args, gguf, port), base, log, env)
     try:
         run_phase(base, 1, 1, max_tokens=8)  # warm-up, not recorded
-        load = run_phase(base, args.clients, args.requests, max_tokens=args.max_tokens)
+        load = run_phase(
+            base, args.clients, args.requests, max_tokens=args.max_tokens, full=args.full_replies
+        )
         load.update(settings, phase="load", clients=args.clients, max_tokens=args.max_tokens)
+        load.update(full_replies=args.full_replies)
         load["rss_end_mib"] = round(psutil.Process(proc.pid).memory_info().rss / 2**20, 1)
         print(json.dumps(load), flush=True)
         rows = conversation(base, tok, True, name, args.turns)
@@ -139,6 +144,11 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=8, help="concurrent streaming clients")
     ap.add_argument("--requests", type=int, default=6, help="requests per client")
     ap.add_argument("--max-tokens", type=int, default=64, help="max_tokens of each load request")
+    ap.add_argument(
+        "--full-replies",
+        action="store_true",
+        help="every load reply runs to --max-tokens (ignore_eos): both servers do the same work",
+    )
     ap.add_argument("--turns", type=int, default=len(TOPICS), help="turns of the trimmed chat")
     ap.add_argument("--rounds", type=int, default=1, help="rounds; each alternates which server goes first")
     ap.add_argument("--env", action="append", default=[], help="NAME=VALUE for both servers' processes")
