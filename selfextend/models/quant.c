@@ -12,8 +12,10 @@
  *   Q6_K  d dx (sum_k sc_k sum(q6_k q) - 32 sum_k sc_k sum_k(q))          (16 sub-blocks of 16)
  * The integer parts are exact, so only the float steps (one fused multiply-add per block and row, a fixed
  * horizontal sum) set the rounding, and they are the same for every row whatever the call's row count:
- * a row's result does not depend on the batch (rows are tiled by TILE for weight reuse, and a tile's
- * accumulators each see the same instructions as a single row's).
+ * a row's result does not depend on the batch (activation rows are tiled by TILE and weight rows by
+ * WR_TILE / WR_MAX for reuse, and a tile's accumulators each see the same instructions as a single row's).
+ * Q4_0 and Q4_1 also come in an 8-row interleaved form (Q4_0X8, Q4_1X8, blocks.py's pack8) whose vector
+ * lanes are 8 weight rows: the same integer sums, one float step per block and row.
  *
  * Paths: AVX2 (maddubs + madd; the 32-value formats' u8 x s8 dot as AVX-512 VNNI / AVX-VNNI dpbusd where
  * the compiler targets them: the same sums, maddubs never saturates on these ranges), and a portable
@@ -448,7 +450,8 @@ INLINE void rows_x8(int type, const uint8_t *w, const void *const *xv, long nb, 
             if (type == Q4_1X8) accm[r] = _mm256_fmadd_ps(m, _mm256_broadcast_ss(&xb->s), accm[r]);
         }
     }
-    for (int r = 0; r < R; r++) _mm256_storeu_ps(out + 8 * r, type == Q4_1X8 ? _mm256_add_ps(acc[r], accm[r]) : _mm256_add_ps(acc[r], _mm256_setzero_ps()));
+    /* acc + accm for both types (+0 for Q4_0, as the portable path's acc + 0.0f: -0 becomes +0 alike) */
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(out + 8 * r, _mm256_add_ps(acc[r], accm[r]));
 }
 
 static void x8_q40_1(const uint8_t *w, const void *const *x, long nb, float *out) { rows_x8(Q4_0X8, w, x, nb, 1, out); }
@@ -493,7 +496,9 @@ static void store(void *y, int y_type, long n_out, long i, long j, const float *
         }
 }
 
-/* Tasks over an even share of the threads of a group's worth of rows or more. */
+/* How many tasks to split `units` (weight rows or groups of `unit_bytes` each) into: one per unit for a few
+ * activation rows, else units of about WEIGHT_TILE_BYTES per task, rounded up to a multiple of the threads
+ * so that each thread gets an even share. */
 static long tasks_of(long units, long unit_bytes, long m) {
     if (m < TILE) return units;
     long threads = omp_get_max_threads(), most = WEIGHT_TILE_BYTES / unit_bytes;

@@ -66,8 +66,8 @@ class PromptStore:
             if slot.gen is not None and 2 * own < len(slot.gen.tokens):
                 self.keep(slot)
             return
+        self.entries.remove(entry)  # first: storing the slot's content may drop entries it extends
         self.keep(slot)
-        self.entries.remove(entry)
         if self._load(entry, slot):
             self.hits += 1
             self.restored += got
