@@ -167,6 +167,40 @@ def test_direct_rows_are_each_alone_bit_for_bit(pair, extend: bool) -> None:
     assert torch.equal(runs[0][0], runs[1][0])
 
 
+@pytest.mark.skipif(quant_kernels() is None, reason="no C compiler here to build the kernel")
+@pytest.mark.parametrize("cells", [torch.bfloat16, torch.float32])
+def test_layers_in_one_native_call_are_the_python_loop_bit_for_bit(pair, cells: torch.dtype) -> None:
+    """Every layer of a token in one native call (the step's default for block weights) gives the logits
+    of the Python loop over the same kernels bit for bit: one sequence and three stepped together
+    (different fills, shifting at different times), the mixed block types' runs (q/k fused, v apart)."""
+    from selfextend.generation.batched import BatchedDecode
+
+    _, model = pair
+    ids = [
+        torch.randint(3, 250, (130,), generator=torch.Generator().manual_seed(s)).tolist() for s in range(3)
+    ]
+    fills = (1, 9, 21)
+    runs = []
+    for in_c in (True, False):
+        gens = []
+        for seq, n in zip(ids, fills, strict=True):
+            gen = Generator(model, ContextShiftCache(model, n_ctx=32, n_keep=2, dtype=cells))
+            gen.feed(seq[:n])
+            assert gen.step.native_layers is not None
+            if not in_c:
+                gen.step.native_layers = None
+            gens.append(gen)
+        decode, steps = BatchedDecode(model), []
+        for t in range(40):
+            pairs = [(g, seq[n + t]) for g, seq, n in zip(gens, ids, fills, strict=True)]
+            together = decode(pairs)
+            alone = gens[0].write([ids[0][fills[0] + 40 + t]])  # the first one on alone after that
+            steps.append(torch.cat([torch.stack(together), alone[None]]))
+        runs.append((torch.stack(steps), [g.cache.shifts for g in gens]))
+    assert runs[0][1] == runs[1][1] and len(set(runs[0][1])) > 1
+    assert torch.equal(runs[0][0], runs[1][0])
+
+
 def test_a_model_loaded_alone_multiplies_natively(tiny_mixed: Path, tmp_path: Path) -> None:
     """A library user who loads a model and never imports the generation package (``ppl`` did not) gets the
     native block product, not the float reference (which made ``ppl --weights gguf`` the float model's)."""

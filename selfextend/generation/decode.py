@@ -32,12 +32,14 @@ from selfextend.core.decode_query import grouped_decode_keys, self_extend_decode
 from selfextend.core.positions import grouped_query_positions
 from selfextend.core.rope import Rotation
 from selfextend.generation.native import ACTIVATIONS, NativeKernels, native_kernels, rotation_fits
+from selfextend.generation.native_layers import native_layers
 from selfextend.generation.products import LayerPlan, direct, each, each_add, norm_of, product_of
 from selfextend.hf.facts import layer_kinds, sliding_windows
 from selfextend.hf.patch import IMPLEMENTATION, SelfExtendParams
 from selfextend.kv.cache import ContextShiftCache
 from selfextend.kv.layers import CellLayer
 from selfextend.models.blocks import BlockLinear, fuse_blocks
+from selfextend.models.quant import quant_kernels
 from selfextend.models.quantize import Int4Linear, Int8Linear, fuse_int4, fuse_int8
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
@@ -194,6 +196,18 @@ class DecodeStep:
         )
         # attention: q/k norms it cannot apply, or a rotation wider than a head, stay in torch
         self.kernel = self.native if normed and self._rotations_fit() else None
+        self.native_layers = None  # every layer in one native call, where all of them are what it computes
+        if self.kernel is not None and dtype == torch.float32:
+            self.native_layers = native_layers(
+                self.layers,
+                self.qkv,
+                self.gate_up,
+                self.heads,
+                self.kinds,
+                self.windows,
+                self.kernel,
+                quant_kernels(),
+            )
         head = (self.head,)
         self.final_norm = norm_of(self.norm, dtype, self.native if direct(head) else None)
         self.head_product = product_of(head, self.native)
@@ -248,17 +262,32 @@ class DecodeStep:
         ]
         batch = _Batch(caches, pos, [self._kernel(c) for c in caches], rotations, flat, {})
         self_extend = self.model.config._attn_implementation == IMPLEMENTATION
-        for i, (layer, plan) in enumerate(zip(self.layers, self.plan, strict=True)):
-            qkv = plan.qkv(each(plan.norm, x))  # (M, (H + 2 Hkv) * D)
-            p = getattr(layer.self_attn, "self_extend", None) if self_extend else None
-            p = p if isinstance(p, SelfExtendParams) and p.group_size > 1 else None
-            out = torch.cat([self._attend_row(batch, j, i, qkv[j : j + 1], p) for j in range(len(pos))])
-            each_add(plan.add_attention, x, plan.o_proj(out.to(x.dtype)))  # out: (M, H * D)
-            each_add(plan.add_mlp, x, plan.down_proj(each(plan.act, plan.gate_up(each(plan.post_norm, x)))))
+        extend = [self._self_extend(layer) if self_extend else None for layer in self.layers]
+        if (
+            self.native_layers is not None
+            and extend.count(None) == len(extend)
+            and None not in batch.kernels
+            and len({c.layers[0].keys.dtype for c in caches}) == 1
+        ):
+            self.native_layers(x, caches, pos, flat)
+        else:
+            for i, (p, plan) in enumerate(zip(extend, self.plan, strict=True)):
+                qkv = plan.qkv(each(plan.norm, x))  # (M, (H + 2 Hkv) * D)
+                out = torch.cat([self._attend_row(batch, j, i, qkv[j : j + 1], p) for j in range(len(pos))])
+                each_add(plan.add_attention, x, plan.o_proj(out.to(x.dtype)))  # out: (M, H * D)
+                each_add(
+                    plan.add_mlp, x, plan.down_proj(each(plan.act, plan.gate_up(each(plan.post_norm, x))))
+                )
         logits = self.head_product(each(self.final_norm, x)).to(x.dtype)
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
+
+    @staticmethod
+    def _self_extend(layer: nn.Module) -> SelfExtendParams | None:
+        """The layer's Self-Extend settings where they group positions (group size above 1), else None."""
+        p = getattr(layer.self_attn, "self_extend", None)
+        return p if isinstance(p, SelfExtendParams) and p.group_size > 1 else None
 
     def _attend_row(
         self, batch: _Batch, j: int, i: int, qkv: torch.Tensor, p: SelfExtendParams | None

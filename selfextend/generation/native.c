@@ -406,3 +406,128 @@ int int8_gemv(const uint16_t *x, const int8_t *w, const uint16_t *scale, long m,
     free(xf);
     return 0;
 }
+
+/* decode_layers: every decoder layer of one token for m sequences in one call, the same kernels in the
+ * same order as the decode step's Python loop (so the same numbers, bit for bit): per layer the norm, the
+ * q/k/v products (GGUF blocks through quant.c's quant_mm, handed in as `mm`), each row's rotation, cell
+ * write and attention over its own cells, the output product added to the residual, the MLP likewise.
+ * What it saves is the dozen Python calls and tensor allocations per layer around the kernels. */
+typedef int (*quant_mm_fn)(int type, const uint8_t *w, long n_out, long n_in, const void *x, int x_type, long m,
+                           void *y, int y_type, int portable);
+
+enum { MAX_PARTS = 3 };
+
+typedef struct { /* a GGUF block weight: n_out rows of blocks of `type` (quant.c's numbering) */
+    const uint8_t *w;
+    long n_out;
+    long type;
+} blocks;
+
+typedef struct { /* one layer: RMSNorm factors (attn_norm, mlp_norm: Gemma's norms of the attention and MLP
+                  * outputs, NULL for a plain add; qn, kn: head norms or NULL), their epsilons, the
+                  * attention scale, and the weights (q/k/v and gate/up as runs of one type each) */
+    const float *norm, *post_norm, *attn_norm, *mlp_norm, *qn, *kn;
+    float norm_eps, post_eps, attn_eps, mlp_eps, head_eps, scale;
+    long n_qkv, n_gu;
+    blocks qkv[MAX_PARTS], gu[MAX_PARTS], o, down;
+} layer_plan;
+
+typedef struct { /* the model's sizes: hidden, query and KV heads, head size, intermediate size */
+    long hidden, h, hkv, d, inter, act, cell_type, threads, portable;
+} layer_dims;
+
+/* A row's cells at a layer for this token, int64 each: the cells' addresses, KV-head strides (elements), the
+ * slot claimed for the token, the first slot it attends, and its rotation's (cos, sin) and their size. */
+enum { R_KEYS, R_VALUES, R_K_STRIDE, R_V_STRIDE, R_SLOT, R_FIRST, R_COS, R_SIN, R_ROT, R_FIELDS };
+
+/* Pieces per KV head for decode_attention (native.py's _chunks). */
+static long chunks_of(long hkv, long n, long threads) {
+    long c = 1;
+    while ((hkv * c) % threads && c < threads) c++;
+    c = c < n / 64 ? c : n / 64;
+    return c > 1 ? c : 1;
+}
+
+/* y (m, sum of n_out) bfloat16 = x . W^T for the parts side by side (tmp: m rows of the widest part). */
+static int products(quant_mm_fn mm, const blocks *parts, long n_parts, long n_in, const void *x, int x_type,
+                    long m, uint16_t *y, uint16_t *tmp, int portable) {
+    long total = 0, at = 0;
+    for (long p = 0; p < n_parts; p++) total += parts[p].n_out;
+    for (long p = 0; p < n_parts; p++) {
+        long n = parts[p].n_out;
+        uint16_t *out = n_parts == 1 || m == 1 ? y + at : tmp;
+        if (mm((int)parts[p].type, parts[p].w, n, n_in, x, x_type, m, out, BF16, portable)) return 1;
+        if (out == tmp)
+            for (long r = 0; r < m; r++) memcpy(y + r * total + at, tmp + r * n, n * sizeof(uint16_t));
+        at += n;
+    }
+    return 0;
+}
+
+/* x (m, hidden) float32 += each layer's attention and MLP, in place. Returns 0, 1 where a product or the
+ * attention found no scratch space, 2 for sizes the attention does not take. */
+int decode_layers(const layer_plan *plans, long n_layers, const layer_dims *dm, const int64_t *rows, long m,
+                  float *x, quant_mm_fn mm) {
+    long hd = dm->hidden, h = dm->h, hkv = dm->hkv, d = dm->d, inter = dm->inter, nq = (h + 2 * hkv) * d;
+    long wide = nq > 2 * inter ? nq : 2 * inter, width = dm->cell_type == F32 ? 4 : 2;
+    int portable = (int)dm->portable, rc = 0;
+    wide = wide > hd ? wide : hd;
+    uint16_t *xn = malloc(sizeof(uint16_t) * m * hd), *big = malloc(sizeof(uint16_t) * m * wide);
+    uint16_t *tmp = malloc(sizeof(uint16_t) * m * wide), *act = malloc(sizeof(uint16_t) * m * inter);
+    float *qkvf = malloc(sizeof(float) * nq), *q = malloc(sizeof(float) * h * d);
+    float *att = malloc(sizeof(float) * m * h * d);
+    if (!xn || !big || !tmp || !act || !qkvf || !q || !att) rc = 1;
+    for (long l = 0; l < n_layers && rc == 0; l++) {
+        const layer_plan *p = plans + l;
+        for (long r = 0; r < m; r++) rms_norm_bf16(x + r * hd, p->norm, hd, p->norm_eps, xn + r * hd);
+        if (products(mm, p->qkv, p->n_qkv, hd, xn, BF16, m, big, tmp, portable)) {
+            rc = 1;
+            break;
+        }
+        for (long r = 0; r < m && rc == 0; r++) {
+            const int64_t *c = rows + (l * m + r) * R_FIELDS;
+            const float *cos = (const float *)(intptr_t)c[R_COS], *sin = (const float *)(intptr_t)c[R_SIN];
+            char *keys = (char *)(intptr_t)c[R_KEYS], *values = (char *)(intptr_t)c[R_VALUES];
+            long first = c[R_FIRST], n = c[R_SLOT] + 1 - first;
+            for (long i = 0; i < nq; i++) qkvf[i] = from_bf16(big[r * nq + i]);
+            rope_write(qkvf, h, hkv, d, c[R_ROT], cos, sin, keys, values, c[R_K_STRIDE], c[R_V_STRIDE],
+                       c[R_SLOT], (int)dm->cell_type, q, cos, sin, c[R_ROT], NULL, p->qn, p->kn, p->head_eps);
+            int failed = decode_attention(q, q, keys + first * d * width, q, values + first * d * width, n, 0, hkv,
+                                          h / hkv, d, c[R_K_STRIDE], 0, c[R_V_STRIDE], (int)dm->cell_type,
+                                          p->scale, chunks_of(hkv, n, dm->threads), att + r * h * d);
+            rc = failed == 2 ? 1 : failed ? 2 : 0;
+        }
+        if (rc || mm((int)p->o.type, p->o.w, hd, h * d, att, F32, m, big, BF16, portable)) {
+            rc = rc ? rc : 1;
+            break;
+        }
+        for (long r = 0; r < m; r++) {
+            if (p->attn_norm != NULL) rms_norm_add(big + r * hd, BF16, p->attn_norm, hd, p->attn_eps, x + r * hd);
+            else
+                for (long i = 0; i < hd; i++) x[r * hd + i] += from_bf16(big[r * hd + i]);
+            rms_norm_bf16(x + r * hd, p->post_norm, hd, p->post_eps, xn + r * hd);
+        }
+        if (products(mm, p->gu, p->n_gu, hd, xn, BF16, m, big, tmp, portable)) {
+            rc = 1;
+            break;
+        }
+        for (long r = 0; r < m; r++) gated_bf16(big + r * 2 * inter, inter, (int)dm->act, act + r * inter);
+        if (mm((int)p->down.type, p->down.w, hd, inter, act, BF16, m, big, BF16, portable)) {
+            rc = 1;
+            break;
+        }
+        for (long r = 0; r < m; r++) {
+            if (p->mlp_norm != NULL) rms_norm_add(big + r * hd, BF16, p->mlp_norm, hd, p->mlp_eps, x + r * hd);
+            else
+                for (long i = 0; i < hd; i++) x[r * hd + i] += from_bf16(big[r * hd + i]);
+        }
+    }
+    free(xn);
+    free(big);
+    free(tmp);
+    free(act);
+    free(qkvf);
+    free(q);
+    free(att);
+    return rc;
+}

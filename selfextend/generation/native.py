@@ -75,6 +75,39 @@ class NativeKernels:
         self._norm_add = bind(lib.rms_norm_add, [ptr, i32, ptr, long, f32, ptr], None)
         self._gated = bind(lib.gated_bf16, [ptr, long, i32, ptr], None)
         self._gemv = bind(lib.int8_gemv, [ptr, ptr, ptr, long, long, long, ptr], i32)
+        self._layers = bind(lib.decode_layers, [ptr, long, ptr, ptr, long, ptr, ptr], i32)
+
+    @staticmethod
+    def cell_type(cells: torch.Tensor) -> int:
+        """How the C code numbers the element type of ``cells``."""
+        return TYPES[cells.dtype]
+
+    def decode_layers(
+        self,
+        plans: ctypes.Array,
+        n_layers: int,
+        dims: ctypes.Structure,
+        cells: torch.Tensor,
+        x: torch.Tensor,
+        mm: int,
+    ) -> int:
+        """``native.c``'s decode_layers over ``x`` (M, hidden) float32 in place, for
+        :mod:`selfextend.generation.native_layers`, which builds its plans, sizes and ``cells`` table (int64);
+        ``mm``: the address of quant.c's quant_mm. Returns its code (0 done, 1 no scratch space, 2 cells the
+        attention does not read)."""
+        if x.dtype != torch.float32 or x.dim() != 2 or not x.is_contiguous():
+            raise ValueError(f"decode_layers takes contiguous float32 rows, not {tuple(x.shape)} {x.dtype}")
+        if cells.dtype != torch.int64 or not cells.is_contiguous():
+            raise ValueError("decode_layers takes its cells table as contiguous int64")
+        return self._layers(
+            ctypes.addressof(plans),
+            n_layers,
+            ctypes.addressof(dims),
+            cells.data_ptr(),
+            x.shape[0],
+            x.data_ptr(),
+            mm,
+        )
 
     def takes(self, heads: int, k: torch.Tensor, v: torch.Tensor) -> bool:
         """Whether the kernel reads cells ``k``, ``v`` (B, Hkv, n, D) for ``heads`` query heads: one sequence

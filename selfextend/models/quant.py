@@ -34,6 +34,9 @@ class QuantKernels:
         ptr, long, i32 = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
         lib = ctypes.CDLL(str(library))
         self._mm = bind(lib.quant_mm, [i32, ptr, long, long, ptr, i32, long, ptr, i32, i32], i32)
+        self.address = ctypes.cast(
+            self._mm, ctypes.c_void_p
+        ).value  # for C code that calls it (decode_layers)
 
     def __call__(
         self, x: torch.Tensor, blocks: torch.Tensor, kind: int, out_dtype: torch.dtype = torch.float32

@@ -1,0 +1,178 @@
+"""Every decoder layer of a token in one native call: ``native.c``'s ``decode_layers``.
+
+The decode step's Python loop calls a dozen kernels per layer (norm, products, rotation and cell write,
+attention, residual adds, activation), each through a wrapper that checks its arguments and allocates its
+output: on SmolLM2 (30 layers) that glue was about 40% of a token on two cores, and the OpenMP workers spun
+idle through it. Where every projection of every layer is a GGUF block layer (:mod:`selfextend.models.quant`)
+and every norm a known RMSNorm, the same kernels run from one C loop in the same order, so the logits are
+those of the Python loop bit for bit (tests hold it so). The rows' cells are claimed in Python first (the
+cache's bookkeeping) and handed over as a table of addresses, slots and rotations per layer and row.
+Self-Extend's grouped keys are computed in Python, so a Self-Extend step keeps the Python loop.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from selfextend.generation.native import ACTIVATIONS, NativeKernels
+from selfextend.generation.products import activation_name, head_norms, norm_factors
+from selfextend.kv.cache import ContextShiftCache
+from selfextend.models.blocks import BlockLinear
+from selfextend.models.quant import QuantKernels
+
+MAX_PARTS = 3  # runs of one type in a fused projection (native.c's MAX_PARTS)
+FIELDS = 9  # int64 values per layer and row in the cells table (native.c's R_FIELDS)
+_ptr, _long, _f32 = ctypes.c_void_p, ctypes.c_long, ctypes.c_float
+
+
+class _Blocks(ctypes.Structure):
+    _fields_ = [("w", _ptr), ("n_out", _long), ("type", _long)]
+
+
+class _Plan(ctypes.Structure):
+    _fields_ = [
+        *[(name, _ptr) for name in ("norm", "post_norm", "attn_norm", "mlp_norm", "qn", "kn")],
+        *[(name, _f32) for name in ("norm_eps", "post_eps", "attn_eps", "mlp_eps", "head_eps", "scale")],
+        ("n_qkv", _long),
+        ("n_gu", _long),
+        ("qkv", _Blocks * MAX_PARTS),
+        ("gu", _Blocks * MAX_PARTS),
+        ("o", _Blocks),
+        ("down", _Blocks),
+    ]
+
+
+class _Dims(ctypes.Structure):
+    _fields_ = [
+        (name, _long)
+        for name in ("hidden", "h", "hkv", "d", "inter", "act", "cell_type", "threads", "portable")
+    ]
+
+
+def _blocks(layer: nn.Module) -> tuple[torch.Tensor, int] | None:
+    """(blocks, kind) of a bias-less block layer whose blocks the kernel reads in place, else None."""
+    if not isinstance(layer, BlockLinear) or layer.bias is not None or not layer.blocks.is_contiguous():
+        return None
+    return layer.blocks, layer.kind
+
+
+class NativeLayers:
+    """``layers(x, caches, pos, rotations)``: ``x`` (M, hidden) float32 through every layer in place, row
+    ``j`` at position ``pos[j]`` of ``caches[j]``. Build with :func:`native_layers`."""
+
+    def __init__(
+        self,
+        native: NativeKernels,
+        quant: QuantKernels,
+        plans: ctypes.Array,
+        dims: tuple[int, ...],
+        kinds: list[str],
+        windows: list[int | None],
+        held: list[torch.Tensor],
+    ) -> None:
+        self.native, self.quant, self.plans, self.dims = native, quant, plans, dims
+        self.kinds, self.windows, self._held = kinds, windows, held  # held: what the plans point into
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        caches: Sequence[ContextShiftCache],
+        pos: Sequence[int],
+        rotations: Sequence[dict[str, tuple[torch.Tensor, torch.Tensor]]],
+    ) -> None:
+        """Each row's cell claimed at every layer, then all layers in one call; ``rotations[j]``: row ``j``'s
+        flat (cos, sin) by kind of layer (what ``rope_write`` reads). MemoryError without scratch space,
+        ValueError for cells the attention kernel does not read."""
+        table = []
+        for i, (kind, window) in enumerate(zip(self.kinds, self.windows, strict=True)):
+            for j, cache in enumerate(caches):
+                cells = cache.layers[i]
+                slot = cells.claim()
+                cos, sin = rotations[j][kind]
+                keys, values = cells.keys, cells.values
+                table += [keys.data_ptr(), values.data_ptr(), keys.stride(1), values.stride(1), slot]
+                table += [cells.visible_from(pos[j], window), cos.data_ptr(), sin.data_ptr(), cos.numel()]
+        cells_table = torch.tensor(table, dtype=torch.int64)  # (layers, M, FIELDS)
+        cell_type = self.native.cell_type(caches[0].layers[0].keys)
+        dims = _Dims(*self.dims, cell_type, torch.get_num_threads(), int(self.quant.portable))
+        failed = self.native.decode_layers(
+            self.plans, len(self.kinds), dims, cells_table, x, self.quant.address
+        )
+        if failed == 1:
+            raise MemoryError(f"decode_layers: no scratch space for {x.shape[0]} rows")
+        if failed:
+            raise ValueError("decode_layers: the attention kernel cannot read these cells")
+
+
+def native_layers(
+    layers: Sequence[nn.Module],
+    qkv: Sequence[tuple[nn.Module, ...]],
+    gate_up: Sequence[tuple[nn.Module, ...]],
+    heads: Sequence[int],
+    kinds: list[str],
+    windows: list[int | None],
+    native: NativeKernels | None,
+    quant: QuantKernels | None,
+) -> NativeLayers | None:
+    """The layers as one native call, or None where a part is not what ``decode_layers`` computes: a
+    projection that is not a bias-less GGUF block layer, a norm that is not a known float32 RMSNorm, an
+    activation it does not have, head norms the rotation cannot apply, or no kernels built. ``qkv``,
+    ``gate_up``: each layer's fused projections as the decode step holds them (the same parts, the same
+    order); ``heads``: (H, Hkv, Hkv)."""
+    if native is None or quant is None or not layers:
+        return None
+    plans, held, act = (_Plan * len(layers))(), [], None
+    d = layers[0].self_attn.head_dim
+    for plan, layer, qkv_parts, gu_parts in zip(plans, layers, qkv, gate_up, strict=True):
+        attn, mlp = layer.self_attn, layer.mlp
+        gemma = hasattr(layer, "pre_feedforward_layernorm")
+        post = layer.pre_feedforward_layernorm if gemma else layer.post_attention_layernorm
+        norms = [norm_factors(m, torch.float32) for m in (layer.input_layernorm, post)]
+        outputs = [layer.post_attention_layernorm, layer.post_feedforward_layernorm] if gemma else []
+        output_norms = [norm_factors(m, torch.float32) for m in outputs]
+        hn = head_norms(attn, torch.float32)
+        weights = [_blocks(m) for m in (*qkv_parts, *gu_parts, attn.o_proj, mlp.down_proj)]
+        name = activation_name(mlp)
+        if (
+            None in norms + output_norms + weights
+            or (hasattr(attn, "q_norm") and hn is None)
+            or name not in ACTIVATIONS
+            or act not in (None, ACTIVATIONS[name])
+            or max(len(qkv_parts), len(gu_parts)) > MAX_PARTS
+        ):
+            return None
+        act = ACTIVATIONS[name]
+        (plan.norm, plan.norm_eps), (plan.post_norm, plan.post_eps) = [(w.data_ptr(), e) for w, e in norms]
+        held += [w for w, _ in norms + output_norms]
+        if gemma:
+            (plan.attn_norm, plan.attn_eps), (plan.mlp_norm, plan.mlp_eps) = [
+                (w.data_ptr(), e) for w, e in output_norms
+            ]
+        if hn is not None:
+            plan.qn, plan.kn, plan.head_eps = hn.query.data_ptr(), hn.key.data_ptr(), hn.eps
+            held += [hn.query, hn.key]
+        plan.scale = attn.scaling
+        blocks = iter(weights)
+        for field, parts in (("qkv", qkv_parts), ("gu", gu_parts)):
+            setattr(plan, f"n_{field}", len(parts))
+            for k in range(len(parts)):
+                w, kind = next(blocks)
+                getattr(plan, field)[k] = _Blocks(w.data_ptr(), w.shape[0], kind)
+        for field in ("o", "down"):
+            w, kind = next(blocks)
+            setattr(plan, field, _Blocks(w.data_ptr(), w.shape[0], kind))
+        held += [w for w, _ in weights]
+    h, hkv, _ = heads
+    hidden, inter = layers[0].self_attn.o_proj.out_features, layers[0].mlp.down_proj.in_features
+    for layer, qkv_parts, gu_parts in zip(layers, qkv, gate_up, strict=True):  # the sizes the C loop takes
+        o, down = layer.self_attn.o_proj, layer.mlp.down_proj
+        sizes = (sum(p.out_features for p in qkv_parts), sum(p.out_features for p in gu_parts))
+        if sizes != ((h + 2 * hkv) * d, 2 * inter) or (o.in_features, o.out_features) != (h * d, hidden):
+            return None
+        if (down.in_features, down.out_features) != (inter, hidden):
+            return None
+    return NativeLayers(native, quant, plans, (hidden, h, hkv, d, inter, act), kinds, windows, held)
