@@ -168,12 +168,22 @@ def test_direct_rows_are_each_alone_bit_for_bit(pair, extend: bool) -> None:
 
 
 @pytest.mark.skipif(quant_kernels() is None, reason="no C compiler here to build the kernel")
-@pytest.mark.parametrize("cells", [torch.bfloat16, torch.float32])
-def test_layers_in_one_native_call_are_the_python_loop_bit_for_bit(pair, cells: torch.dtype) -> None:
+@pytest.mark.parametrize(
+    "cells,extend", [(torch.bfloat16, False), (torch.float32, False), (torch.bfloat16, True)]
+)
+def test_layers_in_one_native_call_are_the_python_loop_bit_for_bit(
+    pair, cells: torch.dtype, extend: bool
+) -> None:
     """Every layer of a token in one native call (the step's default for block weights) gives the logits
     of the Python loop over the same kernels bit for bit: one sequence and three stepped together
-    (different fills, shifting at different times), the mixed block types' runs (q/k fused, v apart)."""
+    (different fills, shifting at different times), the mixed block types' runs (q/k fused, v apart), with
+    and without Self-Extend (its grouped keys made in Python, scored in the call)."""
     from selfextend.generation.batched import BatchedDecode
+    from selfextend.hf.patch import self_extend
+
+    if extend:
+        with self_extend(pair[1], 2, 6):
+            return test_layers_in_one_native_call_are_the_python_loop_bit_for_bit(pair, cells, False)
 
     _, model = pair
     ids = [

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Sequence
+from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -265,11 +266,11 @@ class DecodeStep:
         extend = [self._self_extend(layer) if self_extend else None for layer in self.layers]
         if (
             self.native_layers is not None
-            and extend.count(None) == len(extend)
             and None not in batch.kernels
             and len({c.layers[0].keys.dtype for c in caches}) == 1
         ):
-            self.native_layers(x, caches, pos, flat)
+            grouped = partial(self._grouped_keys, batch, extend) if extend.count(None) < len(extend) else None
+            self.native_layers(x, caches, pos, flat, grouped)
         else:
             for i, (p, plan) in enumerate(zip(extend, self.plan, strict=True)):
                 qkv = plan.qkv(each(plan.norm, x))  # (M, (H + 2 Hkv) * D)
@@ -282,6 +283,26 @@ class DecodeStep:
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
+
+    def _grouped_keys(
+        self, batch: _Batch, extend: list[SelfExtendParams | None], i: int, j: int, cells: CellLayer
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] | None:
+        """Row ``j``'s grouped keys at layer ``i`` (Self-Extend settings ``extend[i]``, a full layer's
+        ``cells`` before the token's cell is claimed) in the cells' type with contiguous rows, and the query's
+        grouped rotation, as :meth:`_attend_row` hands them to the attention kernel; None where it scores
+        none. The token's own cell is at distance 0 < W: never a grouped one."""
+        p = extend[i]
+        if p is None:
+            return None
+        pos, end = batch.pos[j], cells.n_used
+        by = _query_rotation(batch.grouped, pos, p, self.head_dim)
+        first = cells.visible_from(pos, self.windows[i])
+        k = cells.keys[..., first:end, :]  # (1, Hkv, cells, D)
+        k_g = grouped_decode_keys(k, pos, p.group_size, p.window, p.inv_freq, cells.cells(end), p.rotations)
+        if k_g is None:
+            return None
+        k_g = k_g.to(k.dtype)
+        return k_g if k_g.stride(-1) == 1 and k_g.stride(-2) == self.head_dim else k_g.contiguous(), by
 
     @staticmethod
     def _self_extend(layer: nn.Module) -> SelfExtendParams | None:

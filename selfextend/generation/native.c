@@ -437,8 +437,11 @@ typedef struct { /* the model's sizes: hidden, query and KV heads, head size, in
 } layer_dims;
 
 /* A row's cells at a layer for this token, int64 each: the cells' addresses, KV-head strides (elements), the
- * slot claimed for the token, the first slot it attends, and its rotation's (cos, sin) and their size. */
-enum { R_KEYS, R_VALUES, R_K_STRIDE, R_V_STRIDE, R_SLOT, R_FIRST, R_COS, R_SIN, R_ROT, R_FIELDS };
+ * slot claimed for the token, the first slot it attends, its rotation's (cos, sin) and their size; with
+ * Self-Extend, the n_g grouped keys it scores (address, KV-head stride; n_g 0: none) and the rotation taking
+ * the query to its grouped position. */
+enum { R_KEYS, R_VALUES, R_K_STRIDE, R_V_STRIDE, R_SLOT, R_FIRST, R_COS, R_SIN, R_ROT };
+enum { R_KG = R_ROT + 1, R_NG, R_KG_STRIDE, R_GCOS, R_GSIN, R_GROT, R_FIELDS };
 
 /* Pieces per KV head for decode_attention (native.py's _chunks). */
 static long chunks_of(long hkv, long n, long threads) {
@@ -474,9 +477,9 @@ int decode_layers(const layer_plan *plans, long n_layers, const layer_dims *dm, 
     wide = wide > hd ? wide : hd;
     uint16_t *xn = malloc(sizeof(uint16_t) * m * hd), *big = malloc(sizeof(uint16_t) * m * wide);
     uint16_t *tmp = malloc(sizeof(uint16_t) * m * wide), *act = malloc(sizeof(uint16_t) * m * inter);
-    float *qkvf = malloc(sizeof(float) * nq), *q = malloc(sizeof(float) * h * d);
+    float *qkvf = malloc(sizeof(float) * nq), *q = malloc(sizeof(float) * h * d), *qg = malloc(sizeof(float) * h * d);
     float *att = malloc(sizeof(float) * m * h * d);
-    if (!xn || !big || !tmp || !act || !qkvf || !q || !att) rc = 1;
+    if (!xn || !big || !tmp || !act || !qkvf || !q || !qg || !att) rc = 1;
     for (long l = 0; l < n_layers && rc == 0; l++) {
         const layer_plan *p = plans + l;
         for (long r = 0; r < m; r++) rms_norm_bf16(x + r * hd, p->norm, hd, p->norm_eps, xn + r * hd);
@@ -488,13 +491,17 @@ int decode_layers(const layer_plan *plans, long n_layers, const layer_dims *dm, 
             const int64_t *c = rows + (l * m + r) * R_FIELDS;
             const float *cos = (const float *)(intptr_t)c[R_COS], *sin = (const float *)(intptr_t)c[R_SIN];
             char *keys = (char *)(intptr_t)c[R_KEYS], *values = (char *)(intptr_t)c[R_VALUES];
-            long first = c[R_FIRST], n = c[R_SLOT] + 1 - first;
+            const float *gcos = (const float *)(intptr_t)c[R_GCOS], *gsin = (const float *)(intptr_t)c[R_GSIN];
+            long first = c[R_FIRST], n = c[R_SLOT] + 1 - first, ng = c[R_NG];
+            const void *kg = ng > 0 ? (const void *)(intptr_t)c[R_KG] : q;
             for (long i = 0; i < nq; i++) qkvf[i] = from_bf16(big[r * nq + i]);
-            rope_write(qkvf, h, hkv, d, c[R_ROT], cos, sin, keys, values, c[R_K_STRIDE], c[R_V_STRIDE],
-                       c[R_SLOT], (int)dm->cell_type, q, cos, sin, c[R_ROT], NULL, p->qn, p->kn, p->head_eps);
-            int failed = decode_attention(q, q, keys + first * d * width, q, values + first * d * width, n, 0, hkv,
-                                          h / hkv, d, c[R_K_STRIDE], 0, c[R_V_STRIDE], (int)dm->cell_type,
-                                          p->scale, chunks_of(hkv, n, dm->threads), att + r * h * d);
+            rope_write(qkvf, h, hkv, d, c[R_ROT], cos, sin, keys, values, c[R_K_STRIDE], c[R_V_STRIDE], c[R_SLOT],
+                       (int)dm->cell_type, q, ng > 0 ? gcos : cos, ng > 0 ? gsin : sin, ng > 0 ? c[R_GROT] : c[R_ROT],
+                       ng > 0 ? qg : NULL, p->qn, p->kn, p->head_eps);
+            int failed = decode_attention(q, ng > 0 ? qg : q, keys + first * d * width, kg, values + first * d * width,
+                                          n, ng, hkv, h / hkv, d, c[R_K_STRIDE], ng > 0 ? c[R_KG_STRIDE] : 0,
+                                          c[R_V_STRIDE], (int)dm->cell_type, p->scale, chunks_of(hkv, n, dm->threads),
+                                          att + r * h * d);
             rc = failed == 2 ? 1 : failed ? 2 : 0;
         }
         if (rc || mm((int)p->o.type, p->o.w, hd, h * d, att, F32, m, big, BF16, portable)) {
@@ -528,6 +535,7 @@ int decode_layers(const layer_plan *plans, long n_layers, const layer_dims *dm, 
     free(act);
     free(qkvf);
     free(q);
+    free(qg);
     free(att);
     return rc;
 }

@@ -13,7 +13,7 @@ Self-Extend's grouped keys are computed in Python, so a Self-Extend step keeps t
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -21,11 +21,15 @@ from torch import nn
 from selfextend.generation.native import ACTIVATIONS, NativeKernels
 from selfextend.generation.products import activation_name, head_norms, norm_factors
 from selfextend.kv.cache import ContextShiftCache
+from selfextend.kv.layers import CellLayer
 from selfextend.models.blocks import BlockLinear
 from selfextend.models.quant import QuantKernels
 
 MAX_PARTS = 3  # runs of one type in a fused projection (native.c's MAX_PARTS)
-FIELDS = 9  # int64 values per layer and row in the cells table (native.c's R_FIELDS)
+FIELDS = 15  # int64 values per layer and row in the cells table (native.c's R_FIELDS)
+# (i, j, cells) -> row j's grouped keys at layer i before its token's cell is claimed, (1, Hkv, n_g, D) in the
+# cells' type with contiguous rows, and the query's grouped (cos, sin); None where it scores none
+Grouped = Callable[[int, int, CellLayer], tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] | None]
 _ptr, _long, _f32 = ctypes.c_void_p, ctypes.c_long, ctypes.c_float
 
 
@@ -83,19 +87,39 @@ class NativeLayers:
         caches: Sequence[ContextShiftCache],
         pos: Sequence[int],
         rotations: Sequence[dict[str, tuple[torch.Tensor, torch.Tensor]]],
+        grouped: Grouped | None = None,
     ) -> None:
         """Each row's cell claimed at every layer, then all layers in one call; ``rotations[j]``: row ``j``'s
-        flat (cos, sin) by kind of layer (what ``rope_write`` reads). MemoryError without scratch space,
-        ValueError for cells the attention kernel does not read."""
-        table = []
+        flat (cos, sin) by kind of layer (what ``rope_write`` reads); ``grouped``: Self-Extend's grouped keys
+        of each layer and row (cells at distance >= W only, never the token's own; full layers only, whose
+        claim moves no cell). MemoryError
+        without scratch space, ValueError for cells the attention kernel does not read."""
+        table, held = [], []
         for i, (kind, window) in enumerate(zip(self.kinds, self.windows, strict=True)):
             for j, cache in enumerate(caches):
                 cells = cache.layers[i]
+                # grouped keys first: a cell claimed but not yet written must not be grouped (the grouped
+                # cache rotates the written cells a few ahead of those asked for)
+                found = None if grouped is None else grouped(i, j, cells)
                 slot = cells.claim()
+                first = cells.visible_from(pos[j], window)
                 cos, sin = rotations[j][kind]
                 keys, values = cells.keys, cells.values
                 table += [keys.data_ptr(), values.data_ptr(), keys.stride(1), values.stride(1), slot]
-                table += [cells.visible_from(pos[j], window), cos.data_ptr(), sin.data_ptr(), cos.numel()]
+                table += [first, cos.data_ptr(), sin.data_ptr(), cos.numel()]
+                if found is None:
+                    table += [0] * 6
+                    continue
+                k_g, (gcos, gsin) = found
+                held.append(k_g)
+                table += [
+                    k_g.data_ptr(),
+                    k_g.shape[2],
+                    k_g.stride(1),
+                    gcos.data_ptr(),
+                    gsin.data_ptr(),
+                    gcos.numel(),
+                ]
         cells_table = torch.tensor(table, dtype=torch.int64)  # (layers, M, FIELDS)
         cell_type = self.native.cell_type(caches[0].layers[0].keys)
         dims = _Dims(*self.dims, cell_type, torch.get_num_threads(), int(self.quant.portable))
