@@ -33,6 +33,11 @@ from server_util import free_port, wait_healthy  # noqa: E402
 
 OUT = Path(__file__).parent / "results" / "server_load.json"
 CLIENTS, REQUESTS, PARALLEL, CTX, MAX_TOKENS = 8, 25, 4, 1024, 24
+SAME_REPLY = (  # client_loop's stand-in for every reply with same_history (about 60 tokens)
+    "Blue things, briefly: the sky on a clear afternoon, the deep sea far from the shore, a sapphire "
+    "set in a ring, cornflowers in a summer field, a robin's egg, denim jeans, and the ink of an old "
+    "fountain pen."
+)
 
 
 def one_request(
@@ -41,7 +46,7 @@ def one_request(
     """One streaming chat request; ``full``: every reply runs to ``max_tokens`` (``ignore_eos``, which
     llama-server takes too), so that servers compare on equal work."""
     t0 = time.perf_counter()
-    ttft, text, tokens = None, "", 0
+    ttft, text, tokens, prompt, cached = None, "", 0, 0, 0
     try:
         stream = client.chat.completions.create(
             model="m",
@@ -57,10 +62,21 @@ def one_request(
                 ttft = ttft or time.perf_counter() - t0
                 text += chunk.choices[0].delta.content
             if chunk.usage:
-                tokens = chunk.usage.completion_tokens
+                tokens, prompt = chunk.usage.completion_tokens, chunk.usage.prompt_tokens
+                details = chunk.usage.prompt_tokens_details
+                cached = (details.cached_tokens or 0) if details else 0
     except openai.APIStatusError as e:
         return {"status": e.status_code, "error": e.message, "seconds": time.perf_counter() - t0}
-    return {"status": 200, "ttft": ttft, "tokens": tokens, "text": text, "seconds": time.perf_counter() - t0}
+    seconds = time.perf_counter() - t0
+    return {
+        "status": 200,
+        "ttft": ttft,
+        "tokens": tokens,
+        "prompt": prompt,
+        "cached": cached,
+        "text": text,
+        "seconds": seconds,
+    }
 
 
 def client_loop(
@@ -71,13 +87,17 @@ def client_loop(
     done: list,
     max_tokens: int = MAX_TOKENS,
     full: bool = False,
+    same_history: bool = False,
 ) -> None:
+    """``same_history``: each reply enters the conversation as :data:`SAME_REPLY`, not as the server wrote it,
+    so that every server is sent the same prompts (a model with synthetic weights writes text whose length
+    in tokens differs by server, and with it the prompt work)."""
     client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=600)
     history = [{"role": "system", "content": f"You are assistant number {index}. Be brief."}]
     for i in range(count):
         history.append({"role": "user", "content": f"Question {i}: name something blue, number {i}."})
         r = one_request(client, history[-7:] if len(history) > 7 else history, max_tokens, full)
-        history.append({"role": "assistant", "content": r.get("text", "")})
+        history.append({"role": "assistant", "content": SAME_REPLY if same_history else r.get("text", "")})
         r["client"] = index
         results.append(r)
         done.append(1)
@@ -95,6 +115,8 @@ def summary(results: list[dict], seconds: float) -> dict:
         "ttft_p50_s": round(statistics.median(ttfts), 3) if ttfts else None,
         "ttft_p95_s": round(ttfts[int(0.95 * (len(ttfts) - 1))], 3) if ttfts else None,
         "completion_tokens": tokens,
+        "prompt_tokens": sum(r["prompt"] for r in ok),  # each server's own count: replies differ in length
+        "cached_prompt_tokens": sum(r["cached"] for r in ok),
         "seconds": round(seconds, 1),
         "aggregate_tokens_per_second": round(tokens / seconds, 2),
     }
@@ -118,14 +140,23 @@ class RssProbe:
 
 
 def run_phase(
-    base: str, clients: int, count: int, rss_probe=None, max_tokens: int = MAX_TOKENS, full: bool = False
+    base: str,
+    clients: int,
+    count: int,
+    rss_probe=None,
+    max_tokens: int = MAX_TOKENS,
+    full: bool = False,
+    same_history: bool = False,
 ) -> dict:
-    """``clients`` conversations of ``count`` requests of at most ``max_tokens`` (``full``: exactly) at once;
-    with ``rss_probe``, the server's RSS after the first 10 requests, after every 10 more and at the end."""
+    """``clients`` conversations of ``count`` requests of at most ``max_tokens`` (``full``: exactly) at once
+    (``same_history``: :func:`client_loop`'s); with ``rss_probe``, the server's RSS after the first 10
+    requests, after every 10 more and at the end."""
     results: list[dict] = []
     done: list[int] = []
     threads = [
-        threading.Thread(target=client_loop, args=(base, i, count, results, done, max_tokens, full))
+        threading.Thread(
+            target=client_loop, args=(base, i, count, results, done, max_tokens, full, same_history)
+        )
         for i in range(clients)
     ]
     t0 = time.perf_counter()

@@ -3,7 +3,9 @@ GGUF, the same slots, the same cells per slot and the same threads, one server a
 
 Each server gets one warm-up request, then the same bounded streaming load (``server_load.run_phase``:
 ``--clients`` conversations of ``--requests`` requests of at most ``--max-tokens`` tokens at once; with
-``--full-replies`` every reply runs to ``--max-tokens``, so that the servers do the same work), then the
+``--full-replies`` every reply runs to ``--max-tokens``, so that the servers do the same work; with
+``--same-history`` each reply enters its conversation as one fixed text, so that they get the same prompts,
+which a model with synthetic weights needs), then the
 scripted chat trimmed from the front (``server_trimmed_chat.conversation``, cache reuse on; llama-server
 with ``--cache-reuse`` of the same chunk size as ours). Rounds alternate which server goes first. Writes
 one JSON line per server, round and phase to experiments/results/server_vs_llama_server.jsonl (``--out``,
@@ -13,7 +15,8 @@ trimmed chat's median TTFT from its first trimmed turn on (lower is better for u
 
     python experiments/server_vs_llama_server.py --clients 8 --requests 6 --max-tokens 64
     python experiments/server_vs_llama_server.py --rounds 2 --full-replies
-    python experiments/server_vs_llama_server.py -m /work/llama/models/llama-3.2-1b-synthetic-Q4_K_M.gguf
+    python experiments/server_vs_llama_server.py -m /work/llama/models/llama-3.2-1b-synthetic-Q4_K_M.gguf \
+        --full-replies --same-history --requests 3 --turns 4
 """
 
 from __future__ import annotations
@@ -100,10 +103,15 @@ def measure(name: str, args: argparse.Namespace, gguf: Path, tok, round_: int) -
     try:
         run_phase(base, 1, 1, max_tokens=8)  # warm-up, not recorded
         load = run_phase(
-            base, args.clients, args.requests, max_tokens=args.max_tokens, full=args.full_replies
+            base,
+            args.clients,
+            args.requests,
+            max_tokens=args.max_tokens,
+            full=args.full_replies,
+            same_history=args.same_history,
         )
         load.update(settings, phase="load", clients=args.clients, max_tokens=args.max_tokens)
-        load.update(full_replies=args.full_replies)
+        load.update(full_replies=args.full_replies, same_history=args.same_history)
         load["rss_end_mib"] = round(psutil.Process(proc.pid).memory_info().rss / 2**20, 1)
         print(json.dumps(load), flush=True)
         rows = conversation(base, tok, True, name, args.turns)
@@ -148,6 +156,12 @@ def main() -> None:
         "--full-replies",
         action="store_true",
         help="every load reply runs to --max-tokens (ignore_eos): both servers do the same work",
+    )
+    ap.add_argument(
+        "--same-history",
+        action="store_true",
+        help="each load reply enters its conversation as one fixed text: both servers get the same prompts "
+        "(a model with synthetic weights writes replies of different token lengths per server)",
     )
     ap.add_argument("--turns", type=int, default=len(TOPICS), help="turns of the trimmed chat")
     ap.add_argument("--rounds", type=int, default=1, help="rounds; each alternates which server goes first")

@@ -8,7 +8,9 @@ math as the model's forward (tests hold it to the model's own logits) with fewer
 the query/key/value and gate/up projections of int8 and int4 models run as one fused product each, the
 quantized kernels and norms are called directly (:mod:`selfextend.generation.products`), and attention,
 plain or Self-Extend, is the native kernel of :mod:`selfextend.generation.native` where it
-builds (else SDPA, or Self-Extend's decode path).
+builds (else SDPA, or Self-Extend's decode path). Where every projection is a GGUF block layer, all the
+layers of a token run in one native call (:mod:`selfextend.generation.native_layers`: the same kernels in
+the same order, the same logits).
 
 It serves Llama, Mistral, Qwen2 and Qwen3 blocks and Gemma 3's (norms after attention and MLP, GeGLU,
 q/k norms, a RoPE base per kind of layer, sliding-window layers, a scaled embedding); a sliding layer's

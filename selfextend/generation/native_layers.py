@@ -6,8 +6,9 @@ output: on SmolLM2 (30 layers) that glue was about 40% of a token on two cores, 
 idle through it. Where every projection of every layer is a GGUF block layer (:mod:`selfextend.models.quant`)
 and every norm a known RMSNorm, the same kernels run from one C loop in the same order, so the logits are
 those of the Python loop bit for bit (tests hold it so). The rows' cells are claimed in Python first (the
-cache's bookkeeping) and handed over as a table of addresses, slots and rotations per layer and row.
-Self-Extend's grouped keys are computed in Python, so a Self-Extend step keeps the Python loop.
+cache's bookkeeping) and handed over as a table of addresses, slots and rotations per layer and row;
+with Self-Extend, each layer's grouped keys are found in Python first (the cells keep them, a few new ones
+rotated per token) and scored in the call.
 """
 
 from __future__ import annotations
@@ -92,8 +93,8 @@ class NativeLayers:
         """Each row's cell claimed at every layer, then all layers in one call; ``rotations[j]``: row ``j``'s
         flat (cos, sin) by kind of layer (what ``rope_write`` reads); ``grouped``: Self-Extend's grouped keys
         of each layer and row (cells at distance >= W only, never the token's own; full layers only, whose
-        claim moves no cell). MemoryError
-        without scratch space, ValueError for cells the attention kernel does not read."""
+        claim moves no cell). MemoryError without scratch space, ValueError for cells the attention kernel
+        does not read."""
         table, held = [], []
         for i, (kind, window) in enumerate(zip(self.kinds, self.windows, strict=True)):
             for j, cache in enumerate(caches):
