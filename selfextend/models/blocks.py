@@ -19,8 +19,8 @@ from torch import nn
 
 # gguf.GGMLQuantizationType values of the block formats held as stored
 BLOCK_KINDS = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
-# a 4-bit type of 32-value blocks -> its 8-row interleaved form (pack8), the kernels' codes in quant.c
-INTERLEAVED = {2: 1002, 3: 1003}
+# a type of 32-value blocks -> its 8-row interleaved form (pack8), the kernels' codes in quant.c
+INTERLEAVED = {2: 1002, 3: 1003, 8: 1008}
 _SLAB_ROWS = 256  # rows dequantised at a time by the reference product
 
 
@@ -37,16 +37,17 @@ def block_shape(kind: int) -> tuple[int, int]:
 
 
 def _head(kind: int) -> int:
-    """Bytes before the packed values in a block of Q4_0 (d) or Q4_1 (d, m)."""
+    """Bytes before the packed values in a block of Q4_0 or Q8_0 (d) or Q4_1 (d, m)."""
     return 4 if base_kind(kind) == 3 else 2
 
 
 def pack8(raw: np.ndarray, kind: int) -> np.ndarray:
-    """Q4_0 or Q4_1 rows (N, bytes per row), N a multiple of 8, in the kernels' 8-row interleaved form, the
-    same bytes rearranged: per group of 8 rows and block, the 8 rows' d, (Q4_1) their 8 m, then 128
-    bytes where byte 16 s + 4 k + i holds value 4 s + i of row k (low nibble) and of row 4 + k (high).
+    """Q4_0, Q4_1 or Q8_0 rows (N, bytes per row), N a multiple of 8, in the kernels' 8-row interleaved
+    form, the same bytes rearranged: per group of 8 rows and block, the 8 rows' d, (Q4_1) their 8 m, then
+    128 bytes where byte 16 s + 4 k + i holds value 4 s + i of row k (low nibble) and of row 4 + k (high);
+    Q8_0: 256 bytes, byte 32 s + 4 k + i value 4 s + i of row k.
 
-    Why: one 32-byte load of the unpacked values then holds 4 values of each of 8 rows, so an integer
+    Why: one 32-byte load of the (unpacked) values then holds 4 values of each of 8 rows, so an integer
     product's 8 lanes are 8 outputs, summed over a whole block before one conversion to float (3x the
     multiply rate of a row at a time on AVX2; llama.cpp repacks Q4_0 for the same reason)."""
     head, (_, size) = _head(kind), block_shape(kind)
@@ -54,9 +55,14 @@ def pack8(raw: np.ndarray, kind: int) -> np.ndarray:
     r = raw.reshape(n // 8, 8, -1, size)  # (G, 8 rows, blocks, bytes)
     groups, _, nb, _ = r.shape
     qs = r[..., head:]
-    v = np.concatenate([qs & 15, qs >> 4], axis=-1)  # (G, 8, nb, 32) values 0..15
-    steps = [v[:, half : half + 4].reshape(groups, 4, nb, 8, 4).transpose(0, 2, 3, 1, 4) for half in (0, 4)]
-    packed = (steps[0] | steps[1] << 4).reshape(groups, nb, 128)  # (G, nb, step, row, value) as bytes
+    if base_kind(kind) == 8:  # (G, 8, nb, step, value) -> (G, nb, step, row, value)
+        packed = qs.reshape(groups, 8, nb, 8, 4).transpose(0, 2, 3, 1, 4).reshape(groups, nb, 256)
+    else:
+        v = np.concatenate([qs & 15, qs >> 4], axis=-1)  # (G, 8, nb, 32) values 0..15
+        steps = [
+            v[:, half : half + 4].reshape(groups, 4, nb, 8, 4).transpose(0, 2, 3, 1, 4) for half in (0, 4)
+        ]
+        packed = (steps[0] | steps[1] << 4).reshape(groups, nb, 128)  # (G, nb, step, row, value) as bytes
     scales = (
         r[..., :head].reshape(groups, 8, nb, head // 2, 2).transpose(0, 2, 3, 1, 4)
     )  # (G, nb, d|m, row, 2)
@@ -71,10 +77,20 @@ def unpack8(packed: np.ndarray, kind: int) -> np.ndarray:
     p = packed.reshape(n // 8, -1, 8 * size)  # (G, nb, group block)
     groups, nb, _ = p.shape
     scales = p[..., : 8 * head].reshape(groups, nb, head // 2, 8, 2).transpose(0, 3, 1, 2, 4)
-    steps = p[..., 8 * head :].reshape(groups, nb, 8, 4, 4)  # (G, nb, step, row, value)
-    halves = [(steps >> shift & 15).transpose(0, 3, 1, 2, 4).reshape(groups, 4, nb, 32) for shift in (0, 4)]
-    v = np.concatenate(halves, axis=1)  # (G, 8, nb, 32)
-    qs = v[..., :16] | v[..., 16:] << 4
+    if base_kind(kind) == 8:  # (G, nb, step, row, value) -> (G, 8, nb, 32)
+        qs = (
+            p[..., 8 * head :]
+            .reshape(groups, nb, 8, 8, 4)
+            .transpose(0, 3, 1, 2, 4)
+            .reshape(groups, 8, nb, 32)
+        )
+    else:
+        steps = p[..., 8 * head :].reshape(groups, nb, 8, 4, 4)  # (G, nb, step, row, value)
+        halves = [
+            (steps >> shift & 15).transpose(0, 3, 1, 2, 4).reshape(groups, 4, nb, 32) for shift in (0, 4)
+        ]
+        v = np.concatenate(halves, axis=1)  # (G, 8, nb, 32)
+        qs = v[..., :16] | v[..., 16:] << 4
     raw = np.concatenate([scales.reshape(groups, 8, nb, head), qs], axis=-1)
     return np.ascontiguousarray(raw).reshape(n, -1)
 

@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 
 
 # Bump when what is written into a cache entry changes, so older entries are not trusted.
-_CACHE_FORMAT = 4  # 4: Q4_0 / Q4_1 blocks held 8 rows interleaved (blocks.pack8)
+_CACHE_FORMAT = 5  # 4: Q4_0 / Q4_1 blocks held 8 rows interleaved (blocks.pack8); 5: Q8_0 too
 _MARKER = "selfextend-cache.json"
 RUN_FORM_FILE = "model.safetensors"
 _TOKENIZERS = "tokenizer"  # cache subfolder: each GGUF's converted tokenizer, shared by its forms

@@ -17,7 +17,7 @@
  * step (fewer than TILE activation rows) reads its weight rows one after another, DECODE_ROWS per task:
  * several rows read side by side are as many streams from memory, which ran at half the rate (Q8_0: 6 GB/s
  * against 11.5 on one core).
- * Q4_0 and Q4_1 also come in an 8-row interleaved form (Q4_0X8, Q4_1X8, blocks.py's pack8) whose vector
+ * Q4_0, Q4_1 and Q8_0 also come in an 8-row interleaved form (Q4_0X8, Q4_1X8, Q8_0X8, blocks.py's pack8) whose vector
  * lanes are 8 weight rows: the same integer sums, one float step per block and row.
  *
  * Paths: AVX2 (maddubs + madd; the 32-value formats' u8 x s8 dot as AVX-512 VNNI / AVX-VNNI dpbusd where
@@ -36,7 +36,8 @@
 
 #define INLINE static inline __attribute__((always_inline))
 
-enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, Q4_0X8 = 1002, Q4_1X8 = 1003 };
+enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, Q4_0X8 = 1002, Q4_1X8 = 1003, Q8_0X8 = 1008 };
+#define IS_X8(type) ((type) == Q4_0X8 || (type) == Q4_1X8 || (type) == Q8_0X8)
 enum { F32 = 0, BF16 = 1 };
 enum { TILE = 4, WR_TILE = 2, DECODE_ROWS = 4, WEIGHT_TILE_BYTES = 65536 };
 
@@ -45,12 +46,12 @@ typedef struct { float d; int16_t bsums[16]; int8_t q[256]; } xqk;   /* and 256 
 
 /* Values and bytes per block of `type`; 0 for a type not computed here. */
 static long block_values(int type) {
-    if (type == Q4_0X8 || type == Q4_1X8) type -= 1000;
+    if (IS_X8(type)) type -= 1000;
     return type == Q4_K || type == Q5_K || type == Q6_K ? 256 : (type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q8_0) ? 32 : 0;
 }
 
 static long block_bytes(int type) {
-    if (type == Q4_0X8 || type == Q4_1X8) type -= 1000;
+    if (IS_X8(type)) type -= 1000;
     switch (type) {
     case Q4_0: return 18;
     case Q4_1: return 20;
@@ -203,11 +204,13 @@ static float dot_scalar(int type, const uint8_t *w, const void *xv, long nb) {
     return type == Q4_K || type == Q5_K ? acc - accm : acc + accm;
 }
 
-/* The 8-row interleaved forms (Q4_0X8, Q4_1X8: blocks.py's pack8): per group of 8 weight rows and block
- * of 32 values, the 8 rows' d (float16), Q4_1's 8 m, then 128 bytes where byte 16 s + 4 k + i holds value
- * 4 s + i of row k in its low nibble and of row 4 + k in its high one. One 32-byte load after unpacking
- * then holds 4 values of each of the 8 rows (lane k: row k), and a product's 8 lanes are 8 outputs. */
-INLINE int x8_value(const uint8_t *qs, int row, int j) {
+/* The 8-row interleaved forms (Q4_0X8, Q4_1X8, Q8_0X8: blocks.py's pack8): per group of 8 weight rows and
+ * block of 32 values, the 8 rows' d (float16), Q4_1's 8 m, then 128 bytes where byte 16 s + 4 k + i holds
+ * value 4 s + i of row k in its low nibble and of row 4 + k in its high one (Q8_0: 256 bytes, byte
+ * 32 s + 4 k + i value 4 s + i of row k). One 32-byte load (after unpacking) then holds 4 values of each of
+ * the 8 rows (lane k: row k), and a product's 8 lanes are 8 outputs. */
+INLINE int x8_value(int type, const uint8_t *qs, int row, int j) {
+    if (type == Q8_0X8) return (int8_t)qs[32 * (j / 4) + 4 * row + j % 4];
     uint8_t byte = qs[16 * (j / 4) + 4 * (row % 4) + j % 4];
     return row < 4 ? byte & 0xF : byte >> 4;
 }
@@ -222,7 +225,7 @@ static void x8_scalar(int type, const uint8_t *w, const xq32 *x, long nb, float 
         for (long b = 0; b < nb; b++) {
             const uint8_t *blk = w + b * bb;
             int isum = 0;
-            for (int j = 0; j < 32; j++) isum += x8_value(blk + head, k, j) * x[b].q[j];
+            for (int j = 0; j < 32; j++) isum += x8_value(type, blk + head, k, j) * x[b].q[j];
             if (type == Q4_0X8) isum -= 8 * x[b].sum;
             acc = fmaf(f16(blk + 2 * k) * x[b].d, (float)isum, acc);
             if (type == Q4_1X8) accm = fmaf(f16(blk + 16 + 2 * k), x[b].s, accm);
@@ -425,10 +428,11 @@ INLINE void rows_q6k(const uint8_t *w, const void *const *xv, long nb, int R, fl
 
 /* A group of 8 interleaved weight rows times R activation rows x[r] into out[r * 8 + k]. Per block: the
  * 8 unpacked 32-byte steps (4 values of each row) times each row's 4 activation values broadcast, summed
- * as int16 (at most 8 x 2 x 15 x 127 = 30480) and once to int32, then scaled by the 8 rows' d at once. */
+ * as int16 (at most 8 x 2 x 15 x 127 = 30480) and once to int32, then scaled by the 8 rows' d at once.
+ * Q8_0: |w| times x carrying w's sign, each step widened to int32 (a step alone reaches 2 x 128 x 127). */
 INLINE void rows_x8(int type, const uint8_t *w, const void *const *xv, long nb, int R, float *out) {
     const __m256i m4 = _mm256_set1_epi8(0xF), ones = _mm256_set1_epi16(1);
-    const long bb = type == Q4_0X8 ? 144 : 160;
+    const long bb = type == Q4_0X8 ? 144 : type == Q4_1X8 ? 160 : 272;
     const int head = type == Q4_1X8 ? 32 : 16;
     __m256 acc[TILE], accm[TILE];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps(), accm[r] = _mm256_setzero_ps();
@@ -437,17 +441,27 @@ INLINE void rows_x8(int type, const uint8_t *w, const void *const *xv, long nb, 
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
         const __m256 m = type == Q4_1X8 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16))) : d;
         __m256i u[8];
-        for (int s = 0; s < 8; s++) {
-            __m128i q = _mm_loadu_si128((const __m128i *)(blk + head + 16 * s));
-            u[s] = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), m4);
-        }
+        if (type != Q8_0X8)
+            for (int s = 0; s < 8; s++) {
+                __m128i q = _mm_loadu_si128((const __m128i *)(blk + head + 16 * s));
+                u[s] = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), m4);
+            }
         for (int r = 0; r < R; r++) {
             const xq32 *xb = (const xq32 *)xv[r] + b;
             int32_t xi[8];
             memcpy(xi, xb->q, 32);
-            __m256i s16 = _mm256_setzero_si256();
-            for (int s = 0; s < 8; s++) s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(u[s], _mm256_set1_epi32(xi[s])));
-            __m256i p = _mm256_madd_epi16(s16, ones);
+            __m256i p = _mm256_setzero_si256();
+            if (type == Q8_0X8) {
+                for (int s = 0; s < 8; s++) {
+                    __m256i w8 = _mm256_loadu_si256((const __m256i *)(blk + head + 32 * s));
+                    __m256i prod = _mm256_maddubs_epi16(_mm256_sign_epi8(w8, w8), _mm256_sign_epi8(_mm256_set1_epi32(xi[s]), w8));
+                    p = _mm256_add_epi32(p, _mm256_madd_epi16(prod, ones));
+                }
+            } else {
+                __m256i s16 = _mm256_setzero_si256();
+                for (int s = 0; s < 8; s++) s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(u[s], _mm256_set1_epi32(xi[s])));
+                p = _mm256_madd_epi16(s16, ones);
+            }
             if (type == Q4_0X8) p = _mm256_sub_epi32(p, _mm256_set1_epi32(8 * xb->sum));
             acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_broadcast_ss(&xb->d)), _mm256_cvtepi32_ps(p), acc[r]);
             if (type == Q4_1X8) accm[r] = _mm256_fmadd_ps(m, _mm256_broadcast_ss(&xb->s), accm[r]);
@@ -461,6 +475,8 @@ static void x8_q40_1(const uint8_t *w, const void *const *x, long nb, float *out
 static void x8_q40_t(const uint8_t *w, const void *const *x, long nb, float *out) { rows_x8(Q4_0X8, w, x, nb, TILE, out); }
 static void x8_q41_1(const uint8_t *w, const void *const *x, long nb, float *out) { rows_x8(Q4_1X8, w, x, nb, 1, out); }
 static void x8_q41_t(const uint8_t *w, const void *const *x, long nb, float *out) { rows_x8(Q4_1X8, w, x, nb, TILE, out); }
+static void x8_q80_1(const uint8_t *w, const void *const *x, long nb, float *out) { rows_x8(Q8_0X8, w, x, nb, 1, out); }
+static void x8_q80_t(const uint8_t *w, const void *const *x, long nb, float *out) { rows_x8(Q8_0X8, w, x, nb, TILE, out); }
 
 /* Each format's tile shapes: (weight rows, activation rows) = (1, 1) for a decode step, (1, TILE) and
  * (WR_TILE, TILE) for a chunk; the K-quants take one weight row at a time. */
@@ -527,9 +543,13 @@ static void mm_x8(int type, const uint8_t *w, long n_out, long nb, const char *x
                 int done = 0;
 #ifdef HAVE_AVX2
                 if (!portable) {
-                    if (R == TILE) (type == Q4_0X8 ? x8_q40_t : x8_q41_t)(wg, xs, nb, out);
+                    void (*one)(const uint8_t *, const void *const *, long, float *) =
+                        type == Q4_0X8 ? x8_q40_1 : type == Q4_1X8 ? x8_q41_1 : x8_q80_1;
+                    void (*tile)(const uint8_t *, const void *const *, long, float *) =
+                        type == Q4_0X8 ? x8_q40_t : type == Q4_1X8 ? x8_q41_t : x8_q80_t;
+                    if (R == TILE) tile(wg, xs, nb, out);
                     else
-                        for (int r = 0; r < R; r++) (type == Q4_0X8 ? x8_q40_1 : x8_q41_1)(wg, &xs[r], nb, out + 8 * r);
+                        for (int r = 0; r < R; r++) one(wg, &xs[r], nb, out + 8 * r);
                     done = 1;
                 }
 #endif
@@ -553,7 +573,7 @@ int quant_mm(int type, const uint8_t *w, long n_out, long n_in, const void *x, i
              int y_type, int portable) {
     long bv = block_values(type), bb = block_bytes(type);
     if (bv == 0 || n_in % bv != 0 || m < 0 || n_out < 0) return 2;
-    if ((type == Q4_0X8 || type == Q4_1X8) && n_out % 8 != 0) return 2;
+    if (IS_X8(type) && n_out % 8 != 0) return 2;
     int k_quant = bv == 256;
     long nb = n_in / bv, row_bytes = nb * bb;
     long xrow = k_quant ? nb * (long)sizeof(xqk) : nb * (long)sizeof(xq32);
@@ -562,7 +582,7 @@ int quant_mm(int type, const uint8_t *w, long n_out, long n_in, const void *x, i
     long x_size = x_type == F32 ? 4 : 2;
 #pragma omp parallel for schedule(static) if (m > 1)
     for (long i = 0; i < m; i++) quantize_row((const char *)x + i * n_in * x_size, x_type, n_in, k_quant, xq + i * xrow);
-    if (type == Q4_0X8 || type == Q4_1X8) {
+    if (IS_X8(type)) {
         mm_x8(type, w, n_out, nb, xq, m, y, y_type, portable);
         free(xq);
         return 0;
