@@ -1,10 +1,11 @@
-"""Milliseconds per decode token of a model (SmolLM2 int4 by default) through each decode path, side by side.
+"""Milliseconds per decode token of a model (SmolLM2, default weights) through each decode path, side by side.
 
-Paths: ``direct`` (the eager :class:`~selfextend.generation.decode.DecodeStep`, the default), ``torch`` (the
-same without its native kernels: torch ops, SDPA attention), ``eager`` (the compiled step's code run
-eagerly: Gemma 3's path before the direct step served it), ``layer`` (the
-compiled step as ``--compile`` runs it: one decoder layer compiled, called per layer), ``layerskip`` (the
-same with dynamo's guard evaluation skipped, to see what guards cost), ``whole`` (the whole step compiled
+Paths: ``direct`` (the eager :class:`~selfextend.generation.decode.DecodeStep`, the default: for GGUF block
+weights every layer in one native call), ``loop`` (the same step's Python loop over the same kernels),
+``torch`` (the same without its native kernels: torch ops, SDPA attention), ``eager`` (the compiled
+step's code run eagerly: Gemma 3's path before the direct step served it), ``layer`` (the compiled step
+as ``--compile`` runs it: one decoder layer compiled, called per layer), ``layerskip`` (the same with
+dynamo's guard evaluation skipped, to see what guards cost), ``whole`` (the whole step compiled
 as one graph: minutes to compile, not offered by the CLI). Each ``PATH:TYPE`` names a cache element type
 (f32, bf16, f16); ``PATH:TYPE@thread`` times it on a second thread, not the one that loaded the model (as
 ``serve`` ran its engine before 2026-11-25: OpenMP's idle workers stop spinning once two threads keep
@@ -15,6 +16,7 @@ printed as they happen.
     python experiments/decode_paths.py direct:f32 layer:f32 layer:bf16 [--rounds 3] [--self-extend]
     python experiments/decode_paths.py direct:bf16 eager:f32 --model gemma3-270m
     python experiments/decode_paths.py direct:f32 direct:f32@thread --model gemma3-270m
+    python experiments/decode_paths.py loop:bf16 direct:bf16 --self-extend
 """
 
 from __future__ import annotations
@@ -42,6 +44,10 @@ def step_fn(model: torch.nn.Module, path: str) -> Callable[[Generator], object]:
         return lambda g: g.step(TOKEN, g.cache)
     if path == "torch":
         step = DecodeStep(model, native=False)
+        return lambda g: step(TOKEN, g.cache)
+    if path == "loop":
+        step = DecodeStep(model)
+        step.native_layers = None
         return lambda g: step(TOKEN, g.cache)
     fast = FastDecode(model, compile=path in ("layer", "layerskip"))
     if path == "whole":
