@@ -121,7 +121,7 @@ class NativeLayers:
                     gsin.data_ptr(),
                     gcos.numel(),
                 ]
-        cells_table = torch.tensor(table, dtype=torch.int64)  # (layers, M, FIELDS)
+        cells_table = torch.tensor(table, dtype=torch.int64).view(len(self.kinds), len(caches), FIELDS)
         cell_type = self.native.cell_type(caches[0].layers[0].keys)
         dims = _Dims(*self.dims, cell_type, torch.get_num_threads(), int(self.quant.portable))
         failed = self.native.decode_layers(
