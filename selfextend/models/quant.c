@@ -41,6 +41,11 @@ enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, 
 enum { F32 = 0, BF16 = 1 };
 enum { TILE = 4, WR_TILE = 2, DECODE_ROWS = 4, WEIGHT_TILE_BYTES = 65536 };
 
+/* A decode product (one activation row) asks for the weight bytes PREFETCH_BYTES ahead of the block it
+ * reads: the hardware prefetcher alone kept too few reads of one thread's stream in flight (measured on a
+ * 2-core EPYC, 8192x2048 from memory, 2 threads: Q4_K 12 -> 15.5 GB/s, Q6_K 13 -> 15.5). */
+enum { PREFETCH_BYTES = 3072 };
+
 typedef struct { float d, s; int32_t sum; int8_t q[32]; } xq32;      /* an activation block, 32 values; s = d sum */
 typedef struct { float d; int16_t bsums[16]; int8_t q[256]; } xqk;   /* and 256 values (K-quants) */
 
@@ -62,6 +67,11 @@ static long block_bytes(int type) {
     case Q6_K: return 210;
     default: return 0;
     }
+}
+
+/* Ask for the cache lines of `bytes` weight bytes PREFETCH_BYTES past p (read once: no temporal hint). */
+INLINE void prefetch_ahead(const uint8_t *p, long bytes) {
+    for (long o = 0; o < bytes; o += 64) __builtin_prefetch(p + PREFETCH_BYTES + o, 0, 0);
 }
 
 INLINE float f16(const uint8_t *p) {
@@ -287,6 +297,7 @@ INLINE void rows32(int type, const uint8_t *w, long row_bytes, int WR, const voi
         float m[WR_TILE];
         for (int k = 0; k < WR; k++) {
             const uint8_t *blk = w + k * row_bytes + b * bb;
+            if (WR == 1 && R == 1) prefetch_ahead(blk, bb);
             d[k] = _mm256_set1_ps(f16(blk));
             m[k] = type == Q4_1 ? f16(blk + 2) : 0.0f;
             if (type == Q8_0) {
@@ -343,6 +354,7 @@ INLINE void rows_k4(int type, const uint8_t *w, const void *const *xv, long nb, 
     long bb = block_bytes(type);
     for (long b = 0; b < nb; b++) {
         const uint8_t *blk = w + b * bb, *qs = blk + (type == Q5_K ? 48 : 16);
+        if (R == 1) prefetch_ahead(blk, bb);
         uint64_t sc8, mn8;
         scales_k4_words(blk + 4, &sc8, &mn8);
         __m256i scales = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)sc8)));
@@ -390,6 +402,7 @@ INLINE void rows_q6k(const uint8_t *w, const void *const *xv, long nb, int R, fl
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (long b = 0; b < nb; b++) {
         const uint8_t *blk = w + b * 210;
+        if (R == 1) prefetch_ahead(blk, 210);
         const int8_t *sc = (const int8_t *)(blk + 192);
         __m256i scales = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
         __m256i halves[2] = {_mm256_permute2x128_si256(scales, scales, 0x00),
@@ -438,6 +451,7 @@ INLINE void rows_x8(int type, const uint8_t *w, const void *const *xv, long nb, 
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps(), accm[r] = _mm256_setzero_ps();
     for (long b = 0; b < nb; b++) {
         const uint8_t *blk = w + b * bb;
+        if (R == 1) prefetch_ahead(blk, bb);
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
         const __m256 m = type == Q4_1X8 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16))) : d;
         __m256i u[8];
