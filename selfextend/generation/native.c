@@ -110,17 +110,22 @@ INLINE v8 sums8(const v8 *t) {
            __builtin_shufflevector(b[0], b[1], 4, 5, 6, 7, 12, 13, 14, 15);
 }
 
-/* Query head h's scores against cells [j, j + 8) into s[0 .. 8): one vector of sums per cell, the eight
- * reduced together. */
+/* Query head h's scores against cells [j, j + 8) into s[0 .. 8): four cells at a time, each with two
+ * accumulators (even and odd vectors, eight independent sums in flight), then the eight reduced together. */
 INLINE void scores8(const v8 *qh, const void *base, long j, long n8, int type, float *s) {
     v8 t[8];
-    for (int i = 0; i < 8; i++) {
-        v8 a = qh[0] * load8(base, (j + i) * n8 * 8, type), b = {0};
-        for (long c = 1; c < n8; c++) {
-            if (c % 2) b += qh[c] * load8(base, ((j + i) * n8 + c) * 8, type);
-            else a += qh[c] * load8(base, ((j + i) * n8 + c) * 8, type);
+    for (int i0 = 0; i0 < 8; i0 += 4) {
+        v8 a[4], b[4];
+        for (int i = 0; i < 4; i++) a[i] = qh[0] * load8(base, (j + i0 + i) * n8 * 8, type), b[i] = (v8){0};
+        for (long c = 1; c + 1 < n8; c += 2)
+            for (int i = 0; i < 4; i++) {
+                b[i] += qh[c] * load8(base, ((j + i0 + i) * n8 + c) * 8, type);
+                a[i] += qh[c + 1] * load8(base, ((j + i0 + i) * n8 + c + 1) * 8, type);
+            }
+        for (int i = 0; i < 4; i++) {
+            b[i] += qh[n8 - 1] * load8(base, ((j + i0 + i) * n8 + n8 - 1) * 8, type); /* n8 is even */
+            t[i0 + i] = a[i] + b[i];
         }
-        t[i] = a + b;
     }
     *(v8u *)s = sums8(t);
 }
