@@ -5,8 +5,12 @@ Random valid blocks of ``--rows`` x ``--columns`` (speed does not depend on the 
 cycled to add up to past the last-level cache, one bfloat16 activation row per call; prints the GB/s of
 the blocks read per form next to the machine's read bandwidth measured in the same round, for 1 and 2
 threads. What a decode step's products can reach; what a step reaches is ``selfextend bench``'s GB/s.
+``--against SOURCE``: the same products through the kernels built from another ``quant.c`` too (an
+earlier commit's, to measure a change), in the same rounds.
 
     python experiments/row_products.py [--kinds 8,2,12,14] [--rows 49152] [--columns 576] [--rounds 3]
+    git show 5a687d9:selfextend/models/quant.c > /tmp/quant_before.c
+    python experiments/row_products.py --kinds 12,14 --rows 8192 --columns 2048 --against /tmp/quant_before.c
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ from test_quant import gguf_blocks  # noqa: E402
 
 from selfextend.bench.speed import read_bandwidth_gbs  # noqa: E402
 from selfextend.models.blocks import BLOCK_KINDS, INTERLEAVED, pack8  # noqa: E402
-from selfextend.models.quant import quant_kernels  # noqa: E402
+from selfextend.models.build import kernels as build_kernels  # noqa: E402
+from selfextend.models.quant import QuantKernels, quant_kernels  # noqa: E402
 
 
 def main() -> None:
@@ -35,9 +40,14 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=49152)
     parser.add_argument("--columns", type=int, default=576)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--against", type=Path, help="another quant.c, timed beside this one's")
     args = parser.parse_args()
-    kernels = quant_kernels()
-    if kernels is None:
+    builds = {"": quant_kernels()}
+    if args.against is not None:
+        builds[f" ({args.against.name})"] = build_kernels(
+            args.against, "quant-against", QuantKernels, "{reason}"
+        )
+    if None in builds.values():
         sys.exit("the quant kernels are not built here (no C compiler?)")
     forms: dict[str, tuple[list[torch.Tensor], int]] = {}
     for kind in (int(k) for k in args.kinds.split(",")):
@@ -55,14 +65,15 @@ def main() -> None:
         torch.set_num_threads(threads)
         for r in range(args.rounds):
             rates = []
-            for name, (copies, kind) in forms.items():
+            for (name, (copies, kind)), (build, kernels) in itertools.product(forms.items(), builds.items()):
                 cycle = itertools.cycle(copies)
                 for _ in range(4):
                     kernels(x, next(cycle), kind, torch.bfloat16)
                 t0 = time.perf_counter()
                 for _ in range(30):
                     kernels(x, next(cycle), kind, torch.bfloat16)
-                rates.append(f"{name} {copies[0].numel() * 30 / (time.perf_counter() - t0) / 1e9:.1f}")
+                seconds = time.perf_counter() - t0
+                rates.append(f"{name}{build} {copies[0].numel() * 30 / seconds / 1e9:.1f}")
             bandwidth = read_bandwidth_gbs()
             print(
                 f"{threads} thread(s), round {r}: "
