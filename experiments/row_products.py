@@ -43,12 +43,13 @@ def main() -> None:
     parser.add_argument("--against", type=Path, help="another quant.c, timed beside this one's")
     args = parser.parse_args()
     builds = {"": quant_kernels()}
-    if args.against is not None:
-        builds[f" ({args.against.name})"] = build_kernels(
-            args.against, "quant-against", QuantKernels, "{reason}"
-        )
-    if None in builds.values():
+    if builds[""] is None:
         sys.exit("the quant kernels are not built here (no C compiler?)")
+    if args.against is not None:
+        against = build_kernels(args.against, "quant-against", QuantKernels, "{reason}")
+        if against is None:
+            sys.exit(f"--against {args.against}: not built (the warning above says why)")
+        builds[f" ({args.against.name})"] = against
     forms: dict[str, tuple[list[torch.Tensor], int]] = {}
     for kind in (int(k) for k in args.kinds.split(",")):
         raw = gguf_blocks(kind, args.rows, args.columns)
