@@ -17,8 +17,8 @@
  * step (fewer than TILE activation rows) reads its weight rows one after another, DECODE_ROWS per task:
  * several rows read side by side are as many streams from memory, which ran at half the rate (Q8_0: 6 GB/s
  * against 11.5 on one core).
- * Q4_0, Q4_1 and Q8_0 also come in an 8-row interleaved form (Q4_0X8, Q4_1X8, Q8_0X8, blocks.py's pack8) whose vector
- * lanes are 8 weight rows: the same integer sums, one float step per block and row.
+ * Q4_0, Q4_1 and Q8_0 also come in an 8-row interleaved form (Q4_0X8, Q4_1X8, Q8_0X8, blocks.py's pack8)
+ * whose vector lanes are 8 weight rows: the same integer sums, one float step per block and row.
  *
  * Paths: AVX2 (maddubs + madd; the 32-value formats' u8 x s8 dot as AVX-512 VNNI / AVX-VNNI dpbusd where
  * the compiler targets them: the same sums, maddubs never saturates on these ranges), and a portable
@@ -544,6 +544,13 @@ static void mm_x8(int type, const uint8_t *w, long n_out, long nb, const char *x
                   int portable) {
     long groups = n_out / 8, group_bytes = nb * block_bytes(type) * 8, xrow = nb * (long)sizeof(xq32);
     long tasks = tasks_of(groups, group_bytes, m), per = (groups + tasks - 1) / tasks;
+    void (*one)(const uint8_t *, const void *const *, long, float *) = NULL, (*tile)(const uint8_t *, const void *const *, long, float *) = NULL;
+#ifdef HAVE_AVX2
+    if (!portable) {
+        one = type == Q4_0X8 ? x8_q40_1 : type == Q4_1X8 ? x8_q41_1 : x8_q80_1;
+        tile = type == Q4_0X8 ? x8_q40_t : type == Q4_1X8 ? x8_q41_t : x8_q80_t;
+    }
+#endif
 #pragma omp parallel for schedule(static)
     for (long t = 0; t < tasks; t++) {
         long g_end = (t + 1) * per < groups ? (t + 1) * per : groups;
@@ -554,21 +561,11 @@ static void mm_x8(int type, const uint8_t *w, long n_out, long nb, const char *x
             for (long g = t * per; g < g_end; g++) {
                 const uint8_t *wg = w + g * group_bytes;
                 float out[8 * TILE];
-                int done = 0;
-#ifdef HAVE_AVX2
-                if (!portable) {
-                    void (*one)(const uint8_t *, const void *const *, long, float *) =
-                        type == Q4_0X8 ? x8_q40_1 : type == Q4_1X8 ? x8_q41_1 : x8_q80_1;
-                    void (*tile)(const uint8_t *, const void *const *, long, float *) =
-                        type == Q4_0X8 ? x8_q40_t : type == Q4_1X8 ? x8_q41_t : x8_q80_t;
-                    if (R == TILE) tile(wg, xs, nb, out);
-                    else
-                        for (int r = 0; r < R; r++) one(wg, &xs[r], nb, out + 8 * r);
-                    done = 1;
-                }
-#endif
-                if (!done)
+                if (one == NULL)
                     for (int r = 0; r < R; r++) x8_scalar(type, wg, (const xq32 *)xs[r], nb, out + 8 * r);
+                else if (R == TILE) tile(wg, xs, nb, out);
+                else
+                    for (int r = 0; r < R; r++) one(wg, &xs[r], nb, out + 8 * r);
                 for (int r = 0; r < R; r++)
                     for (int k = 0; k < 8; k++) {
                         long at = (i + r) * n_out + 8 * g + k;
