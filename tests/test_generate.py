@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from selfextend.cli.main import main
 from selfextend.generation.generator import StopMatcher, TextStream
-from selfextend.generation.sampling import SamplingParams, distribution, sample
+from selfextend.generation.sampling import SamplingParams, argmax, distribution, sample
 
 NONE = torch.tensor([], dtype=torch.long)
 P = torch.tensor([0.5, 0.3, 0.15, 0.05])  # a distribution whose filtered sets are easy to work out by hand
@@ -100,6 +100,19 @@ def test_draws_after_top_k_are_from_the_same_distribution(vocab):
     assert torch.allclose(
         torch.bincount(picks, minlength=4).float() / picks.numel(), _expect([0, 1, 2]), atol=0.03
     )
+
+
+def test_greedy_argmax_is_torch_argmax_with_ties_infinities_and_nan():
+    """The greedy pick (NumPy's argmax on the CPU) is ``torch.argmax``'s: the first of tied maxima, a NaN
+    above every number, +-inf, strided rows, float64 and bfloat16 (which goes through torch)."""
+    g = torch.Generator().manual_seed(0)
+    for trial in range(500):
+        x = torch.randint(-3, 4, (int(torch.randint(1, 200, (1,), generator=g)),), generator=g).float()
+        for special in (math.nan, math.inf, -math.inf):
+            x[torch.rand(x.numel(), generator=g) < 0.05] = special
+        for row in (x, x[::3], x.double(), x.bfloat16()):
+            assert argmax(row) == int(torch.argmax(row)), (trial, row)
+    assert sample(torch.tensor([1.0, 3.0, 3.0, -math.inf]), SamplingParams(), NONE) == 1
 
 
 def test_nan_logits_are_skipped_or_refused():

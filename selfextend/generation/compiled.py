@@ -35,9 +35,10 @@ from torch.fx.experimental import _config as fx_config
 from selfextend.core.positions import grouped_key_positions, grouped_query_positions, is_neighbor
 from selfextend.core.rope import Rotation
 from selfextend.generation.cells import Cells, StepCells
-from selfextend.generation.decode import ATTENTION, fuse_projections, rope_by_kind, rotations_at, why_not
+from selfextend.generation.decode import ATTENTION, fuse_projections, why_not
 from selfextend.generation.native import native_kernels
 from selfextend.generation.products import direct, product_of, project
+from selfextend.generation.rotary import rope_by_kind, rotations_at
 from selfextend.hf.facts import layer_kinds, sliding_windows
 from selfextend.hf.patch import IMPLEMENTATION, SelfExtendParams
 from selfextend.kv.cache import ContextShiftCache

@@ -21,7 +21,6 @@ use another path. Forward hooks on the submodules are not run.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Sequence
 from functools import partial
 from typing import NamedTuple
@@ -37,6 +36,7 @@ from selfextend.core.rope import Rotation
 from selfextend.generation.native import ACTIVATIONS, NativeKernels, native_kernels, rotation_fits
 from selfextend.generation.native_layers import native_layers
 from selfextend.generation.products import LayerPlan, direct, each, each_add, norm_of, product_of
+from selfextend.generation.rotary import PositionRotations, rope_by_kind, rotations_at
 from selfextend.hf.facts import layer_kinds, sliding_windows
 from selfextend.hf.patch import IMPLEMENTATION, SelfExtendParams
 from selfextend.kv.cache import ContextShiftCache
@@ -47,7 +47,6 @@ from selfextend.models.quantize import Int4Linear, Int8Linear, fuse_int4, fuse_i
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 ATTENTION = ("sdpa", "eager", IMPLEMENTATION)  # one math (attention soft-capping is refused by why_not)
-Rotations = dict[str, Rotation]  # by kind of layer (full_attention, sliding_attention)
 
 
 def fuse_projections(projections: list[nn.Module]) -> tuple[nn.Module, ...]:
@@ -100,26 +99,6 @@ def layout_problem(model: nn.Module) -> str | None:
     return None
 
 
-def rope_by_kind(rotary: nn.Module) -> bool:
-    """Whether the model's rotary module takes the kind of layer (Gemma 3's: a RoPE base per kind)."""
-    return "layer_type" in inspect.signature(rotary.forward).parameters
-
-
-def rotations_at(
-    rotary: nn.Module, kinds: list[str], by_kind: bool, x: torch.Tensor, pos: torch.Tensor
-) -> Rotations:
-    """The RoPE rotation (B, 1, 1, D) of each row's position ``pos`` (B,) for each kind of layer in
-    ``kinds``, from the model's own ``rotary`` module (``by_kind``: :func:`rope_by_kind`)."""
-    position_ids = pos.view(-1, 1)  # (B, 1)
-    if not by_kind:
-        rot = Rotation.from_cos_sin(*(t[:, None] for t in rotary(x, position_ids)))
-        return dict.fromkeys(set(kinds), rot)
-    return {
-        kind: Rotation.from_cos_sin(*(t[:, None] for t in rotary(x, position_ids, kind)))
-        for kind in set(kinds)
-    }
-
-
 def serves(model: nn.Module) -> bool:
     """Whether :class:`DecodeStep` runs ``model``, without building one."""
     return why_not(model) is None
@@ -148,13 +127,12 @@ def _query_rotation(
 
 class _Batch(NamedTuple):
     """What :meth:`DecodeStep.rows` knows of its rows for one token: their caches and positions, the native
-    kernels that read each cache (None: torch attention), the rotations (M, 1, 1, D) by kind of layer, and the
+    kernels that read each cache (None: torch attention), each row's rotation by kind of layer, and the
     Self-Extend query rotations computed so far (shared by the layers)."""
 
     caches: Sequence[ContextShiftCache]
     pos: list[int]
     kernels: list[NativeKernels | None]
-    rotations: Rotations
     flat: list[dict[str, tuple[torch.Tensor, torch.Tensor]]]  # row j's (cos, sin) (rot_dim,) by kind
     grouped: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]
 
@@ -181,6 +159,7 @@ class DecodeStep:
         config = model.config
         self.kinds, self.windows = layer_kinds(model), sliding_windows(config)
         self.by_kind = rope_by_kind(self.rotary)
+        self.rope = PositionRotations(self.rotary, self.kinds)
         self.softcap = getattr(config, "final_logit_softcapping", None)
         attn = self.layers[0].self_attn
         self.head_dim = d = attn.head_dim
@@ -255,15 +234,8 @@ class DecodeStep:
         pos = [cache.n_past for cache in caches]
         x = self.embed.weight[torch.tensor(tokens)]  # (M, hidden): a copy, added to in place
         x = x * self.embed_scale.to(x.dtype) if self.embed_scale is not None else x
-        rotations = rotations_at(self.rotary, self.kinds, self.by_kind, x[:, None], torch.tensor(pos))
-        flat = [  # once per token, not per layer: the native rotation's flat factors of each row
-            {
-                k: (r.cos[j].reshape(-1).contiguous(), r.sin[j].reshape(-1).contiguous())
-                for k, r in rotations.items()
-            }
-            for j in range(len(pos))
-        ]
-        batch = _Batch(caches, pos, [self._kernel(c) for c in caches], rotations, flat, {})
+        flat = self.rope(x[:, None], pos)  # each row's rotation by kind, as native.c reads it
+        batch = _Batch(caches, pos, [self._kernel(c) for c in caches], flat, {})
         self_extend = self.model.config._attn_implementation == IMPLEMENTATION
         extend = [self._self_extend(layer) if self_extend else None for layer in self.layers]
         if (
@@ -323,14 +295,13 @@ class DecodeStep:
             self.windows[i],
             batch.pos[j],
         )
-        rotation = batch.rotations[self.kinds[i]]
+        cos_sin = batch.flat[j][self.kinds[i]]
         kernel = batch.kernels[j]
         if kernel is None:
-            rot = Rotation(rotation.cos[j : j + 1], rotation.sin[j : j + 1])
+            rot = Rotation(*(t.view(1, 1, 1, -1) for t in cos_sin))
             return self._attend(attn, qkv.to(self.embed.weight.dtype), rot, cells, pos, p, window).reshape(
                 1, -1
             )
-        cos_sin = batch.flat[j][self.kinds[i]]
         slot = cells.claim()
         first = cells.visible_from(pos, window)
         by = None if p is None else _query_rotation(batch.grouped, pos, p, self.head_dim)
