@@ -70,8 +70,13 @@ def rendered_tokens(tok, messages) -> int:
     return len(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"])
 
 
-def conversation(base: str, tok, reuse: bool, label: str, turns: int = len(TOPICS)) -> list[dict]:
-    """The first ``turns`` turns of the scripted chat against the server at ``base``, one row per turn."""
+def conversation(
+    base: str, tok, reuse: bool, label: str, turns: int = len(TOPICS), reply: str | None = None
+) -> list[dict]:
+    """The first ``turns`` turns of the scripted chat against the server at ``base``, one row per turn.
+    ``reply``: the text each answer enters the history as (None: the answer itself); a fixed one gives two
+    servers the same prompts where the model's answers re-tokenize to different lengths (synthetic
+    weights)."""
     client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=600)
     history: list[dict] = []
     rows = []
@@ -101,7 +106,7 @@ def conversation(base: str, tok, reuse: bool, label: str, turns: int = len(TOPIC
                 last = (chunk.model_extra or {}).get("selfextend") or {}  # ours only: llama-server has none
             if chunk.usage:
                 usage = chunk.usage
-        history.append({"role": "assistant", "content": text})
+        history.append({"role": "assistant", "content": text if reply is None else reply})
         cached = getattr(usage.prompt_tokens_details, "cached_tokens", None)
         row = {
             "mode": label,

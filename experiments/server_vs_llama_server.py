@@ -4,8 +4,8 @@ GGUF, the same slots, the same cells per slot and the same threads, one server a
 Each server gets one warm-up request, then the same bounded streaming load (``server_load.run_phase``:
 ``--clients`` conversations of ``--requests`` requests of at most ``--max-tokens`` tokens at once; with
 ``--full-replies`` every reply runs to ``--max-tokens``, so that the servers do the same work; with
-``--same-history`` each reply enters its conversation as one fixed text, so that they get the same prompts,
-which a model with synthetic weights needs), then the
+``--same-history`` each reply, here and in the trimmed chat, enters its conversation as one fixed text, so
+that they get the same prompts, which a model with synthetic weights needs), then the
 scripted chat trimmed from the front (``server_trimmed_chat.conversation``, cache reuse on; llama-server
 with ``--cache-reuse`` of the same chunk size as ours). Rounds alternate which server goes first. Writes
 one JSON line per server, round and phase to experiments/results/server_vs_llama_server.jsonl (``--out``,
@@ -16,7 +16,7 @@ trimmed chat's median TTFT from its first trimmed turn on (lower is better for u
     python experiments/server_vs_llama_server.py --clients 8 --requests 6 --max-tokens 64
     python experiments/server_vs_llama_server.py --rounds 2 --full-replies
     python experiments/server_vs_llama_server.py -m /work/llama/models/llama-3.2-1b-synthetic-Q4_K_M.gguf \
-        --full-replies --same-history --requests 3 --turns 4
+        --full-replies --same-history --requests 3 --turns 12
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import psutil
 from transformers import AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from server_load import run_phase  # noqa: E402
+from server_load import SAME_REPLY, run_phase  # noqa: E402
 from server_trimmed_chat import TOPICS, conversation  # noqa: E402
 from server_util import free_port, request  # noqa: E402
 
@@ -114,7 +114,7 @@ def measure(name: str, args: argparse.Namespace, gguf: Path, tok, round_: int) -
         load.update(full_replies=args.full_replies, same_history=args.same_history)
         load["rss_end_mib"] = round(psutil.Process(proc.pid).memory_info().rss / 2**20, 1)
         print(json.dumps(load), flush=True)
-        rows = conversation(base, tok, True, name, args.turns)
+        rows = conversation(base, tok, True, name, args.turns, SAME_REPLY if args.same_history else None)
         first, median = trimmed_median(rows)
         chat = {**settings, "phase": "trimmed_chat", "turns": len(rows), "first_trimmed_turn": first}
         chat.update(ttft_median_s=round(median, 3), ttft_s=[r["ttft_s"] for r in rows])
@@ -160,8 +160,8 @@ def main() -> None:
     ap.add_argument(
         "--same-history",
         action="store_true",
-        help="each load reply enters its conversation as one fixed text: both servers get the same prompts "
-        "(a model with synthetic weights writes replies of different token lengths per server)",
+        help="each reply (load and trimmed chat) enters its conversation as one fixed text: both servers get "
+        "the same prompts (synthetic weights write replies of different token lengths per server)",
     )
     ap.add_argument("--turns", type=int, default=len(TOPICS), help="turns of the trimmed chat")
     ap.add_argument("--rounds", type=int, default=1, help="rounds; each alternates which server goes first")

@@ -167,3 +167,41 @@ def test_head_norms_the_kernel_cannot_apply_keep_attention_in_torch():
     assert step.kernel is None
     ids = torch.randint(3, 97, (60,), generator=torch.Generator().manual_seed(7)).tolist()
     assert (decoded_logits(model, ids, True) - decoded_logits(model, ids, False)).abs().max() < TOL
+
+
+@pytest.mark.parametrize("rope", [*sorted(ROPE_TYPES), "dynamic", "gemma3"])
+def test_kept_rope_factors_are_the_rotary_modules_own(rope):
+    """The decode step's per-position RoPE factors (kept a block at a time for RoPE types that depend on the
+    position alone) are bit for bit what the model's rotary module gives at that position alone, across
+    blocks, past the kept bytes and for several rows; a dynamic RoPE type is asked every time, for the rows
+    together (as the step asked before it kept any)."""
+    from conftest import tiny_gemma3
+
+    from selfextend.generation.rotary import PositionRotations, rope_by_kind, rotations_at
+    from selfextend.hf.facts import layer_kinds
+
+    if rope == "gemma3":
+        model = tiny_gemma3(["sliding_attention", "full_attention"], sliding_window=8)
+    elif rope == "dynamic":
+        model = make_model()
+        model.config.rope_parameters = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
+        model.model.rotary_emb = type(model.model.rotary_emb)(model.config)
+    else:
+        model = make_model(rope=rope)
+    rotary, kinds = model.model.rotary_emb, layer_kinds(model)
+    kept = PositionRotations(rotary, kinds, block=16, max_bytes=48 * 16 * 8 * len(set(kinds)))
+    assert kept.static == (rope != "dynamic")
+    x = torch.zeros(2, 1, model.config.hidden_size)
+    for pos in ([0, 1], [15, 16], [3, 200], [39, 2], [41, 100]):  # 48 positions fit in max_bytes
+        found = kept(x, pos)
+        together = rotations_at(rotary, kinds, rope_by_kind(rotary), x, torch.tensor(pos))
+        for j, p in enumerate(pos):
+            # a dynamic type's factors depend on the highest position asked for: the rows' own call
+            alone = rotations_at(rotary, kinds, rope_by_kind(rotary), x[:1], torch.tensor([p]))
+            row, source = (0, alone) if kept.static else (j, together)
+            expected = {k: (r.cos[row], r.sin[row]) for k, r in source.items()}
+            assert set(found[j]) == set(expected)
+            for kind, (cos, sin) in expected.items():
+                assert torch.equal(found[j][kind][0], cos.reshape(-1))
+                assert torch.equal(found[j][kind][1], sin.reshape(-1))
+    assert len(kept.rows) == (48 if kept.static else 0)

@@ -13,6 +13,7 @@ rotated per token) and scored in the call.
 
 from __future__ import annotations
 
+import array
 import ctypes
 from collections.abc import Callable, Sequence
 
@@ -28,6 +29,7 @@ from selfextend.models.quant import QuantKernels
 
 MAX_PARTS = 3  # runs of one type in a fused projection (native.c's MAX_PARTS)
 FIELDS = 15  # int64 values per layer and row in the cells table (native.c's R_FIELDS)
+NO_GROUPED = (0,) * 6  # a row's last six fields where no key is grouped
 # (i, j, cells) -> row j's grouped keys at layer i before its token's cell is claimed, (1, Hkv, n_g, D) in the
 # cells' type with contiguous rows, and the query's grouped (cos, sin); None where it scores none
 Grouped = Callable[[int, int, CellLayer], tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] | None]
@@ -96,6 +98,8 @@ class NativeLayers:
         claim moves no cell). MemoryError without scratch space, ValueError for cells the attention kernel
         does not read."""
         table, held = [], []
+        # each row's rotation by kind as the table holds it: (cos address, sin address, size)
+        factors = [{k: (c.data_ptr(), s.data_ptr(), c.numel()) for k, (c, s) in r.items()} for r in rotations]
         for i, (kind, window) in enumerate(zip(self.kinds, self.windows, strict=True)):
             for j, cache in enumerate(caches):
                 cells = cache.layers[i]
@@ -103,25 +107,20 @@ class NativeLayers:
                 # cache rotates the written cells a few ahead of those asked for)
                 found = None if grouped is None else grouped(i, j, cells)
                 slot = cells.claim()
-                first = cells.visible_from(pos[j], window)
-                cos, sin = rotations[j][kind]
                 keys, values = cells.keys, cells.values
-                table += [keys.data_ptr(), values.data_ptr(), keys.stride(1), values.stride(1), slot]
-                table += [first, cos.data_ptr(), sin.data_ptr(), cos.numel()]
+                table += (keys.data_ptr(), values.data_ptr(), keys.stride(1), values.stride(1), slot)
+                table.append(cells.visible_from(pos[j], window))
+                table += factors[j][kind]
                 if found is None:
-                    table += [0] * 6
+                    table += NO_GROUPED
                     continue
                 k_g, (gcos, gsin) = found
                 held.append(k_g)
-                table += [
-                    k_g.data_ptr(),
-                    k_g.shape[2],
-                    k_g.stride(1),
-                    gcos.data_ptr(),
-                    gsin.data_ptr(),
-                    gcos.numel(),
-                ]
-        cells_table = torch.tensor(table, dtype=torch.int64).view(len(self.kinds), len(caches), FIELDS)
+                table += (k_g.data_ptr(), k_g.shape[2], k_g.stride(1))
+                table += (gcos.data_ptr(), gsin.data_ptr(), gcos.numel())
+        # (layers, rows, FIELDS); through array: torch.tensor reads a list of ints at ~0.1 us each
+        buffer = array.array("q", table)  # referenced until the call returns
+        cells_table = torch.frombuffer(buffer, dtype=torch.int64).view(len(self.kinds), len(caches), FIELDS)
         cell_type = self.native.cell_type(caches[0].layers[0].keys)
         dims = _Dims(*self.dims, cell_type, torch.get_num_threads(), int(self.quant.portable))
         failed = self.native.decode_layers(

@@ -64,41 +64,38 @@ class PositionRotations:
         self.rotary, self.kinds = rotary, sorted(set(kinds))
         self.by_kind, self.static = rope_by_kind(rotary), static_rope(rotary)
         self.block, self.max_bytes = block, max_bytes
-        self.tables: Rotations = {}  # by kind: (N, 1, 1, D) factors of positions 0 .. N - 1
-        self.held: tuple[torch.dtype, torch.device] | None = None  # what the tables were computed for
+        self.rows: list[Flat] = []  # position p's flat factors by kind (views of one block's tensors)
+        self.held: tuple[torch.dtype, torch.device] | None = None  # what the rows were computed for
 
     def _covers(self, x: torch.Tensor, top: int) -> bool:
         """Whether the kept factors hold position ``top`` for rows like ``x`` (extended where they may be)."""
         if not self.static:
             return False
-        if self.held != (x.dtype, x.device) or not self.tables:
-            self.tables, self.held = {}, (x.dtype, x.device)
-            self._extend(x, 0, self.block)
-        have = next(iter(self.tables.values())).cos.shape[0]
-        if top < have:
+        if self.held != (x.dtype, x.device) or not self.rows:
+            self.rows, self.held = [], (x.dtype, x.device)
+            self._extend(x, self.block)
+        if top < len(self.rows):
             return True
         want = (top // self.block + 1) * self.block
-        row_bytes = sum(r.cos[0].numel() * 8 for r in self.tables.values())  # float32 cos and sin
+        row_bytes = sum(cos.numel() * 8 for cos, _ in self.rows[0].values())  # float32 cos and sin
         if want * row_bytes > self.max_bytes:
             return False
-        self._extend(x, have, want)
+        self._extend(x, want)
         return True
 
-    def _extend(self, x: torch.Tensor, have: int, want: int) -> None:
-        """Keep the factors of positions ``[have, want)`` after those of ``[0, have)``."""
-        new = rotations_at(self.rotary, self.kinds, self.by_kind, x[:1], torch.arange(have, want))
-        if self.tables:
-            new = {
-                kind: Rotation(*(torch.cat(pair) for pair in zip(self.tables[kind], r, strict=True)))
-                for kind, r in new.items()
-            }
-        self.tables = new
+    def _extend(self, x: torch.Tensor, want: int) -> None:
+        """Keep the factors of the positions from ``len(self.rows)`` to ``want``."""
+        have = len(self.rows)
+        found = rotations_at(self.rotary, self.kinds, self.by_kind, x[:1], torch.arange(have, want))
+        n = want - have
+        views = {k: (r.cos.view(n, -1).unbind(0), r.sin.view(n, -1).unbind(0)) for k, r in found.items()}
+        self.rows += [{kind: (cos[i], sin[i]) for kind, (cos, sin) in views.items()} for i in range(n)]
 
     def __call__(self, x: torch.Tensor, pos: list[int]) -> list[Flat]:
         """Each row's flat (cos, sin) (rot_dim,) by kind, for rows ``x`` (M, 1, hidden) at positions ``pos``
         (M,): views of the kept factors where they hold the positions."""
         if self._covers(x, max(pos)):
-            return [{kind: (r.cos[p, 0, 0], r.sin[p, 0, 0]) for kind, r in self.tables.items()} for p in pos]
+            return [self.rows[p] for p in pos]
         found = rotations_at(self.rotary, self.kinds, self.by_kind, x, torch.tensor(pos)).items()
         return [
             {k: (r.cos[j].reshape(-1).contiguous(), r.sin[j].reshape(-1).contiguous()) for k, r in found}

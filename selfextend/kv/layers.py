@@ -51,6 +51,7 @@ class CellLayer(CacheLayerMixin):
         super().__init__()
         self.keys, self.values = keys, values
         self.positions = torch.zeros(keys.shape[-2], dtype=torch.long, device=keys.device)
+        self._host, self._host_at = None, None  # a NumPy view of positions on the CPU (_set_position)
         self.dtype, self.device = keys.dtype, keys.device
         self.n_keep = n_keep
         self.n_used = 0
@@ -165,13 +166,16 @@ class CellLayer(CacheLayerMixin):
 
     def _set_position(self, slot: int, pos: int) -> None:
         """``positions[slot] = pos``; on the CPU through a NumPy view of the same memory, kept while
-        ``positions`` is the same tensor: a torch item write costs ~6 us here, a NumPy one ~0.3."""
-        if self.positions.device.type != "cpu":
+        ``positions`` is at the same address (a copied layer's is not): a torch item write costs ~6 us here,
+        a NumPy one ~0.3."""
+        at = self.positions.data_ptr()  # the view holds its tensor: no other tensor gets this address
+        if self._host_at != at:
+            self._host = self.positions.numpy() if self.positions.device.type == "cpu" else None
+            self._host_at = at
+        if self._host is None:
             self.positions[slot] = pos
-            return
-        if getattr(self, "_host_of", None) is not self.positions:
-            self._host, self._host_of = self.positions.numpy(), self.positions
-        self._host[slot] = pos
+        else:
+            self._host[slot] = pos
 
     def _free(self, n: int) -> int:
         """The first of ``n`` free slots after the cells in use (a sliding layer makes room first)."""
