@@ -16,7 +16,7 @@ trimmed chat's median TTFT from its first trimmed turn on (lower is better for u
     python experiments/server_vs_llama_server.py --clients 8 --requests 6 --max-tokens 64
     python experiments/server_vs_llama_server.py --rounds 2 --full-replies
     python experiments/server_vs_llama_server.py -m /work/llama/models/llama-3.2-1b-synthetic-Q4_K_M.gguf \
-        --full-replies --same-history --requests 3 --turns 12
+        --full-replies --same-history --requests 3 --turns 14
 """
 
 from __future__ import annotations
