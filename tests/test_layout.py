@@ -31,7 +31,8 @@ def _modules() -> list[str]:
 
 def test_cli_folder_installs_as_selfextend_cli() -> None:
     """``selfextend.cli`` is the top-level cli/ folder, and pyproject.toml names every package there is:
-    selfextend's subfolders and the folders its package-dir maps in (none left out of a wheel)."""
+    selfextend's subfolders, its data folders (the chat page: no ``__init__.py``, files named in package-data)
+    and the folders its package-dir maps in (none left out of a wheel)."""
     import selfextend.cli
 
     assert Path(selfextend.cli.__file__).resolve().parent == CLI
@@ -45,7 +46,13 @@ def test_cli_folder_installs_as_selfextend_cli() -> None:
     on_disk |= {
         "selfextend.cli." + ".".join(p.parent.relative_to(CLI).parts) for p in CLI.rglob("*/__init__.py")
     }
-    assert sorted(tools["packages"]) == sorted(on_disk | set(mapped))
+    data = {
+        "selfextend." + ".".join(d.relative_to(PACKAGE).parts)
+        for d in PACKAGE.rglob("*")
+        if d.is_dir() and d.name != "__pycache__" and not (d / "__init__.py").exists()
+    }
+    assert data <= set(tools["package-data"])
+    assert sorted(tools["packages"]) == sorted(on_disk | data | set(mapped))
 
 
 def test_import_contracts_kept() -> None:
