@@ -153,3 +153,26 @@ def test_bench_generate_bandwidth_and_first_token(tiny_dir, tmp_path):
     assert {x["weights"] for x in runs} == {"int8"}
     assert {x["weights"] for x in read_jsonl(out) if x.get("summary")} == {"int8"}
     assert "float weights" not in r.stdout and "generate: weights per variant" in r.stdout
+
+
+@pytest.mark.parametrize("engine", ["int8", "bf16"])
+def test_first_token_rows_name_the_prefill_engine(tmp_path, monkeypatch, engine):
+    """On a GGUF's block layers a first-token row says which engine read the prompt's chunks
+    (``$SELFEXTEND_PREFILL``), so the two rates can be told apart in one results file."""
+    from test_models import write_tiny_gguf
+
+    from selfextend.models.quant import quant_kernels
+
+    if quant_kernels() is None:
+        pytest.skip("no C compiler here to build the kernel")
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", hidden=64, quant="Q8_0")
+    monkeypatch.setenv("SELFEXTEND_PREFILL", engine)
+    monkeypatch.setenv("SELFEXTEND_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "bench.jsonl"
+    args = ["bench", "--model", str(path), "--weights", "gguf", "--forms", "gguf", "--cases", "first-token"]
+    r = CliRunner().invoke(
+        main, [*args, "--lengths", "130", "--repeats", "1", "-g", "2", "-w", "32", "-o", str(out)]
+    )
+    assert r.exit_code == 0, r.stderr
+    rows = [x for x in read_jsonl(out) if not x.get("summary") and x["variant"] != "llama.cpp"]
+    assert [(x["variant"], x["prefill_engine"]) for x in rows] == [("gguf+selfextend", engine)]

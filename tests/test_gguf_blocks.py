@@ -25,7 +25,14 @@ from selfextend.generation.decode import DecodeStep
 from selfextend.generation.generator import Generator
 from selfextend.kv.cache import ContextShiftCache
 from selfextend.models import load_model
-from selfextend.models.blocks import INTERLEAVED, BlockLinear, block_mm, reference_product
+from selfextend.models.blocks import (
+    BF16_MIN_ROWS,
+    INTERLEAVED,
+    BlockLinear,
+    block_mm,
+    reference_product,
+    set_chunk_engine,
+)
 from selfextend.models.quant import quant_kernels
 from selfextend.models.quantize import weight_format
 
@@ -98,6 +105,30 @@ def test_logits_close_to_float(pair) -> None:
     # causal: a shorter prompt gives the same rows (to float32 rounding: the forward's float parts are
     # not bit-for-bit across lengths; the block products' rows are, test_quant checks that)
     torch.testing.assert_close(head, got[:, :25], rtol=0, atol=1e-4)
+
+
+@pytest.mark.skipif(quant_kernels() is None, reason="no C compiler here to build the kernel")
+def test_logits_close_to_float_through_the_bf16_engine(pair) -> None:
+    """A prompt of BF16_MIN_ROWS tokens or more read by the bf16 chunk engine (weight tiles dequantized to
+    bfloat16, oneDNN's product): the float model's logits to bfloat16's rounding carried through the
+    layers, as close as the int8 engine's."""
+    reference, model = pair
+    ids = torch.randint(3, 250, (1, BF16_MIN_ROWS + 3), generator=torch.Generator().manual_seed(1))
+    before = {m.chunk_engine for m in model.modules() if isinstance(m, BlockLinear)}
+    try:
+        with torch.no_grad():
+            want = reference(ids).logits
+            set_chunk_engine(model, "bf16")
+            got = model(ids).logits
+            set_chunk_engine(model, "int8")
+            by_int8 = model(ids).logits
+    finally:
+        (engine,) = before
+        set_chunk_engine(model, engine)
+    assert not torch.equal(got, by_int8)  # the two engines really ran
+    for logits in (got, by_int8):
+        assert (logits - want).abs().max() < 0.02 * want.abs().max()
+        assert torch.corrcoef(torch.stack([logits.flatten(), want.flatten()]))[0, 1] > 0.999
 
 
 def test_reference_product_is_the_kernels_math() -> None:

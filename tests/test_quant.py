@@ -163,3 +163,59 @@ def test_bad_shapes_are_refused() -> None:
         KERNELS(torch.randn(1, 256), blocks, 10)
     with pytest.raises(ValueError, match="in eights"):
         KERNELS(torch.randn(1, 32), torch.from_numpy(gguf_blocks(3, 12, 32)), INTERLEAVED[3])
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=NAMES)
+def test_dequantized_tiles_are_gguf_rounded_to_bfloat16(kind: int) -> None:
+    """The bf16 engine's weight tiles: each value is gguf's dequantisation of the same bytes, rounded to
+    bfloat16 as torch rounds (nearest even), bit for bit."""
+    blocks, raw = kernel_blocks(kind, N_OUT, seed=kind)
+    want = quants.dequantize(raw, GGMLQuantizationType(base_kind(kind))).astype(np.float32)
+    got = KERNELS.dequantize(blocks, kind, columns_of(kind))
+    assert got.dtype == torch.bfloat16 and torch.equal(got, torch.from_numpy(want).bfloat16())
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=NAMES)
+def test_bf16_engine_is_the_bfloat16_product(kind: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``tiled``: x rounded to bfloat16 times the bfloat16 weight, tiles of a few rows (not a divisor of
+    the rows) put side by side, within bfloat16's rounding of each output of the float product."""
+    import selfextend.models.quant as quant
+
+    monkeypatch.setattr(quant, "TILE_VALUES", 16 * columns_of(kind))  # 16 rows a tile: 3 tiles of 37-40
+    blocks, raw = kernel_blocks(kind, N_OUT, seed=kind)
+    w = torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType(base_kind(kind))).astype(np.float32))
+    x = torch.randn(130, columns_of(kind), generator=torch.Generator().manual_seed(2))
+    got = KERNELS.tiled(x, blocks, kind)
+    same_math = x.bfloat16().double() @ w.bfloat16().double().T
+    magnitude = x.abs().double() @ w.abs().double().T
+    assert got.dtype == torch.float32 and got.shape == (130, blocks.shape[0])
+    assert torch.all((got.double() - same_math).abs() <= 2**-8 * same_math.abs() + 1e-5 * magnitude)
+    exact = x.double() @ w.double().T
+    assert torch.all((got.double() - exact).abs() <= 2**-8 * (exact.abs() + 2 * magnitude))
+
+
+def test_layers_take_the_chunk_engine_from_enough_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A BlockLinear multiplies calls of BF16_MIN_ROWS rows or more by its chunk engine and fewer by the
+    integer products; set_chunk_engine sets every layer; auto follows the CPU; a bad name is a ValueError."""
+    import selfextend.models.quant as quant
+    from selfextend.models.blocks import BF16_MIN_ROWS, BlockLinear, set_chunk_engine
+
+    blocks, _ = kernel_blocks(12, N_OUT, seed=4)
+    layer = BlockLinear(blocks, 12, columns_of(12))
+    model = torch.nn.Sequential(layer)
+    x = torch.randn(BF16_MIN_ROWS, columns_of(12))
+    assert set_chunk_engine(model, "bf16") == "bf16" == layer.chunk_engine
+    with torch.no_grad():
+        assert torch.equal(layer(x), KERNELS.tiled(x, blocks, 12))
+        assert torch.equal(layer(x[:-1]), KERNELS(x[:-1], blocks, 12))
+        set_chunk_engine(model, "int8")
+        assert torch.equal(layer(x), KERNELS(x, blocks, 12))
+    for amx, engine in ((True, "bf16"), (False, "int8")):
+        monkeypatch.setattr(quant, "amx_present", lambda amx=amx: amx)
+        assert quant.chunk_engine("auto") == engine == quant.chunk_engine()
+    monkeypatch.setenv(quant.ENGINE_ENV, "INT8")
+    assert quant.chunk_engine() == "int8" == set_chunk_engine(model, default="bf16")
+    assert quant.chunk_engine("bf16") == "bf16"  # a setting before the environment
+    monkeypatch.setenv(quant.ENGINE_ENV, "fp8")
+    with pytest.raises(ValueError, match="name auto, int8 or bf16"):
+        quant.chunk_engine()

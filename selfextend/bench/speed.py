@@ -20,6 +20,7 @@ from selfextend.bench.runner import (
     variant,
 )
 from selfextend.kv.cache import ContextShiftCache
+from selfextend.models.blocks import BlockLinear
 
 
 def cell_bytes(cache: ContextShiftCache, fill: int) -> int:
@@ -139,4 +140,7 @@ def bench_first_token(
                     gen.next_token(gen.feed(prompt, min(512, gen.cache.max_chunk())))
                     _sync(gen.device)
                     record["seconds"] = time.perf_counter() - t0
+                engines = {m.chunk_engine for m in lm.modules() if isinstance(m, BlockLinear)}
+                if engines:  # GGUF block layers: how their prefill chunks multiplied
+                    record["prefill_engine"] = ",".join(sorted(engines))
                 yield record

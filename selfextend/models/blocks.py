@@ -22,6 +22,7 @@ BLOCK_KINDS = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K
 # a type of 32-value blocks -> its 8-row interleaved form (pack8), the kernels' codes in quant.c
 INTERLEAVED = {2: 1002, 3: 1003, 8: 1008}
 _SLAB_ROWS = 256  # rows dequantised at a time by the reference product
+BF16_MIN_ROWS = 128  # rows from which a call takes a layer's bf16 chunk engine (a tile's dequantisation pays)
 
 
 def base_kind(kind: int) -> int:
@@ -123,28 +124,36 @@ def reference_product(x: torch.Tensor, blocks: torch.Tensor, kind: int) -> torch
 
 
 @torch.library.custom_op("selfextend::block_mm", mutates_args=())
-def block_mm(x: torch.Tensor, blocks: torch.Tensor, kind: int) -> torch.Tensor:
+def block_mm(x: torch.Tensor, blocks: torch.Tensor, kind: int, bf16: bool = False) -> torch.Tensor:
     """``x (M, K) float32 @ W^T -> (M, N) float32`` for W the GGUF blocks ``blocks`` (N, bytes per row) of
-    type ``kind``: the native kernel, else :func:`reference_product`."""
+    type ``kind``: the native kernel's integer products, or with ``bf16`` its bfloat16 tiles (a prefill
+    chunk's engine, :func:`~selfextend.models.quant.chunk_engine`), else :func:`reference_product`."""
     from selfextend.models.quant import quant_kernels  # it imports this module's block facts
 
     kernels = quant_kernels()
-    return reference_product(x, blocks, kind) if kernels is None else kernels(x, blocks, kind)
+    if kernels is None:
+        return reference_product(x, blocks, kind)
+    return kernels.tiled(x, blocks, kind) if bf16 else kernels(x, blocks, kind)
 
 
 @block_mm.register_fake
-def _(x: torch.Tensor, blocks: torch.Tensor, kind: int) -> torch.Tensor:
+def _(x: torch.Tensor, blocks: torch.Tensor, kind: int, bf16: bool = False) -> torch.Tensor:
     return x.new_empty(x.shape[0], blocks.shape[0])
 
 
 class BlockLinear(nn.Module):
     """``y = x W^T + b`` with ``W`` the rows of a GGUF tensor's blocks of type ``kind`` as stored: ``blocks``
-    (N, bytes per row) uint8. ``block_kind`` (a buffer) carries the type into the saved run form."""
+    (N, bytes per row) uint8. ``block_kind`` (a buffer) carries the type into the saved run form.
+    ``chunk_engine`` (``int8`` or ``bf16``, :func:`~selfextend.models.quant.chunk_engine`) is how calls of
+    :data:`BF16_MIN_ROWS` rows or more multiply; fewer rows always take int8."""
 
     def __init__(
         self, blocks: torch.Tensor, kind: int, in_features: int, bias: torch.Tensor | None = None
     ) -> None:
+        from selfextend.models.quant import chunk_engine
+
         super().__init__()
+        self.chunk_engine = chunk_engine()
         self.kind, self.in_features, self.out_features = kind, in_features, blocks.shape[0]
         self.register_buffer("blocks", blocks)
         self.register_buffer("block_kind", torch.tensor([kind], dtype=torch.int32, device=blocks.device))
@@ -170,7 +179,9 @@ class BlockLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).float().contiguous()
-        y = block_mm(rows, self.blocks, self.kind).to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        bf16 = self.chunk_engine == "bf16" and rows.shape[0] >= BF16_MIN_ROWS
+        y = block_mm(rows, self.blocks, self.kind, bf16)
+        y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
@@ -201,6 +212,7 @@ def _fuse_run(layers: list[BlockLinear]) -> BlockLinear:
             [torch.zeros(m.out_features) if b is None else b for m, b in zip(layers, biases, strict=True)]
         )
     fused = BlockLinear(blocks, layers[0].kind, layers[0].in_features, bias)
+    fused.chunk_engine = layers[0].chunk_engine
     start = 0
     for m in layers:
         rows = slice(start, start + m.out_features)
@@ -209,3 +221,17 @@ def _fuse_run(layers: list[BlockLinear]) -> BlockLinear:
             m.bias = bias[rows]
         start = rows.stop
     return fused
+
+
+def set_chunk_engine(model: nn.Module, setting: str | None = None, default: str = "auto") -> str:
+    """Set every GGUF block layer of ``model`` to multiply prefill chunks by
+    :func:`~selfextend.models.quant.chunk_engine` of ``setting`` (``default`` where neither it nor
+    ``$SELFEXTEND_PREFILL`` names one); returns the engine. Only int8 keeps each row's result whatever
+    rows are beside it, which a server needs for replies that do not change with batching or cache reuse."""
+    from selfextend.models.quant import chunk_engine
+
+    engine = chunk_engine(setting, default)
+    for m in model.modules():
+        if isinstance(m, BlockLinear):
+            m.chunk_engine = engine
+    return engine

@@ -657,3 +657,118 @@ int quant_mm(int type, const uint8_t *w, long n_out, long n_in, const void *x, i
     free(xq);
     return 0;
 }
+
+/* One stored row of nb blocks of `type` (not an interleaved form) as float values: gguf's dequantize. */
+static void dequant_row(int type, const uint8_t *w, long nb, float *out) {
+    long bb = block_bytes(type);
+    for (long b = 0; b < nb; b++) {
+        const uint8_t *blk = w + b * bb;
+        if (block_values(type) == 32) {
+            float *o = out + 32 * b, d = f16(blk);
+            if (type == Q8_0) {
+                for (int k = 0; k < 32; k++) o[k] = d * (float)((const int8_t *)blk + 2)[k];
+                continue;
+            }
+            const uint8_t *qs = blk + (type == Q4_0 ? 2 : type == Q4_1 ? 4 : 6);
+            uint32_t qh = 0;
+            if (type == Q5_0) memcpy(&qh, blk + 2, 4);
+            int shift = type == Q4_0 ? 8 : type == Q5_0 ? 16 : 0;
+            float m = type == Q4_1 ? f16(blk + 2) : 0.0f;
+            for (int k = 0; k < 16; k++) {
+                int lo = (qs[k] & 0xF) | (int)((qh >> k) & 1) << 4;
+                int hi = (qs[k] >> 4) | (int)((qh >> (k + 16)) & 1) << 4;
+                o[k] = d * (float)(lo - shift) + m;
+                o[k + 16] = d * (float)(hi - shift) + m;
+            }
+            continue;
+        }
+        float *o = out + 256 * b;
+        if (type == Q6_K) {
+            const int8_t *sc = (const int8_t *)(blk + 192);
+            float d = f16(blk + 208);
+            for (int h = 0; h < 2; h++) {
+                const uint8_t *qh = blk + 128 + 32 * h;
+                for (int t = 0; t < 4; t++) {
+                    const uint8_t *ql = blk + 64 * h + (t & 1 ? 32 : 0);
+                    const int shift = t & 2 ? 4 : 0;
+                    for (int half = 0; half < 2; half++) {
+                        const float s = d * (float)sc[8 * h + 2 * t + half];
+                        for (int l = 16 * half; l < 16 * half + 16; l++) {
+                            int q = (ql[l] >> shift & 0xF) | ((qh[l] >> (2 * t)) & 3) << 4;
+                            o[128 * h + 32 * t + l] = s * (float)(q - 32);
+                        }
+                    }
+                }
+            }
+            continue;
+        }
+        uint8_t sc[8], mn[8];
+        scales_k4(blk + 4, sc, mn);
+        float d = f16(blk), dmin = f16(blk + 2);
+        const uint8_t *qh = blk + 16, *qs = blk + (type == Q5_K ? 48 : 16);
+        for (int c = 0; c < 4; c++) {
+            float d_lo = d * sc[2 * c], d_hi = d * sc[2 * c + 1], m_lo = dmin * mn[2 * c], m_hi = dmin * mn[2 * c + 1];
+            for (int l = 0; l < 32; l++) {
+                int lo = qs[32 * c + l] & 0xF, hi = qs[32 * c + l] >> 4;
+                if (type == Q5_K) {
+                    lo |= ((qh[l] >> (2 * c)) & 1) << 4;
+                    hi |= ((qh[l] >> (2 * c + 1)) & 1) << 4;
+                }
+                o[64 * c + l] = d_lo * (float)lo - m_lo;
+                o[64 * c + 32 + l] = d_hi * (float)hi - m_hi;
+            }
+        }
+    }
+}
+
+/* The 8 rows of an interleaved group (nb blocks) as float values into out[k * 32 nb ...]. */
+static void dequant_x8(int type, const uint8_t *w, long nb, float *out) {
+    long bb = 8 * block_bytes(type), n_in = 32 * nb;
+    const int head = type == Q4_1X8 ? 32 : 16, shift = type == Q4_0X8 ? 8 : 0;
+    for (long b = 0; b < nb; b++) {
+        const uint8_t *blk = w + b * bb, *qs = blk + head;
+        float d[8], m[8];
+        for (int k = 0; k < 8; k++) {
+            d[k] = f16(blk + 2 * k);
+            m[k] = type == Q4_1X8 ? f16(blk + 16 + 2 * k) : 0.0f;
+        }
+        for (int s = 0; s < 8; s++) /* the bytes in stored order (x8_value's layout) */
+            for (int k = 0; k < (type == Q8_0X8 ? 8 : 4); k++)
+                for (int i = 0; i < 4; i++) {
+                    long at = 32 * b + 4 * s + i;
+                    if (type == Q8_0X8) {
+                        out[k * n_in + at] = d[k] * (float)(int8_t)qs[32 * s + 4 * k + i];
+                        continue;
+                    }
+                    uint8_t byte = qs[16 * s + 4 * k + i];
+                    out[k * n_in + at] = d[k] * (float)((byte & 0xF) - shift) + m[k];
+                    out[(k + 4) * n_in + at] = d[k + 4] * (float)((byte >> 4) - shift) + m[k + 4];
+                }
+    }
+}
+
+/* y (n_out, n_in) bfloat16 = the weight rows W of `type` (stored or interleaved) dequantized, for a prefill
+ * chunk's product through a bf16 matrix engine (AMX by oneDNN). Returns 0, 1 where scratch memory could not
+ * be had, 2 for a type or size it does not take. */
+int quant_dequant_bf16(int type, const uint8_t *w, long n_out, long n_in, uint16_t *y) {
+    long bv = block_values(type), bb = block_bytes(type);
+    if (bv == 0 || n_in % bv != 0 || n_out < 0) return 2;
+    if (IS_X8(type) && n_out % 8 != 0) return 2;
+    long nb = n_in / bv, rows = IS_X8(type) ? 8 : 1, units = n_out / rows, unit_bytes = nb * bb * rows;
+    int failed = 0;
+#pragma omp parallel reduction(| : failed)
+    {
+        float *f = malloc(rows * n_in * sizeof(float));
+        if (f == NULL) failed = 1;
+#pragma omp for schedule(static)
+        for (long u = 0; u < units; u++) {
+            if (f == NULL) continue; /* every thread meets the loop; the call fails as a whole */
+            if (rows == 8) dequant_x8(type, w + u * unit_bytes, nb, f);
+            else dequant_row(type, w + u * unit_bytes, nb, f);
+            uint16_t *o = y + u * rows * n_in;
+            for (long k = 0; k < rows * n_in; k++) o[k] = to_bf16(f[k]);
+        }
+        free(f);
+    }
+    return failed;
+}

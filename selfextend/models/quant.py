@@ -7,6 +7,13 @@ built as the decode step's kernels are (:func:`selfextend.models.build.build`, i
 cache); :class:`~selfextend.models.blocks.BlockLinear` calls it, whoever imports the model.
 ``$SELFEXTEND_QUANT_PORTABLE=1`` forces the portable path; ``$SELFEXTEND_NATIVE=0`` turns the kernel
 off (the layers then use their reference product).
+
+A prefill chunk can go another way (:func:`chunk_engine`): ``bf16`` dequantizes the weight a tile of rows
+at a time to bfloat16 and multiplies through torch (oneDNN, which runs AMX tiles where the CPU has them);
+``int8`` is the integer products above. Where AMX runs, bf16 is ~3x int8 for a 512-row chunk (measured on
+a 2-core Xeon with AMX: ``experiments/prefill_engines.py``), so ``auto`` picks it there and int8
+elsewhere. Only int8 keeps a row's result independent of the rows beside it (bf16 is used from
+:data:`~selfextend.models.blocks.BF16_MIN_ROWS` rows on), which is why the server keeps int8.
 """
 
 from __future__ import annotations
@@ -23,7 +30,30 @@ from selfextend.models.build import TYPES, bind, kernels
 
 SOURCE = Path(__file__).with_name("quant.c")
 PORTABLE_ENV = "SELFEXTEND_QUANT_PORTABLE"
+ENGINE_ENV = "SELFEXTEND_PREFILL"  # auto, int8 or bf16: how prefill chunks multiply (chunk_engine)
+ENGINES = ("auto", "int8", "bf16")
+TILE_VALUES = (
+    1 << 22
+)  # weight values dequantized at a time for it (8 MiB of bfloat16: fewer, larger products)
 _OUT = {torch.float32: 0, torch.bfloat16: 1}
+
+
+@functools.cache
+def amx_present() -> bool:
+    """Whether this CPU runs AMX tiles, as torch finds (the instructions, and the kernel's permission)."""
+    check = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(check is not None and check())
+
+
+def chunk_engine(setting: str | None = None, default: str = "auto") -> str:
+    """``int8`` or ``bf16``, the engine prefill chunks use: ``setting``, else ``$SELFEXTEND_PREFILL``, else
+    ``default``; ``auto`` is bf16 where the CPU has AMX and int8 elsewhere. ValueError for another name."""
+    value = (setting or os.environ.get(ENGINE_ENV) or default).strip().lower()
+    if value not in ENGINES:
+        raise ValueError(f"prefill engine '{value}' (${ENGINE_ENV}): name auto, int8 or bf16")
+    if value == "auto":
+        return "bf16" if amx_present() else "int8"
+    return value
 
 
 class QuantKernels:
@@ -34,6 +64,7 @@ class QuantKernels:
         ptr, long, i32 = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
         lib = ctypes.CDLL(str(library))
         self._mm = bind(lib.quant_mm, [i32, ptr, long, long, ptr, i32, long, ptr, i32, i32], i32)
+        self._dequant = bind(lib.quant_dequant_bf16, [i32, ptr, long, long, ptr], i32)
         self.address = ctypes.cast(
             self._mm, ctypes.c_void_p
         ).value  # for C code that calls it (decode_layers)
@@ -45,19 +76,11 @@ class QuantKernels:
         ``blocks`` (N, bytes per row) uint8 of type ``kind`` (one of :data:`BLOCK_KINDS`, or an 8-row
         interleaved form of :data:`~selfextend.models.blocks.INTERLEAVED`); ``x`` float32 or bfloat16
         (others are taken as float32). ValueError for shapes that do not fit."""
-        if kind not in BLOCK_KINDS and kind not in INTERLEAVED.values():
-            raise ValueError(f"quant_mm computes GGUF types {sorted(BLOCK_KINDS)}, not {kind}")
         if x.dtype not in (torch.float32, torch.bfloat16):
             x = x.float()
         x = x.reshape(-1, x.shape[-1]).contiguous()
         (m, k), n = x.shape, blocks.shape[0]
-        values, size = block_shape(kind)
-        if blocks.dtype != torch.uint8 or blocks.dim() != 2 or not blocks.is_contiguous():
-            raise ValueError("quant_mm takes the blocks as contiguous (rows, bytes per row) uint8")
-        if k % values or blocks.shape[1] != k // values * size:
-            raise ValueError(f"quant_mm: rows of {k} values do not fit blocks of {blocks.shape[1]} bytes")
-        if kind in INTERLEAVED.values() and n % 8:
-            raise ValueError(f"quant_mm: an interleaved form holds rows in eights, not {n}")
+        _check(blocks, kind, k)
         out = torch.empty(m, n, dtype=out_dtype)
         failed = self._mm(
             kind,
@@ -74,6 +97,43 @@ class QuantKernels:
         if failed:
             raise MemoryError(f"quant_mm: no scratch space for {m} rows of {k}")
         return out
+
+    def dequantize(self, blocks: torch.Tensor, kind: int, n_in: int) -> torch.Tensor:
+        """(N, n_in) bfloat16: the weight rows of ``blocks`` of type ``kind`` (as :meth:`__call__` takes
+        them), each value gguf's dequantisation rounded to nearest even. ValueError for shapes that do
+        not fit."""
+        _check(blocks, kind, n_in)
+        out = torch.empty(blocks.shape[0], n_in, dtype=torch.bfloat16)
+        if self._dequant(kind, blocks.data_ptr(), blocks.shape[0], n_in, out.data_ptr()):
+            raise MemoryError(f"quant_dequant_bf16: no scratch space for rows of {n_in}")
+        return out
+
+    def tiled(self, x: torch.Tensor, blocks: torch.Tensor, kind: int) -> torch.Tensor:
+        """``x (M, K) @ W^T -> (M, N)`` float32 by the bf16 engine: ``x`` rounded to bfloat16, W
+        dequantized :data:`TILE_VALUES` values at a time (:meth:`dequantize`), each tile's product by
+        torch (oneDNN: AMX where present), its bfloat16 result widened into the output."""
+        x = x.reshape(-1, x.shape[-1]).bfloat16()
+        (m, k), n = x.shape, blocks.shape[0]
+        _check(blocks, kind, k)
+        per = max(8, TILE_VALUES // k // 8 * 8)  # whole groups of 8 for an interleaved form
+        out = torch.empty(m, n)
+        for a in range(0, n, per):
+            w = self.dequantize(blocks[a : a + per], kind, k)  # (rows, K)
+            out[:, a : a + w.shape[0]] = x @ w.T
+        return out
+
+
+def _check(blocks: torch.Tensor, kind: int, k: int) -> None:
+    """ValueError where ``blocks`` are not (N, bytes per row) uint8 of ``kind`` for rows of ``k`` values."""
+    if kind not in BLOCK_KINDS and kind not in INTERLEAVED.values():
+        raise ValueError(f"quant_mm computes GGUF types {sorted(BLOCK_KINDS)}, not {kind}")
+    values, size = block_shape(kind)
+    if blocks.dtype != torch.uint8 or blocks.dim() != 2 or not blocks.is_contiguous():
+        raise ValueError("quant_mm takes the blocks as contiguous (rows, bytes per row) uint8")
+    if k % values or blocks.shape[1] != k // values * size:
+        raise ValueError(f"quant_mm: rows of {k} values do not fit blocks of {blocks.shape[1]} bytes")
+    if kind in INTERLEAVED.values() and blocks.shape[0] % 8:
+        raise ValueError(f"quant_mm: an interleaved form holds rows in eights, not {blocks.shape[0]}")
 
 
 @functools.cache

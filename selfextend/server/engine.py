@@ -1,10 +1,9 @@
 """The engine: the one thread that runs the model, every request on a slot, a token at a time.
 
-``serve`` runs it on the main thread, the one that loaded the model, and the HTTP server beside it: torch's
-and our kernels' OpenMP (libgomp) keeps a pool of worker threads per thread that starts parallel work,
-and once the pools together hold more threads than there are cores, libgomp stops letting idle workers
-spin, so every parallel region waits for its workers to wake up (a Gemma 3 token took 16 ms on a second
-thread against 10.5 ms on the main one, 2 cores).
+``serve`` runs it on the main thread (the one that loaded the model), the HTTP server beside it: OpenMP
+(libgomp: torch's and our kernels') keeps a worker pool per thread that starts parallel work, and once the
+pools hold more threads than there are cores, idle workers stop spinning and every parallel region waits
+for them to wake (a Gemma 3 token: 16 ms on a second thread, 10.5 ms on the main one, 2 cores).
 
 Requests wait in a queue until a slot is free (the one holding most of their prompt, :func:`pick`). Each
 turn of the loop writes one chunk of at most ``prefill_chunk`` prompt tokens (of the oldest request still
@@ -14,8 +13,7 @@ streams by at most one chunk per token. A request's first token comes once its w
 The requests past their prompt decode together, in one batched forward where the model allows
 (:class:`~selfextend.generation.batched.BatchedDecode`: continuous batching), else one after the other.
 So ``--parallel N`` requests progress together, and a request whose client left (:attr:`Job.cancelled`)
-ends within a step and frees its slot. Results go back through each job's ``emit`` callback (thread-safe
-on the caller's side).
+ends within a step and frees its slot. Results go back through each job's ``emit`` (thread-safe there).
 
 A failure (a step that raises, NaN logits) ends only the requests it belongs to, with an ``error`` event,
 and leaves their slots consistent (:meth:`Slot.recover`); whoever still waits when the loop ends is answered.
@@ -45,6 +43,7 @@ from selfextend.generation.generator import (
 )
 from selfextend.generation.grammar import Grammar
 from selfextend.generation.sampling import SamplingParams
+from selfextend.models.blocks import set_chunk_engine
 from selfextend.models.weights import release_free_memory
 from selfextend.server.metrics import Metrics
 from selfextend.server.promptstore import PromptStore
@@ -96,8 +95,9 @@ class Running:
 
 class Engine:
     """Runs jobs on ``parallel`` slots of ``n_ctx`` cells each (of ``cache_dtype``, None: the model's), from
-    one background thread; prompts are written ``prefill_chunk`` tokens a turn. ``cache_ram``: bytes of
-    cells kept of conversations whose slot went to another (:class:`PromptStore`; 0: none)."""
+    one background thread; prompts are written ``prefill_chunk`` tokens a turn, by int8 block products (so
+    replies do not change with batching or cache reuse: :func:`set_chunk_engine`). ``cache_ram``: bytes
+    of cells kept of conversations whose slot went to another (:class:`PromptStore`; 0: none)."""
 
     def __init__(
         self,
@@ -112,6 +112,7 @@ class Engine:
         cache_ram: int = 0,
     ) -> None:
         self.model, self.tokenizer, self.n_ctx = model, tokenizer, n_ctx
+        set_chunk_engine(model, default="int8")
         self.cache_reuse, self.max_queue, self.prefill_chunk = cache_reuse, max_queue, prefill_chunk
         self.eos = eos_token_ids(model, tokenizer)
         step = decode_step_for(model)
