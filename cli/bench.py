@@ -222,6 +222,16 @@ def bench(
     }
     for row in summarize(runs):
         key, unit = units[row["case"]]
+        engines = {
+            r["prefill_engine"]
+            for r in runs
+            if "prefill_engine" in r
+            and (r["case"], r["variant"], r["length"]) == (row["case"], row["variant"], row["length"])
+        }
+        if engines:  # which engine read the prompts (first-token rows of GGUF block layers)
+            row["prefill_engine"] = ",".join(sorted(engines))
+        if bandwidth and row["case"] == "generate":
+            row["read_bandwidth_gbs"] = bandwidth
         ratio = f"{row['ratio']:.2f}x" if "ratio" in row else ""
         peak = f"{row['peak_mib']:.0f}" if "peak_mib" in row else ""
         mem = f"{row['memory_ratio']:.2f}x" if "memory_ratio" in row else ""
