@@ -10,8 +10,8 @@ off (the layers then use their reference product).
 
 A prefill chunk can go another way (:func:`chunk_engine`): ``bf16`` dequantizes the weight a tile of rows
 at a time to bfloat16 and multiplies through torch (oneDNN, which runs AMX tiles where the CPU has them);
-``int8`` is the integer products above. Where AMX runs, bf16 is ~3x int8 for a 512-row chunk (measured on
-a 2-core Xeon with AMX: ``experiments/prefill_engines.py``), so ``auto`` picks it there and int8
+``int8`` is the integer products above. Where AMX runs, bf16 is 2.3-3.4x int8 for a 512-row chunk (a
+2-core Xeon with AMX: ``experiments/prefill_engines.py``), so ``auto`` picks it there and int8
 elsewhere. Only int8 keeps a row's result independent of the rows beside it (bf16 is used from
 :data:`~selfextend.models.blocks.BF16_MIN_ROWS` rows on), which is why the server keeps int8.
 """
@@ -32,9 +32,7 @@ SOURCE = Path(__file__).with_name("quant.c")
 PORTABLE_ENV = "SELFEXTEND_QUANT_PORTABLE"
 ENGINE_ENV = "SELFEXTEND_PREFILL"  # auto, int8 or bf16: how prefill chunks multiply (chunk_engine)
 ENGINES = ("auto", "int8", "bf16")
-TILE_VALUES = (
-    1 << 22
-)  # weight values dequantized at a time for it (8 MiB of bfloat16: fewer, larger products)
+TILE_VALUES = 1 << 22  # weight values dequantized at a time for the bf16 engine (8 MiB of bfloat16)
 _OUT = {torch.float32: 0, torch.bfloat16: 1}
 
 
