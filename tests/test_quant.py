@@ -6,10 +6,14 @@ does and dequantised): float32 rounding apart. (b) Against the float product ``x
 within the bound the activations' int8 rounding sets (half a step per value, times |W|). (c) Batch
 invariance: each row of a many-row call is bitwise the one-row call's. Each on the vector path and the
 portable one, with output sizes and row counts that are not multiples of anything (of 8 for the 8-row
-interleaved forms of Q4_0 and Q4_1, which must hold rows in eights).
+interleaved forms of Q4_0 and Q4_1, which must hold rows in eights), and on the vector path built
+without AVX-512 (the K-quants' AVX2 loops, on a CPU whose default build takes AVX-512 VNNI ones).
 """
 
 from __future__ import annotations
+
+import functools
+import platform
 
 import numpy as np
 import pytest
@@ -17,7 +21,9 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
 from selfextend.models.blocks import BLOCK_KINDS, INTERLEAVED, base_kind, pack8, unpack8
-from selfextend.models.quant import QuantKernels, quant_kernels
+from selfextend.models.build import build
+from selfextend.models.quant import SOURCE, QuantKernels, quant_kernels
+from selfextend.models.sources import cache_root
 
 KERNELS = quant_kernels()
 pytestmark = pytest.mark.skipif(KERNELS is None, reason="no C compiler here to build the kernel")
@@ -98,8 +104,19 @@ def test_interleaving_rearranges_the_same_bytes() -> None:
             assert np.array_equal(*nibbles)
 
 
-@pytest.fixture(scope="module", params=PATHS, ids=["vector", "portable"])
+@functools.cache
+def narrow_kernels() -> QuantKernels:
+    """The vector path built without AVX-512 (``-mno-avx512f``): on a CPU with AVX-512 VNNI the K-quants'
+    AVX2 loops, which the default build there does not run; elsewhere the default build's code again."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("-mno-avx512f is an x86 flag")
+    return QuantKernels(build(cache_root() / "kernels", SOURCE, "quant-narrow", ("-mno-avx512f",)))
+
+
+@pytest.fixture(scope="module", params=PATHS + ["avx2"], ids=["vector", "portable", "avx2"])
 def kernels(request: pytest.FixtureRequest) -> QuantKernels:
+    if request.param == "avx2":
+        return narrow_kernels()
     return QuantKernels(KERNELS.library, portable=request.param)
 
 
@@ -123,18 +140,21 @@ def test_product_is_the_same_math_and_close_to_float(kernels: QuantKernels, kind
 
 @pytest.mark.parametrize("kind", KINDS, ids=NAMES)
 def test_rows_do_not_depend_on_the_batch(kernels: QuantKernels, kind: int) -> None:
-    """Every row of a 512-row call (tiles of 4) and of a 7-row one (a tile and a tail) equals that row
-    alone, bit for bit, in float32 and rounded to bfloat16."""
+    """Every row of a 512-row call (tiles of 4), of a 7-row one (a tile and a tail of 3) and of a 2-row one
+    (a short tile, as a batched step of two slots) equals that row alone, bit for bit, in float32 and
+    rounded to bfloat16."""
     columns = columns_of(kind)
     blocks, _ = kernel_blocks(kind, N_OUT, seed=1)
     x = torch.randn(512, columns, generator=torch.Generator().manual_seed(3))
     many = kernels(x, blocks, kind)
-    tail = kernels(x[:7], blocks, kind)
+    tail, pair = kernels(x[:7], blocks, kind), kernels(x[:2], blocks, kind)
     for i in range(512):
         one = kernels(x[i : i + 1], blocks, kind)
         assert torch.equal(many[i : i + 1], one), i
         if i < 7:
             assert torch.equal(tail[i : i + 1], one), i
+        if i < 2:
+            assert torch.equal(pair[i : i + 1], one), i
     halves = kernels(x[:7].bfloat16(), blocks, kind, out_dtype=torch.bfloat16)
     assert torch.equal(halves[3:4], kernels(x[3:4].bfloat16(), blocks, kind, out_dtype=torch.bfloat16))
 

@@ -57,15 +57,16 @@ def kernels(source: Path, name: str, make: Callable[[Path], T], missing: str) ->
         return None
 
 
-def build(directory: Path, source: Path, name: str) -> Path:
+def build(directory: Path, source: Path, name: str, extra: tuple[str, ...] = ()) -> Path:
     """The shared library of C ``source`` in ``directory`` (``name-<key>.so``), compiled unless already there
     for this source, compiler and target (:func:`build_key`), with one line on stderr while it compiles and
-    how long it took. Raises ``RuntimeError`` (with the compiler's message) where it does not compile or
-    takes over :data:`COMPILE_TIMEOUT` seconds."""
+    how long it took. ``extra``: flags after :data:`FLAGS` (``-mno-avx512f``: a narrower path of the same
+    source, as the tests build one). Raises ``RuntimeError`` (with the compiler's message) where it does not
+    compile or takes over :data:`COMPILE_TIMEOUT` seconds."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise RuntimeError("no C compiler (cc or gcc, or $CC)")
-    target = directory / f"{name}-{build_key(cc, source)}.so"
+    target = directory / f"{name}-{build_key(cc, source, extra)}.so"
     if target.exists():
         return target
     directory.mkdir(parents=True, exist_ok=True)
@@ -75,7 +76,7 @@ def build(directory: Path, source: Path, name: str) -> Path:
     with tempfile.TemporaryDirectory(dir=directory) as tmp:  # then renamed: concurrent builds do not clash
         out = Path(tmp) / target.name
         try:
-            _run([cc, *FLAGS, str(source), "-o", str(out), "-lm"], COMPILE_TIMEOUT, check=True)
+            _run([cc, *FLAGS, *extra, str(source), "-o", str(out), "-lm"], COMPILE_TIMEOUT, check=True)
         except RuntimeError:
             print("failed", file=sys.stderr, flush=True)
             raise
@@ -84,13 +85,13 @@ def build(directory: Path, source: Path, name: str) -> Path:
     return target
 
 
-def build_key(cc: str, source: Path) -> str:
+def build_key(cc: str, source: Path, extra: tuple[str, ...] = ()) -> str:
     """What a build depends on: the source, the flags, the compiler's version and what ``-march=native``
     makes it target on this machine (:func:`compiler_target`), so a library built for one CPU is never
     loaded on another (an instruction it lacks would kill the process with SIGILL)."""
     key = hashlib.sha256()
     version = _run([cc, "--version"], QUERY_TIMEOUT).stdout
-    for part in (source.read_bytes(), " ".join(FLAGS), version, compiler_target(cc)):
+    for part in (source.read_bytes(), " ".join(FLAGS + extra), version, compiler_target(cc)):
         key.update(part if isinstance(part, bytes) else part.encode())
     return key.hexdigest()[:16]
 

@@ -13,15 +13,17 @@
  * The integer parts are exact, so only the float steps (one fused multiply-add per block and row, a fixed
  * horizontal sum) set the rounding, and they are the same for every row whatever the call's row count:
  * a row's result does not depend on the batch (activation rows are tiled by TILE and weight rows by
- * WR_TILE for reuse, and a tile's accumulators each see the same instructions as a single row's). A decode
- * step (fewer than TILE activation rows) reads its weight rows one after another, DECODE_ROWS per task:
- * several rows read side by side are as many streams from memory, which ran at half the rate (Q8_0: 6 GB/s
- * against 11.5 on one core).
+ * WR_TILE for reuse, and a tile's accumulators each see the same instructions as a single row's; a tile of
+ * 2 or 3 rows repeats its last row, so the weights are read once for all). A decode step (fewer than TILE
+ * activation rows: one sequence, or a few slots' batched step) reads its weight rows one after another,
+ * DECODE_ROWS per task: several rows read side by side are as many streams from memory, which ran at half
+ * the rate (Q8_0: 6 GB/s against 11.5 on one core).
  * Q4_0, Q4_1 and Q8_0 also come in an 8-row interleaved form (Q4_0X8, Q4_1X8, Q8_0X8, blocks.py's pack8)
  * whose vector lanes are 8 weight rows: the same integer sums, one float step per block and row.
  *
  * Paths: AVX2 (maddubs + madd; the 32-value formats' u8 x s8 dot as AVX-512 VNNI / AVX-VNNI dpbusd where
- * the compiler targets them: the same sums, maddubs never saturates on these ranges), and a portable
+ * the compiler targets them: the same sums, maddubs never saturates on these ranges), AVX-512 VNNI for the
+ * K-quants where the compiler targets it (rows_k4_512, rows_q6k_512), and a portable
  * scalar path (`portable`), also used where AVX2 is missing. Threads: OpenMP over output rows (torch's
  * own libgomp); a row's reduction over n_in is never split. */
 #include <math.h>
@@ -32,6 +34,9 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define HAVE_AVX2 1
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define HAVE_AVX512 1
+#endif
 #endif
 
 #define INLINE static inline __attribute__((always_inline))
@@ -47,7 +52,8 @@ enum { TILE = 4, WR_TILE = 2, DECODE_ROWS = 4, WEIGHT_TILE_BYTES = 65536 };
 enum { PREFETCH_BYTES = 3072 };
 
 typedef struct { float d, s; int32_t sum; int8_t q[32]; } xq32;      /* an activation block, 32 values; s = d sum */
-typedef struct { float d; int16_t bsums[16]; int8_t q[256]; } xqk;   /* and 256 values (K-quants) */
+/* and 256 values (K-quants), with the sums of 16 and each 32's sum times d (rows_k4_512's mins) */
+typedef struct { float d; int16_t bsums[16]; float dsums[8]; int8_t q[256]; } xqk;
 
 /* Values and bytes per block of `type`; 0 for a type not computed here. */
 static long block_values(int type) {
@@ -102,7 +108,10 @@ INLINE uint16_t to_bf16(float f) {
 /* `n` values from x[at...] quantized to int8 with d = max|x| / 127 into q; returns d. */
 INLINE float quantize_block(const void *x, int type, long at, int n, int8_t *q) {
     float amax = 0.0f;
-    for (int k = 0; k < n; k++) amax = fmaxf(amax, fabsf(load_x(x, type, at + k)));
+    for (int k = 0; k < n; k++) {
+        float a = fabsf(load_x(x, type, at + k));
+        amax = a > amax ? a : amax; /* fmaxf's result (a NaN skipped), without its call */
+    }
     float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
     for (int k = 0; k < n; k++) q[k] = (int8_t)nearbyintf(load_x(x, type, at + k) * id);
     return d;
@@ -128,6 +137,7 @@ static void quantize_row(const void *x, int type, long n, int k_quant, void *out
             for (int k = 0; k < 16; k++) s += o->q[16 * g + k];
             o->bsums[g] = (int16_t)s;
         }
+        for (int j = 0; j < 8; j++) o->dsums[j] = o->d * (float)(o->bsums[2 * j] + o->bsums[2 * j + 1]);
     }
 }
 
@@ -442,6 +452,108 @@ INLINE void rows_q6k(const uint8_t *w, const void *const *xv, long nb, int R, fl
     for (int r = 0; r < R; r++) out[r] = hsum8(acc[r]);
 }
 
+#ifdef HAVE_AVX512
+/* rows_k4 and rows_q6k with AVX-512 VNNI, where the vector work per activation row, not the multiplies, set
+ * the rate (on one 512-bit integer multiply port, 64 bytes a cycle either way): 64 weight values (two or
+ * four sub-blocks) a step, each row's sums of 4 products (vpdpbusd) times their sub-block's scale added
+ * into 16 int32 lanes at once (vpdpwssd on the sums' low int16 halves, the scale's high half 0: a sum of 4
+ * fits int16, at most 4 x 63 x 127), and each block's float step on those 16 lanes. The same integers as
+ * the AVX2 loops, summed in 16 float lanes instead of 8. */
+INLINE __m512i scaled_sums(__m512i sums, __m512i v, const int8_t *x, __m512i scale) {
+    __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v, _mm512_loadu_si512(x));
+    return _mm512_dpwssd_epi32(sums, p, scale);
+}
+
+INLINE float hsum16(__m512 v) {
+    return hsum8(_mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))));
+}
+
+INLINE void rows_k4_512(int type, const uint8_t *w, const void *const *xv, long nb, int R, float *out) {
+    const __m512i m4 = _mm512_set1_epi8(0xF), one = _mm512_set1_epi8(1);
+    __m512i pick[4]; /* lanes 0-7: sub-block 2c's scale (the step's low 32 values), 8-15: 2c + 1's */
+    for (int c = 0; c < 4; c++) pick[c] = _mm512_inserti64x4(_mm512_set1_epi32(2 * c), _mm256_set1_epi32(2 * c + 1), 1);
+    __m512 acc[TILE];
+    __m256 accm[TILE];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps(), accm[r] = _mm256_setzero_ps();
+    long bb = block_bytes(type);
+    for (long b = 0; b < nb; b++) {
+        const uint8_t *blk = w + b * bb, *qs = blk + (type == Q5_K ? 48 : 16);
+        if (R == 1) prefetch_ahead(blk, bb);
+        uint64_t sc8, mn8;
+        scales_k4_words(blk + 4, &sc8, &mn8);
+        const __m512i sc32 = _mm512_castsi256_si512(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)sc8)));
+        __m256i qh = type == Q5_K ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : _mm256_setzero_si256();
+        __m512i sums[TILE];
+        for (int r = 0; r < R; r++) sums[r] = _mm512_setzero_si512();
+        for (int c = 0; c < 4; c++) {
+            __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+            __m512i v = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(q), _mm256_srli_epi16(q, 4), 1), m4);
+            if (type == Q5_K) {
+                __m256i bits = _mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * c));
+                __m512i hb = _mm512_inserti64x4(_mm512_castsi256_si512(bits), _mm256_srli_epi16(bits, 1), 1);
+                v = _mm512_or_si512(v, _mm512_slli_epi16(_mm512_and_si512(hb, one), 4));
+            }
+            __m512i scale = _mm512_permutexvar_epi32(pick[c], sc32);
+            for (int r = 0; r < R; r++) sums[r] = scaled_sums(sums[r], v, ((const xqk *)xv[r] + b)->q + 64 * c, scale);
+        }
+        const __m512 d = _mm512_set1_ps(f16(blk));
+        /* the sub-blocks' mins times dmin, against each activation row's d times its sums of 32 there */
+        const __m256 mins = _mm256_mul_ps(_mm256_set1_ps(f16(blk + 2)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mn8))));
+        for (int r = 0; r < R; r++) {
+            const xqk *x = (const xqk *)xv[r] + b;
+            acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(x->d)), _mm512_cvtepi32_ps(sums[r]), acc[r]);
+            accm[r] = _mm256_fmadd_ps(mins, _mm256_loadu_ps(x->dsums), accm[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) out[r] = hsum16(acc[r]) - hsum8(accm[r]);
+}
+
+INLINE void rows_q6k_512(const uint8_t *w, const void *const *xv, long nb, int R, float *out) {
+    const __m512i m4 = _mm512_set1_epi8(0xF), m30 = _mm512_set1_epi8(0x30);
+    __m512i pick[4]; /* step s (32 h + 16 t'): lanes 4j..4j+3 take sub-block 4s + j's scale */
+    for (int s = 0; s < 4; s++)
+        pick[s] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_setr_epi32(4 * s, 4 * s, 4 * s, 4 * s, 4 * s + 1, 4 * s + 1, 4 * s + 1, 4 * s + 1)),
+                                     _mm256_setr_epi32(4 * s + 2, 4 * s + 2, 4 * s + 2, 4 * s + 2, 4 * s + 3, 4 * s + 3, 4 * s + 3, 4 * s + 3), 1);
+    __m512 acc[TILE];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (long b = 0; b < nb; b++) {
+        const uint8_t *blk = w + b * 210;
+        if (R == 1) prefetch_ahead(blk, 210);
+        const __m128i sc = _mm_loadu_si128((const __m128i *)(blk + 192));
+        const __m512i sc32 = _mm512_and_si512(_mm512_cvtepi8_epi32(sc), _mm512_set1_epi32(0xFFFF)); /* high half 0 */
+        /* the values' offset 32 first: each sub-block's scale times -32 against its activations' sum */
+        const __m256i offset = _mm256_slli_epi16(_mm256_sub_epi16(_mm256_setzero_si256(), _mm256_cvtepi8_epi16(sc)), 5);
+        __m512i sums[TILE];
+        for (int r = 0; r < R; r++)
+            sums[r] = _mm512_zextsi256_si512(_mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)((const xqk *)xv[r] + b)->bsums), offset));
+        for (int h = 0; h < 2; h++) {
+            /* values 64h.. (q0, q1) and 64h + 32.. of the half; low 4 bits from q0 | q1, high 2 from qh */
+            __m512i q = _mm512_loadu_si512(blk + 64 * h);
+            __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
+            __m512i hi01 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_slli_epi16(qh, 4)), _mm256_slli_epi16(qh, 2), 1);
+            __m512i hi23 = _mm512_inserti64x4(_mm512_castsi256_si512(qh), _mm256_srli_epi16(qh, 2), 1);
+            __m512i v[2] = {_mm512_or_si512(_mm512_and_si512(q, m4), _mm512_and_si512(hi01, m30)),
+                            _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(q, 4), m4), _mm512_and_si512(hi23, m30))};
+            for (int t = 0; t < 2; t++) {
+                __m512i scale = _mm512_permutexvar_epi32(pick[2 * h + t], sc32);
+                for (int r = 0; r < R; r++) sums[r] = scaled_sums(sums[r], v[t], ((const xqk *)xv[r] + b)->q + 128 * h + 64 * t, scale);
+            }
+        }
+        const __m512 d = _mm512_set1_ps(f16(blk + 208));
+        for (int r = 0; r < R; r++) {
+            const xqk *x = (const xqk *)xv[r] + b;
+            acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(x->d)), _mm512_cvtepi32_ps(sums[r]), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) out[r] = hsum16(acc[r]);
+}
+#define ROWS_K4 rows_k4_512
+#define ROWS_Q6K rows_q6k_512
+#else
+#define ROWS_K4 rows_k4
+#define ROWS_Q6K rows_q6k
+#endif
+
 /* A group of 8 interleaved weight rows times R activation rows x[r] into out[r * 8 + k]. Per block: the
  * 8 unpacked 32-byte steps (4 values of each row) times each row's 4 activation values broadcast, summed
  * as int16 (at most 8 x 2 x 15 x 127 = 30480) and once to int32, then scaled by the 8 rows' d at once.
@@ -505,9 +617,9 @@ static void x8_q80_t(const uint8_t *w, const void *const *x, long nb, float *out
 #define CALLQ41(WR, R) rows32(Q4_1, w, rb, WR, x, nb, R, out)
 #define CALLQ50(WR, R) rows32(Q5_0, w, rb, WR, x, nb, R, out)
 #define CALLQ80(WR, R) rows32(Q8_0, w, rb, WR, x, nb, R, out)
-#define CALLK4(WR, R) for (int k = 0; k < WR; k++) rows_k4(Q4_K, w + k * rb, x, nb, R, out + k * TILE)
-#define CALLK5(WR, R) for (int k = 0; k < WR; k++) rows_k4(Q5_K, w + k * rb, x, nb, R, out + k * TILE)
-#define CALLQ6K(WR, R) for (int k = 0; k < WR; k++) rows_q6k(w + k * rb, x, nb, R, out + k * TILE)
+#define CALLK4(WR, R) for (int k = 0; k < WR; k++) ROWS_K4(Q4_K, w + k * rb, x, nb, R, out + k * TILE)
+#define CALLK5(WR, R) for (int k = 0; k < WR; k++) ROWS_K4(Q5_K, w + k * rb, x, nb, R, out + k * TILE)
+#define CALLQ6K(WR, R) for (int k = 0; k < WR; k++) ROWS_Q6K(w + k * rb, x, nb, R, out + k * TILE)
 SHAPES(rq40, CALLQ40)
 SHAPES(rq41, CALLQ41)
 SHAPES(rq50, CALLQ50)
@@ -560,13 +672,13 @@ static void mm_x8(int type, const uint8_t *w, long n_out, long nb, const char *x
         for (long i = 0; i < m; i += TILE) {
             int R = m - i < TILE ? (int)(m - i) : TILE;
             const void *xs[TILE];
-            for (int r = 0; r < R; r++) xs[r] = xq + (i + r) * xrow;
+            for (int r = 0; r < TILE; r++) xs[r] = xq + (i + (r < R ? r : R - 1)) * xrow; /* a short tile: its last row again */
             for (long g = t * per; g < g_end; g++) {
                 const uint8_t *wg = w + g * group_bytes;
                 float out[8 * TILE];
                 if (one == NULL)
                     for (int r = 0; r < R; r++) x8_scalar(type, wg, (const xq32 *)xs[r], nb, out + 8 * r);
-                else if (R == TILE) tile(wg, xs, nb, out);
+                else if (R > 1) tile(wg, xs, nb, out);
                 else
                     for (int r = 0; r < R; r++) one(wg, &xs[r], nb, out + 8 * r);
                 for (int r = 0; r < R; r++)
@@ -631,22 +743,22 @@ int quant_mm(int type, const uint8_t *w, long n_out, long n_in, const void *x, i
         for (long i = 0; i < m; i += TILE) {
             int R = m - i < TILE ? (int)(m - i) : TILE;
             const void *xs[TILE];
-            for (int r = 0; r < R; r++) xs[r] = xq + (i + r) * xrow;
+            for (int r = 0; r < TILE; r++) xs[r] = xq + (i + (r < R ? r : R - 1)) * xrow; /* a short tile: its last row again */
             float out[WR_TILE * TILE];
             if (f11 == NULL) {
                 for (long j = j0; j < j_end; j++) {
                     for (int r = 0; r < R; r++) out[r] = dot_scalar(type, w + j * row_bytes, xs[r], nb);
                     store(y, y_type, n_out, i, j, out, 1, R);
                 }
-            } else if (R == TILE) {
+            } else if (R > 1) { /* a short tile's repeated row computed and not stored: one pass over the weights */
                 long j = j0;
                 for (; j + WR_TILE <= j_end; j += WR_TILE) {
                     fwt(w + j * row_bytes, row_bytes, xs, nb, out);
-                    store(y, y_type, n_out, i, j, out, WR_TILE, TILE);
+                    store(y, y_type, n_out, i, j, out, WR_TILE, R);
                 }
                 for (; j < j_end; j++) {
                     f1t(w + j * row_bytes, row_bytes, xs, nb, out);
-                    store(y, y_type, n_out, i, j, out, 1, TILE);
+                    store(y, y_type, n_out, i, j, out, 1, R);
                 }
             } else {
                 for (int r = 0; r < R; r++)
