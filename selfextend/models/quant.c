@@ -13,8 +13,9 @@
  * The integer parts are exact, so only the float steps (one fused multiply-add per block and row, a fixed
  * horizontal sum) set the rounding, and they are the same for every row whatever the call's row count:
  * a row's result does not depend on the batch (activation rows are tiled by TILE and weight rows by
- * WR_TILE for reuse, and a tile's accumulators each see the same instructions as a single row's; a tile of
- * 2 or 3 rows repeats its last row, so the weights are read once for all). A decode step (fewer than TILE
+ * WR_TILE for reuse, and a tile's accumulators each see the same instructions as a single row's; 2 or 3
+ * rows take tiles of their own, the 8-row interleaved forms a tile that repeats its last row, so that the
+ * weights are read once for all). A decode step (fewer than TILE
  * activation rows: one sequence, or a few slots' batched step) reads its weight rows one after another,
  * DECODE_ROWS per task: several rows read side by side are as many streams from memory, which ran at half
  * the rate (Q8_0: 6 GB/s against 11.5 on one core).
@@ -607,10 +608,13 @@ static void x8_q41_t(const uint8_t *w, const void *const *x, long nb, float *out
 static void x8_q80_1(const uint8_t *w, const void *const *x, long nb, float *out) { rows_x8(Q8_0X8, w, x, nb, 1, out); }
 static void x8_q80_t(const uint8_t *w, const void *const *x, long nb, float *out) { rows_x8(Q8_0X8, w, x, nb, TILE, out); }
 
-/* Each format's tile shapes: (weight rows, activation rows) = (1, 1) for a decode step, (1, TILE) and
- * (WR_TILE, TILE) for a chunk; the K-quants take one weight row at a time. */
+/* Each format's tile shapes: (weight rows, activation rows) = (1, 1) for a decode step, (1, 2) and (1, 3)
+ * for a batched one of a few slots (or a chunk's last rows), (1, TILE) and (WR_TILE, TILE) for a chunk; the
+ * K-quants take one weight row at a time. */
 #define SHAPES(name, call)                                                                                   \
     static void name##_1x1(const uint8_t *w, long rb, const void *const *x, long nb, float *out) { call(1, 1); } \
+    static void name##_1x2(const uint8_t *w, long rb, const void *const *x, long nb, float *out) { call(1, 2); } \
+    static void name##_1x3(const uint8_t *w, long rb, const void *const *x, long nb, float *out) { call(1, 3); } \
     static void name##_1xt(const uint8_t *w, long rb, const void *const *x, long nb, float *out) { call(1, TILE); } \
     static void name##_wxt(const uint8_t *w, long rb, const void *const *x, long nb, float *out) { call(WR_TILE, TILE); }
 #define CALLQ40(WR, R) rows32(Q4_0, w, rb, WR, x, nb, R, out)
@@ -713,9 +717,9 @@ int quant_mm(int type, const uint8_t *w, long n_out, long n_in, const void *x, i
         free(xq);
         return 0;
     }
-    tile_fn f11 = NULL, f1t = NULL, fwt = NULL;
+    tile_fn f11 = NULL, f1t = NULL, fwt = NULL, few[TILE] = {NULL}; /* few[R]: R < TILE activation rows */
 #ifdef HAVE_AVX2
-#define PICK(name) f11 = name##_1x1, f1t = name##_1xt, fwt = name##_wxt
+#define PICK(name) f11 = name##_1x1, f1t = name##_1xt, fwt = name##_wxt, few[2] = name##_1x2, few[3] = name##_1x3
     if (!portable) {
         switch (type) {
         case Q4_0: PICK(rq40); break;
@@ -743,21 +747,26 @@ int quant_mm(int type, const uint8_t *w, long n_out, long n_in, const void *x, i
         for (long i = 0; i < m; i += TILE) {
             int R = m - i < TILE ? (int)(m - i) : TILE;
             const void *xs[TILE];
-            for (int r = 0; r < TILE; r++) xs[r] = xq + (i + (r < R ? r : R - 1)) * xrow; /* a short tile: its last row again */
+            for (int r = 0; r < R; r++) xs[r] = xq + (i + r) * xrow;
             float out[WR_TILE * TILE];
             if (f11 == NULL) {
                 for (long j = j0; j < j_end; j++) {
                     for (int r = 0; r < R; r++) out[r] = dot_scalar(type, w + j * row_bytes, xs[r], nb);
                     store(y, y_type, n_out, i, j, out, 1, R);
                 }
-            } else if (R > 1) { /* a short tile's repeated row computed and not stored: one pass over the weights */
+            } else if (R == TILE) {
                 long j = j0;
                 for (; j + WR_TILE <= j_end; j += WR_TILE) {
                     fwt(w + j * row_bytes, row_bytes, xs, nb, out);
-                    store(y, y_type, n_out, i, j, out, WR_TILE, R);
+                    store(y, y_type, n_out, i, j, out, WR_TILE, TILE);
                 }
                 for (; j < j_end; j++) {
                     f1t(w + j * row_bytes, row_bytes, xs, nb, out);
+                    store(y, y_type, n_out, i, j, out, 1, TILE);
+                }
+            } else if (R > 1) { /* a few rows: the weights read once for all of them */
+                for (long j = j0; j < j_end; j++) {
+                    few[R](w + j * row_bytes, row_bytes, xs, nb, out);
                     store(y, y_type, n_out, i, j, out, 1, R);
                 }
             } else {
