@@ -14,8 +14,8 @@
  * horizontal sum) set the rounding, and they are the same for every row whatever the call's row count:
  * a row's result does not depend on the batch (activation rows are tiled by TILE and weight rows by
  * WR_TILE for reuse, and a tile's accumulators each see the same instructions as a single row's; 2 or 3
- * rows take tiles of their own, the 8-row interleaved forms a tile that repeats its last row, so that the
- * weights are read once for all). A decode step (fewer than TILE
+ * rows take tiles of their own, so that the weights are read once for all; the 8-row interleaved forms take 3
+ * rows as a tile that repeats its last one). A decode step (fewer than TILE
  * activation rows: one sequence, or a few slots' batched step) reads its weight rows one after another,
  * DECODE_ROWS per task: several rows read side by side are as many streams from memory, which ran at half
  * the rate (Q8_0: 6 GB/s against 11.5 on one core).
@@ -47,9 +47,12 @@ enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, 
 enum { F32 = 0, BF16 = 1 };
 enum { TILE = 4, WR_TILE = 2, DECODE_ROWS = 4, WEIGHT_TILE_BYTES = 65536 };
 
-/* A decode product (one activation row) asks for the weight bytes PREFETCH_BYTES ahead of the block it
- * reads: the hardware prefetcher alone kept too few reads of one thread's stream in flight (measured on a
- * 2-core EPYC, 8192x2048 from memory, 2 threads: Q4_K 12 -> 15.5 GB/s, Q6_K 13 -> 15.5). */
+/* A product asks for the weight bytes PREFETCH_BYTES ahead of the block it reads: the hardware prefetcher
+ * alone kept too few reads of one thread's stream in flight (measured on a 2-core EPYC, 8192x2048 from
+ * memory, 2 threads, one activation row: Q4_K 12 -> 15.5 GB/s, Q6_K 13 -> 15.5). The AVX-512 K-quant loops
+ * and the interleaved forms ask at every tile size (on a 2-core AVX-512 Xeon the server's batched step of
+ * 2-4 rows ran 1.2-1.5x faster for it, Q4_K 8192x2048 x 4 rows 1.02 -> 0.82 ms, and 16-64 rows no slower);
+ * the AVX2 loops below TILE rows only (their tiles of 4 ran 5-15% slower with it there). */
 enum { PREFETCH_BYTES = 3072 };
 
 typedef struct { float d, s; int32_t sum; int8_t q[32]; } xq32;      /* an activation block, 32 values; s = d sum */
@@ -311,7 +314,7 @@ INLINE void rows32(int type, const uint8_t *w, long row_bytes, int WR, const voi
         float m[WR_TILE];
         for (int k = 0; k < WR; k++) {
             const uint8_t *blk = w + k * row_bytes + b * bb;
-            if (WR == 1 && R == 1) prefetch_ahead(blk, bb);
+            if (R < TILE) prefetch_ahead(blk, bb);
             d[k] = _mm256_set1_ps(f16(blk));
             m[k] = type == Q4_1 ? f16(blk + 2) : 0.0f;
             if (type == Q8_0) {
@@ -368,7 +371,7 @@ INLINE void rows_k4(int type, const uint8_t *w, const void *const *xv, long nb, 
     long bb = block_bytes(type);
     for (long b = 0; b < nb; b++) {
         const uint8_t *blk = w + b * bb, *qs = blk + (type == Q5_K ? 48 : 16);
-        if (R == 1) prefetch_ahead(blk, bb);
+        if (R < TILE) prefetch_ahead(blk, bb);
         uint64_t sc8, mn8;
         scales_k4_words(blk + 4, &sc8, &mn8);
         __m256i scales = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)sc8)));
@@ -416,7 +419,7 @@ INLINE void rows_q6k(const uint8_t *w, const void *const *xv, long nb, int R, fl
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (long b = 0; b < nb; b++) {
         const uint8_t *blk = w + b * 210;
-        if (R == 1) prefetch_ahead(blk, 210);
+        if (R < TILE) prefetch_ahead(blk, 210);
         const int8_t *sc = (const int8_t *)(blk + 192);
         __m256i scales = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
         __m256i halves[2] = {_mm256_permute2x128_si256(scales, scales, 0x00),
@@ -479,7 +482,7 @@ INLINE void rows_k4_512(int type, const uint8_t *w, const void *const *xv, long 
     long bb = block_bytes(type);
     for (long b = 0; b < nb; b++) {
         const uint8_t *blk = w + b * bb, *qs = blk + (type == Q5_K ? 48 : 16);
-        if (R == 1) prefetch_ahead(blk, bb);
+        prefetch_ahead(blk, bb);
         uint64_t sc8, mn8;
         scales_k4_words(blk + 4, &sc8, &mn8);
         const __m512i sc32 = _mm512_castsi256_si512(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)sc8)));
@@ -519,7 +522,7 @@ INLINE void rows_q6k_512(const uint8_t *w, const void *const *xv, long nb, int R
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (long b = 0; b < nb; b++) {
         const uint8_t *blk = w + b * 210;
-        if (R == 1) prefetch_ahead(blk, 210);
+        prefetch_ahead(blk, 210);
         const __m128i sc = _mm_loadu_si128((const __m128i *)(blk + 192));
         const __m512i sc32 = _mm512_and_si512(_mm512_cvtepi8_epi32(sc), _mm512_set1_epi32(0xFFFF)); /* high half 0 */
         /* the values' offset 32 first: each sub-block's scale times -32 against its activations' sum */
@@ -567,7 +570,7 @@ INLINE void rows_x8(int type, const uint8_t *w, const void *const *xv, long nb, 
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps(), accm[r] = _mm256_setzero_ps();
     for (long b = 0; b < nb; b++) {
         const uint8_t *blk = w + b * bb;
-        if (R == 1) prefetch_ahead(blk, bb);
+        prefetch_ahead(blk, bb);
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
         const __m256 m = type == Q4_1X8 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16))) : d;
         __m256i u[8];
@@ -682,7 +685,7 @@ static void mm_x8(int type, const uint8_t *w, long n_out, long nb, const char *x
                 float out[8 * TILE];
                 if (one == NULL)
                     for (int r = 0; r < R; r++) x8_scalar(type, wg, (const xq32 *)xs[r], nb, out + 8 * r);
-                else if (R > 1) tile(wg, xs, nb, out);
+                else if (R > 2) tile(wg, xs, nb, out); /* 3 rows: cheaper as a tile; 2: one pass each (measured) */
                 else
                     for (int r = 0; r < R; r++) one(wg, &xs[r], nb, out + 8 * r);
                 for (int r = 0; r < R; r++)
