@@ -32,7 +32,7 @@ PARTS = ("attention", "projections", "norms", "head")
 @torch.no_grad()
 def step(st: DecodeStep, cache: ContextShiftCache, without: str | None) -> torch.Tensor:
     """One token at position FILL through the layers, ``without`` one of :data:`PARTS`."""
-    x = st.embed.weight[5].view(1, 1, -1)  # (1, 1, hidden)
+    x = st.embed_rows(torch.tensor([5])).view(1, 1, -1)  # (1, 1, hidden)
     rot = Rotation.from_cos_sin(*(t[:, None] for t in st.rotary(x, torch.tensor([[FILL]]))))
     d, n_qk = st.head_dim, st.heads[0] + st.heads[1]
     cells_type = cache.layers[0].keys.dtype

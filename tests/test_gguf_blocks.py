@@ -28,6 +28,7 @@ from selfextend.models import load_model
 from selfextend.models.blocks import (
     BF16_MIN_ROWS,
     INTERLEAVED,
+    BlockEmbedding,
     BlockLinear,
     block_mm,
     reference_product,
@@ -67,8 +68,8 @@ def pair(tiny_mixed: Path):
 
 def test_layers_hold_the_stored_blocks(pair, tiny_mixed: Path) -> None:
     """Every projection keeps its stored type (Q4_0 in the kernels' 8-row interleaved form), and its blocks
-    dequantise to transformers' weight (q and k rows in the model's order); the cached run form reads back
-    the same layers."""
+    dequantise to transformers' weight (q and k rows in the model's order); the embedding table too, its
+    bytes shared with the tied head; the cached run form reads back the same layers, still sharing."""
     reference, model = pair
     for ref_layer, layer in zip(reference.model.layers, model.model.layers, strict=True):
         for name in PROJECTIONS:
@@ -78,12 +79,23 @@ def test_layers_hold_the_stored_blocks(pair, tiny_mixed: Path) -> None:
             want = INTERLEAVED.get(STORED[name], STORED[name])
             assert isinstance(module, BlockLinear) and module.kind == want, name
             torch.testing.assert_close(module.dequantized(), getattr(ref_part, name).weight, atol=0, rtol=0)
-    # the tied head reads the embedding's own blocks (Q5_0 here), which dequantise to transformers' head
+    # the tied head reads the embedding's own blocks (Q5_0 here), which dequantise to transformers' head;
+    # the table holds the same bytes (one storage) and looks up transformers' rows bit for bit
+    table, vocab = model.model.embed_tokens, reference.model.embed_tokens.weight.shape[0]
     assert weight_format(model) == "gguf" and isinstance(model.lm_head, BlockLinear)
-    assert model.lm_head.kind == Q5_0 and model.model.embed_tokens.weight.dtype == torch.float32
+    assert isinstance(table, BlockEmbedding) and model.lm_head.kind == table.kind == Q5_0
+    assert table.blocks.untyped_storage().data_ptr() == model.lm_head.blocks.untyped_storage().data_ptr()
     torch.testing.assert_close(model.lm_head.dequantized(), reference.lm_head.weight, atol=0, rtol=0)
-    torch.testing.assert_close(model.model.embed_tokens.weight, reference.model.embed_tokens.weight)
+    ids = torch.tensor([[5, 0, vocab - 1], [7, 7, 3]])
+    assert torch.equal(table(ids), reference.model.embed_tokens(ids))
+    assert torch.equal(table.lookup(torch.arange(vocab)), reference.model.embed_tokens.weight)
+    with pytest.raises(IndexError, match="token ids"):
+        table(torch.tensor([vocab]))
     again, _ = load_model(str(tiny_mixed), weights="gguf")
+    assert (
+        again.lm_head.blocks.untyped_storage().data_ptr()
+        == again.model.embed_tokens.blocks.untyped_storage().data_ptr()
+    )
     a, b = model.state_dict(), again.state_dict()
     assert a.keys() == b.keys() and any(k.endswith(".blocks") for k in a)
     assert all(torch.equal(a[k], b[k]) for k in a)

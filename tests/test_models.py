@@ -639,7 +639,7 @@ def test_real_cold_int8_load_within_memory_target(tmp_path: Path) -> None:
 def test_bound_heap_growth_sets_the_allocator(monkeypatch: pytest.MonkeyPatch) -> None:
     """glibc gets a fixed mmap threshold, a trim threshold and one arena, the oneDNN cache a bound; each
     only where the environment does not set it."""
-    from selfextend.models import weights
+    from selfextend.models import heap
 
     calls: list[tuple[int, int]] = []
 
@@ -649,7 +649,7 @@ def test_bound_heap_growth_sets_the_allocator(monkeypatch: pytest.MonkeyPatch) -
             calls.append((param, value))
             return 1
 
-    monkeypatch.setattr(weights.ctypes, "CDLL", lambda name: Libc)
+    monkeypatch.setattr(heap.ctypes, "CDLL", lambda name: Libc)
     for name in (
         "LRU_CACHE_CAPACITY",
         "MALLOC_MMAP_THRESHOLD_",
@@ -657,22 +657,22 @@ def test_bound_heap_growth_sets_the_allocator(monkeypatch: pytest.MonkeyPatch) -
         "MALLOC_ARENA_MAX",
     ):
         monkeypatch.delenv(name, raising=False)
-    weights.bound_heap_growth()
+    heap.bound_heap_growth()
     # M_MMAP_THRESHOLD, M_TRIM_THRESHOLD, M_ARENA_MAX in glibc's malloc.h
-    assert calls == [(-3, weights.MMAP_THRESHOLD), (-1, weights.TRIM_THRESHOLD), (-8, 1)]
-    assert os.environ["LRU_CACHE_CAPACITY"] == str(weights.ONEDNN_CACHE)
+    assert calls == [(-3, heap.MMAP_THRESHOLD), (-1, heap.TRIM_THRESHOLD), (-8, 1)]
+    assert os.environ["LRU_CACHE_CAPACITY"] == str(heap.ONEDNN_CACHE)
     monkeypatch.setenv("LRU_CACHE_CAPACITY", "7")
     monkeypatch.setenv("MALLOC_ARENA_MAX", "4")
     monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "0")
-    weights.bound_heap_growth()
+    heap.bound_heap_growth()
     assert os.environ["LRU_CACHE_CAPACITY"] == "7"
-    assert calls[3:] == [(-3, weights.MMAP_THRESHOLD)]  # what the environment gives is glibc's already
+    assert calls[3:] == [(-3, heap.MMAP_THRESHOLD)]  # what the environment gives is glibc's already
 
 
 ROOT = Path(__file__).resolve().parents[1]
 HEAP_PROBE = """
 import resource, sys, torch
-from selfextend.models.weights import bound_heap_growth, release_free_memory
+from selfextend.models.heap import bound_heap_growth, release_free_memory
 bound_heap_growth()
 def faults(nbytes, times):
     x = torch.ones(nbytes // 4)  # warm: the first block is mapped in either way

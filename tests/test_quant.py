@@ -175,6 +175,22 @@ def test_vector_and_portable_paths_agree() -> None:
             torch.testing.assert_close(a, stored, rtol=1e-5, atol=1e-5 * float(b.abs().max()))
 
 
+@pytest.mark.parametrize("kind", sorted(BLOCK_KINDS), ids=[BLOCK_KINDS[k] for k in sorted(BLOCK_KINDS)])
+def test_looked_up_rows_are_gguf_values(kind: int) -> None:
+    """An embedding table's lookup (``rows``): the chosen rows, repeats and any order, as gguf dequantises
+    them, bit for bit in float32; an interleaved form is refused (its rows are not stored one by one)."""
+    raw = gguf_blocks(kind, N_OUT, columns_of(kind), seed=kind)
+    ids = torch.tensor([3, 0, N_OUT - 1, 3, 17])
+    want = quants.dequantize(raw[ids.numpy()], GGMLQuantizationType(kind))
+    assert torch.equal(
+        KERNELS.rows(torch.from_numpy(raw), kind, columns_of(kind), ids), torch.from_numpy(want)
+    )
+    if kind in INTERLEAVED:
+        packed = torch.from_numpy(pack8(gguf_blocks(kind, 40, columns_of(kind)), kind))
+        with pytest.raises(ValueError, match="one by one"):
+            KERNELS.rows(packed, INTERLEAVED[kind], columns_of(kind), ids)
+
+
 def test_bad_shapes_are_refused() -> None:
     blocks = torch.from_numpy(gguf_blocks(12, 4, 256))
     with pytest.raises(ValueError, match="do not fit"):

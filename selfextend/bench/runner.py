@@ -26,7 +26,7 @@ from selfextend.generation.generator import Generator, decode_settings
 from selfextend.hf.facts import cache_kwargs
 from selfextend.hf.patch import REFERENCE_IMPLEMENTATION, apply_self_extend, remove_self_extend
 from selfextend.kv.cache import ContextShiftCache
-from selfextend.models.weights import release_free_memory
+from selfextend.models.heap import release_free_memory
 
 PREFILL_VARIANTS = ("plain", "selfextend", "reference")
 DECODE_VARIANTS = ("plain", "selfextend")

@@ -34,7 +34,9 @@ def cell_bytes(cache: ContextShiftCache, fill: int) -> int:
 def bytes_per_token(model: nn.Module, cache: ContextShiftCache, fill: int) -> int:
     """Bytes one decode step reads at least: every weight once (of an embedding that is not also the output
     head, one row) and the K/V cells in use at ``fill``."""
-    embed = model.get_input_embeddings().weight
+    table = model.get_input_embeddings()
+    embed = getattr(table, "weight", None)
+    embed = table.blocks if embed is None else embed  # a GGUF table held as blocks: rows of bytes
     weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
     head = model.get_output_embeddings()
     if getattr(head, "weight", None) is not embed:

@@ -41,7 +41,7 @@ from selfextend.hf.facts import layer_kinds, sliding_windows
 from selfextend.hf.patch import IMPLEMENTATION, SelfExtendParams
 from selfextend.kv.cache import ContextShiftCache
 from selfextend.kv.layers import CellLayer
-from selfextend.models.blocks import BlockLinear, fuse_blocks
+from selfextend.models.blocks import BlockEmbedding, BlockLinear, fuse_blocks
 from selfextend.models.quant import quant_kernels
 from selfextend.models.quantize import Int4Linear, Int8Linear, fuse_int4, fuse_int8
 
@@ -154,6 +154,9 @@ class DecodeStep:
         inner = model.model
         self.embed, self.norm, self.rotary = inner.embed_tokens, inner.norm, inner.rotary_emb
         self.embed_scale = getattr(self.embed, "embed_scale", None)  # Gemma's sqrt(hidden)
+        table = isinstance(self.embed, BlockEmbedding)  # a GGUF table held as blocks: rows looked up
+        self.dtype = self.embed.dtype if table else self.embed.weight.dtype  # the hidden states' type
+        self.embed_rows = self.embed.lookup if table else self.embed.weight.__getitem__  # (M,) -> (M, hidden)
         self.layers = list(inner.layers)
         self.head = model.lm_head
         config = model.config
@@ -166,7 +169,7 @@ class DecodeStep:
         self.heads = [p.out_features // d for p in (attn.q_proj, attn.k_proj, attn.v_proj)]
         self.native = native_kernels() if native else None
         self.qkv, self.gate_up, self.plan = [], [], []
-        dtype = self.embed.weight.dtype
+        dtype = self.dtype
         for layer in self.layers:
             a, mlp = layer.self_attn, layer.mlp
             self.qkv.append(fuse_projections([a.q_proj, a.k_proj, a.v_proj]))
@@ -197,7 +200,7 @@ class DecodeStep:
     def _rotations_fit(self) -> bool:
         """Whether each kind's rotation is what the native ``rope_write`` reads (checked once: the rotary
         module gives the same size and type at every position)."""
-        x = self.embed.weight[:1].view(1, 1, -1)
+        x = self.embed_rows(torch.tensor([0])).view(1, 1, -1)
         found = rotations_at(self.rotary, self.kinds, self.by_kind, x, torch.tensor([0]))
         flat = [(r.cos.reshape(-1).contiguous(), r.sin.reshape(-1).contiguous()) for r in found.values()]
         return all(rotation_fits(pair, self.head_dim) for pair in flat)
@@ -232,7 +235,7 @@ class DecodeStep:
         invariant (the native GGUF block products) a row's logits are bit for bit those of stepping it alone.
         """
         pos = [cache.n_past for cache in caches]
-        x = self.embed.weight[torch.tensor(tokens)]  # (M, hidden): a copy, added to in place
+        x = self.embed_rows(torch.tensor(tokens))  # (M, hidden): a copy, added to in place
         x = x * self.embed_scale.to(x.dtype) if self.embed_scale is not None else x
         flat = self.rope(x[:, None], pos)  # each row's rotation by kind, as native.c reads it
         batch = _Batch(caches, pos, [self._kernel(c) for c in caches], flat, {})
@@ -299,9 +302,7 @@ class DecodeStep:
         kernel = batch.kernels[j]
         if kernel is None:
             rot = Rotation(*(t.view(1, 1, 1, -1) for t in cos_sin))
-            return self._attend(attn, qkv.to(self.embed.weight.dtype), rot, cells, pos, p, window).reshape(
-                1, -1
-            )
+            return self._attend(attn, qkv.to(self.dtype), rot, cells, pos, p, window).reshape(1, -1)
         slot = cells.claim()
         first = cells.visible_from(pos, window)
         by = None if p is None else _query_rotation(batch.grouped, pos, p, self.head_dim)

@@ -37,8 +37,11 @@ def fingerprint(model: nn.Module) -> str:
     """A short hash of the model's config (without :data:`UNHASHED_CONFIG`) and a slice of its embedding."""
     config = {k: v for k, v in model.config.to_dict().items() if k not in UNHASHED_CONFIG}
     h = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
-    emb = model.get_input_embeddings().weight
-    h.update(emb[:64].detach().float().cpu().numpy().tobytes())
+    table = model.get_input_embeddings()
+    emb = (
+        table.lookup(torch.arange(64)) if hasattr(table, "lookup") else table.weight[:64]
+    )  # blocks or floats
+    h.update(emb.detach().float().cpu().numpy().tobytes())
     return h.hexdigest()[:16]
 
 

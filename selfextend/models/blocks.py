@@ -190,6 +190,67 @@ class BlockLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, GGUF {name} blocks{form}"
 
 
+class BlockEmbedding(nn.Module):
+    """An embedding table held as a GGUF tensor's blocks as stored: ``blocks`` (N, bytes per row) uint8 of
+    type ``kind`` (not an interleaved form), each looked-up row dequantized to float32, gguf's values bit for
+    bit (:meth:`~selfextend.models.quant.QuantKernels.rows`, else ``gguf``'s dequantize).
+
+    Why: a lookup reads a row or a chunk's rows, so the table need not be held as floats; Llama 3.2 1B's
+    Q6_K table is 1,002 MiB in float32 and 200 MiB as stored, and a tied output head (a
+    :class:`BlockLinear`) shares the same bytes. ``embed_scale``: Gemma's scaled embedding's factor, applied
+    as its module does; :meth:`lookup` gives the rows unscaled. ``dtype``: of the rows given (the model's
+    float type; the values are dequantized in float32 and cast, as a float table is made)."""
+
+    def __init__(
+        self,
+        blocks: torch.Tensor,
+        kind: int,
+        embedding_dim: int,
+        embed_scale: torch.Tensor | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__()
+        self.kind, self.num_embeddings, self.embedding_dim = kind, blocks.shape[0], embedding_dim
+        self.dtype = dtype
+        self.register_buffer("blocks", blocks)
+        self.register_buffer("block_kind", torch.tensor([kind], dtype=torch.int32, device=blocks.device))
+        self.register_buffer("embed_scale", embed_scale, persistent=False)
+
+    def set_kind(self, kind: int) -> None:
+        """Take ``kind`` as the blocks' type (a saved table's ``block_kind``, read back)."""
+        self.kind = int(kind)
+        self.block_kind = torch.tensor([kind], dtype=torch.int32)
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` (any shape) as ``(*ids.shape, embedding_dim)`` of :attr:`dtype`, unscaled. IndexError
+        for an id outside the table."""
+        from selfextend.models.quant import quant_kernels
+
+        flat = ids.reshape(-1).to(torch.int64)
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.num_embeddings):
+            raise IndexError(
+                f"token ids must lie in [0, {self.num_embeddings}), got {flat.min()}..{flat.max()}"
+            )
+        kernels = quant_kernels()
+        if kernels is None:
+            from gguf import dequantize
+
+            rows = torch.from_numpy(
+                dequantize(self.blocks[flat].numpy(), self.kind).reshape(-1, self.embedding_dim)
+            )
+        else:
+            rows = kernels.rows(self.blocks, self.kind, self.embedding_dim, flat)
+        return rows.reshape(*ids.shape, self.embedding_dim).to(self.dtype)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.lookup(ids)
+        return x if self.embed_scale is None else x * self.embed_scale.to(self.dtype)
+
+    def extra_repr(self) -> str:
+        name = BLOCK_KINDS.get(self.kind, self.kind)
+        return f"{self.num_embeddings}, {self.embedding_dim}, GGUF {name} blocks"
+
+
 def fuse_blocks(layers: Sequence[BlockLinear]) -> tuple[BlockLinear, ...]:
     """Layers computing the outputs of ``layers`` side by side: each run of layers of one type and input
     size fused into one (rows of blocks concatenated, the layers kept as views into them, as

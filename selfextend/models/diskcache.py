@@ -27,9 +27,10 @@ import torch
 from selfextend.core.validate import first_line
 from selfextend.hf.facts import ModelError, check_rope
 from selfextend.models.gguf import GGUFTable, load_gguf
+from selfextend.models.heap import release_free_memory
 from selfextend.models.quantize import WEIGHT_FORMATS
 from selfextend.models.sources import ASSEMBLED_DIR, ModelSource, cache_root, hub_load, resolve_model
-from selfextend.models.weights import RunForm, release_free_memory, save_run_form
+from selfextend.models.weights import RunForm, save_run_form
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
@@ -38,7 +39,8 @@ log = logging.getLogger(__name__)
 
 
 # Bump when what is written into a cache entry changes, so older entries are not trusted.
-_CACHE_FORMAT = 5  # 4: Q4_0 / Q4_1 blocks held 8 rows interleaved (blocks.pack8); 5: Q8_0 too
+# 4: Q4_0 / Q4_1 blocks held 8 rows interleaved (blocks.pack8); 5: Q8_0 too; 6: embedding tables as blocks
+_CACHE_FORMAT = 6
 _MARKER = "selfextend-cache.json"
 RUN_FORM_FILE = "model.safetensors"
 _TOKENIZERS = "tokenizer"  # cache subfolder: each GGUF's converted tokenizer, shared by its forms

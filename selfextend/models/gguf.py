@@ -93,6 +93,7 @@ def gguf_tensors(
     model: nn.Module,
     table: GGUFTable | None = None,
     keep: Callable[[int, int, int], bool] | None = None,
+    embedding_blocks: bool = False,
 ) -> Iterator[tuple[str, torch.Tensor | RowBlocks | GGUFBlocks]]:
     """The tensors of a GGUF as ``(transformers name, float32 tensor, RowBlocks or GGUFBlocks)``, one by one.
 
@@ -114,6 +115,8 @@ def gguf_tensors(
     permutes the q and k rows of Llama-family models; transformers' processor undoes it): the rows of a
     block format are independent, so the stored rows are put in the processor's order (found by passing
     it the row numbers). Anything else the processor does to a tensor sends it down the float path.
+    With ``embedding_blocks`` the embedding table comes as :class:`GGUFBlocks` on the same terms (a tied
+    output head's very bytes: both are yielded, the head first).
     """
     from gguf import dequantize
     from transformers.modeling_gguf_pytorch_utils import (
@@ -132,6 +135,7 @@ def gguf_tensors(
     tied = getattr(model.config.get_text_config(), "tie_word_embeddings", False)
     out_head = model.get_output_embeddings() if tied else None
     head = None if out_head is None else f"{module_names[id(out_head)]}.weight"
+    held = linear | {embedding} if embedding_blocks else linear  # the weights that may keep their blocks
 
     def process(weights: np.ndarray, name: str) -> tuple[np.ndarray, str]:
         result = processor.process(
@@ -161,7 +165,7 @@ def gguf_tensors(
         if keep is None or len(t.raw_shape) != 2 or not keep(t.kind, t.raw_shape[0], columns):
             return None
         found = row_order(t)
-        if found is None or (target or mapping.get(found[1])) not in linear:
+        if found is None or (target or mapping.get(found[1])) not in held:
             return None
         order, name = found
         raw = t.read(f, 0, t.raw_shape[0])  # (N, bytes per row): the 4-bit bytes, no float copy
@@ -186,6 +190,9 @@ def gguf_tensors(
                 shared = tied_head(f, t)
                 if shared is not None:
                     yield shared
+                    if embedding_blocks:  # the table looks its rows up in the head's bytes
+                        yield embedding, shared[1]
+                        continue
                 packed = as_blocks(f, t)
                 if packed is not None:
                     yield packed
@@ -240,7 +247,10 @@ def load_gguf(
     """A GGUF's model in ``form``, tensor by tensor (see the module docstring); ``table`` as in
     :func:`gguf_tensors`."""
     model = empty_model(config, RunForm("float", form.dtype))
-    tensors = gguf_tensors(path, model, table, KEPT_BLOCKS.get(form.weights))  # the map needs plain linears
+    gguf = form.weights == "gguf"  # the embedding keeps its blocks too (models.blocks.BlockEmbedding)
+    tensors = gguf_tensors(
+        path, model, table, KEPT_BLOCKS.get(form.weights), gguf
+    )  # the map needs plain linears
     if form.quantized:
         int8_placeholders(model, form.dtype)
     return fill(model, tensors, form)

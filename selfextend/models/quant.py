@@ -63,6 +63,7 @@ class QuantKernels:
         lib = ctypes.CDLL(str(library))
         self._mm = bind(lib.quant_mm, [i32, ptr, long, long, ptr, i32, long, ptr, i32, i32], i32)
         self._dequant = bind(lib.quant_dequant_bf16, [i32, ptr, long, long, ptr], i32)
+        self._rows = bind(lib.quant_rows_f32, [i32, ptr, long, ptr, long, long, ptr], i32)
         self.address = ctypes.cast(
             self._mm, ctypes.c_void_p
         ).value  # for C code that calls it (decode_layers)
@@ -104,6 +105,19 @@ class QuantKernels:
         out = torch.empty(blocks.shape[0], n_in, dtype=torch.bfloat16)
         if self._dequant(kind, blocks.data_ptr(), blocks.shape[0], n_in, out.data_ptr()):
             raise MemoryError(f"quant_dequant_bf16: no scratch space for rows of {n_in}")
+        return out
+
+    def rows(self, blocks: torch.Tensor, kind: int, n_in: int, ids: torch.Tensor) -> torch.Tensor:
+        """(len(ids), n_in) float32: rows ``ids`` (int64, in range) of the stored blocks of type ``kind``
+        (not an interleaved form), gguf's dequantized values bit for bit. ValueError for shapes that do
+        not fit."""
+        _check(blocks, kind, n_in)
+        ids = ids.reshape(-1).to(torch.int64).contiguous()
+        out = torch.empty(ids.shape[0], n_in)
+        if self._rows(
+            kind, blocks.data_ptr(), blocks.shape[1], ids.data_ptr(), ids.shape[0], n_in, out.data_ptr()
+        ):
+            raise ValueError(f"quant_rows_f32: GGUF type {kind} rows are not looked up one by one")
         return out
 
     def tiled(self, x: torch.Tensor, blocks: torch.Tensor, kind: int) -> torch.Tensor:

@@ -13,11 +13,8 @@ same filling.
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import json
-import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -26,7 +23,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from selfextend.models.blocks import BlockLinear
+from selfextend.models.blocks import BlockEmbedding, BlockLinear
+from selfextend.models.heap import release_free_memory
 from selfextend.models.quantize import INT4_GROUP, Int4Linear, Int8Linear, quantize_rows
 
 if TYPE_CHECKING:
@@ -136,6 +134,19 @@ def _placeholder(model: nn.Module, path: str, kind: type[Int4Linear | BlockLinea
     return layer
 
 
+def _embedding_placeholder(model: nn.Module, path: str, dtype: torch.dtype) -> BlockEmbedding:
+    """The (meta) embedding at ``path`` swapped for an empty :class:`BlockEmbedding` of its size, giving rows
+    in ``dtype`` (its scale, Gemma's, kept); one already there is returned as it is."""
+    module = model.get_submodule(path)
+    if isinstance(module, BlockEmbedding):
+        return module
+    empty = torch.empty(module.num_embeddings, 0, dtype=torch.uint8, device="meta")
+    table = BlockEmbedding(empty, 0, module.embedding_dim, getattr(module, "embed_scale", None), dtype)
+    parent, _, child = path.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, table)
+    return table
+
+
 def _materialise(value: torch.Tensor | RowBlocks, dtype: torch.dtype | None) -> torch.Tensor:
     """``value`` as one tensor, floating values cast to ``dtype`` (None: kept as they are)."""
     if isinstance(value, torch.Tensor):
@@ -168,7 +179,18 @@ def _assign(
     path, _, attr = name.rpartition(".")
     module = model.get_submodule(path)
     dtype = form.dtype
-    if isinstance(tensor, GGUFBlocks) and form.weights == "gguf":
+    if isinstance(module, nn.Embedding | BlockEmbedding) and (
+        isinstance(tensor, GGUFBlocks) or attr in ("blocks", "block_kind")
+    ):  # an embedding table held as blocks (as read from the GGUF, or a saved one's buffers)
+        table = _embedding_placeholder(model, path, dtype)
+        if isinstance(tensor, GGUFBlocks):
+            table.blocks = torch.from_numpy(tensor.raw)
+            table.set_kind(tensor.kind)
+        elif attr == "blocks":
+            table.blocks = _materialise(tensor, None)
+        else:
+            table.set_kind(int(_materialise(tensor, None)[0]))
+    elif isinstance(tensor, GGUFBlocks) and form.weights == "gguf":
         layer = _placeholder(model, path, BlockLinear)
         layer.blocks = torch.from_numpy(tensor.raw)
         layer.set_kind(tensor.kind)
@@ -199,9 +221,13 @@ def _assign(
 
 def _tie_head(model: nn.Module) -> None:
     """A tied output head shares the embedding (float) or is quantised from it (int8, if still empty;
-    an int4 head was filled from its own blocks)."""
+    an int4 head was filled from its own blocks); a block head saved without its bytes (they were the
+    block table's) takes the table's."""
     head, embed = model.get_output_embeddings(), model.get_input_embeddings()
     tied = getattr(model.config.get_text_config(), "tie_word_embeddings", False)
+    if tied and isinstance(head, BlockLinear) and head.blocks.is_meta and isinstance(embed, BlockEmbedding):
+        head.blocks = embed.blocks  # saved once: the head read the table's bytes as they are
+        return
     if not tied or head is None or isinstance(head, Int4Linear | BlockLinear):
         return
     if not isinstance(head, Int8Linear):
@@ -232,68 +258,6 @@ def fill(
         raise KeyError(f"{len(missing)} weights missing from the checkpoint, e.g. {', '.join(missing[:3])}")
     model.eval()
     return model
-
-
-@functools.cache
-def _malloc_trim() -> Callable[[int], int] | None:
-    try:
-        return ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):  # not glibc
-        return None
-
-
-def release_free_memory() -> None:
-    """Hand the C heap's free pages back to the system (glibc's ``malloc_trim``; nothing elsewhere).
-
-    Why: converting a tensor frees its float32 temporaries and keeps its smaller run form in between,
-    and parsing a GGUF's metadata frees hundreds of MB of small objects. glibc keeps freed heap memory
-    resident (spread over the arenas of torch's worker threads, pinned by the tensors kept), so without
-    this the peak of a conversion varies from run to run by a good part of the run form's size
-    (``experiments/load_cost.py`` measures it).
-    """
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
-
-
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -3, -8  # glibc's mallopt parameters
-MMAP_THRESHOLD = 8 * 2**20  # blocks this large and larger get mappings of their own (bound_heap_growth)
-TRIM_THRESHOLD = 64 * 2**20  # free memory kept at the top of the heap between frees
-ONEDNN_CACHE = 16  # oneDNN primitives kept per thread by torch's ideep (its default: 1024)
-
-
-def bound_heap_growth(mmap_threshold: int = MMAP_THRESHOLD, trim_threshold: int = TRIM_THRESHOLD) -> None:
-    """For a long-running process that runs prompts of every length (the server): keep its resident memory
-    from creeping up request after request, without making each decoded token pay for it. Only glibc's
-    ``mallopt`` and an environment variable.
-
-    - blocks of ``mmap_threshold`` bytes and more (a prompt's activations) get their own mappings, handed
-      back when freed: glibc otherwise raises its threshold up to 32 MiB as large blocks are freed and
-      then serves such tensors from heaps whose free pages stay resident between live blocks;
-    - smaller blocks come from the heap, whose free top is kept up to ``trim_threshold`` bytes (the
-      server trims it after each request, :func:`release_free_memory`), so a token's temporaries (the
-      logits, top-k's 4 MiB working buffer over a 262k vocabulary) reuse pages already mapped. A 64 KiB
-      threshold mapped and faulted them in again every token: Gemma 3 served 62.5 tokens/s sampled
-      against 79.1 (``experiments/server_decode.py``);
-    - one heap (arena) for all threads, which :func:`release_free_memory` trims from the top too;
-    - at most :data:`ONEDNN_CACHE` oneDNN primitives cached per thread (one is built per matrix shape, and
-      every prompt length is a new shape), unless ``$LRU_CACHE_CAPACITY`` says otherwise; read by
-      torch when a thread first runs a oneDNN product, so call this before the model runs.
-
-    A setting given in the environment (``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_``,
-    ``MALLOC_ARENA_MAX``, ``LRU_CACHE_CAPACITY``) is left as it is.
-    """
-    os.environ.setdefault("LRU_CACHE_CAPACITY", str(ONEDNN_CACHE))
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):  # not glibc
-        return
-    if "MALLOC_MMAP_THRESHOLD_" not in os.environ:
-        mallopt(M_MMAP_THRESHOLD, mmap_threshold)
-    if "MALLOC_TRIM_THRESHOLD_" not in os.environ:
-        mallopt(M_TRIM_THRESHOLD, trim_threshold)
-    if "MALLOC_ARENA_MAX" not in os.environ:
-        mallopt(M_ARENA_MAX, 1)
 
 
 def _state(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -44,7 +44,7 @@ from selfextend.generation.generator import (
 from selfextend.generation.grammar import Grammar
 from selfextend.generation.sampling import SamplingParams
 from selfextend.models.blocks import set_chunk_engine
-from selfextend.models.weights import release_free_memory
+from selfextend.models.heap import release_free_memory
 from selfextend.server.metrics import Metrics
 from selfextend.server.promptstore import PromptStore
 from selfextend.server.slots import Reuse, Slot, pick
