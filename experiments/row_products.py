@@ -11,6 +11,11 @@ earlier commit's, to measure a change), in the same rounds.
     python experiments/row_products.py [--kinds 8,2,12,14] [--rows 49152] [--columns 576] [--rounds 3]
     git show 5a687d9:selfextend/models/quant.c > /tmp/quant_before.c
     python experiments/row_products.py --kinds 12,14 --rows 8192 --columns 2048 --against /tmp/quant_before.c
+    python experiments/row_products.py --kinds 12,14 --rows 8192 --columns 2048 --activations 1,2,4,64 \
+        --against /tmp/quant_before.c
+
+``--activations``: that many activation rows per call too (the server's batched step of several slots, a
+prompt chunk), each count's time per call beside its GB/s.
 """
 
 from __future__ import annotations
@@ -41,6 +46,9 @@ def main() -> None:
     parser.add_argument("--columns", type=int, default=576)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--against", type=Path, help="another quant.c, timed beside this one's")
+    parser.add_argument(
+        "--activations", default="1", help="activation rows per call, e.g. 1,2,4,64 (a batched step, a chunk)"
+    )
     args = parser.parse_args()
     builds = {"": quant_kernels()}
     if builds[""] is None:
@@ -61,12 +69,15 @@ def main() -> None:
                 [torch.from_numpy(packed.copy()) for _ in range(copies)],
                 INTERLEAVED[kind],
             )
-    x = torch.randn(1, args.columns).bfloat16()
+    counts = [int(m) for m in args.activations.split(",")]
     for threads in (1, 2):
         torch.set_num_threads(threads)
         for r in range(args.rounds):
             rates = []
-            for (name, (copies, kind)), (build, kernels) in itertools.product(forms.items(), builds.items()):
+            for (name, (copies, kind)), m, (build, kernels) in itertools.product(
+                forms.items(), counts, builds.items()
+            ):
+                x = torch.randn(m, args.columns).bfloat16()
                 cycle = itertools.cycle(copies)
                 for _ in range(4):
                     kernels(x, next(cycle), kind, torch.bfloat16)
@@ -74,7 +85,9 @@ def main() -> None:
                 for _ in range(30):
                     kernels(x, next(cycle), kind, torch.bfloat16)
                 seconds = time.perf_counter() - t0
-                rates.append(f"{name}{build} {copies[0].numel() * 30 / seconds / 1e9:.1f}")
+                per_call = f" {seconds / 30 * 1e3:.2f} ms"
+                label = f"{name}{build}" if counts == [1] else f"{name} x{m}{build}{per_call}"
+                rates.append(f"{label} {copies[0].numel() * 30 / seconds / 1e9:.1f}")
             bandwidth = read_bandwidth_gbs()
             print(
                 f"{threads} thread(s), round {r}: "

@@ -63,7 +63,9 @@ class QuantKernels:
         lib = ctypes.CDLL(str(library))
         self._mm = bind(lib.quant_mm, [i32, ptr, long, long, ptr, i32, long, ptr, i32, i32], i32)
         self._dequant = bind(lib.quant_dequant_bf16, [i32, ptr, long, long, ptr], i32)
-        self._rows = bind(lib.quant_rows_f32, [i32, ptr, long, ptr, long, long, ptr], i32)
+        # an older quant.c built to be timed beside this one (experiments/row_products.py --against) lacks it
+        rows = getattr(lib, "quant_rows_f32", None)
+        self._rows = None if rows is None else bind(rows, [i32, ptr, long, ptr, long, long, ptr], i32)
         self.address = ctypes.cast(
             self._mm, ctypes.c_void_p
         ).value  # for C code that calls it (decode_layers)
@@ -112,6 +114,8 @@ class QuantKernels:
         (not an interleaved form), gguf's dequantized values bit for bit. ValueError for shapes that do
         not fit."""
         _check(blocks, kind, n_in)
+        if self._rows is None:
+            raise RuntimeError(f"{self.library.name} has no quant_rows_f32 (built from an older quant.c)")
         ids = ids.reshape(-1).to(torch.int64).contiguous()
         out = torch.empty(ids.shape[0], n_in)
         if self._rows(
