@@ -247,10 +247,8 @@ def load_gguf(
     """A GGUF's model in ``form``, tensor by tensor (see the module docstring); ``table`` as in
     :func:`gguf_tensors`."""
     model = empty_model(config, RunForm("float", form.dtype))
-    gguf = form.weights == "gguf"  # the embedding keeps its blocks too (models.blocks.BlockEmbedding)
-    tensors = gguf_tensors(
-        path, model, table, KEPT_BLOCKS.get(form.weights), gguf
-    )  # the map needs plain linears
+    keep, gguf = KEPT_BLOCKS.get(form.weights), form.weights == "gguf"  # gguf: the embedding's blocks too
+    tensors = gguf_tensors(path, model, table, keep, gguf)  # the map needs plain linears
     if form.quantized:
         int8_placeholders(model, form.dtype)
     return fill(model, tensors, form)
