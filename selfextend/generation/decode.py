@@ -156,7 +156,6 @@ class DecodeStep:
         self.embed_scale = getattr(self.embed, "embed_scale", None)  # Gemma's sqrt(hidden)
         table = isinstance(self.embed, BlockEmbedding)  # a GGUF table held as blocks: rows looked up
         self.dtype = self.embed.dtype if table else self.embed.weight.dtype  # the hidden states' type
-        self.embed_rows = self.embed.lookup if table else self.embed.weight.__getitem__  # (M,) -> (M, hidden)
         self.layers = list(inner.layers)
         self.head = model.lm_head
         config = model.config
@@ -196,6 +195,12 @@ class DecodeStep:
         head = (self.head,)
         self.final_norm = norm_of(self.norm, dtype, self.native if direct(head) else None)
         self.head_product = product_of(head, self.native)
+
+    def embed_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The embedding's rows ``ids`` (M,) -> (M, hidden), unscaled: a copy, which callers add to."""
+        if isinstance(self.embed, BlockEmbedding):
+            return self.embed.lookup(ids)
+        return self.embed.weight[ids]
 
     def _rotations_fit(self) -> bool:
         """Whether each kind's rotation is what the native ``rope_write`` reads (checked once: the rotary

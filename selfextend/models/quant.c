@@ -721,9 +721,9 @@ int quant_mm(int type, const uint8_t *w, long n_out, long n_in, const void *x, i
         free(xq);
         return 0;
     }
-    tile_fn f11 = NULL, f1t = NULL, fwt = NULL, few[TILE] = {NULL}; /* few[R]: R < TILE activation rows */
+    tile_fn f1t = NULL, fwt = NULL, few[TILE] = {NULL}; /* few[R]: R < TILE activation rows */
 #ifdef HAVE_AVX2
-#define PICK(name) f11 = name##_1x1, f1t = name##_1xt, fwt = name##_wxt, few[2] = name##_1x2, few[3] = name##_1x3
+#define PICK(name) few[1] = name##_1x1, few[2] = name##_1x2, few[3] = name##_1x3, f1t = name##_1xt, fwt = name##_wxt
     if (!portable) {
         switch (type) {
         case Q4_0: PICK(rq40); break;
@@ -753,7 +753,7 @@ int quant_mm(int type, const uint8_t *w, long n_out, long n_in, const void *x, i
             const void *xs[TILE];
             for (int r = 0; r < R; r++) xs[r] = xq + (i + r) * xrow;
             float out[WR_TILE * TILE];
-            if (f11 == NULL) {
+            if (few[1] == NULL) {
                 for (long j = j0; j < j_end; j++) {
                     for (int r = 0; r < R; r++) out[r] = dot_scalar(type, w + j * row_bytes, xs[r], nb);
                     store(y, y_type, n_out, i, j, out, 1, R);
@@ -768,17 +768,11 @@ int quant_mm(int type, const uint8_t *w, long n_out, long n_in, const void *x, i
                     f1t(w + j * row_bytes, row_bytes, xs, nb, out);
                     store(y, y_type, n_out, i, j, out, 1, TILE);
                 }
-            } else if (R > 1) { /* a few rows: the weights read once for all of them */
+            } else { /* one row, or a few read together: the weights read once for all of them */
                 for (long j = j0; j < j_end; j++) {
                     few[R](w + j * row_bytes, row_bytes, xs, nb, out);
                     store(y, y_type, n_out, i, j, out, 1, R);
                 }
-            } else {
-                for (int r = 0; r < R; r++)
-                    for (long j = j0; j < j_end; j++) {
-                        f11(w + j * row_bytes, row_bytes, &xs[r], nb, out);
-                        store(y, y_type, n_out, i + r, j, out, 1, 1);
-                    }
             }
         }
     }
