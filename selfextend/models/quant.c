@@ -51,8 +51,9 @@ enum { TILE = 4, WR_TILE = 2, DECODE_ROWS = 4, WEIGHT_TILE_BYTES = 65536 };
  * alone kept too few reads of one thread's stream in flight (measured on a 2-core EPYC, 8192x2048 from
  * memory, 2 threads, one activation row: Q4_K 12 -> 15.5 GB/s, Q6_K 13 -> 15.5). The AVX-512 K-quant loops
  * and the interleaved forms ask at every tile size (on a 2-core AVX-512 Xeon the server's batched step of
- * 2-4 rows ran 1.2-1.5x faster for it, Q4_K 8192x2048 x 4 rows 1.02 -> 0.82 ms, and 16-64 rows no slower:
- * experiments/row_products.py --activations 1,2,4,64 --against the source without it);
+ * 2-4 rows ran 1.1-1.5x faster for it, 8192x2048 Q4_K x 4 rows 1.11-1.17 -> 0.97-1.00 ms, Q6_K x 2 rows
+ * 1.16 -> 0.78-0.84, and 64 rows no slower: experiments/row_products.py --activations 2,4,64 --against the
+ * source without it);
  * the AVX2 loops below TILE rows only (their tiles of 4 ran 5-15% slower with it there). */
 enum { PREFETCH_BYTES = 3072 };
 
