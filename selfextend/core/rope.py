@@ -31,7 +31,8 @@ class Rotation(NamedTuple):
         Angles and their cos/sin are computed in float64 (where the device has it): in float32 the angle
         ``delta * inv_freq`` of a 1024-position shift is off by up to half an ulp of 1024 rad (3e-5), the
         same error at every shift of that size, so keys that survive many shifts drift linearly
-        (experiments/kshift_drift.py: 0.19 on keys of magnitude 20 after 1000 shifts, 1.6e-4 after one).
+        (experiments/quality/kshift_drift.py: 0.19 on keys of magnitude 20 after 1000 shifts, 1.6e-4 after
+        one).
         """
         wide = torch.float32 if inv_freq.device.type == "mps" else torch.float64
         delta = delta.to(device=inv_freq.device, dtype=wide)

@@ -12,7 +12,7 @@ go through its :meth:`~selfextend.generation.decode.DecodeStep.rows`: the produc
 the rest is the lone token's code per row, so a row's logits do not depend on the batch where the products
 are batch-invariant (the GGUF block products). The others share the compiled step's rows run eagerly,
 which pays from about :data:`SHARED_FROM_ON_CPU` of them on the CPU (a few hundred torch ops per layer;
-``python experiments/server_decode.py --concurrent 1,2,4,8``); fewer are each written alone.
+``python experiments/server/server_decode.py --concurrent 1,2,4,8``); fewer are each written alone.
 """
 
 from __future__ import annotations

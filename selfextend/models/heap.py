@@ -28,7 +28,7 @@ def release_free_memory() -> None:
     and parsing a GGUF's metadata frees hundreds of MB of small objects. glibc keeps freed heap memory
     resident (spread over the arenas of torch's worker threads, pinned by the tensors kept), so without
     this the peak of a conversion varies from run to run by a good part of the run form's size
-    (``experiments/load_cost.py`` measures it).
+    (``experiments/memory/load_cost.py`` measures it).
     """
     trim = _malloc_trim()
     if trim is not None:
@@ -53,7 +53,7 @@ def bound_heap_growth(mmap_threshold: int = MMAP_THRESHOLD, trim_threshold: int 
       server trims it after each request, :func:`release_free_memory`), so a token's temporaries (the
       logits, top-k's 4 MiB working buffer over a 262k vocabulary) reuse pages already mapped. A 64 KiB
       threshold mapped and faulted them in again every token: Gemma 3 served 62.5 tokens/s sampled
-      against 79.1 (``experiments/server_decode.py``);
+      against 79.1 (``experiments/server/server_decode.py``);
     - one heap (arena) for all threads, which :func:`release_free_memory` trims from the top too;
     - at most :data:`ONEDNN_CACHE` oneDNN primitives cached per thread (one is built per matrix shape, and
       every prompt length is a new shape), unless ``$LRU_CACHE_CAPACITY`` says otherwise; read by

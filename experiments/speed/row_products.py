@@ -1,0 +1,101 @@
+"""One-row (decode) block products read from memory: each GGUF type the kernels compute, as stored and in
+its 8-row interleaved form where it has one (``models/blocks.py: pack8``), rounds interleaved.
+
+Random valid blocks of ``--rows`` x ``--columns`` (speed does not depend on the values), enough copies
+cycled to add up to past the last-level cache, one bfloat16 activation row per call; prints the GB/s of
+the blocks read per form next to the machine's read bandwidth measured in the same round, for 1 and 2
+threads. What a decode step's products can reach; what a step reaches is ``selfextend bench``'s GB/s.
+``--against SOURCE``: the same products through the kernels built from another ``quant.c`` too (an
+earlier commit's, to measure a change), in the same rounds.
+
+    python experiments/speed/row_products.py [--kinds 8,2,12,14] [--rows 49152] [--columns 576] [--rounds 3]
+    git show 5a687d9:selfextend/models/quant.c > /tmp/quant_before.c
+    python experiments/speed/row_products.py --kinds 12,14 --rows 8192 --columns 2048 \
+        --against /tmp/quant_before.c
+    python experiments/speed/row_products.py --kinds 12,14 --rows 8192 --columns 2048 --activations 1,2,4,64 \
+        --against /tmp/quant_before.c
+
+``--activations``: that many activation rows per call too (the server's batched step of several slots, a
+prompt chunk), each count's time per call beside its GB/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
+from test_quant import gguf_blocks  # noqa: E402
+
+from selfextend.bench.speed import read_bandwidth_gbs  # noqa: E402
+from selfextend.models.blocks import BLOCK_KINDS, INTERLEAVED, pack8  # noqa: E402
+from selfextend.native.build import kernels as build_kernels  # noqa: E402
+from selfextend.native.quant import QuantKernels, quant_kernels  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--kinds", default="8,2,12,14", help="GGUF type numbers (8 Q8_0, 2 Q4_0, 12 Q4_K ...)"
+    )
+    parser.add_argument("--rows", type=int, default=49152)
+    parser.add_argument("--columns", type=int, default=576)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--against", type=Path, help="another quant.c, timed beside this one's")
+    parser.add_argument(
+        "--activations", default="1", help="activation rows per call, e.g. 1,2,4,64 (a batched step, a chunk)"
+    )
+    args = parser.parse_args()
+    builds = {"": quant_kernels()}
+    if builds[""] is None:
+        sys.exit("the quant kernels are not built here (no C compiler?)")
+    if args.against is not None:
+        against = build_kernels(args.against, "quant-against", QuantKernels, "{reason}")
+        if against is None:
+            sys.exit(f"--against {args.against}: not built (the warning above says why)")
+        builds[f" ({args.against.name})"] = against
+    forms: dict[str, tuple[list[torch.Tensor], int]] = {}
+    for kind in (int(k) for k in args.kinds.split(",")):
+        raw = gguf_blocks(kind, args.rows, args.columns)
+        copies = max(2, int(400e6 // raw.size))
+        forms[BLOCK_KINDS[kind]] = ([torch.from_numpy(raw.copy()) for _ in range(copies)], kind)
+        if kind in INTERLEAVED and args.rows % 8 == 0:
+            packed = pack8(raw, kind)
+            forms[BLOCK_KINDS[kind] + "x8"] = (
+                [torch.from_numpy(packed.copy()) for _ in range(copies)],
+                INTERLEAVED[kind],
+            )
+    counts = [int(m) for m in args.activations.split(",")]
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        for r in range(args.rounds):
+            rates = []
+            for (name, (copies, kind)), m, (build, kernels) in itertools.product(
+                forms.items(), counts, builds.items()
+            ):
+                x = torch.randn(m, args.columns).bfloat16()
+                cycle = itertools.cycle(copies)
+                for _ in range(4):
+                    kernels(x, next(cycle), kind, torch.bfloat16)
+                t0 = time.perf_counter()
+                for _ in range(30):
+                    kernels(x, next(cycle), kind, torch.bfloat16)
+                seconds = time.perf_counter() - t0
+                per_call = f" {seconds / 30 * 1e3:.2f} ms"
+                label = f"{name}{build}" if counts == [1] else f"{name} x{m}{build}{per_call}"
+                rates.append(f"{label} {copies[0].numel() * 30 / seconds / 1e9:.1f}")
+            bandwidth = read_bandwidth_gbs()
+            print(
+                f"{threads} thread(s), round {r}: "
+                + ", ".join(rates)
+                + f" GB/s; read bandwidth {bandwidth:.1f}"
+            )
+
+
+if __name__ == "__main__":
+    main()
