@@ -161,7 +161,7 @@ def test_first_token_rows_name_the_prefill_engine(tmp_path, monkeypatch, engine)
     (``$SELFEXTEND_PREFILL``), so the two rates can be told apart in one results file."""
     from test_models import write_tiny_gguf
 
-    from selfextend.models.quant import quant_kernels
+    from selfextend.native.quant import quant_kernels
 
     if quant_kernels() is None:
         pytest.skip("no C compiler here to build the kernel")

@@ -236,7 +236,7 @@ def test_decode_settings_defaults() -> None:
     from selfextend.cli.generation_options import CACHE_TYPES
     from selfextend.core.validate import ValidationError
     from selfextend.generation.generator import CACHE_DTYPES, decode_settings
-    from selfextend.generation.native import native_kernels
+    from selfextend.native.decode import native_kernels
 
     model = make_model("llama")
     native = torch.bfloat16 if native_kernels() is not None else None

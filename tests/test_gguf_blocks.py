@@ -34,8 +34,8 @@ from selfextend.models.blocks import (
     reference_product,
     set_chunk_engine,
 )
-from selfextend.models.quant import quant_kernels
 from selfextend.models.quantize import weight_format
+from selfextend.native.quant import quant_kernels
 
 Q4_K, Q6_K, Q5_0, Q4_0 = 12, 14, 6, 2
 STORED = {"q_proj": Q4_K, "k_proj": Q4_K, "v_proj": Q6_K, "o_proj": Q4_0}
@@ -261,7 +261,7 @@ def test_a_model_loaded_alone_multiplies_natively(tiny_mixed: Path, tmp_path: Pa
 import sys, torch
 from selfextend.models import load_model
 from selfextend.models.blocks import reference_product
-from selfextend.models.quant import quant_kernels
+from selfextend.native.quant import quant_kernels
 model, _ = load_model({str(tiny_mixed)!r}, weights="gguf")
 layer = model.model.layers[0].mlp.gate_proj
 x = torch.randn(3, layer.in_features, generator=torch.Generator().manual_seed(0))

@@ -22,10 +22,10 @@ import selfextend
 from selfextend.core.rope import layer_frequencies
 from selfextend.generation.decode import DecodeStep
 from selfextend.generation.generator import Generator
-from selfextend.generation.native import native_kernels
 from selfextend.hf.facts import cache_kwargs
 from selfextend.hf.patch import REFERENCE_IMPLEMENTATION, OwnAttention, SelfExtendParams
 from selfextend.kv.cache import ContextShiftCache
+from selfextend.native.decode import native_kernels
 
 TOL = 1e-4
 SLIDING = 16

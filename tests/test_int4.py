@@ -21,14 +21,14 @@ from test_models import HAS_SMOLLM2, write_tiny_gguf
 from selfextend.generation.compiled import FastDecode
 from selfextend.generation.decode import DecodeStep
 from selfextend.generation.generator import Generator
-from selfextend.generation.native import native_kernels
 from selfextend.hf.patch import apply_self_extend
 from selfextend.kv.cache import ContextShiftCache
 from selfextend.models import load_model
 from selfextend.models.load import auto_weights
-from selfextend.models.quant import quant_kernels
 from selfextend.models.quantize import WEIGHT_FORMATS, Int4Linear, Int8Linear, weight_format
 from selfextend.models.sources import resolve_model
+from selfextend.native.decode import native_kernels
+from selfextend.native.quant import quant_kernels
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

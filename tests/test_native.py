@@ -13,10 +13,10 @@ from test_decode import TOL, decoded_logits
 
 import selfextend
 from selfextend.core.rope import Rotation
-from selfextend.generation import native
 from selfextend.generation.decode import DecodeStep
-from selfextend.generation.native import native_kernels
-from selfextend.models.build import ENV, build
+from selfextend.native import decode as native
+from selfextend.native.build import ENV, build
+from selfextend.native.decode import native_kernels
 
 KERNEL = native_kernels()
 needs_kernel = pytest.mark.skipif(KERNEL is None, reason="no C compiler here to build the attention kernel")

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from selfextend.generation import native
-from selfextend.models import build as building
-from selfextend.models.build import build, build_key, compiler_target
+from selfextend.native import build as building
+from selfextend.native import decode as native
+from selfextend.native.build import build, build_key, compiler_target
 
 CC = shutil.which("cc") or shutil.which("gcc")
 needs_cc = pytest.mark.skipif(CC is None, reason="no C compiler here")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from selfextend.core.rope import Rotation
-from selfextend.generation.native import native_kernels
+from selfextend.native.decode import native_kernels
 
 KERNEL = native_kernels()
 pytestmark = pytest.mark.skipif(KERNEL is None, reason="no C compiler here to build the kernels")

@@ -9,9 +9,9 @@ from test_quantize import _random_blocks
 from torch import nn
 
 from selfextend.generation import products
-from selfextend.generation.native import native_kernels
 from selfextend.generation.products import norm_of, product_of
 from selfextend.models.quantize import Q4_1, Int4Linear, quantize_int8
+from selfextend.native.decode import native_kernels
 
 
 @pytest.mark.parametrize("kind", ["int4", "int8"])

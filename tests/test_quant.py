@@ -21,9 +21,9 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
 from selfextend.models.blocks import BLOCK_KINDS, INTERLEAVED, base_kind, pack8, unpack8
-from selfextend.models.build import build
-from selfextend.models.quant import SOURCE, QuantKernels, quant_kernels
 from selfextend.models.sources import cache_root
+from selfextend.native.build import build
+from selfextend.native.quant import SOURCE, QuantKernels, quant_kernels
 
 KERNELS = quant_kernels()
 pytestmark = pytest.mark.skipif(KERNELS is None, reason="no C compiler here to build the kernel")
@@ -215,7 +215,7 @@ def test_dequantized_tiles_are_gguf_rounded_to_bfloat16(kind: int) -> None:
 def test_bf16_engine_is_the_bfloat16_product(kind: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """``tiled``: x rounded to bfloat16 times the bfloat16 weight, tiles of a few rows (not a divisor of
     the rows) put side by side, within bfloat16's rounding of each output of the float product."""
-    import selfextend.models.quant as quant
+    import selfextend.native.quant as quant
 
     monkeypatch.setattr(quant, "TILE_VALUES", 16 * columns_of(kind))  # 16 rows a tile: 3 tiles of 37-40
     blocks, raw = kernel_blocks(kind, N_OUT, seed=kind)
@@ -233,7 +233,7 @@ def test_bf16_engine_is_the_bfloat16_product(kind: int, monkeypatch: pytest.Monk
 def test_layers_take_the_chunk_engine_from_enough_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     """A BlockLinear multiplies calls of BF16_MIN_ROWS rows or more by its chunk engine and fewer by the
     integer products; set_chunk_engine sets every layer; auto follows the CPU; a bad name is a ValueError."""
-    import selfextend.models.quant as quant
+    import selfextend.native.quant as quant
     from selfextend.models.blocks import BF16_MIN_ROWS, BlockLinear, set_chunk_engine
 
     blocks, _ = kernel_blocks(12, N_OUT, seed=4)

@@ -35,7 +35,7 @@ def test_wheel_holds_every_module_and_data_file(wheel):
     package = {str(p.relative_to(ROOT)) for p in (ROOT / "selfextend").rglob("*") if p.is_file()}
     cli = {"selfextend/cli/" + str(p.relative_to(ROOT / "cli")) for p in (ROOT / "cli").rglob("*.py")}
     wanted = {n for n in package | cli if "__pycache__" not in n}
-    assert {"selfextend/generation/native.c", "selfextend/server/page/index.html"} <= wanted
+    assert {"selfextend/native/decode.c", "selfextend/server/page/index.html"} <= wanted
     assert {"selfextend/cli/main.py", "selfextend/server/page/chat.js"} <= wanted
     assert wanted <= names, sorted(wanted - names)
     assert not any(n.startswith(("cli/", "tests/", "experiments/", "docs/")) for n in names)

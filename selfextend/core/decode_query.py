@@ -4,7 +4,7 @@ A decode step (one query row) needs no mask: it scores the query at its grouped 
 more than ``W`` positions back (at grouped positions, which the cache keeps between steps) and at its own
 position against the rest, and takes one softmax over the concatenated row, with the query heads that share
 a KV head as rows of one product. :func:`grouped_decode_keys` are the keys the grouped scores read, which
-the decode step's native kernel (:mod:`selfextend.generation.native`) reads too.
+the decode step's native kernel (:mod:`selfextend.native.decode`) reads too.
 """
 
 from __future__ import annotations

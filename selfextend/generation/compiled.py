@@ -36,13 +36,13 @@ from selfextend.core.positions import grouped_key_positions, grouped_query_posit
 from selfextend.core.rope import Rotation
 from selfextend.generation.cells import Cells, StepCells
 from selfextend.generation.decode import ATTENTION, fuse_projections, why_not
-from selfextend.generation.native import native_kernels
 from selfextend.generation.products import direct, product_of, project
 from selfextend.generation.rotary import rope_by_kind, rotations_at
 from selfextend.hf.facts import layer_kinds, sliding_windows
 from selfextend.hf.patch import IMPLEMENTATION, SelfExtendParams
 from selfextend.kv.cache import ContextShiftCache
 from selfextend.models.sources import cache_root
+from selfextend.native.decode import native_kernels
 
 RECOMPILE_LIMIT = 64  # graphs of the layer function per process (dynamo's default, 8, is per code object)
 

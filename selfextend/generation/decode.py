@@ -7,7 +7,7 @@ weights and writes the same :class:`~selfextend.kv.cache.ContextShiftCache`, and
 math as the model's forward (tests hold it to the model's own logits) with fewer operations:
 the query/key/value and gate/up projections of int8 and int4 models run as one fused product each, the
 quantized kernels and norms are called directly (:mod:`selfextend.generation.products`), and attention,
-plain or Self-Extend, is the native kernel of :mod:`selfextend.generation.native` where it
+plain or Self-Extend, is the native kernel of :mod:`selfextend.native.decode` where it
 builds (else SDPA, or Self-Extend's decode path). Where every projection is a GGUF block layer, all the
 layers of a token run in one native call (:mod:`selfextend.generation.native_layers`: the same kernels in
 the same order, the same logits).
@@ -33,7 +33,6 @@ from selfextend.core.cells import cells_of
 from selfextend.core.decode_query import grouped_decode_keys, self_extend_decode
 from selfextend.core.positions import grouped_query_positions
 from selfextend.core.rope import Rotation
-from selfextend.generation.native import ACTIVATIONS, NativeKernels, native_kernels, rotation_fits
 from selfextend.generation.native_layers import native_layers
 from selfextend.generation.products import LayerPlan, direct, each, each_add, norm_of, product_of
 from selfextend.generation.rotary import PositionRotations, rope_by_kind, rotations_at
@@ -42,8 +41,9 @@ from selfextend.hf.patch import IMPLEMENTATION, SelfExtendParams
 from selfextend.kv.cache import ContextShiftCache
 from selfextend.kv.layers import CellLayer
 from selfextend.models.blocks import BlockEmbedding, BlockLinear, fuse_blocks
-from selfextend.models.quant import quant_kernels
 from selfextend.models.quantize import Int4Linear, Int8Linear, fuse_int4, fuse_int8
+from selfextend.native.decode import ACTIVATIONS, NativeKernels, native_kernels, rotation_fits
+from selfextend.native.quant import quant_kernels
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 ATTENTION = ("sdpa", "eager", IMPLEMENTATION)  # one math (attention soft-capping is refused by why_not)
@@ -242,7 +242,7 @@ class DecodeStep:
         pos = [cache.n_past for cache in caches]
         x = self.embed_rows(torch.tensor(tokens))  # (M, hidden): a copy, added to in place
         x = x * self.embed_scale.to(x.dtype) if self.embed_scale is not None else x
-        flat = self.rope(x[:, None], pos)  # each row's rotation by kind, as native.c reads it
+        flat = self.rope(x[:, None], pos)  # each row's rotation by kind, as decode.c reads it
         batch = _Batch(caches, pos, [self._kernel(c) for c in caches], flat, {})
         self_extend = self.model.config._attn_implementation == IMPLEMENTATION
         extend = [self._self_extend(layer) if self_extend else None for layer in self.layers]

@@ -19,10 +19,10 @@ from selfextend.generation import compiled, decode
 from selfextend.generation.compiled import fast_decode_for
 from selfextend.generation.decode import decode_step_for
 from selfextend.generation.grammar import Grammar, GrammarMask
-from selfextend.generation.native import native_kernels
 from selfextend.generation.sampling import SamplingParams, sample
 from selfextend.hf.facts import cache_kwargs
 from selfextend.kv.cache import ContextShiftCache
+from selfextend.native.decode import native_kernels
 
 CACHE_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}  # llama.cpp's names
 NATIVE_CACHE_TYPE = "bf16"  # the default where the native decode step runs (default_cache_dtype)

@@ -1,9 +1,9 @@
-"""Every decoder layer of a token in one native call: ``native.c``'s ``decode_layers``.
+"""Every decoder layer of a token in one native call: ``decode.c``'s ``decode_layers``.
 
 The decode step's Python loop calls a dozen kernels per layer (norm, products, rotation and cell write,
 attention, residual adds, activation), each through a wrapper that checks its arguments and allocates its
 output: on SmolLM2 (30 layers) that glue was about 40% of a token on two cores, and the OpenMP workers spun
-idle through it. Where every projection of every layer is a GGUF block layer (:mod:`selfextend.models.quant`)
+idle through it. Where every projection of every layer is a GGUF block layer (:mod:`selfextend.native.quant`)
 and every norm a known RMSNorm, the same kernels run from one C loop in the same order, so the logits are
 those of the Python loop bit for bit (tests hold it so). The rows' cells are claimed in Python first (the
 cache's bookkeeping) and handed over as a table of addresses, slots and rotations per layer and row;
@@ -20,15 +20,15 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from selfextend.generation.native import ACTIVATIONS, NativeKernels
 from selfextend.generation.products import activation_name, head_norms, norm_factors
 from selfextend.kv.cache import ContextShiftCache
 from selfextend.kv.layers import CellLayer
 from selfextend.models.blocks import BlockLinear
-from selfextend.models.quant import QuantKernels
+from selfextend.native.decode import ACTIVATIONS, NativeKernels
+from selfextend.native.quant import QuantKernels
 
-MAX_PARTS = 3  # runs of one type in a fused projection (native.c's MAX_PARTS)
-FIELDS = 15  # int64 values per layer and row in the cells table (native.c's R_FIELDS)
+MAX_PARTS = 3  # runs of one type in a fused projection (decode.c's MAX_PARTS)
+FIELDS = 15  # int64 values per layer and row in the cells table (decode.c's R_FIELDS)
 NO_GROUPED = (0,) * 6  # a row's last six fields where no key is grouped
 # (i, j, cells) -> row j's grouped keys at layer i before its token's cell is claimed, (1, Hkv, n_g, D) in the
 # cells' type with contiguous rows, and the query's grouped (cos, sin); None where it scores none

@@ -6,7 +6,7 @@ per token for SmolLM2, which cost more than a millisecond per token on two cores
 same kernel on the same bfloat16 row is called directly here and its bfloat16 output handed on as it is
 (the next consumer converts or adds it with promotion: the same numbers). Likewise an RMSNorm in float32
 (Llama's, or Gemma's by ``1 + weight``) is ``torch.nn.functional.rms_norm`` (one fused op; equal to the
-module's forward), and where the native kernels are built (:mod:`selfextend.generation.native`) the norm
+module's forward), and where the native kernels are built (:mod:`selfextend.native.decode`) the norm
 before a quantized product and the gated activation (SwiGLU, GeGLU) between two are one call each that
 hands on the bfloat16 row the product takes (float32 inside, summed in another order than torch: equal
 to rounding), Gemma's norm of an attention or MLP output is added to the residual in the same call, and
@@ -23,10 +23,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from selfextend.generation.native import ACTIVATIONS, HeadNorms, NativeKernels
 from selfextend.models.blocks import BlockLinear
-from selfextend.models.quant import QuantKernels, quant_kernels
 from selfextend.models.quantize import INT4_GROUP, Int4Linear, Int8Linear
+from selfextend.native.decode import ACTIVATIONS, HeadNorms, NativeKernels
+from selfextend.native.quant import QuantKernels, quant_kernels
 
 Fn = Callable[[torch.Tensor], torch.Tensor]
 Add = Callable[[torch.Tensor, torch.Tensor], None]  # (x, y): x += f(y) in place

@@ -16,7 +16,7 @@ from torch import nn
 from selfextend.core.rope import Rotation
 
 Rotations = dict[str, Rotation]  # by kind of layer (full_attention, sliding_attention)
-Flat = dict[str, tuple[torch.Tensor, torch.Tensor]]  # by kind: the flat (cos, sin) (rot_dim,) native.c reads
+Flat = dict[str, tuple[torch.Tensor, torch.Tensor]]  # by kind: the flat (cos, sin) (rot_dim,) decode.c reads
 # transformers' RoPE types whose factors are a function of the position alone ("dynamic" and "longrope"
 # change the frequencies with the sequence length: `dynamic_rope_update`)
 STATIC_ROPE = frozenset({"default", "linear", "llama3", "yarn"})

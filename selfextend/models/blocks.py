@@ -4,7 +4,7 @@ Why: a token's decode reads every weight once, so the bytes read per token are w
 stored, a Q4_K_M file's layers are 4.5 to 6.6 bits a weight, with nothing rounded again (int8 would hold
 a Q6_K output head in 1.23x its bytes; torch's int4 packing takes only the 4-bit formats, and its
 kernel reads them far below the bandwidth). The product is ``torch.ops.selfextend.block_mm``, a custom op
-(torch.compile takes it as one node): the native kernel of :mod:`selfextend.models.quant`, else (no C
+(torch.compile takes it as one node): the native kernel of :mod:`selfextend.native.quant`, else (no C
 compiler, ``$SELFEXTEND_NATIVE=0``) a reference of the same weights, slow: the blocks dequantised by
 ``gguf`` a slab of rows at a time, then a float32 product.
 """
@@ -17,24 +17,11 @@ import numpy as np
 import torch
 from torch import nn
 
-# gguf.GGMLQuantizationType values of the block formats held as stored
-BLOCK_KINDS = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
-# a type of 32-value blocks -> its 8-row interleaved form (pack8), the kernels' codes in quant.c
-INTERLEAVED = {2: 1002, 3: 1003, 8: 1008}
+from selfextend.native.blocktypes import BLOCK_KINDS, INTERLEAVED, base_kind, block_shape
+from selfextend.native.quant import chunk_engine, quant_kernels
+
 _SLAB_ROWS = 256  # rows dequantised at a time by the reference product
 BF16_MIN_ROWS = 128  # rows from which a call takes a layer's bf16 chunk engine (a tile's dequantisation pays)
-
-
-def base_kind(kind: int) -> int:
-    """The GGUF type of ``kind``: itself, or the type an interleaved form (:data:`INTERLEAVED`) holds."""
-    return kind - 1000 if kind in INTERLEAVED.values() else kind
-
-
-def block_shape(kind: int) -> tuple[int, int]:
-    """(values, bytes) of one block of GGUF type ``kind`` (of a row, for an interleaved form)."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
-    return GGML_QUANT_SIZES[GGMLQuantizationType(base_kind(kind))]
 
 
 def _head(kind: int) -> int:
@@ -127,9 +114,7 @@ def reference_product(x: torch.Tensor, blocks: torch.Tensor, kind: int) -> torch
 def block_mm(x: torch.Tensor, blocks: torch.Tensor, kind: int, bf16: bool = False) -> torch.Tensor:
     """``x (M, K) float32 @ W^T -> (M, N) float32`` for W the GGUF blocks ``blocks`` (N, bytes per row) of
     type ``kind``: the native kernel's integer products, or with ``bf16`` its bfloat16 tiles (a prefill
-    chunk's engine, :func:`~selfextend.models.quant.chunk_engine`), else :func:`reference_product`."""
-    from selfextend.models.quant import quant_kernels  # it imports this module's block facts
-
+    chunk's engine, :func:`~selfextend.native.quant.chunk_engine`), else :func:`reference_product`."""
     kernels = quant_kernels()
     if kernels is None:
         return reference_product(x, blocks, kind)
@@ -144,14 +129,12 @@ def _(x: torch.Tensor, blocks: torch.Tensor, kind: int, bf16: bool = False) -> t
 class BlockLinear(nn.Module):
     """``y = x W^T + b`` with ``W`` the rows of a GGUF tensor's blocks of type ``kind`` as stored: ``blocks``
     (N, bytes per row) uint8. ``block_kind`` (a buffer) carries the type into the saved run form.
-    ``chunk_engine`` (``int8`` or ``bf16``, :func:`~selfextend.models.quant.chunk_engine`) is how calls of
+    ``chunk_engine`` (``int8`` or ``bf16``, :func:`~selfextend.native.quant.chunk_engine`) is how calls of
     :data:`BF16_MIN_ROWS` rows or more multiply; fewer rows always take int8."""
 
     def __init__(
         self, blocks: torch.Tensor, kind: int, in_features: int, bias: torch.Tensor | None = None
     ) -> None:
-        from selfextend.models.quant import chunk_engine
-
         super().__init__()
         self.chunk_engine = chunk_engine()
         self.kind, self.in_features, self.out_features = kind, in_features, blocks.shape[0]
@@ -193,7 +176,7 @@ class BlockLinear(nn.Module):
 class BlockEmbedding(nn.Module):
     """An embedding table held as a GGUF tensor's blocks as stored: ``blocks`` (N, bytes per row) uint8 of
     type ``kind`` (not an interleaved form), each looked-up row dequantized to float32, gguf's values bit for
-    bit (:meth:`~selfextend.models.quant.QuantKernels.rows`, else ``gguf``'s dequantize).
+    bit (:meth:`~selfextend.native.quant.QuantKernels.rows`, else ``gguf``'s dequantize).
 
     Why: a lookup reads a row or a chunk's rows, so the table need not be held as floats; Llama 3.2 1B's
     Q6_K table is 1,002 MiB in float32 and 200 MiB as stored, and a tied output head (a
@@ -224,8 +207,6 @@ class BlockEmbedding(nn.Module):
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` (any shape) as ``(*ids.shape, embedding_dim)`` of :attr:`dtype`, unscaled. IndexError
         for an id outside the table."""
-        from selfextend.models.quant import quant_kernels
-
         flat = ids.reshape(-1).to(torch.int64)
         if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.num_embeddings):
             raise IndexError(
@@ -286,11 +267,9 @@ def _fuse_run(layers: list[BlockLinear]) -> BlockLinear:
 
 def set_chunk_engine(model: nn.Module, setting: str | None = None, default: str = "auto") -> str:
     """Set every GGUF block layer of ``model`` to multiply prefill chunks by
-    :func:`~selfextend.models.quant.chunk_engine` of ``setting`` (``default`` where neither it nor
+    :func:`~selfextend.native.quant.chunk_engine` of ``setting`` (``default`` where neither it nor
     ``$SELFEXTEND_PREFILL`` names one); returns the engine. Only int8 keeps each row's result whatever
     rows are beside it, which a server needs for replies that do not change with batching or cache reuse."""
-    from selfextend.models.quant import chunk_engine
-
     engine = chunk_engine(setting, default)
     for m in model.modules():
         if isinstance(m, BlockLinear):

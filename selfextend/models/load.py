@@ -20,13 +20,13 @@ from selfextend.models.diskcache import (
     parse_dtype,
     run_form,
 )
-from selfextend.models.quant import quant_kernels
 from selfextend.models.quantize import Int8Linear, quantize_int8
 from selfextend.models.sources import DEFAULT_MODEL, ModelSource, hub_load, resolve_model
 from selfextend.models.weights import (
     RunForm,
     load_run_form,
 )
+from selfextend.native.quant import quant_kernels
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase

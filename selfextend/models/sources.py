@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from selfextend.core.paths import cache_root
 from selfextend.core.validate import first_line
 from selfextend.hf.facts import ModelError
 
@@ -160,17 +161,6 @@ def _check_config_json(path: Path) -> None:
         raise ModelError(f"{path} holds {type(config).__name__}, not a JSON object")
     if "model_type" not in config:
         raise ModelError(f"{path} has no model_type, so transformers cannot tell which model it is")
-
-
-def cache_root() -> Path:
-    """Directory holding converted GGUFs: ``$SELFEXTEND_CACHE``, else ``$XDG_CACHE_HOME/selfextend``,
-    else ``~/.cache/selfextend``."""
-    explicit = os.environ.get("SELFEXTEND_CACHE")
-    if explicit:
-        return Path(explicit).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "selfextend"
 
 
 def _hub_offline() -> bool:

@@ -52,7 +52,7 @@ enum { TILE = 4, WR_TILE = 2, DECODE_ROWS = 4, WEIGHT_TILE_BYTES = 65536 };
  * memory, 2 threads, one activation row: Q4_K 12 -> 15.5 GB/s, Q6_K 13 -> 15.5). The AVX-512 K-quant loops
  * and the interleaved forms ask at every tile size (on a 2-core AVX-512 Xeon the server's batched step of
  * 2-4 rows ran 1.1-1.5x faster for it, 8192x2048 Q4_K x 4 rows 1.11-1.17 -> 0.97-1.00 ms, Q6_K x 2 rows
- * 1.16 -> 0.78-0.84, and 64 rows no slower: experiments/row_products.py --activations 2,4,64 --against the
+ * 1.16 -> 0.78-0.84, and 64 rows no slower: experiments/speed/row_products.py --activations 2,4,64 --against the
  * source without it);
  * the AVX2 loops below TILE rows only (their tiles of 4 ran 5-15% slower with it there). */
 enum { PREFETCH_BYTES = 3072 };
@@ -84,7 +84,7 @@ static long block_bytes(int type) {
 /* Ask for the cache lines of `bytes` weight bytes PREFETCH_BYTES past p, into every cache level. The
  * non-temporal hint (prefetchnta) kept a Xeon's streams at 11-12 GB/s where this one reads 17-18 (2-core
  * Xeon with AVX-512, 2 threads, from memory: Q8_0x8 65536x2048 11 -> 17-18 GB/s, Q4_K 12 -> 16-18;
- * `experiments/row_products.py --against`, rounds interleaved). */
+ * `experiments/speed/row_products.py --against`, rounds interleaved). */
 INLINE void prefetch_ahead(const uint8_t *p, long bytes) {
     for (long o = 0; o < bytes; o += 64) __builtin_prefetch(p + PREFETCH_BYTES + o, 0, 3);
 }

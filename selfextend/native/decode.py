@@ -1,9 +1,9 @@
-"""The decode step's native kernels (``native.c``), built on first use and called through ctypes.
+"""The decode step's native kernels (``decode.c``), built on first use and called through ctypes.
 
 Why our own: a decode step on the CPU is a few hundred small operations per token, each a torch dispatch
 of a few microseconds, around reads that torch's kernels do at a fraction of the bandwidth: SDPA reads a
 layer's float32 cells at ~12 GB/s and bfloat16 ones at ~1.3 GB/s, ``_weight_int8pack_mm`` an int8 output
-head at ~16 GB/s (``experiments/native_bench.py``). ``native.c`` has, per token and layer:
+head at ~16 GB/s (``experiments/speed/native_bench.py``). ``decode.c`` has, per token and layer:
 
 - attention that reads each KV head's cells once for all the query heads sharing it, in the cache's own
   type (float32, bfloat16 or float16), Self-Extend's grouped and neighbor scores in one pass, one
@@ -14,7 +14,7 @@ head at ~16 GB/s (``experiments/native_bench.py``). ``native.c`` has, per token 
   them the bfloat16 row they take; a norm added to the residual (Gemma's norms after attention and MLP);
   and an int8 product of one row (the output head) at bandwidth.
 
-It is compiled by :mod:`selfextend.models.build` (the system C compiler, ``-O3 -march=native``) into
+It is compiled by :mod:`selfextend.native.build` (the system C compiler, ``-O3 -march=native``) into
 ``$SELFEXTEND_CACHE/kernels``, once per source, compiler and target; callers build it before they time
 anything (:func:`native_kernels` at model load). Where no compiler works, :func:`native_kernels` returns
 None and the step uses torch ops; ``SELFEXTEND_NATIVE=0`` asks for that too.
@@ -32,10 +32,10 @@ from typing import NamedTuple
 
 import torch
 
-from selfextend.models.build import TYPES, bind, kernels
+from selfextend.native.build import TYPES, bind, kernels
 
-SOURCE = Path(__file__).with_name("native.c")
-MAX_QUERY_ROWS = 16  # query heads per KV head the kernel takes (native.c's MAX_R)
+SOURCE = Path(__file__).with_name("decode.c")
+MAX_QUERY_ROWS = 16  # query heads per KV head the kernel takes (decode.c's MAX_R)
 MAX_HEAD_DIM = 256  # and head size (a multiple of 16; 8 * MAX_V8 there)
 NO_MEMORY = 2  # what decode_attention returns without scratch space (1: sizes it cannot read)
 ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1}  # transformers' names of the gated activations native.c has
@@ -91,7 +91,7 @@ class NativeKernels:
         x: torch.Tensor,
         mm: int,
     ) -> int:
-        """``native.c``'s decode_layers over ``x`` (M, hidden) float32 in place, for
+        """``decode.c``'s decode_layers over ``x`` (M, hidden) float32 in place, for
         :mod:`selfextend.generation.native_layers`, which builds its plans, sizes and ``cells`` table (int64);
         ``mm``: the address of quant.c's quant_mm. Returns its code (0 done, 1 no scratch space, 2 cells the
         attention does not read)."""
@@ -307,8 +307,8 @@ class NativeKernels:
     def int8_gemv(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """``(x . weight^T) * scale`` for rows ``x`` (M, K) (taken as bfloat16), ``weight`` (N, K) int8 and
         ``scale`` (N,) bfloat16, out (M, N) bfloat16: torch's ``_weight_int8pack_mm``, which reads a large
-        weight (an output head) at a third of the bandwidth (experiments/native_bench.py). The weight is read
-        once for all rows, and each row's output is the one it gets alone (batched decoding)."""
+        weight (an output head) at a third of the bandwidth (experiments/speed/native_bench.py). The weight is
+        read once for all rows, and each row's output is the one it gets alone (batched decoding)."""
         n, k = weight.shape
         x = x.to(torch.bfloat16)
         if x.dim() != 2 or x.shape[1] != k or not (x.is_contiguous() and weight.is_contiguous()):

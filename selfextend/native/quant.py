@@ -3,7 +3,7 @@
 The kernel quantizes each activation row once per call to int8 blocks and takes integer dot products
 with the weight's blocks, as llama.cpp does (AVX2, VNNI where compiled for, or a portable path), so a
 token reads the file's own bytes. A row's result does not depend on how many rows the call holds. It is
-built as the decode step's kernels are (:func:`selfextend.models.build.build`, into the same
+built as the decode step's kernels are (:func:`selfextend.native.build.build`, into the same
 cache); :class:`~selfextend.models.blocks.BlockLinear` calls it, whoever imports the model.
 ``$SELFEXTEND_QUANT_PORTABLE=1`` forces the portable path; ``$SELFEXTEND_NATIVE=0`` turns the kernel
 off (the layers then use their reference product).
@@ -11,7 +11,7 @@ off (the layers then use their reference product).
 A prefill chunk can go another way (:func:`chunk_engine`): ``bf16`` dequantizes the weight a tile of rows
 at a time to bfloat16 and multiplies through torch (oneDNN, which runs AMX tiles where the CPU has them);
 ``int8`` is the integer products above. Where AMX runs, bf16 is 2.3-3.4x int8 for a 512-row chunk (a
-2-core Xeon with AMX: ``experiments/prefill_engines.py``), so ``auto`` picks it there and int8
+2-core Xeon with AMX: ``experiments/speed/prefill_engines.py``), so ``auto`` picks it there and int8
 elsewhere. Only int8 keeps a row's result independent of the rows beside it (bf16 is used from
 :data:`~selfextend.models.blocks.BF16_MIN_ROWS` rows on), which is why the server keeps int8.
 """
@@ -25,8 +25,8 @@ from pathlib import Path
 
 import torch
 
-from selfextend.models.blocks import BLOCK_KINDS, INTERLEAVED, block_shape
-from selfextend.models.build import TYPES, bind, kernels
+from selfextend.native.blocktypes import BLOCK_KINDS, INTERLEAVED, block_shape
+from selfextend.native.build import TYPES, bind, kernels
 
 SOURCE = Path(__file__).with_name("quant.c")
 PORTABLE_ENV = "SELFEXTEND_QUANT_PORTABLE"
@@ -63,7 +63,8 @@ class QuantKernels:
         lib = ctypes.CDLL(str(library))
         self._mm = bind(lib.quant_mm, [i32, ptr, long, long, ptr, i32, long, ptr, i32, i32], i32)
         self._dequant = bind(lib.quant_dequant_bf16, [i32, ptr, long, long, ptr], i32)
-        # an older quant.c built to be timed beside this one (experiments/row_products.py --against) lacks it
+        # an older quant.c built to be timed beside this one (experiments/speed/row_products.py --against)
+        # lacks it
         rows = getattr(lib, "quant_rows_f32", None)
         self._rows = None if rows is None else bind(rows, [i32, ptr, long, ptr, long, long, ptr], i32)
         self.address = ctypes.cast(

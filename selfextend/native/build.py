@@ -7,7 +7,7 @@ directory under the cache root. A library is named after everything its code dep
 built on a CPU with instructions another lacks (AVX-512, SVE) is never loaded there, where it would kill
 the process with SIGILL. A build prints one line on stderr (that it compiles, then how long it took), so
 whoever times a run can see it; a compiler that hangs is stopped after :data:`COMPILE_TIMEOUT` seconds.
-It sits with the model loading because the GGUF block layers (:mod:`selfextend.models.quant`) use it as
+It sits below the model loading because the GGUF block layers (:mod:`selfextend.native.quant`) use it as
 the decode step's kernels do; :func:`bind` and :data:`TYPES` are what their ctypes bindings share.
 """
 
@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from selfextend.models.sources import cache_root
+from selfextend.core.paths import cache_root
 
 T = TypeVar("T")
 FLAGS = ("-O3", "-march=native", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC")
