@@ -1,6 +1,6 @@
 """The chat page in a real headless Chromium (Debian's package), driven over the DevTools protocol:
-load it, send two messages, see the reply stream in, stop the second one. Skips where there is no
-chromium (``make test`` installs it when apt is available).
+load it, send two messages, see the reply stream in, stop the second one. Skips, saying why, where no
+chromium is on PATH: ``make test`` installs no system package (``.ci/run``, on a throwaway machine, does).
 
 ``SELFEXTEND_SCREENSHOT=PATH`` also saves the screenshot there (the tests otherwise write only under
 their tmp folder)."""
@@ -25,7 +25,10 @@ from transformers import AutoTokenizer, LlamaForCausalLM
 import selfextend
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="no chromium here (apt-get install chromium)")
+needs_chromium = pytest.mark.skipif(
+    CHROMIUM is None,
+    reason="no chromium on PATH, so the chat page is not driven in a browser (apt-get install chromium)",
+)
 PAGE_JS = Path(selfextend.__file__).parent / "server" / "page" / "chat.js"
 
 
