@@ -27,6 +27,7 @@ import torch
 from selfextend.core.validate import first_line
 from selfextend.hf.facts import ModelError, check_rope
 from selfextend.models.gguf import GGUFTable, load_gguf
+from selfextend.models.gguf_rope import gguf_config
 from selfextend.models.heap import release_free_memory
 from selfextend.models.quantize import WEIGHT_FORMATS
 from selfextend.models.sources import ASSEMBLED_DIR, ModelSource, cache_root, hub_load, resolve_model
@@ -39,8 +40,9 @@ log = logging.getLogger(__name__)
 
 
 # Bump when what is written into a cache entry changes, so older entries are not trusted.
-# 4: Q4_0 / Q4_1 blocks held 8 rows interleaved (blocks.pack8); 5: Q8_0 too; 6: embedding tables as blocks
-_CACHE_FORMAT = 6
+# 4: Q4_0 / Q4_1 blocks held 8 rows interleaved (blocks.pack8); 5: Q8_0 too; 6: embedding tables as blocks;
+# 7: the config's head size and RoPE as llama.cpp reads them (models/gguf_rope.py)
+_CACHE_FORMAT = 7
 _MARKER = "selfextend-cache.json"
 RUN_FORM_FILE = "model.safetensors"
 _TOKENIZERS = "tokenizer"  # cache subfolder: each GGUF's converted tokenizer, shared by its forms
@@ -134,15 +136,6 @@ def _has_marker(folder: Path) -> bool:
 def is_cached(source: ModelSource | str | os.PathLike[str], form: RunForm | None = None) -> bool:
     """Whether a GGUF already has a complete converted copy in ``form``, so loading it is quick."""
     return is_complete(gguf_cache_dir(source, form))
-
-
-def gguf_config(gguf: Path) -> PretrainedConfig:
-    from transformers import AutoConfig
-
-    try:
-        return AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    except (OSError, ValueError, KeyError, NotImplementedError) as exc:
-        raise ModelError(f"cannot read GGUF '{gguf}': {first_line(exc)}") from exc
 
 
 def _converted_tokenizer(gguf: Path) -> Path:
@@ -329,7 +322,7 @@ def convert_into(entry: Path, gguf: Path, form: RunForm) -> tuple[PreTrainedMode
         entry.parent,
     )
     release_free_memory()
-    config = gguf_config(gguf)
+    config = gguf_config(gguf, table)
     check_rope(config, gguf.name)
     release_free_memory()
     tokenizer_dir = _converted_tokenizer(gguf)

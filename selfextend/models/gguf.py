@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
 
 from selfextend.models.blocks import block_packable
+from selfextend.models.gguf_rope import GGUFRope
 from selfextend.models.quantize import int4_packable
 from selfextend.models.weights import GGUFBlocks, RowBlocks, RunForm, empty_model, fill, int8_placeholders
 
@@ -68,6 +69,7 @@ class GGUFTable:
 
     architecture: str
     tensors: tuple[_Stored, ...]
+    rope: GGUFRope = field(default_factory=GGUFRope)  # its rotation and head sizes (models/gguf_rope.py)
 
     @classmethod
     def of(cls, reader: GGUFReader) -> GGUFTable:
@@ -78,7 +80,8 @@ class GGUFTable:
             _Stored(t.name, t.tensor_type, tuple(t.data.shape), t.data.dtype, t.data_offset)
             for t in reader.tensors
         )
-        return cls(read_field(reader, "general.architecture")[0], tensors)
+        architecture = read_field(reader, "general.architecture")[0]
+        return cls(architecture, tensors, GGUFRope.of(reader, architecture))
 
     @classmethod
     def read(cls, path: str | Path) -> GGUFTable:

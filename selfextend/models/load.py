@@ -56,8 +56,7 @@ def load_config(name_or_path: str = DEFAULT_MODEL) -> PretrainedConfig:
 
     source = resolve_model(name_or_path)
     if source.kind == "gguf":
-        check_gguf(source.gguf_path)
-        config = gguf_config(source.gguf_path)
+        config = gguf_config(source.gguf_path, check_gguf(source.gguf_path))
     else:
         config = hub_load(source, AutoConfig.from_pretrained)
     check_rope(config, source.name)
