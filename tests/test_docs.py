@@ -35,6 +35,12 @@ def test_site_builds_strict(tmp_path):
     assert "--ctx" in cli and "--group-size" in cli and "::: mkdocs-click" not in cli
     api = (tmp_path / "site" / "reference" / "api" / "index.html").read_text(encoding="utf-8")
     assert "apply_self_extend" in api and "ContextShiftCache" in api
+    # click 8.3's missing default is not printed as one; every command shows -h, as the CLI takes it
+    assert "Sentinel.UNSET" not in cli
+    assert cli.count("<code>-h</code>") >= 10
+    # the docstrings' Sphinx roles became links or code, not raw text
+    assert re.search(r":(class|func|meth|attr|exc|mod|data|obj):", api) is None
+    assert 'href="#selfextend.core.validate.ValidationError"' in api
 
 
 def test_readme_is_short_and_its_links_exist():
