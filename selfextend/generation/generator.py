@@ -305,7 +305,7 @@ def native_cells_default(config: Any, device: torch.device | str, dtype: torch.d
     """Whether a model of ``config`` run in ``dtype`` on ``device`` gets bf16 cells by default: a float32
     model that the direct :class:`~selfextend.generation.decode.DecodeStep` decodes on the CPU with its native
     kernels (which read bf16 cells as stored, plain or Self-Extend: side by side in
-    ``python experiments/decode_paths.py direct:f32 direct:bf16``, 0.93-0.95x the time of f32 cells, for
+    ``python experiments/speed/decode_paths.py direct:f32 direct:bf16``, 0.93-0.95x the time of f32 cells, for
     half the memory; perplexity +0.03%, README). Elsewhere the cells are in the model's dtype (torch's bf16
     CPU attention is slower than its float32 one: bf16 cells would halve the speed there)."""
     direct = torch.device(device).type == "cpu" and dtype == torch.float32
@@ -319,7 +319,7 @@ def decode_settings(
     pays (:func:`~selfextend.generation.compiled.compile_pays`); the cache in the model's dtype with the
     compiled step (slower over bf16 and f16 cells than over f32), else :func:`default_cache_dtype` (``model``
     as it will run). What the reduced types cost in perplexity and K-shift drift is in the README
-    (``experiments/cache_type_ppl.py``, ``experiments/decode_cache_nll.py``)."""
+    (``experiments/quality/cache_type_ppl.py``, ``experiments/quality/decode_cache_nll.py``)."""
     compile = compiled.compile_pays(model) if compile is None else compile
     if cache_type is None:
         return compile, None if compile else default_cache_dtype(model)
