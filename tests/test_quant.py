@@ -1,4 +1,4 @@
-"""The native products with GGUF blocks as stored (``models/quant.c``).
+"""The native products with GGUF blocks as stored (``native/quant.c`` and each block family's source).
 
 Oracles: ``gguf.quants.dequantize`` of the same bytes. (a) The kernel against a plain float64 reference
 of the same math (the weight dequantised, each activation row quantized to int8 per block as the kernel

@@ -180,9 +180,12 @@ class BlockEmbedding(nn.Module):
 
     Why: a lookup reads a row or a chunk's rows, so the table need not be held as floats; Llama 3.2 1B's
     Q6_K table is 1,002 MiB in float32 and 200 MiB as stored, and a tied output head (a
-    :class:`BlockLinear`) shares the same bytes. ``embed_scale``: Gemma's scaled embedding's factor, applied
-    as its module does; :meth:`lookup` gives the rows unscaled. ``dtype``: of the rows given (the model's
-    float type; the values are dequantized in float32 and cast, as a float table is made)."""
+    :class:`BlockLinear`) shares the same bytes, except where it is interleaved (Q4_0, Q4_1 and Q8_0 tables
+    with rows in eights: :meth:`BlockLinear.interleave` gives the head its own rearranged copy, for a
+    faster product; SmolLM2's Q8_0 table is then held twice, 28.7 MiB each). ``embed_scale``: Gemma's
+    scaled embedding's factor, applied as its module does; :meth:`lookup` gives the rows unscaled.
+    ``dtype``: of the rows given (the model's float type; the values are dequantized in float32 and cast,
+    as a float table is made)."""
 
     def __init__(
         self,

@@ -143,8 +143,9 @@ def load_model(
     (:func:`auto_weights`).
 
     ``weights="gguf"`` holds a GGUF's linear weights in the block formats the native products compute
-    (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K) as stored, in a
-    :class:`~selfextend.models.blocks.BlockLinear` (a tied output head reads the embedding's own blocks),
+    (:data:`~selfextend.native.blocktypes.BLOCK_TYPES`) as stored, in a
+    :class:`~selfextend.models.blocks.BlockLinear` (a tied output head reads the embedding's own blocks, or
+    its own interleaved copy of them for a Q4_0, Q4_1 or Q8_0 table),
     and every other linear layer as int8.
 
     ``weights="int4"`` holds a GGUF's linear weights stored in 4-bit blocks (Q4_0, Q4_1, Q4_K) as

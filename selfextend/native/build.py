@@ -1,4 +1,4 @@
-"""Compiling the native kernels' C sources into shared libraries, once per source, compiler and CPU.
+"""Compiling the native kernels' C sources into shared libraries, once per sources, compiler and CPU.
 
 As inductor compiles its CPU kernels: the system C compiler (``$CC``, else ``cc`` or ``gcc``) with
 :data:`FLAGS` (``-O3 -march=native -fopenmp``; no trapping math, so ``floorf`` vectorizes), into a
@@ -23,7 +23,7 @@ import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 
@@ -37,16 +37,37 @@ ENV = "SELFEXTEND_NATIVE"  # "0": no native kernel is built or used (torch ops, 
 TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # element types as the C sources number them
 
 
+class Sources(NamedTuple):
+    """The C files of one library, compiled together, and headers ``generated`` from Python tables (file
+    name, text), written beside the build and on its include path: both are part of the key."""
+
+    files: tuple[Path, ...]
+    generated: tuple[tuple[str, str], ...] = ()
+
+    @classmethod
+    def of(cls, source: Path | Sources) -> Sources:
+        """``source`` itself, or a single C file as its sources."""
+        return source if isinstance(source, Sources) else cls((Path(source),))
+
+    def key_parts(self) -> list[bytes]:
+        """Everything the compiled code depends on in the sources: each file, every header (``*.h``) beside
+        them, each generated header."""
+        folders = sorted({f.parent for f in self.files})
+        headers = sorted(h for folder in folders for h in folder.glob("*.h"))
+        parts = [p.name.encode() + b"\0" + p.read_bytes() for p in [*self.files, *headers]]
+        return parts + [f"{name}\0{text}".encode() for name, text in self.generated]
+
+
 def bind(fn: Any, argtypes: list[Any], restype: Any) -> Any:
     """``fn`` with its C signature set (ctypes converts and checks the arguments)."""
     fn.argtypes, fn.restype = argtypes, restype
     return fn
 
 
-def kernels(source: Path, name: str, make: Callable[[Path], T], missing: str) -> T | None:
-    """``make(library)`` of C ``source`` built as ``name`` into the cache root's ``kernels`` folder
-    (:func:`build`), or None where ``$SELFEXTEND_NATIVE`` is ``0`` or it cannot be built, then with one
-    warning: ``missing`` with ``{reason}`` replaced by why."""
+def kernels(source: Path | Sources, name: str, make: Callable[[Path], T], missing: str) -> T | None:
+    """``make(library)`` of C ``source`` (a file or :class:`Sources`) built as ``name`` into the cache
+    root's ``kernels`` folder (:func:`build`), or None where ``$SELFEXTEND_NATIVE`` is ``0`` or it cannot be
+    built, then with one warning: ``missing`` with ``{reason}`` replaced by why."""
     if os.environ.get(ENV) == "0":
         return None
     try:
@@ -57,26 +78,32 @@ def kernels(source: Path, name: str, make: Callable[[Path], T], missing: str) ->
         return None
 
 
-def build(directory: Path, source: Path, name: str, extra: tuple[str, ...] = ()) -> Path:
-    """The shared library of C ``source`` in ``directory`` (``name-<key>.so``), compiled unless already there
-    for this source, compiler and target (:func:`build_key`), with one line on stderr while it compiles and
-    how long it took. ``extra``: flags after :data:`FLAGS` (``-mno-avx512f``: a narrower path of the same
-    source, as the tests build one). Raises ``RuntimeError`` (with the compiler's message) where it does not
-    compile or takes over :data:`COMPILE_TIMEOUT` seconds."""
+def build(directory: Path, source: Path | Sources, name: str, extra: tuple[str, ...] = ()) -> Path:
+    """The shared library of C ``source`` (a file or :class:`Sources`) in ``directory``
+    (``name-<key>.so``), compiled unless already there for these sources, compiler and target
+    (:func:`build_key`), with one line on stderr while it compiles and how long it took. ``extra``: flags
+    after :data:`FLAGS` (``-mno-avx512f``: a narrower path of the same sources, as the tests build one).
+    Raises ``RuntimeError`` (with the compiler's message) where it does not compile or takes over
+    :data:`COMPILE_TIMEOUT` seconds."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise RuntimeError("no C compiler (cc or gcc, or $CC)")
-    target = directory / f"{name}-{build_key(cc, source, extra)}.so"
+    sources = Sources.of(source)
+    target = directory / f"{name}-{build_key(cc, sources, extra)}.so"
     if target.exists():
         return target
     directory.mkdir(parents=True, exist_ok=True)
-    print(f"compiling the {name} kernels ({source.name}) for this CPU, once ...", end=" ", file=sys.stderr)
+    files = ", ".join(f.name for f in sources.files)
+    print(f"compiling the {name} kernels ({files}) for this CPU, once ...", end=" ", file=sys.stderr)
     sys.stderr.flush()
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(dir=directory) as tmp:  # then renamed: concurrent builds do not clash
         out = Path(tmp) / target.name
+        for header, text in sources.generated:
+            (Path(tmp) / header).write_text(text, encoding="utf-8")
+        command = [cc, *FLAGS, *extra, f"-I{tmp}", *map(str, sources.files), "-o", str(out), "-lm"]
         try:
-            _run([cc, *FLAGS, *extra, str(source), "-o", str(out), "-lm"], COMPILE_TIMEOUT, check=True)
+            _run(command, COMPILE_TIMEOUT, check=True)
         except RuntimeError:
             print("failed", file=sys.stderr, flush=True)
             raise
@@ -85,13 +112,14 @@ def build(directory: Path, source: Path, name: str, extra: tuple[str, ...] = ())
     return target
 
 
-def build_key(cc: str, source: Path, extra: tuple[str, ...] = ()) -> str:
-    """What a build depends on: the source, the flags, the compiler's version and what ``-march=native``
-    makes it target on this machine (:func:`compiler_target`), so a library built for one CPU is never
-    loaded on another (an instruction it lacks would kill the process with SIGILL)."""
+def build_key(cc: str, source: Path | Sources, extra: tuple[str, ...] = ()) -> str:
+    """What a build depends on: the sources and their headers (:meth:`Sources.key_parts`), the flags, the
+    compiler's version and what ``-march=native`` makes it target on this machine (:func:`compiler_target`),
+    so a library built for one CPU is never loaded on another (an instruction it lacks would kill the
+    process with SIGILL)."""
     key = hashlib.sha256()
     version = _run([cc, "--version"], QUERY_TIMEOUT).stdout
-    for part in (source.read_bytes(), " ".join(FLAGS + extra), version, compiler_target(cc)):
+    for part in (*Sources.of(source).key_parts(), " ".join(FLAGS + extra), version, compiler_target(cc)):
         key.update(part if isinstance(part, bytes) else part.encode())
     return key.hexdigest()[:16]
 

@@ -25,10 +25,10 @@ from pathlib import Path
 
 import torch
 
-from selfextend.native.blocktypes import BLOCK_KINDS, INTERLEAVED, block_shape
-from selfextend.native.build import TYPES, bind, kernels
+from selfextend.native.blocktypes import BLOCK_KINDS, INTERLEAVED, block_shape, c_header, c_sources
+from selfextend.native.build import TYPES, Sources, bind, kernels
 
-SOURCE = Path(__file__).with_name("quant.c")
+SOURCE = Sources(c_sources(), (("blocktypes.h", c_header()),))  # the driver, each family's loops, the table
 PORTABLE_ENV = "SELFEXTEND_QUANT_PORTABLE"
 ENGINE_ENV = "SELFEXTEND_PREFILL"  # auto, int8 or bf16: how prefill chunks multiply (chunk_engine)
 ENGINES = ("auto", "int8", "bf16")
@@ -61,6 +61,10 @@ class QuantKernels:
         self.library, self.portable = library, portable
         ptr, long, i32 = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
         lib = ctypes.CDLL(str(library))
+        check = getattr(lib, "quant_check", None)  # an older quant.c (row_products.py --against) lacks it
+        missing = 0 if check is None else bind(check, [], i32)()
+        if missing:
+            raise RuntimeError(f"{library.name} has no loops for GGUF type {missing} of blocktypes.py")
         self._mm = bind(lib.quant_mm, [i32, ptr, long, long, ptr, i32, long, ptr, i32, i32], i32)
         self._dequant = bind(lib.quant_dequant_bf16, [i32, ptr, long, long, ptr], i32)
         # an older quant.c built to be timed beside this one (experiments/speed/row_products.py --against)
@@ -80,9 +84,9 @@ class QuantKernels:
         (others are taken as float32). ValueError for shapes that do not fit."""
         if x.dtype not in (torch.float32, torch.bfloat16):
             x = x.float()
+        _check(blocks, kind, x.shape[-1])
         x = x.reshape(-1, x.shape[-1]).contiguous()
         (m, k), n = x.shape, blocks.shape[0]
-        _check(blocks, kind, k)
         out = torch.empty(m, n, dtype=out_dtype)
         failed = self._mm(
             kind,
@@ -129,9 +133,9 @@ class QuantKernels:
         """``x (M, K) @ W^T -> (M, N)`` float32 by the bf16 engine: ``x`` rounded to bfloat16, W
         dequantized :data:`TILE_VALUES` values at a time (:meth:`dequantize`), each tile's product by
         torch (oneDNN: AMX where present), its bfloat16 result widened into the output."""
+        _check(blocks, kind, x.shape[-1])
         x = x.reshape(-1, x.shape[-1]).bfloat16()
         (m, k), n = x.shape, blocks.shape[0]
-        _check(blocks, kind, k)
         per = max(8, TILE_VALUES // k // 8 * 8)  # whole groups of 8 for an interleaved form
         out = torch.empty(m, n)
         for a in range(0, n, per):
@@ -145,6 +149,8 @@ def _check(blocks: torch.Tensor, kind: int, k: int) -> None:
     if kind not in BLOCK_KINDS and kind not in INTERLEAVED.values():
         raise ValueError(f"quant_mm computes GGUF types {sorted(BLOCK_KINDS)}, not {kind}")
     values, size = block_shape(kind)
+    if k < 1 or blocks.shape[0] < 1:
+        raise ValueError(f"quant_mm takes weights of a row and a value or more, not {blocks.shape[0]}x{k}")
     if blocks.dtype != torch.uint8 or blocks.dim() != 2 or not blocks.is_contiguous():
         raise ValueError("quant_mm takes the blocks as contiguous (rows, bytes per row) uint8")
     if k % values or blocks.shape[1] != k // values * size:
