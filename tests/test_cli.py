@@ -158,3 +158,24 @@ def test_cache_list_and_clear(tmp_path, monkeypatch):
     r = invoke("cache", "clear")
     assert r.exit_code == 0 and r.stdout.startswith("freed ")
     assert "(empty)" in invoke("cache", "list").stdout
+
+
+def test_cache_list_names_compiled_kernels_not_a_stale_conversion(tmp_path, monkeypatch):
+    """The folder the native build compiles into is listed as compiled kernels (it used to read as a stale
+    ``float-float32`` conversion), and a conversion-less unknown folder as unknown."""
+    from selfextend.native.build import ENV, kernels
+
+    monkeypatch.setenv("SELFEXTEND_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv(ENV, raising=False)
+    source = tmp_path / "one.c"
+    source.write_text("int one(void) { return 1; }\n")
+    library = kernels(source, "one", lambda path: path, "not built: {reason}")
+    if library is None:
+        pytest.skip("no C compiler here")
+    (tmp_path / "cache" / "leftover").mkdir()
+    r = invoke("cache", "list")
+    assert r.exit_code == 0, r.output
+    lines = r.output.splitlines()
+    built = [line for line in lines if line.rstrip().endswith(str(library.parent))]
+    assert len(built) == 1 and "compiled kernels" in built[0] and "stale" not in built[0], r.output
+    assert any("unknown (stale)" in line and line.rstrip().endswith("leftover") for line in lines), r.output

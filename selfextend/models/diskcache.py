@@ -46,6 +46,8 @@ _CACHE_FORMAT = 7
 _MARKER = "selfextend-cache.json"
 RUN_FORM_FILE = "model.safetensors"
 _TOKENIZERS = "tokenizer"  # cache subfolder: each GGUF's converted tokenizer, shared by its forms
+# cache subfolders that hold compiled code, not conversions (native.build's kernels, torch.compile's)
+_BUILDS = {"kernels": "compiled kernels", "inductor": "torch.compile code"}
 _STALE_TMP_S = 6 * 3600
 
 
@@ -369,7 +371,11 @@ def cache_entries() -> list[CacheEntry]:
                 size = sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
                 found.append(CacheEntry(folder, str(marker.get("source", "?")), "tokenizer", size, usable))
             continue
-        marker = _marker(path) or {}
+        marker = _marker(path)
+        if marker is None:  # compiled code (rebuilt when deleted), or not ours to read: never a conversion
+            what = _BUILDS.get(path.name, "unknown")
+            found.append(CacheEntry(path, str(path), what, size, path.name in _BUILDS))
+            continue
         usable = is_complete(path) and marker.get("format") == _CACHE_FORMAT
         form = marker.get("form", "float-float32")  # format-1 entries held float32 weights
         found.append(CacheEntry(path, str(marker.get("source", "?")), form, size, usable))
