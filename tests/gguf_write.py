@@ -160,7 +160,7 @@ def write(
     file_type: str = "F32",
 ) -> Path:
     """Write a transformers checkpoint (a model, or its state dict with its ``config``) to ``path`` as
-    llama.cpp's converter would; ``file_type`` F32, F16 or BF16 (matrices; 1-D tensors stay F32, as there).
+    llama.cpp's converter would; ``file_type`` F32, F16, BF16 or Q8_0 (matrices; 1-D tensors stay F32).
 
     ``arch`` is the gguf architecture (default from :data:`ARCHES` by ``config.model_type``).
     """
@@ -176,6 +176,7 @@ def write(
     kind = gguf.GGMLQuantizationType[file_type]
     ftype = {"F32": gguf.LlamaFileType.ALL_F32, "F16": gguf.LlamaFileType.MOSTLY_F16}
     ftype["BF16"] = gguf.LlamaFileType.MOSTLY_BF16
+    ftype["Q8_0"] = gguf.LlamaFileType.MOSTLY_Q8_0
 
     path = Path(path)
     writer = gguf.GGUFWriter(str(path), arch)
