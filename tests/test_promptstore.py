@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import COMMON
 from server_util import request, serving
 from test_server_llama_api import metrics
 from test_server_slots import fresh_logits, one_layer, tokens
-from transformers import AutoTokenizer, LlamaForCausalLM
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from selfextend.server.promptstore import PromptStore
 from selfextend.server.slots import Slot
@@ -69,10 +70,11 @@ def test_the_budget_holds_and_the_least_recent_goes_first():
     serve_one(slot, probe, conversations[0])
     probe.keep(slot)
     size = probe.entries[0].nbytes
-    cells = slot.gen.cache.layers[0]
-    assert (
-        size == 2 * len(model.model.layers) * 30 * cells.keys[..., :1, :].numel() * cells.keys.element_size()
-    )
+    cells, layers = slot.gen.cache.layers[0], len(model.model.layers)
+    cell_bytes = 2 * cells.keys[..., :1, :].numel() * cells.keys.element_size()
+    position_bytes = cells.positions.element_size()
+    logit_bytes = model.config.vocab_size * slot.gen.last_logits.element_size()
+    assert size == layers * 30 * (cell_bytes + position_bytes) + logit_bytes
     store = PromptStore(budget=2 * size + size // 2, min_tokens=8)  # room for two
     slot.reset()
     for c in conversations:
@@ -123,3 +125,45 @@ def test_served_conversations_beyond_the_slots_come_back(tiny_dir):
         held["llamacpp:prompt_store_hits_total"] == 1 and held["llamacpp:prompt_store_tokens_total"] >= n - 2
     )
     assert held["llamacpp:prompt_store_bytes"] > 0
+
+
+def test_a_load_failing_midway_leaves_the_slot_empty(monkeypatch):
+    """Item 6: a stored conversation's load that fails after some layers took its cells (a MemoryError, not
+    the ValueError of cells that do not fit): the slot is left empty, never holding the stored cells under
+    the old tokens, and a prompt sharing the stored prefix gets a fresh forward's logits."""
+    from selfextend.kv.cache import ContextShiftCache
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**{**COMMON, "num_hidden_layers": 2})).eval()
+    slot, store = Slot(0, model, n_ctx=96), PromptStore(budget=2**30, min_tokens=8)
+    a, b = tokens(40, 1), tokens(36, 2)
+    serve_one(slot, store, a)
+    serve_one(slot, store, b)  # A goes to the store
+    real = ContextShiftCache.load_prefix
+
+    def half(self, keys, values, n_past, positions=None):
+        self.layers[0].fill(keys[0], values[0], positions[0], n_past)
+        raise MemoryError("injected")
+
+    monkeypatch.setattr(ContextShiftCache, "load_prefix", half)
+    with pytest.raises(MemoryError):
+        store.swap(slot, a + tokens(5, 3))
+    monkeypatch.setattr(ContextShiftCache, "load_prefix", real)
+    assert slot.gen.tokens == [] and slot.history == []
+    assert all(layer.n_used == 0 and layer.next_pos == 0 for layer in slot.gen.cache.layers)
+    prompt = a[:20] + tokens(6, 4)
+    torch.testing.assert_close(
+        serve_one(slot, store, prompt), fresh_logits(model, prompt), atol=2e-5, rtol=1e-5
+    )
+
+
+def test_the_byte_count_holds_every_tensor_kept():
+    """Item 6: an entry's bytes are those of every tensor it keeps: cells, their positions and the logits."""
+    model = one_layer(False)
+    slot, store = Slot(0, model, n_ctx=64), PromptStore(budget=2**30, min_tokens=8)
+    serve_one(slot, store, tokens(30, 10))
+    store.keep(slot)
+    (e,) = store.entries
+    assert e.logits is not None and e.positions
+    kept = [*e.positions, *e.keys, *e.values, e.logits]
+    assert e.nbytes == sum(t.numel() * t.element_size() for t in kept)

@@ -545,10 +545,37 @@ def test_json_schema_reply_parses_and_validates(client):
         model="tiny",
         messages=messages,
         max_tokens=64,
-        temperature=1.0,
-        seed=1,
+        temperature=0,
         response_format={"type": "json_object"},
     )
-    assert out.choices[0].finish_reason != "stop" or isinstance(
-        json.loads(out.choices[0].message.content), dict
+    assert out.choices[0].finish_reason == "stop"  # this reply ends within max_tokens: it must parse
+    assert isinstance(json.loads(out.choices[0].message.content), dict)
+
+
+def test_three_turn_conversation_continued_equals_fresh(server, client, tiny):
+    """Item 9: a greedy three-turn conversation where each turn continues slot 0's cache (the decode step
+    wrote the earlier replies' cells) gives the tokens the same prompts give computed whole from scratch on
+    slot 1 (``cache_prompt`` false: every token prefilled), and the last logits agree to float rounding."""
+    _, engine = server
+    model, tok = tiny
+    questions = ["Name a colour of the sea.", "And of the sky at dusk?", "Which of them is darker?"]
+    ids = chat_ids(
+        tok, [{"role": "system", "content": "You are terse."}, {"role": "user", "content": questions[0]}]
     )
+    kwargs = dict(model="tiny", max_tokens=12, temperature=0)
+    for i, question in enumerate(questions):
+        if i:
+            held = list(engine.slots[0].gen.tokens)  # the prompt and the reply but its last token
+            ids = held + tok(f"\nUser: {question}\nAssistant:", add_special_tokens=False).input_ids
+        continued = client.completions.create(
+            prompt=ids, **kwargs, extra_body={"id_slot": 0, "ignore_eos": True}
+        )
+        fresh = client.completions.create(
+            prompt=ids, **kwargs, extra_body={"id_slot": 1, "ignore_eos": True, "cache_prompt": False}
+        )
+        a, b = engine.slots[0].gen, engine.slots[1].gen
+        assert continued.choices[0].text == fresh.choices[0].text and a.tokens == b.tokens, i
+        torch.testing.assert_close(a.last_logits, b.last_logits, atol=1e-4, rtol=1e-4)
+        assert fresh.usage.prompt_tokens_details.cached_tokens == 0
+        if i:
+            assert continued.usage.prompt_tokens_details.cached_tokens == len(held)

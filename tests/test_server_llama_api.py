@@ -118,14 +118,16 @@ def test_metrics_count_requests_tokens_and_reuse(server):
 
 
 def test_serve_cells_default_to_generates_type(tiny_dir):
-    """``selfextend serve`` gives its slots the cells ``generate`` uses by default (bf16 where the native
-    decode step runs the model) and answers over them; ``--cache-type`` chooses another."""
+    """``selfextend serve`` gives its slots the cells ``generate`` uses by default, by the documented rule
+    (a float32 model on the CPU that the direct decode step runs with its native kernels: bf16; else the
+    model's f32), and answers over them; ``--cache-type`` chooses another."""
     from server_util import serve_process
 
-    from selfextend.generation.generator import default_cache_dtype
+    from selfextend.generation.decode import decode_step_for
 
     model = LlamaForCausalLM.from_pretrained(tiny_dir)
-    want = {torch.bfloat16: "bf16", None: "f32"}[default_cache_dtype(model)]
+    step = decode_step_for(model)  # the tiny Llama is float32 on the CPU: the native kernels decide
+    want = "bf16" if step is not None and step.native is not None else "f32"
     with serve_process("-m", str(tiny_dir), "--ctx", "64", "-np", "2") as (base, _):
         body = {"prompt": "The sea", "max_tokens": 4, "temperature": 0}
         assert request(base, "POST", "/v1/completions", body)[0] == 200
@@ -133,3 +135,26 @@ def test_serve_cells_default_to_generates_type(tiny_dir):
         assert [s["cache_type"] for s in slots] == [want, want]
     engine = Engine(model, AutoTokenizer.from_pretrained(tiny_dir), 64, cache_dtype=torch.float16)
     assert engine.info()[0]["cache_type"] == "f16"
+
+
+def test_metrics_print_counters_in_full(server):
+    """Item 4: counters past a million are exact integers and seconds every digit of the float (``:g``
+    printed 1234567 as 1.23457e+06)."""
+    from selfextend.server.metrics import Metrics
+
+    base, engine, _ = server
+    big = Metrics(
+        requests=3, prompt_tokens=1_234_567, prompt_seconds=1234.5678901, predicted_tokens=98_765_432
+    )
+    real, engine.metrics = engine.metrics, big
+    try:
+        status, text = request(base, "GET", "/metrics")
+    finally:
+        engine.metrics = real
+    assert status == 200
+    lines = dict(line.split(" ", 1) for line in text.splitlines() if not line.startswith("#"))
+    assert lines["llamacpp:prompt_tokens_total"] == "1234567"
+    assert lines["llamacpp:tokens_predicted_total"] == "98765432"
+    assert lines["llamacpp:requests_total"] == "3"
+    assert float(lines["llamacpp:prompt_seconds_total"]) == big.prompt_seconds
+    assert float(lines["llamacpp:prompt_tokens_seconds"]) == big.prompt_tokens / big.prompt_seconds

@@ -18,8 +18,8 @@ from selfextend.core.validate import ValidationError, check_int, check_seed, plu
 from selfextend.generation import compiled, decode
 from selfextend.generation.compiled import fast_decode_for
 from selfextend.generation.decode import decode_step_for
-from selfextend.generation.grammar import Grammar, GrammarMask
-from selfextend.generation.sampling import SamplingParams, sample
+from selfextend.generation.grammar import Grammar, GrammarMask, NoTokenLeft
+from selfextend.generation.sampling import SamplingParams, any_left, sample
 from selfextend.hf.facts import cache_kwargs
 from selfextend.kv.cache import ContextShiftCache
 from selfextend.native.decode import native_kernels
@@ -213,10 +213,13 @@ class Generator:
 
     def next_token(self, logits: torch.Tensor) -> int:
         """The next token after ``logits`` (vocab,) under :attr:`sampling`, among those :attr:`grammar`
-        allows (masked before every other step of the chain) and then taken by it."""
+        allows (masked before every other step of the chain) and then taken by it; :class:`NoTokenLeft`
+        where the logit bias bans every token the grammar allows."""
         recent = torch.tensor(self.sampling.recent(self.tokens), dtype=torch.long, device=logits.device)
         if self.grammar is not None:
             logits = GrammarMask(self.grammar)(recent.view(1, -1), logits.view(1, -1))[0]
+            if not any_left(logits, self.sampling, recent):
+                raise NoTokenLeft(self.grammar.accepting())
         token = sample(logits, self.sampling, recent, self.rng if logits.device.type == "cpu" else None)
         if self.grammar is not None:
             self.grammar.consume(token)

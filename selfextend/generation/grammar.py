@@ -31,6 +31,15 @@ def _tokenizer(tokenizer, eos: tuple[int, ...]) -> llguidance.LLTokenizer:
     return llguidance.hf.from_tokenizer(tokenizer, eos_token=list(eos))
 
 
+class NoTokenLeft(Exception):
+    """The grammar and the sampling settings together leave no token to draw (a logit bias banning every
+    token the grammar allows next). ``accepting``: whether the reply is already a complete document."""
+
+    def __init__(self, accepting: bool) -> None:
+        super().__init__("no token is left that the response format allows")
+        self.accepting = accepting
+
+
 class Grammar:
     """A JSON schema matched against one reply, token by token. ``eos``: the tokens that end a reply
     (allowed once the document is complete). :class:`ValidationError` for a schema llguidance refuses."""
@@ -55,6 +64,10 @@ class Grammar:
         n = min(n_vocab, mask.numel())
         out[:n] = mask[:n]
         return out
+
+    def accepting(self) -> bool:
+        """Whether the text so far is a complete document the schema accepts."""
+        return self.matcher.is_accepting()
 
     def consume(self, token: int) -> None:
         """Move past ``token``; ``ValueError`` where the grammar did not allow it."""

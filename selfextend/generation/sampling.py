@@ -143,6 +143,14 @@ def candidates(scores: torch.Tensor, top_k: int) -> torch.Tensor:
     return torch.nonzero((scores >= kth) & (scores > float("-inf"))).squeeze(1)
 
 
+def any_left(logits: torch.Tensor, params: SamplingParams, recent: torch.Tensor) -> bool:
+    """Whether any token of ``logits`` (vocab,) keeps a score above -inf through the logit bias and the
+    penalties (a response format's mask and a bias can ban every token; a NaN counts as left, and fails
+    the draw as a broken model's output does)."""
+    scores = penalties(params)(recent.view(1, -1), logits.float().view(1, -1))[0]
+    return not bool((scores == float("-inf")).all())
+
+
 def argmax(scores: torch.Tensor) -> int:
     """The index of the highest of ``scores`` (vocab,), the first one where several tie, a NaN above any
     number (as ``torch.argmax``). On the CPU through NumPy: its vectorized argmax over a 262k-entry

@@ -6,9 +6,11 @@ server-sent events ending in ``data: [DONE]`` when ``stream`` is true; ``/v1/mod
 ``prompt_tokens_details.cached_tokens`` (prompt tokens taken from the cache) and a ``selfextend`` object
 (slot, tokens moved by K-shift, context shifts, time to first token, tokens/s).
 
-A request's body is read and turned into token ids on a worker thread (:func:`_prepare`), so that a huge
-one never holds up the others or ``/health``; a prompt over ``--max-prompt-tokens`` is a 400. A request
-whose client disconnects is cancelled, streamed or not: its slot is free within a step.
+A request's body is read, turned into token ids, its sampling settings (a ``logit_bias``'s text keys
+tokenised) and its response format (a JSON schema compiled) made on a worker thread (:func:`_prepare`),
+so that a huge or slow one never holds up the others or ``/health``; a prompt over
+``--max-prompt-tokens`` is a 400. A request whose client disconnects is cancelled, streamed or not: its
+slot is free within a step. Once the engine's loop has ended, requests and ``/health`` get a 503.
 """
 
 from __future__ import annotations
@@ -28,8 +30,9 @@ from fastapi.responses import FileResponse, JSONResponse, Response, StreamingRes
 from fastapi.staticfiles import StaticFiles
 from starlette.concurrency import run_in_threadpool
 
+from selfextend.generation.grammar import Grammar
 from selfextend.generation.sampling import SamplingParams
-from selfextend.server.engine import Engine, Job
+from selfextend.server.engine import Engine, Job, Stopped
 from selfextend.server.guard import APIError, Guard, error_body, install_error_handlers
 from selfextend.server.llama_api import add_llama_routes
 from selfextend.server.prompts import Body, Prompt, chat_prompt, completion_prompt, read_body, too_long
@@ -71,9 +74,12 @@ def create_app(engine: Engine, settings: Settings) -> FastAPI:
     created = int(time.time())
 
     @app.get("/health")
-    async def health() -> dict[str, Any]:
+    async def health() -> JSONResponse:
         busy = sum(s.busy for s in engine.slots)
-        return {"status": "ok", "slots_idle": len(engine.slots) - busy, "slots_processing": busy}
+        state = {"slots_idle": len(engine.slots) - busy, "slots_processing": busy}
+        if engine.closed:
+            return JSONResponse({"status": "error", "message": "the engine has stopped", **state}, 503)
+        return JSONResponse({"status": "ok", **state})
 
     @app.get("/", include_in_schema=False)
     async def page() -> FileResponse:
@@ -96,15 +102,18 @@ def create_app(engine: Engine, settings: Settings) -> FastAPI:
         except ValueError as e:
             raise APIError(400, f"the chat template refused the messages: {e}", "messages") from None
 
+    async def answer(raw: Request, kind: type[Body], build: Callable[[Body], Prompt]):
+        body = await raw.body()
+        ready = await run_in_threadpool(_prepare, body, kind, build, engine, settings, max_prompt)
+        return await _answer(engine, settings, ready, raw)
+
     @app.post("/v1/completions")
     async def completions(raw: Request):
-        request, prompt = await _prepare(raw, CompletionRequest, completion, max_prompt)
-        return await _answer(engine, settings, request, prompt, raw)
+        return await answer(raw, CompletionRequest, completion)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(raw: Request):
-        request, prompt = await _prepare(raw, ChatRequest, chat, max_prompt)
-        return await _answer(engine, settings, request, prompt, raw)
+        return await answer(raw, ChatRequest, chat)
 
     @app.get("/slots")
     async def slots() -> list[dict[str, Any]]:
@@ -118,21 +127,38 @@ def create_app(engine: Engine, settings: Settings) -> FastAPI:
     return app
 
 
-async def _prepare(
-    raw: Request, kind: type[Body], build: Callable[[Body], Prompt], max_prompt: int
-) -> tuple[Body, Prompt]:
-    """The request and its prompt, read and tokenised on a worker thread; a prompt over ``max_prompt``
-    tokens refused."""
-    body = await raw.body()
+@dataclass
+class Prepared:
+    """A request made ready for the engine: its prompt, token limit, sampling settings, response format."""
 
-    def work() -> tuple[Body, Prompt]:
-        request = read_body(body, kind, max_prompt)
-        prompt = build(request)
-        if len(prompt.ids) > max_prompt:
-            raise too_long(len(prompt.ids), max_prompt)
-        return request, prompt
+    request: Sampling
+    prompt: Prompt
+    max_tokens: int
+    sampling: SamplingParams
+    grammar: Grammar | None
 
-    return await run_in_threadpool(work)
+
+def _prepare(
+    body: bytes,
+    kind: type[Body],
+    build: Callable[[Body], Prompt],
+    engine: Engine,
+    settings: Settings,
+    max_prompt: int,
+) -> Prepared:
+    """``body`` as a ``kind`` request made ready (run on a worker thread: each step may take long): its
+    prompt built (over ``max_prompt`` tokens: refused), its logit bias tokenised, its schema compiled."""
+    request = read_body(body, kind, max_prompt)
+    prompt = build(request)
+    if len(prompt.ids) > max_prompt:
+        raise too_long(len(prompt.ids), max_prompt)
+    max_tokens = _check(engine, settings, request, prompt)
+    try:
+        sampling = sampling_params(request, settings.sampling, engine.tokenizer)
+    except ValueError as e:
+        raise APIError(400, str(e), None, "invalid_value") from None
+    grammar = response_grammar(request, engine.tokenizer, engine.eos)
+    return Prepared(request, prompt, max_tokens, sampling, grammar)
 
 
 def _check(engine: Engine, settings: Settings, request: Sampling, prompt: Prompt) -> int:
@@ -156,13 +182,9 @@ def _check(engine: Engine, settings: Settings, request: Sampling, prompt: Prompt
     return max_tokens
 
 
-async def _answer(engine: Engine, settings: Settings, request: Sampling, prompt: Prompt, raw: Request):
-    max_tokens = _check(engine, settings, request, prompt)
-    try:
-        sampling = sampling_params(request, settings.sampling, engine.tokenizer)
-    except ValueError as e:
-        raise APIError(400, str(e), None, "invalid_value") from None
-    grammar = response_grammar(request, engine.tokenizer, engine.eos)
+async def _answer(engine: Engine, settings: Settings, ready: Prepared, raw: Request):
+    """Hand the request to the engine and answer with what it emits (streamed or whole)."""
+    request, prompt = ready.request, ready.prompt
     loop = asyncio.get_running_loop()
     events: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
 
@@ -175,17 +197,21 @@ async def _answer(engine: Engine, settings: Settings, request: Sampling, prompt:
     job = Job(
         prompt=prompt.ids,
         n_keep=prompt.n_keep,
-        sampling=sampling,
-        max_tokens=max_tokens,
+        sampling=ready.sampling,
+        max_tokens=ready.max_tokens,
         emit=emit,
         seed=request.seed,
         stops=request.stops() + prompt.stops,
         slot_id=request.id_slot,
         cache_prompt=request.cache_prompt,
         ignore_eos=request.ignore_eos,
-        grammar=grammar,
+        grammar=ready.grammar,
     )
-    if not engine.submit(job):
+    try:
+        queued = engine.submit(job)
+    except Stopped as e:
+        raise APIError(503, str(e), None, "unavailable") from None
+    if not queued:
         raise APIError(429, "the server is busy: too many requests waiting", None, "queue_full")
     shape = Shape(settings.model_name, prompt.chat)
     if request.stream:

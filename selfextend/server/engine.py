@@ -24,8 +24,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -33,64 +32,18 @@ from torch import nn
 
 from selfextend.generation.batched import BatchedDecode
 from selfextend.generation.decode import decode_step_for
-from selfextend.generation.generator import (
-    PREFILL_CHUNK,
-    GenerationStats,
-    StopMatcher,
-    TextStream,
-    eos_token_ids,
-    run,
-)
-from selfextend.generation.grammar import Grammar
-from selfextend.generation.sampling import SamplingParams
+from selfextend.generation.generator import PREFILL_CHUNK, StopMatcher, TextStream, eos_token_ids, run
+from selfextend.generation.grammar import NoTokenLeft
 from selfextend.models.blocks import set_chunk_engine
 from selfextend.models.heap import release_free_memory
+from selfextend.server.jobs import Job, Running, Stopped
 from selfextend.server.metrics import Metrics
 from selfextend.server.promptstore import PromptStore
-from selfextend.server.slots import Reuse, Slot, pick
+from selfextend.server.slots import Slot, pick
+
+__all__ = ["Engine", "Job", "Stopped"]
 
 SLOT_WAIT_S = 120.0  # the longest a slot action waits to be taken (between turns; a turn reads whole prompts)
-
-
-class Stopped(RuntimeError):
-    """The engine's loop has ended: it takes no more work."""
-
-
-@dataclass
-class Job:
-    """One request: the prompt's tokens and how to generate; events go to ``emit``."""
-
-    prompt: list[int]
-    n_keep: int
-    sampling: SamplingParams
-    max_tokens: int
-    emit: Callable[[dict[str, Any]], None]
-    seed: int | None = None
-    stops: tuple[str, ...] = ()
-    slot_id: int | None = None
-    cache_prompt: bool = True  # False: recompute the whole prompt
-    ignore_eos: bool = False  # True: an end-of-sequence token is text like any other, up to max_tokens
-    grammar: Grammar | None = None  # the response format (JSON schema) the reply follows
-    cancelled: threading.Event = field(default_factory=threading.Event)
-
-
-@dataclass
-class Running:
-    """A job on its slot: how much of its prompt is written, its first token's iterator once it is, text
-    state and counts."""
-
-    job: Job
-    slot: Slot
-    reuse: Reuse
-    written: int  # prompt tokens in the slot's cache; the prompt is read in chunks up to its length
-    tokens: Iterator[tuple[int, GenerationStats]] | None
-    stream: TextStream
-    stops: StopMatcher
-    shifts_before: int
-    started: float
-    generated: list[int] = field(default_factory=list)
-    first_token: float | None = None
-    stats: GenerationStats | None = None
 
 
 class Engine:
@@ -143,8 +96,10 @@ class Engine:
             self.thread.join()
 
     def submit(self, job: Job) -> bool:
-        """Queue ``job``; False when the queue is full."""
+        """Queue ``job``; False when the queue is full, :class:`Stopped` once the loop has ended."""
         with self.wake:
+            if self.closed:
+                raise Stopped("the server is stopping")
             if len(self.queue) >= self.max_queue:
                 return False
             self.queue.append(job)
@@ -330,12 +285,14 @@ class Engine:
             if r.tokens is None:
                 r.tokens = run(gen, prompt, 1, self.eos, r.written)
             token, r.stats = next(r.tokens)
+            r.tokens.close()
+            self._accept(r, token)
         except StopIteration:
-            return self._end(r, "length")
-        except Exception as e:  # a failure inside the model: this job ends, the server goes on
-            return self._drop(r, e)
-        r.tokens.close()
-        self._accept(r, token)
+            self._end(r, "length")
+        except NoTokenLeft as e:
+            self._end(r, "stop" if e.accepting else "length")
+        except Exception as e:  # a failure inside the model or past it: this job ends, the server goes on
+            self._drop(r, e)
 
     def _decode(self, rs: list[Running]) -> None:
         """Write each job's last token (one forward for all where the model allows) and sample the next."""
@@ -348,6 +305,8 @@ class Engine:
         for r, row in zip(rs, logits, strict=True):
             try:
                 self._accept(r, r.slot.gen.next_token(row))
+            except NoTokenLeft as e:  # the bias bans what the response format allows: the reply ends here
+                self._end(r, "stop" if e.accepting else "length", written=True)
             except Exception as e:  # no token to sample (NaN or inf logits): this job ends, the others go on
                 self._drop(r, e)
 
@@ -367,16 +326,17 @@ class Engine:
         if len(r.generated) >= job.max_tokens:
             return self._end(r, "length")
 
-    def _end(self, r: Running, reason: str, complete: bool = True) -> None:
+    def _end(self, r: Running, reason: str, written: bool = False) -> None:
+        """End ``r`` for ``reason``: text held back for a stop string sent (unless cancelled), the slot
+        free. ``written``: the last token drawn is in the cache too (no token came after it)."""
         if r.tokens is not None:
             r.tokens.close()
         self.running.remove(r)
         slot, job = r.slot, r.job
-        if reason == "length":
-            tail = r.stops.flush()
-            if tail:
-                job.emit({"type": "text", "text": tail})
-        slot.finish(job.prompt, r.generated[:-1], complete and r.stats is not None)
+        tail = r.stops.flush()
+        if tail and reason != "cancelled":
+            job.emit({"type": "text", "text": tail})
+        slot.finish(job.prompt, r.generated if written else r.generated[:-1], r.stats is not None)
         slot.busy = False
         release_free_memory()  # prompts of every size leave freed heap pages resident in glibc's arenas
         if reason == "cancelled":

@@ -2,7 +2,7 @@
 
 Every refusal is an OpenAI error body ``{"error": {"message", "type", "param", "code"}}`` with a 4xx
 status: a missing or wrong key (401, compared in constant time), a body over the limit (413), bad JSON
-or a field of the wrong type or range (400), an unknown route (404).
+(nested too deep to parse included) or a field of the wrong type or range (400), an unknown route (404).
 """
 
 from __future__ import annotations
@@ -87,6 +87,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(HTTPException)
     async def _http(request: Request, e: HTTPException) -> JSONResponse:
+        if e.status_code == 400 and isinstance(e.__cause__, (ValueError, RecursionError)):
+            # FastAPI's parse of a route's body failed other than by a JSONDecodeError (nested too deep)
+            return error_response(400, "the request body is not valid JSON", None, "invalid_json")
         return error_response(e.status_code, str(e.detail))
 
     @app.exception_handler(Exception)

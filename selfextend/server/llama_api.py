@@ -4,7 +4,8 @@
 Bodies and answers follow llama-server's: ``/tokenize`` takes ``content`` (and ``add_special``,
 ``with_pieces``) and answers ``tokens``; ``/detokenize`` takes ``tokens`` and answers ``content``;
 ``/apply-template`` takes chat ``messages`` and answers the ``prompt`` text the chat endpoint would read.
-Tokenising runs on a worker thread, so a large body does not hold up other requests.
+Tokenising (and decoding each token's piece) runs on a worker thread, so a large body does not hold up
+other requests.
 """
 
 from __future__ import annotations
@@ -44,13 +45,11 @@ def add_llama_routes(app: FastAPI, engine: Engine, model_name: str, defaults: di
 
     @app.post("/tokenize")
     async def tokenize(request: TokenizeRequest) -> dict[str, Any]:
-        def run() -> list[int]:
-            return list(tokenizer(request.content, add_special_tokens=request.add_special).input_ids)
+        def run() -> list[int] | list[dict[str, Any]]:
+            ids = list(tokenizer(request.content, add_special_tokens=request.add_special).input_ids)
+            return [{"id": t, "piece": tokenizer.decode([t])} for t in ids] if request.with_pieces else ids
 
-        ids = await run_in_threadpool(run) if request.content else []
-        if not request.with_pieces:
-            return {"tokens": ids}
-        return {"tokens": [{"id": t, "piece": tokenizer.decode([t])} for t in ids]}
+        return {"tokens": await run_in_threadpool(run) if request.content else []}
 
     @app.post("/detokenize")
     async def detokenize(request: DetokenizeRequest) -> dict[str, Any]:

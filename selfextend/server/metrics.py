@@ -101,9 +101,15 @@ class Metrics:
             lines += [
                 f"# HELP llamacpp:{name} {text}",
                 f"# TYPE llamacpp:{name} {kind}",
-                f"llamacpp:{name} {value:g}",
+                f"llamacpp:{name} {_number(value)}",
             ]
         return "\n".join(lines) + "\n"
+
+
+def _number(value: float) -> str:
+    """A sample's value in full: an integer's every digit, a float's shortest exact form (``:g`` rounds
+    to six digits: 1234567 would read 1.23457e+06)."""
+    return str(value) if isinstance(value, int) else repr(float(value))
 
 
 def _rate(tokens: int, seconds: float) -> float:

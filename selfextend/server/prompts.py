@@ -54,7 +54,7 @@ def read_body(body: bytes, kind: type[Body], max_prompt: int) -> Body:
     ``RequestValidationError`` for fields of the wrong type or range."""
     try:
         data = json.loads(body)
-    except ValueError:  # bad JSON or bytes that are not UTF-8
+    except (ValueError, RecursionError):  # bad JSON, bytes that are not UTF-8, arrays nested 1,000 deep
         raise APIError(400, "the request body is not valid JSON", None, "invalid_json") from None
     ids = data.get("prompt") if isinstance(data, dict) else None
     if isinstance(ids, list) and len(ids) > max_prompt:

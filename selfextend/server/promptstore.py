@@ -32,7 +32,7 @@ class Stored:
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
     logits: torch.Tensor | None
-    nbytes: int
+    nbytes: int  # of every tensor kept: the cells, their positions, the logits
     last_used: float
 
 
@@ -86,13 +86,14 @@ class PromptStore:
             if shared == len(e.tokens):
                 self.entries.remove(e)
         positions, keys, values = snapshot(gen.cache, len(tokens))
-        nbytes = sum(t.numel() * t.element_size() for t in (*keys, *values))
+        logits = None if gen.last_logits is None else gen.last_logits.clone()
+        kept = (*positions, *keys, *values, *([] if logits is None else [logits]))
+        nbytes = sum(t.numel() * t.element_size() for t in kept)
         if nbytes > self.budget:
             return
         self.entries.sort(key=lambda e: e.last_used)
         while self.entries and self.nbytes + nbytes > self.budget:
             self.entries.pop(0)
-        logits = None if gen.last_logits is None else gen.last_logits.clone()
         self.entries.append(
             Stored(
                 tokens,
@@ -109,13 +110,18 @@ class PromptStore:
 
     @staticmethod
     def _load(entry: Stored, slot: Slot) -> bool:
-        """``entry`` into ``slot``'s cache; False (the slot left empty) where its cells do not fit it."""
+        """``entry`` into ``slot``'s cache; False (the slot left empty) where its cells do not fit it. Any
+        other failure midway (a MemoryError while layers are filled) leaves the slot empty too, and is
+        raised: never some layers holding the entry's cells while the slot's tokens list its old ones."""
         gen = slot.generator(entry.n_keep)
         try:
             gen.cache.load_prefix(entry.keys, entry.values, len(entry.tokens), entry.positions)
         except ValueError:
             slot.reset()
             return False
+        except BaseException:
+            slot.reset()
+            raise
         gen.tokens, gen.last_logits = list(entry.tokens), entry.logits
         slot.history = list(entry.history)
         return True

@@ -1,0 +1,54 @@
+"""What the engine works on: a request as a :class:`Job`, and a job on its slot as :class:`Running`."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from selfextend.generation.generator import GenerationStats, StopMatcher, TextStream
+from selfextend.generation.grammar import Grammar
+from selfextend.generation.sampling import SamplingParams
+from selfextend.server.slots import Reuse, Slot
+
+
+class Stopped(RuntimeError):
+    """The engine's loop has ended: it takes no more work."""
+
+
+@dataclass
+class Job:
+    """One request: the prompt's tokens and how to generate; events go to ``emit``."""
+
+    prompt: list[int]
+    n_keep: int
+    sampling: SamplingParams
+    max_tokens: int
+    emit: Callable[[dict[str, Any]], None]
+    seed: int | None = None
+    stops: tuple[str, ...] = ()
+    slot_id: int | None = None
+    cache_prompt: bool = True  # False: recompute the whole prompt
+    ignore_eos: bool = False  # True: an end-of-sequence token is text like any other, up to max_tokens
+    grammar: Grammar | None = None  # the response format (JSON schema) the reply follows
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass
+class Running:
+    """A job on its slot: how much of its prompt is written, its first token's iterator once it is, text
+    state and counts."""
+
+    job: Job
+    slot: Slot
+    reuse: Reuse
+    written: int  # prompt tokens in the slot's cache; the prompt is read in chunks up to its length
+    tokens: Iterator[tuple[int, GenerationStats]] | None
+    stream: TextStream
+    stops: StopMatcher
+    shifts_before: int
+    started: float
+    generated: list[int] = field(default_factory=list)
+    first_token: float | None = None
+    stats: GenerationStats | None = None

@@ -1,0 +1,206 @@
+"""The server at its edges, through a real loopback socket and the ``openai`` client (issue 42): a response
+format meeting a logit bias that leaves no token, preparation off the event loop, deeply nested JSON,
+the engine's loop ending, text held back for a stop string at the end of a reply."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import openai
+import pytest
+from server_util import request, serving
+from transformers import AutoTokenizer, LlamaForCausalLM
+
+from selfextend.generation.generator import TextStream
+from selfextend.server import schemas
+
+BOOL_A = {
+    "type": "object",
+    "properties": {"a": {"type": "boolean"}},
+    "required": ["a"],
+    "additionalProperties": False,
+}
+ASK = [{"role": "user", "content": "Is the sea blue? Answer as JSON."}]
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_dir):
+    model = LlamaForCausalLM.from_pretrained(tiny_dir).eval()
+    model.requires_grad_(False)
+    return model, AutoTokenizer.from_pretrained(tiny_dir)
+
+
+@pytest.fixture(scope="module")
+def server(tiny):
+    model, tok = tiny
+    with serving(model, tok, n_ctx=128, parallel=1, max_tokens=64) as (base, engine):
+        yield base, engine
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key="x", max_retries=0, timeout=60)
+
+
+def _format(schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}
+
+
+def test_grammar_complete_with_every_end_banned_stops(server, client):
+    """Item 1: a -100 bias on every end-of-sequence id: once ``{"a": true}`` is complete no token is left;
+    the reply ends there with ``stop`` (was a 500), streamed or not."""
+    bias = {str(t): -100 for t in server[1].eos}
+    kwargs = dict(model="t", messages=ASK, max_tokens=32, temperature=0, logit_bias=bias)
+    out = client.chat.completions.create(**kwargs, response_format=_format(BOOL_A))
+    assert out.choices[0].finish_reason == "stop"
+    assert json.loads(out.choices[0].message.content) in ({"a": True}, {"a": False})
+    assert out.usage.completion_tokens > 0
+    chunks = list(client.chat.completions.create(**kwargs, response_format=_format(BOOL_A), stream=True))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == out.choices[0].message.content and chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_grammar_needing_a_banned_character_ends_with_length(tiny, server, client):
+    """Item 1: a bias banning every token holding the ``{`` the schema needs first: no token can start the
+    reply; it ends empty with ``length`` (the document is not complete), and the server goes on."""
+    _, tok = tiny
+    braces = {str(i): -100 for i in range(len(tok)) if "{" in tok.decode([i])}
+    out = client.chat.completions.create(
+        model="t",
+        messages=ASK,
+        max_tokens=32,
+        temperature=0.7,
+        seed=1,
+        extra_body={"top_k": 0},
+        logit_bias=braces,
+        response_format=_format(BOOL_A),
+    )
+    assert (out.choices[0].finish_reason, out.choices[0].message.content) == ("length", "")
+    assert out.usage.completion_tokens == 0
+    again = client.chat.completions.create(
+        model="t", messages=ASK, max_tokens=32, temperature=0, response_format=_format(BOOL_A)
+    )
+    assert again.choices[0].finish_reason == "stop" and json.loads(again.choices[0].message.content)
+
+
+def test_text_held_for_a_stop_string_is_kept_at_the_end(tiny, server, client):
+    """Item 7: a reply of "\\n" then an end-of-sequence token (a +100 bias on "\\n", +90 on the end, a repeat
+    penalty that sinks "\\n" once written) with ``stop: ["\\n\\n"]``: the "\\n" held as a possible start of
+    the stop string is sent (it was dropped); the reply equals the one without the stop string."""
+    _, tok = tiny
+    (newline,) = tok("\n", add_special_tokens=False).input_ids
+    bias = {str(newline): 100, str(server[1].eos[0]): 90}
+    kwargs = dict(model="t", prompt="The sea", max_tokens=8, temperature=0, logit_bias=bias)
+    extra = {"repeat_penalty": 2.0}
+    plain = client.completions.create(**kwargs, extra_body=extra)
+    assert (plain.choices[0].text, plain.choices[0].finish_reason) == ("\n", "stop")
+    held = client.completions.create(**kwargs, stop=["\n\n"], extra_body=extra)
+    assert (held.choices[0].text, held.choices[0].finish_reason) == ("\n", "stop")
+    streamed = client.completions.create(**kwargs, stop=["\n\n"], extra_body=extra, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == "\n"
+
+
+NESTED = b"[" * 100_000 + b"]" * 100_000
+
+
+@pytest.mark.parametrize(
+    "path,body",
+    [
+        ("/v1/completions", b'{"max_tokens": 1, "prompt": ' + NESTED + b"}"),
+        ("/v1/chat/completions", b'{"messages": ' + NESTED + b"}"),
+        ("/tokenize", b'{"content": ' + NESTED + b"}"),
+        ("/slots/0?action=save", b'{"filename": ' + NESTED + b"}"),
+    ],
+    ids=["completions", "chat", "tokenize", "slots"],
+)
+def test_deeply_nested_json_is_a_400(server, path, body):
+    """Item 3: 100,000 nested arrays (a RecursionError in the parser): a 400 ``invalid_json``, not a 500."""
+    status, out = request(server[0], "POST", path, body)
+    assert status == 400 and out["error"]["code"] == "invalid_json", out
+    assert request(server[0], "GET", "/health")[0] == 200
+
+
+class _Gate:
+    """A stand-in for a slow call: it waits until released, saying when it has started."""
+
+    def __init__(self, call) -> None:
+        self.call, self.entered, self.release = call, threading.Event(), threading.Event()
+
+    def __call__(self, *args, **kwargs):
+        self.entered.set()
+        self.release.wait(20)
+        return self.call(*args, **kwargs)
+
+
+@pytest.mark.parametrize("slow", ["logit_bias", "grammar", "pieces"])
+def test_health_answers_while_a_request_is_prepared(tiny, server, slow, monkeypatch):
+    """Item 2: while a request's logit bias is tokenised, its schema compiled or /tokenize's pieces decoded
+    (held here until released), /health answers at once: that work runs off the event loop."""
+    base, _ = server
+    _, tok = tiny
+    if slow == "pieces":
+        gate = _Gate(tok.decode)
+        monkeypatch.setattr(tok, "decode", gate)
+        path, body = "/tokenize", {"content": "The sea is blue", "with_pieces": True}
+    else:
+        gate = _Gate(getattr(schemas, "logit_bias" if slow == "logit_bias" else "Grammar"))
+        monkeypatch.setattr(schemas, "logit_bias" if slow == "logit_bias" else "Grammar", gate)
+        path = "/v1/chat/completions"
+        body = {"messages": ASK, "max_tokens": 2, "temperature": 0}
+        body |= (
+            {"logit_bias": {" blue": -100}} if slow == "logit_bias" else {"response_format": _format(BOOL_A)}
+        )
+    answers = []
+    sender = threading.Thread(target=lambda: answers.append(request(base, "POST", path, body)))
+    sender.start()
+    try:
+        assert gate.entered.wait(30)
+        t0 = time.perf_counter()
+        status, health = request(base, "GET", "/health", timeout=10)
+        waited = time.perf_counter() - t0
+    finally:
+        gate.release.set()
+        sender.join(60)
+    assert status == 200 and health["status"] == "ok" and waited < 5, waited
+    assert answers and answers[0][0] == 200, answers
+
+
+def test_a_failure_after_the_first_token_ends_only_its_request(tiny):
+    """Item 5: an error while the first token's text is made (outside the model) ends that request with an
+    error; the loop goes on and the next request is answered (it used to end the loop for everyone)."""
+    model, tok = tiny
+    with serving(model, tok, n_ctx=64, parallel=1) as (base, engine):
+        real, calls = TextStream.push, [0]
+
+        def push(self, token):
+            calls[0] += 1
+            if calls[0] == 1:
+                raise RuntimeError("injected failure")
+            return real(self, token)
+
+        TextStream.push = push
+        try:
+            body = {"prompt": "The sea", "max_tokens": 4, "temperature": 0}
+            status, out = request(base, "POST", "/v1/completions", body, timeout=20)
+            assert status == 500 and "injected failure" in out["error"]["message"], out
+            status, out = request(base, "POST", "/v1/completions", body, timeout=20)
+        finally:
+            TextStream.push = real
+        assert status == 200 and out["choices"][0]["finish_reason"] in ("length", "stop")
+        assert engine.thread.is_alive() and not engine.closed
+
+
+def test_requests_after_the_loop_ended_are_refused(tiny):
+    """Item 5: once the engine's loop has ended, a request is answered at once with a 503 (it used to wait
+    for good) and /health says so."""
+    model, tok = tiny
+    with serving(model, tok, n_ctx=64, parallel=1) as (base, engine):
+        engine.stop()
+        assert engine.closed
+        body = {"prompt": "The sea", "max_tokens": 4}
+        status, out = request(base, "POST", "/v1/completions", body, timeout=10)
+        assert status == 503 and out["error"]["type"] == "server_error", out
+        status, out = request(base, "GET", "/health", timeout=10)
+        assert status == 503 and out["status"] == "error", out
