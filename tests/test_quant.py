@@ -27,7 +27,7 @@ from selfextend.native.quant import SOURCE, QuantKernels, quant_kernels
 
 KERNELS = quant_kernels()
 pytestmark = pytest.mark.skipif(KERNELS is None, reason="no C compiler here to build the kernel")
-QUANTIZABLE = ("Q4_0", "Q4_1", "Q5_0", "Q8_0")  # gguf.quants.quantize writes these; the K-quants are random
+QUANTIZABLE = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")  # gguf.quants.quantize writes these; K-quants: random
 N_OUT = 37
 
 

@@ -44,6 +44,7 @@ BLOCK_TYPES = (
     BlockType("Q4_0", 2, 32, 18, "legacy", "q8_32", interleaved=True),
     BlockType("Q4_1", 3, 32, 20, "legacy", "q8_32", interleaved=True),
     BlockType("Q5_0", 6, 32, 22, "legacy", "q8_32"),
+    BlockType("Q5_1", 7, 32, 24, "legacy", "q8_32"),
     BlockType("Q8_0", 8, 32, 34, "legacy", "q8_32", interleaved=True),
     BlockType("Q4_K", 12, 256, 144, "kquant", "q8_k", kernels=("avx2", "avx512")),
     BlockType("Q5_K", 13, 256, 176, "kquant", "q8_k", kernels=("avx2", "avx512")),

@@ -1,11 +1,16 @@
-/* The legacy 32-value block formats (Q4_0, Q4_1, Q5_0, Q8_0) and the 8-row interleaved forms of Q4_0, Q4_1
+/* The legacy 32-value block formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) and the 8-row interleaved forms of Q4_0, Q4_1
  * and Q8_0, against activation blocks of 32 (xq32). Each block's product is an integer dot product scaled by
  * the two blocks' float scales:
  *   Q4_0  d dx (sum(nib q) - 8 sum(q))           Q4_1  d dx sum(nib q) + m dx sum(q)
- *   Q5_0  d dx (sum(q5 q) - 16 sum(q))           Q8_0  d dx sum(w q)
+ *   Q5_0  d dx (sum(q5 q) - 16 sum(q))           Q5_1  d dx sum(q5 q) + m dx sum(q)
+ *   Q8_0  d dx sum(w q)
  * Paths: AVX2 (maddubs + madd; the u8 x s8 dot as AVX-512 VNNI / AVX-VNNI dpbusd where the compiler targets
  * them: the same sums, maddubs never saturates on these ranges) and the portable scalar one. */
 #include "quant.h"
+
+#define HAS_MIN(type) ((type) == Q4_1 || (type) == Q5_1) /* d q + m, not d (q - offset) */
+#define QS_AT(type) ((type) == Q4_0 ? 2 : (type) == Q4_1 ? 4 : (type) == Q5_0 ? 6 : 8) /* the low 4 bits */
+#define QH_AT(type) ((type) == Q5_0 ? 2 : 4)                                           /* Q5's fifth bits */
 
 /* One weight row (nb blocks) times one quantized activation row: the portable path. */
 static float dot32(int type, const uint8_t *w, const void *xv, long nb) {
@@ -18,18 +23,18 @@ static float dot32(int type, const uint8_t *w, const void *xv, long nb) {
         if (type == Q8_0) {
             for (int k = 0; k < 32; k++) isum += ((const int8_t *)blk + 2)[k] * x->q[k];
         } else {
-            const uint8_t *qs = blk + (type == Q4_0 ? 2 : type == Q4_1 ? 4 : 6);
+            const uint8_t *qs = blk + QS_AT(type);
             uint32_t qh = 0;
-            if (type == Q5_0) memcpy(&qh, blk + 2, 4);
+            if (type == Q5_0 || type == Q5_1) memcpy(&qh, blk + QH_AT(type), 4);
             for (int k = 0; k < 16; k++) {
                 int lo = (qs[k] & 0xF) | (int)((qh >> k) & 1) << 4;
                 int hi = (qs[k] >> 4) | (int)((qh >> (k + 16)) & 1) << 4;
                 isum += lo * x->q[k] + hi * x->q[k + 16];
             }
-            if (type != Q4_1) isum -= (type == Q4_0 ? 8 : 16) * x->sum;
+            if (!HAS_MIN(type)) isum -= (type == Q4_0 ? 8 : 16) * x->sum;
         }
         acc = fmaf(f16(blk) * x->d, (float)isum, acc);
-        if (type == Q4_1) accm = fmaf(f16(blk + 2), x->s, accm);
+        if (HAS_MIN(type)) accm = fmaf(f16(blk + 2), x->s, accm);
     }
     return acc + accm;
 }
@@ -70,7 +75,7 @@ static void x8_scalar(int type, const uint8_t *w, const xq32 *x, long nb, float 
  * loop with the accumulators in registers. A weight block is unpacked once for the R rows and an
  * activation block loaded once for the WR weight rows. Q4_0 and Q5_0 take their offset (8, 16) off the
  * weights and multiply |w| by x carrying w's sign (the integer sums are those of the offset taken off the
- * sums); Q4_1 adds m times the activation block's d sum. Every accumulator sees the same instructions
+ * sums); Q4_1 and Q5_1 add m times the activation block's d sum. Every accumulator sees the same instructions
  * whatever WR and R are, so a product does not depend on the tile it was computed in. */
 INLINE void rows32(int type, const uint8_t *w, long row_bytes, int WR, const void *const *xv, long nb, int R,
                    float *out) {
@@ -82,7 +87,7 @@ INLINE void rows32(int type, const uint8_t *w, long row_bytes, int WR, const voi
     for (int r = 0; r < R; r++) x[r] = (const xq32 *)xv[r];
     for (int k = 0; k < WR; k++)
         for (int r = 0; r < R; r++) acc[k][r] = _mm256_setzero_ps(), accm[k][r] = 0.0f;
-    const long bb = type == Q4_0 ? 18 : type == Q4_1 ? 20 : type == Q5_0 ? 22 : 34;
+    const long bb = type == Q4_0 ? 18 : type == Q4_1 ? 20 : type == Q5_0 ? 22 : type == Q5_1 ? 24 : 34;
     for (long b = 0; b < nb; b++) {
         __m256 d[WR_TILE];
         __m256i u[WR_TILE], sw[WR_TILE]; /* the weights as unsigned bytes (|w| where signed); w, whose sign x takes */
@@ -91,16 +96,17 @@ INLINE void rows32(int type, const uint8_t *w, long row_bytes, int WR, const voi
             const uint8_t *blk = w + k * row_bytes + b * bb;
             if (R < TILE) prefetch_ahead(blk, bb);
             d[k] = _mm256_set1_ps(f16(blk));
-            m[k] = type == Q4_1 ? f16(blk + 2) : 0.0f;
+            m[k] = HAS_MIN(type) ? f16(blk + 2) : 0.0f;
             if (type == Q8_0) {
                 sw[k] = _mm256_loadu_si256((const __m256i *)(blk + 2));
                 u[k] = _mm256_sign_epi8(sw[k], sw[k]);
             } else {
-                __m128i q = _mm_loadu_si128((const __m128i *)(blk + (type == Q4_0 ? 2 : type == Q4_1 ? 4 : 6)));
+                __m128i q = _mm_loadu_si128((const __m128i *)(blk + QS_AT(type)));
                 u[k] = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), m4);
-                if (type == Q5_0) u[k] = _mm256_or_si256(u[k], _mm256_and_si256(bits_to_bytes(blk + 2), _mm256_set1_epi8(0x10)));
+                if (type == Q5_0 || type == Q5_1)
+                    u[k] = _mm256_or_si256(u[k], _mm256_and_si256(bits_to_bytes(blk + QH_AT(type)), _mm256_set1_epi8(0x10)));
                 sw[k] = _mm256_sub_epi8(u[k], offset);
-                if (type != Q4_1) u[k] = _mm256_sign_epi8(sw[k], sw[k]);
+                if (!HAS_MIN(type)) u[k] = _mm256_sign_epi8(sw[k], sw[k]);
             }
         }
         for (int r = 0; r < R; r++) {
@@ -108,9 +114,9 @@ INLINE void rows32(int type, const uint8_t *w, long row_bytes, int WR, const voi
             __m256i xs = _mm256_loadu_si256((const __m256i *)xb->q);
             __m256 dx = _mm256_broadcast_ss(&xb->d);
             for (int k = 0; k < WR; k++) {
-                __m256i p = dot_u8s8(u[k], type == Q4_1 ? xs : _mm256_sign_epi8(xs, sw[k]));
+                __m256i p = dot_u8s8(u[k], HAS_MIN(type) ? xs : _mm256_sign_epi8(xs, sw[k]));
                 acc[k][r] = _mm256_fmadd_ps(dx, _mm256_mul_ps(_mm256_cvtepi32_ps(p), d[k]), acc[k][r]);
-                if (type == Q4_1) accm[k][r] = fmaf(m[k], xb->s, accm[k][r]);
+                if (HAS_MIN(type)) accm[k][r] = fmaf(m[k], xb->s, accm[k][r]);
             }
         }
     }
@@ -174,10 +180,12 @@ static void x8_q80_t(const uint8_t *w, const void *const *x, long nb, float *out
 #define CALLQ40(WR, R) rows32(Q4_0, w, rb, WR, x, nb, R, out)
 #define CALLQ41(WR, R) rows32(Q4_1, w, rb, WR, x, nb, R, out)
 #define CALLQ50(WR, R) rows32(Q5_0, w, rb, WR, x, nb, R, out)
+#define CALLQ51(WR, R) rows32(Q5_1, w, rb, WR, x, nb, R, out)
 #define CALLQ80(WR, R) rows32(Q8_0, w, rb, WR, x, nb, R, out)
 SHAPES(rq40, CALLQ40)
 SHAPES(rq41, CALLQ41)
 SHAPES(rq50, CALLQ50)
+SHAPES(rq51, CALLQ51)
 SHAPES(rq80, CALLQ80)
 #endif
 
@@ -229,11 +237,11 @@ static void dequant32(int type, const uint8_t *w, long nb, float *out) {
             for (int k = 0; k < 32; k++) o[k] = d * (float)((const int8_t *)blk + 2)[k];
             continue;
         }
-        const uint8_t *qs = blk + (type == Q4_0 ? 2 : type == Q4_1 ? 4 : 6);
+        const uint8_t *qs = blk + QS_AT(type);
         uint32_t qh = 0;
-        if (type == Q5_0) memcpy(&qh, blk + 2, 4);
+        if (type == Q5_0 || type == Q5_1) memcpy(&qh, blk + QH_AT(type), 4);
         int shift = type == Q4_0 ? 8 : type == Q5_0 ? 16 : 0;
-        float m = type == Q4_1 ? f16(blk + 2) : 0.0f;
+        float m = HAS_MIN(type) ? f16(blk + 2) : 0.0f;
         for (int k = 0; k < 16; k++) {
             int lo = (qs[k] & 0xF) | (int)((qh >> k) & 1) << 4;
             int hi = (qs[k] >> 4) | (int)((qh >> (k + 16)) & 1) << 4;
@@ -272,7 +280,7 @@ static void dequant_x8(int type, const uint8_t *w, long nb, float *out) {
 /* The loops of `type`, one of this family's (blocktypes.py): find_loops's case for it. */
 int legacy_loops(int type, int portable, loops *L) {
     switch (type) {
-    case Q4_0: case Q4_1: case Q5_0: case Q8_0: L->dot = dot32, L->dequant = dequant32; break;
+    case Q4_0: case Q4_1: case Q5_0: case Q5_1: case Q8_0: L->dot = dot32, L->dequant = dequant32; break;
     case Q4_0X8: case Q4_1X8: case Q8_0X8: L->mm = mm_x8, L->dequant = dequant_x8; break;
     default: return 0;
     }
@@ -282,6 +290,7 @@ int legacy_loops(int type, int portable, loops *L) {
         case Q4_0: SET_SHAPES(L, rq40); break;
         case Q4_1: SET_SHAPES(L, rq41); break;
         case Q5_0: SET_SHAPES(L, rq50); break;
+        case Q5_1: SET_SHAPES(L, rq51); break;
         case Q8_0: SET_SHAPES(L, rq80); break;
         }
     }
