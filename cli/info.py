@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from selfextend.cli.options import self_extend_options
+from selfextend.cli.options import gguf_must_exist, self_extend_options
 
 CELL_BYTES = {"bf16": 2, "f32": 4}
 
@@ -27,11 +27,12 @@ def _kv(config, tokens: int, cells: str) -> str:
 
 
 @click.command()
-@click.argument("model_arg", metavar="[MODEL]", required=False)
+@click.argument("model_arg", metavar="[MODEL]", required=False, callback=gguf_must_exist)
 @click.option(
     "-m",
     "--model",
     "model_opt",
+    callback=gguf_must_exist,
     help="The model, as for the other commands (or as the argument MODEL). Default: smollm2-135m.",
 )
 @self_extend_options(group_size=4, window=1024)

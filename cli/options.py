@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import click
 
@@ -59,6 +60,16 @@ def threads_option(f: Callable) -> Callable:
     )(f)
 
 
+def gguf_must_exist(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """A model named as a ``.gguf`` file that is not there is refused at once, before the seconds of
+    importing torch and transformers that resolving it would cost (``resolve_model`` applies the same
+    rule, with the same message, to callers of the library)."""
+    if value is not None and value.strip().lower().endswith(".gguf"):
+        if not Path(value.strip()).expanduser().is_file():
+            raise click.BadParameter(f"no such file: {value.strip()}", ctx, param)
+    return value
+
+
 def model_options(f: Callable) -> Callable:
     """--model, --dtype, --device, --threads."""
     f = threads_option(f)
@@ -77,6 +88,7 @@ def model_options(f: Callable) -> Callable:
         "--model",
         default="smollm2-135m",
         show_default=True,
+        callback=gguf_must_exist,
         help="smollm2-135m (embedded), gemma3-270m (the gemma extra), a .gguf file, a model directory "
         "or a hub id.",
     )(f)

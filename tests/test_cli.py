@@ -179,3 +179,22 @@ def test_cache_list_names_compiled_kernels_not_a_stale_conversion(tmp_path, monk
     built = [line for line in lines if line.rstrip().endswith(str(library.parent))]
     assert len(built) == 1 and "compiled kernels" in built[0] and "stale" not in built[0], r.output
     assert any("unknown (stale)" in line and line.rstrip().endswith("leftover") for line in lines), r.output
+
+
+MISSING = [["info", "{m}"], ["info", "-m", "{m}"], ["generate", "-m", "{m}", "-p", "x"]]
+
+
+@pytest.mark.parametrize("args", MISSING)
+def test_missing_gguf_refused_before_torch_is_imported(args, tmp_path):
+    """A .gguf path that is not there is one error line before the seconds of importing torch."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\nfrom selfextend.cli.main import main\ntry:\n    main(sys.argv[1:])\n"
+        "except SystemExit as e:\n    print(e.code, 'torch' in sys.modules)"
+    )
+    argv = [a.format(m=tmp_path / "missing.gguf") for a in args]
+    r = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=120)
+    assert r.stdout.split() == ["2", "False"], (r.stdout, r.stderr)
+    assert r.stderr.count("\n") == 1 and "no such file" in r.stderr, r.stderr
