@@ -280,3 +280,22 @@ def test_session_file_that_cannot_be_written_refused_before_loading(tmp_path):
 
     r = CliRunner().invoke(main, ["chat", "--session", str(tmp_path / "no" / "such" / "s.pt")])
     assert r.exit_code == 2 and len(r.stderr.strip().splitlines()) == 1 and "--session" in r.stderr
+
+
+def test_text_held_for_a_stop_string_is_shown_when_the_reply_ends_with_eos(tiny):
+    """A reply's last text may be held back as the start of a stop string; an end-of-sequence token after
+    it ends the reply, and the held text must still be shown (issue 42 item 7, as the server does)."""
+    model, tok = tiny
+    sampling = SamplingParams(temperature=1.5, top_k=0, top_p=1.0)  # varied tokens, the same for one seed
+
+    def session(**kw) -> ChatSession:
+        return ChatSession(model, tok, n_ctx=200, max_new_tokens=8, sampling=sampling, seed=3, **kw)
+
+    free = session(ignore_eos=True)
+    "".join(free.reply("one"))
+    ids = free.gen.tokens[len(free.gen.tokens) - free.stats.last_tokens :]
+    k = next(k for k in range(1, len(ids)) if ids[k] not in ids[:k] and tok.decode(ids[k - 1]).strip())
+    held = tok.decode(ids[k - 1])
+    s = session(ignore_eos=True, stops=(held + "\x00never",))
+    s.eos = (ids[k],)  # the token after the held text ends the reply
+    assert "".join(s.reply("one")) == tok.decode(ids[:k])

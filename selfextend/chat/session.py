@@ -199,7 +199,10 @@ class ChatSession:
         shown = ""
         t0 = time.perf_counter()
         for token in self.gen.decode(logits, self.max_new_tokens, self.eos, lambda: self.stop_requested):
-            if token in self.eos:
+            if token in self.eos:  # the text held back for a possible stop string is the reply's end
+                tail = stops.flush()
+                if tail:
+                    yield tail
                 break
             text, stopped = stops.push(stream.push(token))
             if stopped:
