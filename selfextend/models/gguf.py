@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
 
 from selfextend.models.blocks import block_packable
+from selfextend.models.gguf_families import tensor_names
 from selfextend.models.gguf_rope import GGUFRope
 from selfextend.models.quantize import int4_packable
 from selfextend.models.weights import GGUFBlocks, RowBlocks, RunForm, empty_model, fill, int8_placeholders
@@ -122,15 +123,9 @@ def gguf_tensors(
     output head's very bytes: both are yielded, the head first).
     """
     from gguf import dequantize
-    from transformers.modeling_gguf_pytorch_utils import (
-        TENSOR_PROCESSORS,
-        TensorProcessor,
-        get_gguf_hf_weights_map,
-    )
 
     table = table or GGUFTable.read(path)
-    processor = TENSOR_PROCESSORS.get(table.architecture, TensorProcessor)(config=model.config.to_dict())
-    mapping = get_gguf_hf_weights_map(model, processor)
+    processor, mapping = tensor_names(model, table.architecture)
     linear = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, nn.Linear)}
     parsed: dict[str, dict] = {"config": model.config.to_dict(), "tensors": {}}
     module_names = {id(m): n for n, m in model.named_modules()}
@@ -171,7 +166,7 @@ def gguf_tensors(
         if found is None or (target or mapping.get(found[1])) not in held:
             return None
         order, name = found
-        raw = t.read(f, 0, t.raw_shape[0])  # (N, bytes per row): the 4-bit bytes, no float copy
+        raw = t.read(f, 0, t.raw_shape[0]).view(np.uint8)  # (N, bytes per row): no float copy (F16: bytes)
         return target or mapping[name], GGUFBlocks(t.kind, raw if order is None else raw[order], columns)
 
     def tied_head(f: BinaryIO, t: _Stored) -> tuple[str, GGUFBlocks] | None:
@@ -201,8 +196,9 @@ def gguf_tensors(
                     yield packed
                     continue
                 rows = t.raw_shape[0]
-                # a 1-D tensor is read whole (a block format's bytes cannot be cut between values)
-                step = max(1, _BLOCK_BYTES // (4 * math.prod(_value_shape(t)))) if t.raw_shape[1:] else rows
+                # a 1-D tensor is read whole (a block format's bytes cannot be cut between values), and
+                # so is a stack of experts (the processor fuses the gate and up stacks whole)
+                step = rows if len(t.raw_shape) != 2 else max(1, _BLOCK_BYTES // (4 * _value_shape(t)[0]))
                 if step >= rows:  # one block: the whole tensor
                     array, name = process(dequantize(t.read(f, 0, rows), t.kind), t.name)
                 else:
@@ -225,6 +221,7 @@ def gguf_tensors(
                     del whole
                 if name in mapping:
                     yield mapping[name], torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
+        yield from parsed["tensors"].items()  # what the processor assembled from several (fused experts)
 
     return stream()
 

@@ -263,9 +263,11 @@ def gguf_config(gguf: Path, table: GGUFTable | None = None) -> PretrainedConfig:
     from transformers import AutoConfig
 
     from selfextend.models.gguf import GGUFTable
+    from selfextend.models.gguf_families import complete_config, register
 
+    register()  # the families transformers' tables lack (models/gguf_families.py)
     try:
-        config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        config = complete_config(AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name))
     except (OSError, ValueError, KeyError, NotImplementedError) as exc:
         raise ModelError(f"cannot read GGUF '{gguf}': {first_line(exc)}") from exc
     apply_gguf_rope(config, (table or GGUFTable.read(gguf)).rope, gguf.name)

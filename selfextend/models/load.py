@@ -115,6 +115,23 @@ def auto_weights(weights: str, source: ModelSource, device: torch.device) -> str
     return "gguf" if quant_kernels() is not None else "int4"
 
 
+def attention_for(config: PretrainedConfig, wanted: str) -> str:
+    """``wanted``, or ``eager`` (said in one line) where the model's class has no SDPA path: Gemma 2,
+    whose attention soft-capping SDPA cannot compute."""
+    from transformers import AutoModelForCausalLM
+
+    if wanted != "sdpa":
+        return wanted
+    try:
+        model_class = AutoModelForCausalLM._model_mapping[type(config)]
+    except KeyError:
+        return wanted
+    if getattr(model_class, "_supports_sdpa", True):
+        return wanted
+    log.info("%s: attention computed eagerly (its transformers class has no SDPA path)", config.model_type)
+    return "eager"
+
+
 def load_model(
     name_or_path: str = DEFAULT_MODEL,
     dtype: torch.dtype | str = torch.float32,
@@ -169,11 +186,12 @@ def load_model(
     if source.kind == "gguf":
         model, tokenizer = _load_gguf_model(source, form)
     else:
-        check_rope(hub_load(source, AutoConfig.from_pretrained), source.name)
+        config = hub_load(source, AutoConfig.from_pretrained)
+        check_rope(config, source.name)
         wanted = parse_dtype(dtype)
         kwargs: dict[str, Any] = {"dtype": "auto" if form.quantized else wanted}
         if attn_implementation:
-            kwargs["attn_implementation"] = attn_implementation
+            kwargs["attn_implementation"] = attention_for(config, attn_implementation)
         if device_map is not None:
             kwargs["device_map"] = device_map
         model = hub_load(source, AutoModelForCausalLM.from_pretrained, **kwargs)
@@ -187,7 +205,7 @@ def load_model(
             if wanted != "auto":
                 _cast_float_weights(model, wanted)
     if attn_implementation and source.kind == "gguf":
-        model.set_attn_implementation(attn_implementation)
+        model.set_attn_implementation(attention_for(model.config, attn_implementation))
     if device_map is not None and source.kind == "gguf":
         _place(model, device_map)
     try:
