@@ -12,7 +12,7 @@ import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from selfextend.native.blocktypes import BLOCK_TYPES, BlockType, c_header, c_sources
+from selfextend.native.blocktypes import BLOCK_TYPES, BlockType, c_header, c_name, c_sources
 from selfextend.native.build import Sources, build, build_key
 from selfextend.native.quant import QuantKernels, quant_kernels
 
@@ -32,7 +32,7 @@ def test_each_type_is_gguf_s(t: BlockType) -> None:
 def test_the_header_is_the_table() -> None:
     header = c_header()
     for t in BLOCK_TYPES:
-        assert f"{t.name} = {t.code}" in header
+        assert f"{c_name(t)} = {t.code}" in header
         assert (f"{t.name}X8 = {t.code + 1000}" in header) == t.interleaved
 
 

@@ -22,12 +22,16 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
 from selfextend.models.blocks import BLOCK_KINDS, INTERLEAVED, base_kind, pack8, unpack8
 from selfextend.models.sources import cache_root
+from selfextend.native.blocktypes import BLOCK_TYPES
 from selfextend.native.build import build
 from selfextend.native.quant import SOURCE, QuantKernels, quant_kernels
 
 KERNELS = quant_kernels()
 pytestmark = pytest.mark.skipif(KERNELS is None, reason="no C compiler here to build the kernel")
-QUANTIZABLE = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")  # gguf.quants.quantize writes these; K-quants: random
+# gguf.quants.quantize writes these; K-quants: random
+QUANTIZABLE = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "F16", "BF16")
+# F16 and BF16 rows: their products take float32 activations (blocktypes.py's ACTIVATIONS)
+FLOAT_ROWS = {t.code for t in BLOCK_TYPES if t.activations == "f32"}
 N_OUT = 37
 
 
@@ -40,7 +44,7 @@ def gguf_blocks(
     name = BLOCK_KINDS[kind]
     if name in QUANTIZABLE:
         w = rng.standard_normal((rows, columns)).astype(np.float32)
-        return quants.quantize(w, GGMLQuantizationType(kind))
+        return quants.quantize(w, GGMLQuantizationType(kind)).view(np.uint8)
     block, size = GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
     raw = rng.integers(0, 256, (rows, columns // block, size), dtype=np.uint8)
     at = slice(208, 210) if name == "Q6_K" else slice(0, 4)
@@ -51,8 +55,11 @@ def gguf_blocks(
 
 def activation_steps(x: np.ndarray, per: int) -> tuple[np.ndarray, np.ndarray]:
     """The kernel's int8 activation blocks of ``per`` values, dequantised (float64), and each value's
-    scale d: float32 d = max|x| / 127, q = rint(x * (1 / d)), as quant.c computes them."""
+    scale d: float32 d = max|x| / 127, q = rint(x * (1 / d)), as quant.c computes them; ``per`` 0: the
+    float32 activations of F16 and BF16 rows, as they are (d 0)."""
     m, k = x.shape
+    if per == 0:
+        return x.astype(np.float64), np.zeros_like(x)
     xb = x.reshape(m, k // per, per).astype(np.float32)
     d = (np.abs(xb).max(axis=-1, keepdims=True) / np.float32(127)).astype(np.float32)
     inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d != 0).astype(np.float32)
@@ -61,7 +68,9 @@ def activation_steps(x: np.ndarray, per: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def per_block(kind: int) -> int:
-    """Activation values per int8 block: the K-quants' 256, else 32."""
+    """Activation values per int8 block: the K-quants' 256, else 32; 0 for float32 activations."""
+    if kind in FLOAT_ROWS:
+        return 0
     return 256 if GGML_QUANT_SIZES[GGMLQuantizationType(kind)][0] == 256 else 32
 
 
@@ -71,6 +80,10 @@ PATHS = [False, True]
 
 
 def columns_of(kind: int) -> int:
+    """Values a row in the tests: 3 blocks of 256, 13 of 32, or 419 values (F16, BF16: not a multiple of
+    the 8 float lanes, a tail)."""
+    if base_kind(kind) in FLOAT_ROWS:
+        return 419
     return 256 * 3 if per_block(base_kind(kind)) == 256 else 32 * 13
 
 
@@ -135,7 +148,8 @@ def test_product_is_the_same_math_and_close_to_float(kernels: QuantKernels, kind
     exact = x.double().numpy() @ w.T  # (b): the activations' rounding, at most half a step each
     bound = (d / 2) @ np.abs(w).T
     assert np.all(np.abs(got - exact) <= 1.0001 * bound + 2e-5 * magnitude)
-    assert np.abs(got - exact).max() > 0  # int8 activations really are rounded
+    if base_kind(kind) not in FLOAT_ROWS:
+        assert np.abs(got - exact).max() > 0  # int8 activations really are rounded
 
 
 @pytest.mark.parametrize("kind", KINDS, ids=NAMES)
@@ -169,6 +183,8 @@ def test_vector_and_portable_paths_agree() -> None:
         x = torch.randn(9, columns_of(kind))
         a, b = vector(x, blocks, kind), portable(x, blocks, kind)
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * float(b.abs().max()))
+        if kind in FLOAT_ROWS:  # the same lanes and order (float.c)
+            assert torch.equal(a, b), kind
         if kind != base_kind(kind):
             assert torch.equal(a, b)
             stored = vector(x, torch.from_numpy(raw), base_kind(kind))
@@ -196,7 +212,7 @@ def test_bad_shapes_are_refused() -> None:
     with pytest.raises(ValueError, match="do not fit"):
         KERNELS(torch.randn(1, 512), blocks, 12)
     with pytest.raises(ValueError, match="computes GGUF types"):
-        KERNELS(torch.randn(1, 256), blocks, 10)
+        KERNELS(torch.randn(1, 256), blocks, 16)
     with pytest.raises(ValueError, match="in eights"):
         KERNELS(torch.randn(1, 32), torch.from_numpy(gguf_blocks(3, 12, 32)), INTERLEAVED[3])
 

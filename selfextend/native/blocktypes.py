@@ -17,9 +17,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
-# how a type's product takes the activation rows: int8 per 32 values with their sum (Q8_0-style), or per
-# 256 with the sums of 16 (Q8_K-style); the C enum's names
-ACTIVATIONS = {"q8_32": "ACT_Q8_32", "q8_k": "ACT_Q8_K"}
+# how a type's product takes the activation rows (the C enum's names): int8 per 32 values with their sum
+# (Q8_0-style), per 256 with the sums of 16 (Q8_K-style), or float32 (F16 and BF16: their precision kept)
+ACTIVATIONS = {"q8_32": "ACT_Q8_32", "q8_k": "ACT_Q8_K", "f32": "ACT_F32"}
 X8_OFFSET = 1000  # an interleaved form's code: its type's code + this
 
 
@@ -49,6 +49,8 @@ BLOCK_TYPES = (
     BlockType("Q4_K", 12, 256, 144, "kquant", "q8_k", kernels=("avx2", "avx512")),
     BlockType("Q5_K", 13, 256, 176, "kquant", "q8_k", kernels=("avx2", "avx512")),
     BlockType("Q6_K", 14, 256, 210, "kquant", "q8_k", kernels=("avx2", "avx512")),
+    BlockType("F16", 1, 1, 2, "float", "f32"),
+    BlockType("BF16", 30, 1, 2, "float", "f32"),
 )
 BY_CODE = {t.code: t for t in BLOCK_TYPES}
 # gguf.GGMLQuantizationType values of the block formats held as stored
@@ -71,6 +73,12 @@ def block_shape(kind: int) -> tuple[int, int]:
     return t.values, t.nbytes
 
 
+def c_name(t: BlockType) -> str:
+    """The C enum's name of ``t``: its own, but F16 and BF16 as ``F16_W`` and ``BF16_W`` (quant.h's
+    ``F32`` and ``BF16`` number the activations' element types)."""
+    return f"{t.name}_W" if t.family == "float" else t.name
+
+
 def c_sources() -> tuple[Path, ...]:
     """The quant library's C files: the products' driver (``quant.c``) and each family's loops."""
     return (HERE / "quant.c", *(HERE / f"{family}.c" for family in FAMILIES))
@@ -80,14 +88,14 @@ def c_header(types: tuple[BlockType, ...] = BLOCK_TYPES) -> str:
     """``blocktypes.h``: the table (``types``) as the C sources read it (codes, shapes, activation forms,
     the interleaved codes, each family's loops and the type -> family dispatch)."""
     x8 = [(t, t.code + X8_OFFSET) for t in types if t.interleaved]
-    codes = [f"{t.name} = {t.code}" for t in types] + [f"{t.name}X8 = {c}" for t, c in x8]
+    codes = [f"{c_name(t)} = {t.code}" for t in types] + [f"{t.name}X8 = {c}" for t, c in x8]
     families = dict.fromkeys(t.family for t in types)
 
     def switch(signature: str, pick: Callable[[BlockType], object], default: object) -> str:
         """A C function ``signature`` returning ``pick(t)`` for each type's codes (its form's too)."""
         by_value: dict[str, list[str]] = {}
         for t in types:
-            by_value.setdefault(str(pick(t)), []).extend([t.name] + [f"{t.name}X8"] * t.interleaved)
+            by_value.setdefault(str(pick(t)), []).extend([c_name(t)] + [f"{t.name}X8"] * t.interleaved)
         labels = {v: " ".join(f"case {n}:" for n in names) for v, names in by_value.items()}
         cases = " ".join(f"{label} return {v};" for v, label in labels.items())
         return f"static inline {signature} {{\n    switch (type) {{ {cases} }}\n    return {default};\n}}"

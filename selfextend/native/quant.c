@@ -39,6 +39,10 @@ INLINE float quantize_block(const void *x, int type, long at, int n, int8_t *q) 
 
 /* Activation row x (n values of x type `type`) as the activation blocks `act` takes (quant.h). */
 static void quantize_row(const void *x, int type, long n, int act, void *out) {
+    if (act == ACT_F32) {
+        for (long k = 0; k < n; k++) ((float *)out)[k] = load_x(x, type, k);
+        return;
+    }
     if (act == ACT_Q8_32) {
         for (long b = 0; b < n / 32; b++) {
             xq32 *o = (xq32 *)out + b;
@@ -75,6 +79,7 @@ static void store(void *y, int y_type, long n_out, long i, long j, const float *
 
 /* The bytes of one activation row of n values as `act` takes it. */
 static long act_row_bytes(int act, long n) {
+    if (act == ACT_F32) return n * (long)sizeof(float);
     return act == ACT_Q8_32 ? n / 32 * (long)sizeof(xq32) : n / 256 * (long)sizeof(xqk);
 }
 

@@ -1,0 +1,70 @@
+"""Each block type of the table (``selfextend/native/blocktypes.py``) held as stored by ``load_model(path,
+weights="gguf")``, and what a GGUF's other types become.
+
+Oracle: transformers' own GGUF loader (``gguf.quants.dequantize`` of the same bytes) for the weights and
+the float model's logits. A tiny Llama GGUF per type, every matrix (the embedding and its tied head among
+them) of that type: written by gguf's quantiser where it has one, else random valid blocks.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, quants
+from test_int4 import PROJECTIONS
+from test_models import write_tiny_gguf
+from test_quant import FLOAT_ROWS, QUANTIZABLE, gguf_blocks
+
+from selfextend.models import load_model
+from selfextend.models.blocks import BlockEmbedding, BlockLinear
+from selfextend.native.blocktypes import BLOCK_KINDS, base_kind
+from selfextend.native.quant import quant_kernels
+
+PARTS = ("token_embd", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+pytestmark = pytest.mark.skipif(quant_kernels() is None, reason="no C compiler here to build the kernel")
+
+
+def _maker(kind: int):
+    """(rows, columns) -> stored bytes of ``kind``: gguf's quantiser on weights of a model's scale, or random
+    blocks with small scales."""
+    name = BLOCK_KINDS[kind]
+
+    def make(rows: int, columns: int) -> np.ndarray:
+        if name not in QUANTIZABLE:
+            return gguf_blocks(kind, rows, columns, seed=rows + columns, scales=(2e-5, 1e-4))
+        w = np.random.default_rng(rows + columns).standard_normal((rows, columns)).astype(np.float32)
+        return quants.quantize(w * np.float32(0.02), GGMLQuantizationType(kind)).view(np.uint8)
+
+    return make
+
+
+@pytest.mark.parametrize("kind", sorted(BLOCK_KINDS), ids=[BLOCK_KINDS[k] for k in sorted(BLOCK_KINDS)])
+def test_each_type_is_held_as_stored(tmp_path: Path, kind: int) -> None:
+    """Every matrix keeps its stored type (an interleaved form of it where the kernels hold one) and bytes
+    that dequantise to transformers' weight; the table is a BlockEmbedding of the same type; the logits are
+    the float model's, to the int8 rounding of the activations, and to float32 rounding for F16 and BF16,
+    whose products take the activations as they are."""
+    from transformers import AutoModelForCausalLM
+
+    blocks = {f"{BLOCK_KINDS[kind]} {part}": _maker(kind) for part in PARTS}
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", hidden=256, heads=4, kv_heads=2, blocks=blocks)
+    reference = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32)
+    model, _ = load_model(str(path), weights="gguf")
+    for ref_layer, layer in zip(reference.model.layers, model.model.layers, strict=True):
+        for name in PROJECTIONS:
+            part = "self_attn" if hasattr(layer.self_attn, name) else "mlp"
+            module, want = getattr(getattr(layer, part), name), getattr(getattr(ref_layer, part), name).weight
+            assert isinstance(module, BlockLinear) and base_kind(module.kind) == kind, name
+            torch.testing.assert_close(module.dequantized(), want, atol=0, rtol=0)
+    assert isinstance(model.model.embed_tokens, BlockEmbedding) and model.model.embed_tokens.kind == kind
+    ids = torch.randint(3, 250, (1, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want, got = reference(ids).logits, model(ids).logits
+    if kind in FLOAT_ROWS:
+        assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+        return
+    assert (got - want).abs().max() <= 0.05 * want.abs().max()  # random K-quant bytes: heavy tails
+    assert torch.corrcoef(torch.stack([got.flatten(), want.flatten()]))[0, 1] > 0.999
