@@ -20,7 +20,7 @@ import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
-from selfextend.models.blocks import BLOCK_KINDS, INTERLEAVED, base_kind, pack8, unpack8
+from selfextend.models.blocks import BLOCK_KINDS, FIELDS, INTERLEAVED, base_kind, pack8, unpack8
 from selfextend.models.sources import cache_root
 from selfextend.native.blocktypes import BLOCK_TYPES
 from selfextend.native.build import build
@@ -98,14 +98,14 @@ def kernel_blocks(kind: int, rows: int, seed: int) -> tuple[torch.Tensor, np.nda
 
 
 def test_interleaving_rearranges_the_same_bytes() -> None:
-    """pack8 moves each group's 4-bit values (Q8_0: bytes) and scale bytes (the multiset of a group's
-    nibbles is kept) and unpack8 undoes it."""
+    """pack8 moves each group's 4-bit values (Q8_0, the K-quants: bytes) and scale bytes (the multiset of a
+    group's nibbles is kept) and unpack8 undoes it."""
     for base in INTERLEAVED:
-        raw = gguf_blocks(base, 24, 32 * 5, seed=base)
+        raw = gguf_blocks(base, 24, 5 * per_block(base), seed=base)
         packed = pack8(raw, base)
         assert packed.shape == raw.shape and not np.array_equal(packed, raw)
         assert np.array_equal(unpack8(packed, base), raw)
-        if base == 8:  # whole bytes moved: each group's bytes are kept as a multiset
+        if base in FIELDS:  # whole bytes moved: each group's bytes are kept as a multiset
             for g in range(3):
                 assert np.array_equal(*(np.sort(a[8 * g : 8 * g + 8], axis=None) for a in (packed, raw)))
             continue
@@ -189,6 +189,26 @@ def test_vector_and_portable_paths_agree() -> None:
             assert torch.equal(a, b)
             stored = vector(x, torch.from_numpy(raw), base_kind(kind))
             torch.testing.assert_close(a, stored, rtol=1e-5, atol=1e-5 * float(b.abs().max()))
+
+
+K_FORMS = [k for k in sorted(INTERLEAVED.values()) if per_block(base_kind(k)) == 256]
+
+
+@pytest.mark.parametrize("kind", K_FORMS, ids=[BLOCK_KINDS[base_kind(k)] + "x8" for k in K_FORMS])
+def test_interleaved_k_quants_are_the_stored_rows_products(kernels: QuantKernels, kind: int) -> None:
+    """The K-quants' interleaved forms give the stored rows' products bit for bit where the summation
+    order is the same: their vector lanes are rows, each row's integer sums and float steps those of the
+    portable path on the stored rows. The stored rows' vector loops sum a super-block in 8 (AVX-512: 16)
+    float lanes of one row, so against them only to float32 rounding. Rows in eights, 1 to 9 activation
+    rows (each tile shape and a tile with a tail)."""
+    stored = QuantKernels(KERNELS.library, portable=True)
+    blocks, raw = kernel_blocks(kind, 40, seed=kind)
+    for m in (1, 2, 3, 4, 9):
+        x = torch.randn(m, columns_of(kind), generator=torch.Generator().manual_seed(m))
+        want = stored(x, torch.from_numpy(raw), base_kind(kind))
+        assert torch.equal(kernels(x, blocks, kind), want), m
+        vector = kernels(x, torch.from_numpy(raw), base_kind(kind))
+        torch.testing.assert_close(vector, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
 
 
 @pytest.mark.parametrize("kind", sorted(BLOCK_KINDS), ids=[BLOCK_KINDS[k] for k in sorted(BLOCK_KINDS)])

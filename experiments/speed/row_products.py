@@ -16,7 +16,13 @@ earlier commit's, to measure a change), in the same rounds.
         --against /tmp/quant_before.c
 
 ``--activations``: that many activation rows per call too (the server's batched step of several slots, a
-prompt chunk), each count's time per call beside its GB/s.
+prompt chunk), each count's time per call beside its GB/s. ``--flags``: compiler flags added to every build
+(``-mno-avx512f``: the AVX2 loops, as a CPU without AVX-512 runs them, on one that has it); a form an
+``--against`` source lacks (the K-quants' interleaved ones before they existed) is left out of its rows.
+
+    git show 505ff03:selfextend/models/quant.c > /tmp/quant_505ff03.c
+    python experiments/speed/row_products.py --kinds 12,14 --rows 8960 --columns 1536 --activations 1 \
+        --rounds 3 --against /tmp/quant_505ff03.c --flags=-mno-avx512f
 """
 
 from __future__ import annotations
@@ -33,9 +39,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 from test_quant import gguf_blocks  # noqa: E402
 
 from selfextend.bench.speed import read_bandwidth_gbs  # noqa: E402
+from selfextend.core.paths import cache_root  # noqa: E402
 from selfextend.models.blocks import BLOCK_KINDS, INTERLEAVED, pack8  # noqa: E402
-from selfextend.native.build import kernels as build_kernels  # noqa: E402
-from selfextend.native.quant import QuantKernels, quant_kernels  # noqa: E402
+from selfextend.native.build import build  # noqa: E402
+from selfextend.native.quant import SOURCE, QuantKernels  # noqa: E402
 
 
 def main() -> None:
@@ -50,15 +57,19 @@ def main() -> None:
     parser.add_argument(
         "--activations", default="1", help="activation rows per call, e.g. 1,2,4,64 (a batched step, a chunk)"
     )
+    parser.add_argument("--flags", default="", help="compiler flags added to every build, e.g. -mno-avx512f")
     args = parser.parse_args()
-    builds = {"": quant_kernels()}
-    if builds[""] is None:
-        sys.exit("the quant kernels are not built here (no C compiler?)")
+    flags = tuple(args.flags.split())
+    sources = {"": (SOURCE, "quant")}
     if args.against is not None:
-        against = build_kernels(args.against, "quant-against", QuantKernels, "{reason}")
-        if against is None:
-            sys.exit(f"--against {args.against}: not built (the warning above says why)")
-        builds[f" ({args.against.name})"] = against
+        sources[f" ({args.against.name})"] = (args.against, "quant-against")
+    try:
+        builds = {
+            label: QuantKernels(build(cache_root() / "kernels", source, name, flags))
+            for label, (source, name) in sources.items()
+        }
+    except (RuntimeError, OSError) as e:
+        sys.exit(f"the quant kernels are not built: {e}")
     forms: dict[str, tuple[list[torch.Tensor], int]] = {}
     for kind in (int(k) for k in args.kinds.split(",")):
         raw = gguf_blocks(kind, args.rows, args.columns)
@@ -75,11 +86,15 @@ def main() -> None:
         torch.set_num_threads(threads)
         for r in range(args.rounds):
             rates = []
-            for (name, (copies, kind)), m, (build, kernels) in itertools.product(
+            for (name, (copies, kind)), m, (label, kernels) in itertools.product(
                 forms.items(), counts, builds.items()
             ):
                 x = torch.randn(m, args.columns).bfloat16()
                 cycle = itertools.cycle(copies)
+                try:
+                    kernels(x, copies[0], kind, torch.bfloat16)
+                except MemoryError:  # quant_mm's refusal of a type the build lacks
+                    continue
                 for _ in range(4):
                     kernels(x, next(cycle), kind, torch.bfloat16)
                 t0 = time.perf_counter()
@@ -87,8 +102,8 @@ def main() -> None:
                     kernels(x, next(cycle), kind, torch.bfloat16)
                 seconds = time.perf_counter() - t0
                 per_call = f" {seconds / 30 * 1e3:.2f} ms"
-                label = f"{name}{build}" if counts == [1] else f"{name} x{m}{build}{per_call}"
-                rates.append(f"{label} {copies[0].numel() * 30 / seconds / 1e9:.1f}")
+                shown = f"{name}{label}" if counts == [1] else f"{name} x{m}{label}{per_call}"
+                rates.append(f"{shown} {copies[0].numel() * 30 / seconds / 1e9:.1f}")
             bandwidth = read_bandwidth_gbs()
             print(
                 f"{threads} thread(s), round {r}: "

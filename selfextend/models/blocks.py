@@ -24,33 +24,65 @@ _SLAB_ROWS = 256  # rows dequantised at a time by the reference product
 BF16_MIN_ROWS = 128  # rows from which a call takes a layer's bf16 chunk engine (a tile's dequantisation pays)
 
 
+# The forms whose block fields are interleaved whole (Q8_0 and the K-quants): each field of a stored block,
+# (offset, bytes), in stored order, as kquant.c's KX8_FIELDS and legacy.c's Q8_0X8 read them
+FIELDS = {
+    8: ((0, 2), (2, 32)),  # Q8_0: d, qs
+    12: ((0, 2), (2, 2), (4, 12), (16, 128)),  # Q4_K: d, dmin, scales, qs
+    13: ((0, 2), (2, 2), (4, 12), (16, 32), (48, 128)),  # Q5_K: d, dmin, scales, qh, qs
+    14: ((0, 128), (128, 64), (192, 16), (208, 2)),  # Q6_K: ql, qh, scales, d
+}
+
+
 def _head(kind: int) -> int:
-    """Bytes before the packed values in a block of Q4_0 or Q8_0 (d) or Q4_1 (d, m)."""
+    """Bytes before the packed values in a block of Q4_0 (d) or Q4_1 (d, m)."""
     return 4 if base_kind(kind) == 3 else 2
 
 
+def _fields(r: np.ndarray, kind: int, pack: bool) -> np.ndarray:
+    """Blocks (G, 8 rows, blocks, bytes) of a :data:`FIELDS` type as groups (G, blocks, 8 x bytes) with
+    each field's 4-byte words (a float16 scale's 2) of the 8 rows side by side (``pack``), or (G, blocks,
+    8 x bytes) back to (G, 8, blocks, bytes)."""
+    parts, at = [], 0
+    for offset, size in FIELDS[base_kind(kind)]:
+        z = min(size, 4)
+        if pack:  # (G, 8, nb, words, z) -> (G, nb, words, row, z)
+            f = r[..., offset : offset + size].reshape(*r.shape[:3], size // z, z).transpose(0, 2, 3, 1, 4)
+            parts.append(f.reshape(r.shape[0], r.shape[2], 8 * size))
+        else:  # (G, nb, words, row, z) -> (G, 8, nb, words, z)
+            f = (
+                r[..., 8 * at : 8 * (at + size)]
+                .reshape(*r.shape[:2], size // z, 8, z)
+                .transpose(0, 3, 1, 2, 4)
+            )
+            parts.append(f.reshape(r.shape[0], 8, r.shape[1], size))
+            at += size
+    return np.concatenate(parts, axis=-1)
+
+
 def pack8(raw: np.ndarray, kind: int) -> np.ndarray:
-    """Q4_0, Q4_1 or Q8_0 rows (N, bytes per row), N a multiple of 8, in the kernels' 8-row interleaved
-    form, the same bytes rearranged: per group of 8 rows and block, the 8 rows' d, (Q4_1) their 8 m, then
-    128 bytes where byte 16 s + 4 k + i holds value 4 s + i of row k (low nibble) and of row 4 + k (high);
-    Q8_0: 256 bytes, byte 32 s + 4 k + i value 4 s + i of row k.
+    """Q4_0, Q4_1, Q8_0 or K-quant rows (N, bytes per row), N a multiple of 8, in the kernels' 8-row
+    interleaved form, the same bytes rearranged: per group of 8 rows and block, Q4_0 and Q4_1: the 8
+    rows' d, (Q4_1) their 8 m, then 128 bytes where byte 16 s + 4 k + i holds value 4 s + i of row k (low
+    nibble) and of row 4 + k (high); Q8_0 and the K-quants: each field of the block (:data:`FIELDS`) in
+    its order, as the 8 rows' words of 4 bytes (float16 scales: 2) side by side, word w of row k at 8 o +
+    8 z w + z k (o the field's offset in a block, z the word's size; Q8_0's value 4 s + i of row k at
+    16 + 32 s + 4 k + i).
 
     Why: one 32-byte load of the (unpacked) values then holds 4 values of each of 8 rows, so an integer
     product's 8 lanes are 8 outputs, summed over a whole block before one conversion to float (3x the
-    multiply rate of a row at a time on AVX2; llama.cpp repacks Q4_0 for the same reason)."""
-    head, (_, size) = _head(kind), block_shape(kind)
-    n = raw.shape[0]
+    multiply rate of a row at a time on AVX2 for Q4_0; the K-quants' loops about half the instructions
+    per byte; llama.cpp repacks Q4_0 and the K-quants for the same reason)."""
+    (_, size), n = block_shape(kind), raw.shape[0]
     r = raw.reshape(n // 8, 8, -1, size)  # (G, 8 rows, blocks, bytes)
+    if base_kind(kind) in FIELDS:
+        return np.ascontiguousarray(_fields(r, kind, pack=True)).reshape(n, -1)
+    head = _head(kind)
     groups, _, nb, _ = r.shape
     qs = r[..., head:]
-    if base_kind(kind) == 8:  # (G, 8, nb, step, value) -> (G, nb, step, row, value)
-        packed = qs.reshape(groups, 8, nb, 8, 4).transpose(0, 2, 3, 1, 4).reshape(groups, nb, 256)
-    else:
-        v = np.concatenate([qs & 15, qs >> 4], axis=-1)  # (G, 8, nb, 32) values 0..15
-        steps = [
-            v[:, half : half + 4].reshape(groups, 4, nb, 8, 4).transpose(0, 2, 3, 1, 4) for half in (0, 4)
-        ]
-        packed = (steps[0] | steps[1] << 4).reshape(groups, nb, 128)  # (G, nb, step, row, value) as bytes
+    v = np.concatenate([qs & 15, qs >> 4], axis=-1)  # (G, 8, nb, 32) values 0..15
+    steps = [v[:, half : half + 4].reshape(groups, 4, nb, 8, 4).transpose(0, 2, 3, 1, 4) for half in (0, 4)]
+    packed = (steps[0] | steps[1] << 4).reshape(groups, nb, 128)  # (G, nb, step, row, value) as bytes
     scales = (
         r[..., :head].reshape(groups, 8, nb, head // 2, 2).transpose(0, 2, 3, 1, 4)
     )  # (G, nb, d|m, row, 2)
@@ -60,25 +92,17 @@ def pack8(raw: np.ndarray, kind: int) -> np.ndarray:
 
 def unpack8(packed: np.ndarray, kind: int) -> np.ndarray:
     """The rows :func:`pack8` rearranged, as the GGUF stores them."""
-    head, (_, size) = _head(kind), block_shape(kind)
-    n = packed.shape[0]
+    (_, size), n = block_shape(kind), packed.shape[0]
     p = packed.reshape(n // 8, -1, 8 * size)  # (G, nb, group block)
+    if base_kind(kind) in FIELDS:
+        return np.ascontiguousarray(_fields(p, kind, pack=False)).reshape(n, -1)
+    head = _head(kind)
     groups, nb, _ = p.shape
     scales = p[..., : 8 * head].reshape(groups, nb, head // 2, 8, 2).transpose(0, 3, 1, 2, 4)
-    if base_kind(kind) == 8:  # (G, nb, step, row, value) -> (G, 8, nb, 32)
-        qs = (
-            p[..., 8 * head :]
-            .reshape(groups, nb, 8, 8, 4)
-            .transpose(0, 3, 1, 2, 4)
-            .reshape(groups, 8, nb, 32)
-        )
-    else:
-        steps = p[..., 8 * head :].reshape(groups, nb, 8, 4, 4)  # (G, nb, step, row, value)
-        halves = [
-            (steps >> shift & 15).transpose(0, 3, 1, 2, 4).reshape(groups, 4, nb, 32) for shift in (0, 4)
-        ]
-        v = np.concatenate(halves, axis=1)  # (G, 8, nb, 32)
-        qs = v[..., :16] | v[..., 16:] << 4
+    steps = p[..., 8 * head :].reshape(groups, nb, 8, 4, 4)  # (G, nb, step, row, value)
+    halves = [(steps >> shift & 15).transpose(0, 3, 1, 2, 4).reshape(groups, 4, nb, 32) for shift in (0, 4)]
+    v = np.concatenate(halves, axis=1)  # (G, 8, nb, 32)
+    qs = v[..., :16] | v[..., 16:] << 4
     raw = np.concatenate([scales.reshape(groups, 8, nb, head), qs], axis=-1)
     return np.ascontiguousarray(raw).reshape(n, -1)
 
@@ -148,9 +172,12 @@ class BlockLinear(nn.Module):
         self.block_kind = torch.tensor([kind], dtype=torch.int32)
 
     def interleave(self) -> None:
-        """Hold Q4_0 / Q4_1 blocks in the kernels' 8-row interleaved form (:func:`pack8`) where the rows
-        come in eights; other types stay as stored."""
-        if self.kind in INTERLEAVED and self.out_features % 8 == 0:
+        """Hold the blocks in the kernels' 8-row interleaved form (:func:`pack8`) where the rows come in
+        eights and the kernels run that form faster here
+        (:meth:`~selfextend.native.quant.QuantKernels.interleaves`: Q4_0, Q4_1, Q8_0, and the K-quants but
+        where their stored rows' loops are faster on this CPU); others stay as stored."""
+        kernels = quant_kernels()
+        if kernels is not None and kernels.interleaves(self.kind) and self.out_features % 8 == 0:
             self.blocks = torch.from_numpy(pack8(self.blocks.numpy(), self.kind))
             self.set_kind(INTERLEAVED[self.kind])
 

@@ -46,9 +46,9 @@ BLOCK_TYPES = (
     BlockType("Q5_0", 6, 32, 22, "legacy", "q8_32"),
     BlockType("Q5_1", 7, 32, 24, "legacy", "q8_32"),
     BlockType("Q8_0", 8, 32, 34, "legacy", "q8_32", interleaved=True),
-    BlockType("Q4_K", 12, 256, 144, "kquant", "q8_k", kernels=("avx2", "avx512")),
-    BlockType("Q5_K", 13, 256, 176, "kquant", "q8_k", kernels=("avx2", "avx512")),
-    BlockType("Q6_K", 14, 256, 210, "kquant", "q8_k", kernels=("avx2", "avx512")),
+    BlockType("Q4_K", 12, 256, 144, "kquant", "q8_k", interleaved=True, kernels=("avx2", "avx512")),
+    BlockType("Q5_K", 13, 256, 176, "kquant", "q8_k", interleaved=True, kernels=("avx2", "avx512")),
+    BlockType("Q6_K", 14, 256, 210, "kquant", "q8_k", interleaved=True, kernels=("avx2", "avx512")),
     BlockType("F16", 1, 1, 2, "float", "f32"),
     BlockType("BF16", 30, 1, 2, "float", "f32"),
 )

@@ -187,6 +187,16 @@ int quant_rows_f32(int type, const uint8_t *w, long row_bytes, const int64_t *id
     return 0;
 }
 
+/* 1 where the layers should hold `type` in its 8-row interleaved form (blocks.py's pack8): it has one and
+ * its family does not find the stored rows faster on this build and CPU (loops' stored_faster); else 0. */
+int quant_interleaves(int type) {
+    static const int x8[] = X8_CODES;
+    loops L;
+    for (unsigned i = 0; i < sizeof x8 / sizeof *x8; i++)
+        if (x8[i] == type + (Q8_0X8 - Q8_0)) return find_loops(type, 0, &L) && !L.stored_faster;
+    return 0;
+}
+
 /* 0 where every type of the table (blocktypes.h) has its loops: a dequantisation, a portable product (or a
  * driver of its own) and, where the table says so and AVX2 is compiled for, vector tiles; else the first
  * code that lacks them. The binding calls it at load, so a type described without its C is never used. */

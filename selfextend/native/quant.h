@@ -121,13 +121,15 @@ typedef void (*tile_fn)(const uint8_t *, long, const void *const *, long, float 
  * few[R]   the vector path for R < TILE activation rows (one weight row), f1t and fwt for a tile of TILE
  *          (one and WR_TILE weight rows): tile_fn, out[weight row * TILE + activation row];
  * mm       a form with a driver of its own (the 8-row interleaved ones: groups of 8 weight rows);
- * dequant  one stored row (an interleaved form: a group of 8 rows) as float values, gguf's dequantize. */
+ * dequant  one stored row (an interleaved form: a group of 8 rows) as float values, gguf's dequantize;
+ * stored_faster  1 where a type with an interleaved form runs faster as stored on this build and CPU. */
 typedef struct {
     float (*dot)(int type, const uint8_t *w, const void *x, long nb);
     tile_fn few[TILE], f1t, fwt;
     void (*mm)(int type, const uint8_t *w, long n_out, long nb, const char *xq, long m, void *y, int y_type,
                int portable);
     void (*dequant)(int type, const uint8_t *w, long nb, float *out);
+    int stored_faster;
 } loops;
 
 /* Each format's tile shapes: (weight rows, activation rows) = (1, 1) for a decode step, (1, 2) and (1, 3)

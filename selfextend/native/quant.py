@@ -71,6 +71,8 @@ class QuantKernels:
         # lacks it
         rows = getattr(lib, "quant_rows_f32", None)
         self._rows = None if rows is None else bind(rows, [i32, ptr, long, ptr, long, long, ptr], i32)
+        interleaves = getattr(lib, "quant_interleaves", None)  # and this
+        self._interleaves = None if interleaves is None else bind(interleaves, [i32], i32)
         self.address = ctypes.cast(
             self._mm, ctypes.c_void_p
         ).value  # for C code that calls it (decode_layers)
@@ -103,6 +105,14 @@ class QuantKernels:
         if failed:
             raise MemoryError(f"quant_mm: no scratch space for {m} rows of {k}")
         return out
+
+    def interleaves(self, kind: int) -> bool:
+        """Whether layers hold GGUF type ``kind`` in its 8-row interleaved form (:data:`INTERLEAVED`): it has
+        one and its products run faster on it than on the stored rows with this build on this CPU (the
+        K-quants' AVX-512 loops on a Xeon keep the stored rows, as measured there)."""
+        if kind not in INTERLEAVED:
+            return False
+        return self._interleaves is None or bool(self._interleaves(kind))
 
     def dequantize(self, blocks: torch.Tensor, kind: int, n_in: int) -> torch.Tensor:
         """(N, n_in) bfloat16: the weight rows of ``blocks`` of type ``kind`` (as :meth:`__call__` takes
