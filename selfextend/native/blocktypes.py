@@ -51,6 +51,8 @@ BLOCK_TYPES = (
     BlockType("Q6_K", 14, 256, 210, "kquant", "q8_k", interleaved=True, kernels=("avx2", "avx512")),
     BlockType("F16", 1, 1, 2, "float", "f32"),
     BlockType("BF16", 30, 1, 2, "float", "f32"),
+    BlockType("IQ4_NL", 20, 32, 18, "iq", "q8_32"),
+    BlockType("IQ4_XS", 23, 256, 136, "iq", "q8_k"),
 )
 BY_CODE = {t.code: t for t in BLOCK_TYPES}
 # gguf.GGMLQuantizationType values of the block formats held as stored
