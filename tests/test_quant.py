@@ -32,6 +32,8 @@ pytestmark = pytest.mark.skipif(KERNELS is None, reason="no C compiler here to b
 QUANTIZABLE = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "F16", "BF16")
 # F16 and BF16 rows: their products take float32 activations (blocktypes.py's ACTIVATIONS)
 FLOAT_ROWS = {t.code for t in BLOCK_TYPES if t.activations == "f32"}
+# whose vector and portable paths take the same float steps (each super-block's integer sum first)
+SAME_STEPS = FLOAT_ROWS | {t.code for t in BLOCK_TYPES if t.name in ("IQ4_XS", "Q2_K", "Q3_K")}
 N_OUT = 37
 
 
@@ -39,7 +41,8 @@ def gguf_blocks(
     kind: int, rows: int, columns: int, seed: int = 0, scales: tuple[float, float] = (0.001, 0.02)
 ) -> np.ndarray:
     """(rows, bytes per row) of type ``kind``: gguf's quantiser on random weights where it has one, else
-    random bytes with float16 scales in ``scales`` (a K-quant's d and dmin; Q6_K's d is last)."""
+    random bytes with float16 scales in ``scales`` (a K-quant's d and dmin; Q6_K's and Q3_K's d are last,
+    Q2_K's d and dmin)."""
     rng = np.random.default_rng(seed)
     name = BLOCK_KINDS[kind]
     if name in QUANTIZABLE:
@@ -47,7 +50,7 @@ def gguf_blocks(
         return quants.quantize(w, GGMLQuantizationType(kind)).view(np.uint8)
     block, size = GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
     raw = rng.integers(0, 256, (rows, columns // block, size), dtype=np.uint8)
-    at = slice(208, 210) if name == "Q6_K" else slice(0, 4)
+    at = {"Q6_K": slice(208, 210), "Q3_K": slice(108, 110), "Q2_K": slice(80, 84)}.get(name, slice(0, 4))
     halves = (at.stop - at.start) // 2
     raw[..., at] = rng.uniform(*scales, (rows, columns // block, halves)).astype(np.float16).view(np.uint8)
     return raw.reshape(rows, -1)
@@ -183,7 +186,7 @@ def test_vector_and_portable_paths_agree() -> None:
         x = torch.randn(9, columns_of(kind))
         a, b = vector(x, blocks, kind), portable(x, blocks, kind)
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * float(b.abs().max()))
-        if kind in FLOAT_ROWS:  # the same lanes and order (float.c)
+        if kind in SAME_STEPS:  # the same float steps on both paths (float.c, iq.c, klow.c)
             assert torch.equal(a, b), kind
         if kind != base_kind(kind):
             assert torch.equal(a, b)

@@ -53,6 +53,8 @@ BLOCK_TYPES = (
     BlockType("BF16", 30, 1, 2, "float", "f32"),
     BlockType("IQ4_NL", 20, 32, 18, "iq", "q8_32"),
     BlockType("IQ4_XS", 23, 256, 136, "iq", "q8_k"),
+    BlockType("Q2_K", 10, 256, 84, "klow", "q8_k"),
+    BlockType("Q3_K", 11, 256, 110, "klow", "q8_k"),
 )
 BY_CODE = {t.code: t for t in BLOCK_TYPES}
 # gguf.GGMLQuantizationType values of the block formats held as stored
