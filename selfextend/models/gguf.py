@@ -11,6 +11,7 @@ tensor the architecture's processor leaves as it is goes into its run form block
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -35,6 +36,7 @@ KEPT_BLOCKS = {
     "int4": int4_packable,
     "gguf": block_packable,
 }  # by form: which stored weights keep their blocks
+log = logging.getLogger(__name__)
 
 _BLOCK_BYTES = 4 << 20  # float32 bytes of one block of rows read from a GGUF
 
@@ -241,6 +243,34 @@ def _value_shape(t: _Stored) -> tuple[int, ...]:
     return (*t.raw_shape[1:-1], last)
 
 
+def fallbacks(table: GGUFTable, keep: Callable[[int, int, int], bool], dtype: torch.dtype) -> list[str]:
+    """One line per GGUF type of the matrices a run form does not hold as stored (``keep``: IQ2_XXS, TQ1_0,
+    a K-quant whose rows are no whole super-blocks...): what they become, int8 with a float32 scale a row
+    (the embedding table: ``dtype``), and the bytes that takes against the file's."""
+    from gguf import GGMLQuantizationType
+
+    held: dict[int, list[int]] = {}  # type -> [tensors, weights, stored bytes, held bytes, the embedding's]
+    for t in table.tensors:
+        if len(t.raw_shape) != 2 or t.kind == GGMLQuantizationType.F32:
+            continue
+        rows, columns = t.raw_shape[0], _value_shape(t)[-1]
+        if keep(t.kind, rows, columns):
+            continue
+        size = torch.finfo(dtype).bits // 8 if t.name == "token_embd.weight" else 1
+        counts = held.setdefault(t.kind, [0, 0, 0, 0, 0])
+        for i, n in enumerate((1, rows * columns, math.prod(t.raw_shape) * t.raw_dtype.itemsize)):
+            counts[i] += n
+        counts[3] += rows * columns * size + (4 * rows if size == 1 else 0)
+        counts[4] += size > 1
+    table_as = f" (the embedding table as {str(dtype).removeprefix('torch.')})"
+    return [
+        f"{n} {GGMLQuantizationType(kind).name} matrices ({stored / 1e6:.1f} MB, "
+        f"{8 * stored / weights:.2f} bits a weight) are held as int8{table_as if embedding else ''}: "
+        f"{held_bytes / 1e6:.1f} MB, {8 * held_bytes / weights:.2f} bits a weight"
+        for kind, (n, weights, stored, held_bytes, embedding) in sorted(held.items())
+    ]
+
+
 def load_gguf(
     path: str | Path, config: PretrainedConfig, form: RunForm, table: GGUFTable | None = None
 ) -> PreTrainedModel:
@@ -248,6 +278,10 @@ def load_gguf(
     :func:`gguf_tensors`."""
     model = empty_model(config, RunForm("float", form.dtype))
     keep, gguf = KEPT_BLOCKS.get(form.weights), form.weights == "gguf"  # gguf: the embedding's blocks too
+    table = table or GGUFTable.read(path)
+    if keep is not None:
+        for line in fallbacks(table, keep, form.dtype):
+            log.warning(line)
     tensors = gguf_tensors(path, model, table, keep, gguf)  # the map needs plain linears
     if form.quantized:
         int8_placeholders(model, form.dtype)
