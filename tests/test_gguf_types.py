@@ -68,3 +68,29 @@ def test_each_type_is_held_as_stored(tmp_path: Path, kind: int) -> None:
         return
     assert (got - want).abs().max() <= 0.05 * want.abs().max()  # random K-quant bytes: heavy tails
     assert torch.corrcoef(torch.stack([got.flatten(), want.flatten()]))[0, 1] > 0.999
+
+
+def test_other_types_say_what_they_become(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A type the kernels do not compute (TQ2_0 here, as IQ1-IQ3 would) is held as int8, said in one line
+    with the bytes: the file's (gguf's block size) and int8's (a byte a weight, a float32 scale a row)."""
+    from gguf import GGML_QUANT_SIZES
+
+    from selfextend.models.quantize import Int8Linear
+
+    tq = GGMLQuantizationType.TQ2_0
+
+    def ternary(rows: int, columns: int) -> np.ndarray:
+        w = np.random.default_rng(0).standard_normal((rows, columns)).astype(np.float32) * np.float32(0.02)
+        return quants.quantize(w, tq)
+
+    path = write_tiny_gguf(tmp_path / "tq.gguf", hidden=256, quant="Q8_0", blocks={"TQ2_0 ffn_down": ternary})
+    with caplog.at_level("WARNING", logger="selfextend.models.gguf"):
+        model, _ = load_model(str(path), weights="gguf")
+    assert all(isinstance(layer.mlp.down_proj, Int8Linear) for layer in model.model.layers)
+    rows, columns, (values, size) = 256, 512, GGML_QUANT_SIZES[tq]  # ffn_down: (hidden, 2 hidden), 2 layers
+    stored, held = 2 * rows * columns // values * size, 2 * (rows * columns + 4 * rows)
+    line = (
+        f"2 TQ2_0 matrices ({stored / 1e6:.1f} MB, {8 * size / values:.2f} bits a weight) are held as int8: "
+        f"{held / 1e6:.1f} MB, {8 + 32 / columns:.2f} bits a weight"
+    )
+    assert [r.getMessage() for r in caplog.records if "TQ2_0" in r.getMessage()] == [line]
