@@ -231,7 +231,8 @@ def test_real_model_efficient_equals_reference_and_plain_at_g1():
     from selfextend.models import load_model
 
     model, tokenizer = load_model("smollm2-135m")
-    ids = tokenizer(default_books()["sherlock-holmes"][:6000], return_tensors="pt").input_ids[:, :700]
+    # 320 tokens: keys grouped past the 64-token window, the reference's L x L scores still small
+    ids = tokenizer(default_books()["sherlock-holmes"][:6000], return_tensors="pt").input_ids[:, :320]
     plain = logits(model, ids)
     with selfextend.self_extend(model, group_size=1, window=64):
         assert (logits(model, ids) - plain).abs().max() < 1e-3
