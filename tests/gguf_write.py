@@ -26,6 +26,16 @@ ARCHES: dict[str, tuple[str, bool]] = {
     "qwen2": ("qwen2", False),
     "qwen3": ("qwen3", False),
     "phi3": ("phi3", False),
+    "gemma": ("gemma", False),
+    "gemma2": ("gemma2", False),
+    "gemma3_text": ("gemma3", False),
+    "stablelm": ("stablelm", False),
+    "starcoder2": ("starcoder2", False),
+    "olmo2": ("olmo2", False),
+    "granite": ("granite", True),
+    "mixtral": ("llama", True),
+    "qwen2_moe": ("qwen2moe", False),
+    "qwen3_moe": ("qwen3moe", False),
 }
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2: pad/unk, bos, eos
@@ -90,7 +100,7 @@ def _metadata(writer: Any, config: Any, arch: str, vocab: int) -> dict[str, np.n
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    _family_metadata(writer, config, arch)
     extra: dict[str, np.ndarray] = {}
     if arch == "phi3":  # Phi3MiniModel.set_gguf_parameters / generate_extra_tensors
         orig = rope.get("original_max_position_embeddings") or config.max_position_embeddings
@@ -193,14 +203,11 @@ def write(
             t = permute_qk(t, config.num_attention_heads)
         if permuted and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
             t = permute_qk(t, kv_heads)
-        gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
-        if gguf_name is None:
-            raise KeyError(f"no llama.cpp name for {hf_name} in {arch}")
-        values = t.numpy()
-        if values.ndim >= 2 and kind != gguf.GGMLQuantizationType.F32:
-            writer.add_tensor(gguf_name, gguf.quants.quantize(values, kind), raw_dtype=kind)
-        else:
-            writer.add_tensor(gguf_name, np.ascontiguousarray(values, dtype=np.float32))
+        for gguf_name, values in _family_tensors(hf_name, t, arch, names):
+            if values.ndim >= 2 and kind != gguf.GGMLQuantizationType.F32:
+                writer.add_tensor(gguf_name, gguf.quants.quantize(values, kind), raw_dtype=kind)
+            else:
+                writer.add_tensor(gguf_name, np.ascontiguousarray(values, dtype=np.float32))
     for gguf_name, values in extra.items():
         writer.add_tensor(gguf_name, values)
     writer.write_header_to_file()
@@ -208,3 +215,56 @@ def write(
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def _family_metadata(writer: Any, config: Any, arch: str) -> None:
+    """The norm epsilon and each family's own keys (its converter class's ``set_gguf_parameters``)."""
+    if getattr(config, "rms_norm_eps", None) is not None:
+        writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    else:  # StableLM, Starcoder2: LayerNorm
+        writer.add_layer_norm_eps(getattr(config, "layer_norm_eps", None) or config.norm_epsilon)
+    if arch == "stablelm":
+        rot = int(_rope(config).get("partial_rotary_factor", 1.0) * _head_dim(config))
+        writer.add_rope_dimension_count(rot)
+    if arch in ("gemma2", "gemma3"):
+        writer.add_sliding_window(config.sliding_window)
+        if getattr(config, "attn_logit_softcapping", None) is not None:
+            writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
+        if getattr(config, "final_logit_softcapping", None) is not None:
+            writer.add_final_logit_softcapping(config.final_logit_softcapping)
+        sliding = (getattr(config, "rope_parameters", None) or {}).get("sliding_attention")
+        if sliding:
+            writer.add_rope_freq_base_swa(sliding["rope_theta"])
+    if arch == "granite":
+        writer.add_attention_scale(config.attention_multiplier)
+        writer.add_embedding_scale(config.embedding_multiplier)
+        writer.add_residual_scale(config.residual_multiplier)
+        writer.add_logit_scale(config.logits_scaling)
+    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+    if experts:
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+    if getattr(config, "moe_intermediate_size", None):
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    if getattr(config, "shared_expert_intermediate_size", None):
+        writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
+
+
+def _family_tensors(hf_name: str, t: torch.Tensor, arch: str, names: Any) -> list[tuple[str, np.ndarray]]:
+    """One checkpoint tensor as the converter stores it: Gemma's norms as ``1 + weight``, transformers'
+    fused experts (E, 2I, H) split into the gate and up stacks (E, I, H) each."""
+    if arch.startswith("gemma") and hf_name.endswith("norm.weight"):
+        t = t + 1
+    if hf_name.endswith("mlp.experts.gate_up_proj"):
+        block = hf_name.split(".")[2]
+        half = t.shape[1] // 2
+        return [
+            (f"blk.{block}.ffn_gate_exps.weight", t[:, :half].numpy()),
+            (f"blk.{block}.ffn_up_exps.weight", t[:, half:].numpy()),
+        ]
+    gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+    if gguf_name is None:
+        raise KeyError(f"no llama.cpp name for {hf_name} in {arch}")
+    if not gguf_name.endswith((".weight", ".bias")):  # a fused expert stack: a parameter without suffix
+        gguf_name += ".weight"
+    return [(gguf_name, t.numpy())]

@@ -29,7 +29,7 @@ import torch
 
 from selfextend.core.cells import KeyCells
 from selfextend.core.decode_query import grouped_prefix, self_extend_decode
-from selfextend.core.masked import attention_by_position, repeat_kv
+from selfextend.core.masked import attention_by_position, repeat_kv, soft_cap
 from selfextend.core.positions import grouped_key_positions, grouped_query_positions, is_neighbor
 from selfextend.core.rope import RotationTable, rotate
 from selfextend.core.validate import first_line
@@ -44,6 +44,7 @@ def attend(
     scale: float,
     is_causal: bool = False,
     mask: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention that also returns the natural log-sum-exp of each row's scaled scores.
 
@@ -51,7 +52,10 @@ def attend(
     ``h // (H / Hkv)``) -> out (B, H, Lq, D), lse (B, H, Lq) in float32. ``is_causal`` is top-left aligned
     (row r sees keys 0..r); ``mask`` is additive, in q's dtype. On the CPU the fused kernel reads the shared
     KV heads in place (no (B, H, Lk, D) copies of the keys and values); the other paths repeat them.
+    ``softcap`` (attention logit soft-capping, Gemma 2), which no fused kernel computes, takes the math.
     """
+    if softcap is not None:
+        return attend_math(q, k, v, scale, is_causal, mask, softcap=softcap)
     if q.device.type == "cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, is_causal, attn_mask=mask, scale=scale
@@ -136,6 +140,7 @@ def attend_math(
     is_causal: bool = False,
     mask: torch.Tensor | None = None,
     chunk: int = 1024,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Portable ``attend``: explicit matmuls over query chunks, so memory stays (chunk, Lk)."""
     lq, lk = q.shape[-2], k.shape[-2]
@@ -145,6 +150,7 @@ def attend_math(
     for r0 in range(0, lq, chunk):
         r1 = min(r0 + chunk, lq)
         s = torch.matmul(q[..., r0:r1, :].float(), k.float().transpose(-1, -2)) * scale  # (B, H, c, Lk)
+        s = soft_cap(s, softcap)
         if mask is not None:
             s = s + mask[..., r0:r1, :].float()
         if is_causal:
@@ -168,7 +174,7 @@ def merge_into(
 
 
 def _neighbor_pass(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, scale: float, softcap: float | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each query row against the keys of its band (i - W, i], block by block."""
     lq, lk = q.shape[-2], k.shape[-2]
@@ -187,7 +193,7 @@ def _neighbor_pass(
             ~allowed, float("-inf")
         )
         out[..., r0:r1, :], lse[..., r0:r1] = attend(
-            q[..., r0:r1, :], k[..., s0:s1, :], v[..., s0:s1, :], scale, mask=mask
+            q[..., r0:r1, :], k[..., s0:s1, :], v[..., s0:s1, :], scale, mask=mask, softcap=softcap
         )
     return out, lse
 
@@ -200,6 +206,7 @@ def sliding_window_attention(
     scale: float,
     q_pos: torch.Tensor | None = None,
     cells: KeyCells | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention over the last ``window`` slots only (``i - j < window``), as the sliding layers of
     hybrid models attend: q (B, H, Lq, D) at the last Lq slots of k/v (B, Hkv, Lk, D) -> (B, H, Lq, D).
@@ -207,15 +214,16 @@ def sliding_window_attention(
     The neighbor pass, block by block, so neither an (Lq, Lk) mask nor (Lq, Lk) scores exist:
     transformers' SDPA path builds a dense boolean mask (4 GiB at 64k tokens) and scores every pair.
     Keys whose ``cells`` have gaps are masked by position instead (``q_pos`` (B or 1, Lq) required then).
+    ``softcap``: attention logit soft-capping (Gemma 2).
     """
     if cells is not None and cells.first is None:
-        return attention_by_position(q, k, v, q_pos, cells.positions, scale, sliding=window)
-    out, _ = _neighbor_pass(q, k, v, window, scale)
+        return attention_by_position(q, k, v, q_pos, cells.positions, scale, sliding=window, softcap=softcap)
+    out, _ = _neighbor_pass(q, k, v, window, scale, softcap)
     return out
 
 
 def _grouped_pass(
-    q_g: torch.Tensor, k_g: torch.Tensor, v: torch.Tensor, window: int, scale: float
+    q_g: torch.Tensor, k_g: torch.Tensor, v: torch.Tensor, window: int, scale: float, softcap: float | None
 ) -> tuple[int, torch.Tensor, torch.Tensor] | None:
     """Query rows against keys at distance >= W, at grouped positions.
 
@@ -229,11 +237,11 @@ def _grouped_pass(
         first = -c
         if first >= lq:
             return None
-        out, lse = attend(q_g[..., first:, :], k_g, v[..., :n_grouped, :], scale, is_causal=True)
+        out, lse = attend(q_g[..., first:, :], k_g, v[..., :n_grouped, :], scale, True, softcap=softcap)
         return first, out, lse
-    out, lse = attend(q_g, k_g[..., c:, :], v[..., c:n_grouped, :], scale, is_causal=True)
+    out, lse = attend(q_g, k_g[..., c:, :], v[..., c:n_grouped, :], scale, True, softcap=softcap)
     if c > 0:
-        out_a, lse_a = attend(q_g, k_g[..., :c, :], v[..., :c, :], scale)
+        out_a, lse_a = attend(q_g, k_g[..., :c, :], v[..., :c, :], scale, softcap=softcap)
         out, lse = merge_into(out, lse, out_a, lse_a)
     return 0, out, lse
 
@@ -264,12 +272,14 @@ def self_extend_attention(
     scale: float | None = None,
     cells: KeyCells | None = None,
     rotations: RotationTable | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Self-Extend attention for one unpadded problem, the queries' keys last.
 
     q (B, H, Lq, D) rotated at ``q_pos`` (B or 1, Lq); k/v (B, Hkv, Lk, D), keys rotated at the positions of
     ``cells`` (None: gapless, ending at ``q_pos[:, -1]``). Returns (B, H, Lq, D). Decode steps (Lq = 1) take a
-    direct path, reading grouped keys from ``cells.grouped`` where the cache keeps them.
+    direct path, reading grouped keys from ``cells.grouped`` where the cache keeps them. ``softcap``:
+    attention logit soft-capping of the scaled scores (Gemma 2).
     """
     lq, d, lk = q.shape[2], q.shape[3], k.shape[2]
     scale = d**-0.5 if scale is None else scale
@@ -278,14 +288,15 @@ def self_extend_attention(
     last = q_pos[:, -1]
     if lq == 1 and (last.shape[0] == 1 or bool((last == last[0]).all())):
         pos = int(last[0])
-        return self_extend_decode(q, k, v, pos, group_size, window, inv_freq, scale, cells, rotations)
+        se = (group_size, window, inv_freq, scale, cells, rotations, softcap)
+        return self_extend_decode(q, k, v, pos, *se)
     if cells.first is None:
         k_g = grouped_prefix(k, cells, lk, group_size, inv_freq) if group_size > 1 else k
         se = (group_size, window, inv_freq, k_g)
-        return attention_by_position(q, k, v, q_pos, cells.positions, scale, self_extend=se)
+        return attention_by_position(q, k, v, q_pos, cells.positions, scale, self_extend=se, softcap=softcap)
 
     n_grouped = lk - window
-    out, lse = _neighbor_pass(q, k, v, window, scale)
+    out, lse = _neighbor_pass(q, k, v, window, scale, softcap)
     if n_grouped <= 0:
         return out
     if group_size == 1:  # grouped positions are the normal ones
@@ -293,7 +304,7 @@ def self_extend_attention(
     else:
         k_g = grouped_prefix(k, cells, n_grouped, group_size, inv_freq)
         q_g = rotate(q, grouped_query_positions(q_pos, group_size, window) - q_pos, inv_freq)
-    grouped = _grouped_pass(q_g, k_g, v, window, scale)
+    grouped = _grouped_pass(q_g, k_g, v, window, scale, softcap)
     if grouped is not None:
         first, out_g, lse_g = grouped
         out[..., first:, :], _ = merge_into(out[..., first:, :], lse[..., first:], out_g, lse_g)
@@ -311,6 +322,7 @@ def self_extend_attention_reference(
     inv_freq: torch.Tensor,
     scale: float | None = None,
     key_mask: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """The plain math, for tests and benchmarks: full score matrices from UN-rotated q and k.
 
@@ -328,7 +340,7 @@ def self_extend_attention_reference(
     s_n = q_n @ k_n.transpose(-1, -2) * scale  # (B, H, Lq, Lk)
     s_g = q_g @ k_g.transpose(-1, -2) * scale  # (B, H, Lq, Lk)
     distance = (q_pos[:, :, None] - k_pos[:, None, :])[:, None]  # (B, 1, Lq, Lk)
-    scores = torch.where(is_neighbor(distance, window), s_n, s_g)
+    scores = soft_cap(torch.where(is_neighbor(distance, window), s_n, s_g), softcap)
     visible = distance >= 0
     if key_mask is not None:
         visible = visible & key_mask[:, None, None, :].bool()

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from selfextend.core.cells import KeyCells
+from selfextend.core.masked import soft_cap
 from selfextend.core.positions import grouped_key_positions, grouped_query_positions
 from selfextend.core.rope import RotationTable, rotate
 
@@ -74,27 +75,31 @@ def self_extend_decode(
     scale: float,
     cells: KeyCells,
     rotations: RotationTable | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """One query row per sequence, all at position ``pos``, against every key (all at positions <= pos):
     grouped scores for keys at distance >= W, neighbor scores for the others, one softmax over both.
-    q (B, H, 1, D) -> (B, H, 1, D). ``rotations``: a table for the query's rotation (shared by layers)."""
+    q (B, H, 1, D) -> (B, H, 1, D). ``rotations``: a table for the query's rotation (shared by layers);
+    ``softcap``: attention logit soft-capping of the scaled scores (Gemma 2)."""
     b, h, _, d = q.shape
     hkv = k.shape[1]
     k_g = grouped_decode_keys(k, pos, group_size, window, inv_freq, cells, rotations)
-    if k_g is None:
+    if k_g is None and softcap is None:
         # Every key at its own position: this is plain attention, so run the very op the unpatched model
         # decodes with. Another summation order differs in the last bits, which int8 weights (activations
         # rounded to bfloat16 before each product) amplify until a greedy token flips.
         return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
     q = (q * scale).reshape(b, hkv, h // hkv, d)  # (B, Hkv, n_rep, D): the heads sharing a KV head as rows
-    delta = grouped_query_positions(pos, group_size, window) - pos
-    if rotations is not None:
-        q_g = rotations.rotate(q, delta, inv_freq)
-    else:
-        q_g = rotate(q, torch.tensor([delta]), inv_freq)
-    n_grouped = k_g.shape[2]
-    grouped = torch.matmul(q_g, k_g.transpose(-1, -2))  # (B, Hkv, n_rep, n_grouped)
-    neighbors = torch.matmul(q, k[..., n_grouped:, :].transpose(-1, -2))  # (B, Hkv, n_rep, rest)
-    scores = torch.cat((grouped, neighbors), dim=-1)  # (B, Hkv, n_rep, Lk)
+    n_grouped = 0 if k_g is None else k_g.shape[2]
+    scores = torch.matmul(q, k[..., n_grouped:, :].transpose(-1, -2))  # (B, Hkv, n_rep, Lk - n_grouped)
+    if k_g is not None:
+        delta = grouped_query_positions(pos, group_size, window) - pos
+        if rotations is not None:
+            q_g = rotations.rotate(q, delta, inv_freq)
+        else:
+            q_g = rotate(q, torch.tensor([delta]), inv_freq)
+        grouped = torch.matmul(q_g, k_g.transpose(-1, -2))  # (B, Hkv, n_rep, n_grouped)
+        scores = torch.cat((grouped, scores), dim=-1)  # (B, Hkv, n_rep, Lk)
+    scores = soft_cap(scores, softcap)
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
     return torch.matmul(probs, v).reshape(b, h, 1, d)

@@ -22,6 +22,12 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     return x[:, :, None].expand(b, h, n_rep, seq, d).reshape(b, h * n_rep, seq, d)
 
 
+def soft_cap(scores: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """Scaled scores through attention logit soft-capping (Gemma 2): ``cap * tanh(scores / cap)``; as they
+    are for ``cap`` None."""
+    return scores if cap is None else torch.tanh(scores / cap) * cap
+
+
 def attention_by_position(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -31,12 +37,13 @@ def attention_by_position(
     scale: float,
     sliding: int | None = None,
     self_extend: tuple[int, int, torch.Tensor, torch.Tensor] | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention masked by position, for keys in any order: q (B, H, Lq, D) at ``q_pos`` (B or 1, Lq), k/v
     (B, Hkv, Lk, D) at ``k_pos`` (Lk,) or (B, Lk). A key is visible where ``0 <= q_pos - k_pos`` (and
     ``< sliding``); ``self_extend`` = (G, W, inv_freq, grouped keys (B, Hkv, Lk, D)) scores pairs at distance
-    >= W at grouped positions. Query block by query block, so memory stays (block, Lk). Rows with no visible
-    key are zeros."""
+    >= W at grouped positions; ``softcap`` caps the scaled scores (:func:`soft_cap`). Query block by query
+    block, so memory stays (block, Lk). Rows with no visible key are zeros."""
     n_rep = q.shape[1] // k.shape[1]
     q_pos, k_pos = q_pos.to(q.device).long(), k_pos.to(q.device).long().reshape(-1, k.shape[-2])
     k_n, v_r = repeat_kv(k, n_rep).float(), repeat_kv(v, n_rep).float()
@@ -52,6 +59,7 @@ def attention_by_position(
         if self_extend is not None:
             grouped = torch.matmul(q_g[..., r0:r1, :].float(), k_g.transpose(-1, -2)) * scale
             scores = torch.where(is_neighbor(distance, window), scores, grouped)
+        scores = soft_cap(scores, softcap)
         visible = distance >= 0
         if sliding is not None:
             visible = visible & (distance < sliding)

@@ -21,6 +21,7 @@ use another path. Forward hooks on the submodules are not run.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from functools import partial
 from typing import NamedTuple
@@ -44,6 +45,8 @@ from selfextend.models.blocks import BlockEmbedding, BlockLinear, fuse_blocks
 from selfextend.models.quantize import Int4Linear, Int8Linear, fuse_int4, fuse_int8
 from selfextend.native.decode import ACTIVATIONS, NativeKernels, native_kernels, rotation_fits
 from selfextend.native.quant import quant_kernels
+
+log = logging.getLogger(__name__)
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 ATTENTION = ("sdpa", "eager", IMPLEMENTATION)  # one math (attention soft-capping is refused by why_not)
@@ -104,9 +107,19 @@ def serves(model: nn.Module) -> bool:
     return why_not(model) is None
 
 
+_NOTED: set[str] = set()  # the reasons already said in this process
+
+
 def decode_step_for(model: nn.Module) -> DecodeStep | None:
-    """A :class:`DecodeStep` for ``model``, or None when it does not serve its architecture."""
-    return DecodeStep(model) if serves(model) else None
+    """A :class:`DecodeStep` for ``model``, or None when it does not serve its architecture (said once per
+    reason, in one line: each token then runs through the model's forward, the slower path)."""
+    reason = why_not(model)
+    if reason is None:
+        return DecodeStep(model)
+    if reason not in _NOTED:
+        _NOTED.add(reason)
+        log.info("direct decode step not used (%s): tokens run through the model's forward, slower", reason)
+    return None
 
 
 def _query_rotation(

@@ -16,6 +16,7 @@ padding); only the full-attention layers get Self-Extend, each with its own rota
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -24,13 +25,13 @@ from typing import Any
 import torch
 from torch import nn
 from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import (
     AttentionMaskInterface,
     causal_mask_function,
     prepare_padding_mask,
     sdpa_mask,
 )
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from selfextend.core.attention import (
     self_extend_attention,
@@ -128,8 +129,6 @@ def _query_positions(
 
 
 def _check_supported(kwargs: dict[str, Any]) -> None:
-    if kwargs.get("softcap") is not None:
-        raise NotImplementedError("selfextend does not support attention logit soft-capping")
     if kwargs.get("sliding_window") is not None:
         raise NotImplementedError("selfextend does not extend sliding-window attention layers")
 
@@ -147,8 +146,10 @@ def _own_attention(
     """A sliding layer's own attention, or None for a layer Self-Extend serves.
 
     A prefill without padding got no mask from the mask function, and the band ``i - j < sliding_window``
-    is attended block by block (:func:`sliding_window_attention`). A decode step, or padding, runs SDPA
-    with transformers' mask: the unpatched model's very path, so its numbers are the plain model's.
+    is attended block by block (:func:`sliding_window_attention`, soft-capped where the model caps). A
+    decode step, or padding, runs the attention the model ran before the patch with transformers' mask
+    (made additive for eager attention): the unpatched model's very path, so its numbers are the plain
+    model's.
     """
     if not isinstance(module.self_extend, OwnAttention):
         return None
@@ -156,11 +157,19 @@ def _own_attention(
     if attention_mask is None and window is not None and query.shape[2] > 1:
         scale = query.shape[-1] ** -0.5 if scaling is None else scaling
         q_pos = _query_positions(kwargs, query.shape[0], query.shape[2], key.shape[2], query.device)
-        out = sliding_window_attention(query, key, value, int(window), scale, q_pos, cells_of(key))
+        cells, cap = cells_of(key), kwargs.get("softcap")
+        out = sliding_window_attention(query, key, value, int(window), scale, q_pos, cells, cap)
         return out.transpose(1, 2).contiguous(), None
-    return sdpa_attention_forward(
-        module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
-    )
+    previous = module.self_extend.previous_implementation
+    if previous in ALL_ATTENTION_FUNCTIONS:
+        attend = ALL_ATTENTION_FUNCTIONS[previous]
+    else:  # eager: the model's own function
+        attend = sys.modules[type(module).__module__].eager_attention_forward
+        if attention_mask is not None and attention_mask.dtype == torch.bool:
+            blocked = torch.finfo(query.dtype).min
+            additive = torch.zeros_like(attention_mask, dtype=query.dtype)
+            attention_mask = additive.masked_fill(~attention_mask, blocked)
+    return attend(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
 
 
 def self_extend_attention_forward(
@@ -189,9 +198,8 @@ def self_extend_attention_forward(
         q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, pad: int | None = None
     ) -> torch.Tensor:
         c = cells.drop(pad) if cells is not None and pad is not None else cells  # one row, after its padding
-        return self_extend_attention(
-            q, k, v, pos, params.group_size, params.window, params.inv_freq, scaling, c, params.rotations
-        )
+        g, w, inv_freq, cap = params.group_size, params.window, params.inv_freq, kwargs.get("softcap")
+        return self_extend_attention(q, k, v, pos, g, w, inv_freq, scaling, c, params.rotations, cap)
 
     if pads is None:
         out = run(query, key, value, q_pos)
@@ -252,6 +260,7 @@ def reference_attention_forward(
         params.inv_freq,
         scale=scaling,
         key_mask=key_mask,
+        softcap=kwargs.get("softcap"),
     )
     return out.transpose(1, 2).contiguous(), None
 
@@ -292,10 +301,6 @@ def _check_model(model: nn.Module) -> list[str]:
         raise ValueError(
             f"{config.model_type} uses sliding-window attention in every layer, so nothing attends far "
             "enough to extend (set config.sliding_window = None if the model allows it)"
-        )
-    if getattr(config, "attn_logit_softcapping", None):
-        raise ValueError(
-            f"{config.model_type} uses attention logit soft-capping; not supported by selfextend"
         )
     return kinds
 
