@@ -20,7 +20,7 @@ import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
-from selfextend.models.blocks import BLOCK_KINDS, FIELDS, INTERLEAVED, base_kind, pack8, unpack8
+from selfextend.models.blocks import BLOCK_KINDS, INTERLEAVED, PIECES, base_kind, pack8, unpack8
 from selfextend.models.sources import cache_root
 from selfextend.native.blocktypes import BLOCK_TYPES
 from selfextend.native.build import build
@@ -108,7 +108,7 @@ def test_interleaving_rearranges_the_same_bytes() -> None:
         packed = pack8(raw, base)
         assert packed.shape == raw.shape and not np.array_equal(packed, raw)
         assert np.array_equal(unpack8(packed, base), raw)
-        if base in FIELDS:  # whole bytes moved: each group's bytes are kept as a multiset
+        if base in PIECES:  # whole bytes moved: each group's bytes are kept as a multiset
             for g in range(3):
                 assert np.array_equal(*(np.sort(a[8 * g : 8 * g + 8], axis=None) for a in (packed, raw)))
             continue

@@ -24,13 +24,24 @@ _SLAB_ROWS = 256  # rows dequantised at a time by the reference product
 BF16_MIN_ROWS = 128  # rows from which a call takes a layer's bf16 chunk engine (a tile's dequantisation pays)
 
 
-# The forms whose block fields are interleaved whole (Q8_0 and the K-quants): each field of a stored block,
-# (offset, bytes), in stored order, as kquant.c's KX8_FIELDS and legacy.c's Q8_0X8 read them
-FIELDS = {
+# The forms whose blocks are interleaved in whole pieces (Q8_0 and the K-quants): the pieces of a stored
+# block, (offset, bytes), in the order the group block holds them, as kquant.c's kx8_piece and legacy.c's
+# Q8_0X8 read them. Q6_K's are in the order its loop reads them (scales; per 4 values of each half's 32
+# positions, the two ql words and the qh word; d), so that a group's super-block is read front to back.
+PIECES = {
     8: ((0, 2), (2, 32)),  # Q8_0: d, qs
     12: ((0, 2), (2, 2), (4, 12), (16, 128)),  # Q4_K: d, dmin, scales, qs
     13: ((0, 2), (2, 2), (4, 12), (16, 32), (48, 128)),  # Q5_K: d, dmin, scales, qh, qs
-    14: ((0, 128), (128, 64), (192, 16), (208, 2)),  # Q6_K: ql, qh, scales, d
+    14: (
+        (192, 16),
+        *(
+            (at, 4)
+            for h in (0, 1)
+            for g in range(8)
+            for at in (64 * h + 4 * g, 64 * h + 32 + 4 * g, 128 + 32 * h + 4 * g)
+        ),
+        (208, 2),
+    ),  # Q6_K: scales, (ql, ql, qh) words, d
 }
 
 
@@ -39,35 +50,37 @@ def _head(kind: int) -> int:
     return 4 if base_kind(kind) == 3 else 2
 
 
-def _fields(r: np.ndarray, kind: int, pack: bool) -> np.ndarray:
-    """Blocks (G, 8 rows, blocks, bytes) of a :data:`FIELDS` type as groups (G, blocks, 8 x bytes) with
-    each field's 4-byte words (a float16 scale's 2) of the 8 rows side by side (``pack``), or (G, blocks,
-    8 x bytes) back to (G, 8, blocks, bytes)."""
-    parts, at = [], 0
-    for offset, size in FIELDS[base_kind(kind)]:
+def _pieces(r: np.ndarray, kind: int, pack: bool) -> np.ndarray:
+    """Blocks (G, 8 rows, blocks, bytes) of a :data:`PIECES` type as groups (G, blocks, 8 x bytes), each
+    piece's 4-byte words (a float16 scale's 2) of the 8 rows side by side (``pack``), or such groups (G,
+    blocks, 8 x bytes) back to (G, 8, blocks, bytes)."""
+    pieces = PIECES[base_kind(kind)]
+    if pack:  # each piece (G, 8, nb, words, z) -> (G, nb, words, row, z)
+        parts = [
+            r[..., at : at + size]
+            .reshape(*r.shape[:3], size // min(size, 4), min(size, 4))
+            .transpose(0, 2, 3, 1, 4)
+            for at, size in pieces
+        ]
+        return np.concatenate([f.reshape(r.shape[0], r.shape[2], -1) for f in parts], axis=-1)
+    out = np.empty((r.shape[0], 8, r.shape[1], r.shape[2] // 8), dtype=r.dtype)
+    start = 0
+    for at, size in pieces:  # (G, nb, words, row, z) -> (G, 8, nb, words, z)
         z = min(size, 4)
-        if pack:  # (G, 8, nb, words, z) -> (G, nb, words, row, z)
-            f = r[..., offset : offset + size].reshape(*r.shape[:3], size // z, z).transpose(0, 2, 3, 1, 4)
-            parts.append(f.reshape(r.shape[0], r.shape[2], 8 * size))
-        else:  # (G, nb, words, row, z) -> (G, 8, nb, words, z)
-            f = (
-                r[..., 8 * at : 8 * (at + size)]
-                .reshape(*r.shape[:2], size // z, 8, z)
-                .transpose(0, 3, 1, 2, 4)
-            )
-            parts.append(f.reshape(r.shape[0], 8, r.shape[1], size))
-            at += size
-    return np.concatenate(parts, axis=-1)
+        f = r[..., start : start + 8 * size].reshape(*r.shape[:2], size // z, 8, z).transpose(0, 3, 1, 2, 4)
+        out[..., at : at + size] = f.reshape(r.shape[0], 8, r.shape[1], size)
+        start += 8 * size
+    return out
 
 
 def pack8(raw: np.ndarray, kind: int) -> np.ndarray:
     """Q4_0, Q4_1, Q8_0 or K-quant rows (N, bytes per row), N a multiple of 8, in the kernels' 8-row
     interleaved form, the same bytes rearranged: per group of 8 rows and block, Q4_0 and Q4_1: the 8
     rows' d, (Q4_1) their 8 m, then 128 bytes where byte 16 s + 4 k + i holds value 4 s + i of row k (low
-    nibble) and of row 4 + k (high); Q8_0 and the K-quants: each field of the block (:data:`FIELDS`) in
-    its order, as the 8 rows' words of 4 bytes (float16 scales: 2) side by side, word w of row k at 8 o +
-    8 z w + z k (o the field's offset in a block, z the word's size; Q8_0's value 4 s + i of row k at
-    16 + 32 s + 4 k + i).
+    nibble) and of row 4 + k (high); Q8_0 and the K-quants: each piece of the block (:data:`PIECES`) in
+    turn, as the 8 rows' words of 4 bytes (float16 scales: 2) side by side, word w of row k at 8 o + 8 z w
+    + z k (o the bytes of the pieces before it, z the word's size; Q8_0's value 4 s + i of row k at 16 +
+    32 s + 4 k + i).
 
     Why: one 32-byte load of the (unpacked) values then holds 4 values of each of 8 rows, so an integer
     product's 8 lanes are 8 outputs, summed over a whole block before one conversion to float (3x the
@@ -75,8 +88,8 @@ def pack8(raw: np.ndarray, kind: int) -> np.ndarray:
     per byte; llama.cpp repacks Q4_0 and the K-quants for the same reason)."""
     (_, size), n = block_shape(kind), raw.shape[0]
     r = raw.reshape(n // 8, 8, -1, size)  # (G, 8 rows, blocks, bytes)
-    if base_kind(kind) in FIELDS:
-        return np.ascontiguousarray(_fields(r, kind, pack=True)).reshape(n, -1)
+    if base_kind(kind) in PIECES:
+        return np.ascontiguousarray(_pieces(r, kind, pack=True)).reshape(n, -1)
     head = _head(kind)
     groups, _, nb, _ = r.shape
     qs = r[..., head:]
@@ -94,8 +107,8 @@ def unpack8(packed: np.ndarray, kind: int) -> np.ndarray:
     """The rows :func:`pack8` rearranged, as the GGUF stores them."""
     (_, size), n = block_shape(kind), packed.shape[0]
     p = packed.reshape(n // 8, -1, 8 * size)  # (G, nb, group block)
-    if base_kind(kind) in FIELDS:
-        return np.ascontiguousarray(_fields(p, kind, pack=False)).reshape(n, -1)
+    if base_kind(kind) in PIECES:
+        return np.ascontiguousarray(_pieces(p, kind, pack=False)).reshape(n, -1)
     head = _head(kind)
     groups, nb, _ = p.shape
     scales = p[..., : 8 * head].reshape(groups, nb, head // 2, 8, 2).transpose(0, 3, 1, 2, 4)

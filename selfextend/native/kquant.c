@@ -342,26 +342,45 @@ static void dequant_k(int type, const uint8_t *w, long nb, float *out) {
 }
 
 /* The 8-row interleaved forms (Q4_KX8, Q5_KX8, Q6_KX8: blocks.py's pack8), the same bytes rearranged: per
- * group of 8 weight rows and super-block, the fields of the stored block in their order (KX8_FIELDS), each
- * as the 8 rows' words of 4 bytes (a float16 scale's 2) side by side: word w of row k at 8 o + 8 z w + z k,
- * o the field's offset in a stored block and z the word's size. One 32-byte load then holds the same 4
- * bytes of each of the 8 rows (lane k: row k): an integer product's lanes are rows, each row's integer sums
- * end in its own lane, and a super-block's float steps are the portable path's (dot_k_block's), lane by
- * lane, so the results are dot_k's bit for bit. Why: the stored form's AVX2 loop spends about twice the
- * instructions per weight byte (each sub-block's scale shuffled in per row, each super-block's sums kept
- * in 8 lanes of one row); llama.cpp repacks the K-quants for the same reason (its q4_K_8x8). */
+ * group of 8 weight rows and super-block, pieces of the stored block in turn (kx8_piece), each as the 8
+ * rows' words of 4 bytes (a float16 scale's 2) side by side: word w of row k at 8 o + 8 z w + z k, o the
+ * bytes of the pieces before it and z the word's size. Q4_K and Q5_K's pieces are their fields in stored
+ * order; Q6_K's are in the order its loop reads them (scales, then per 4 values of each half the two ql
+ * words and the qh word, then d): a group's super-block is read front to back (in the stored fields' order
+ * it ran at half the rate from memory, 8 against 20 GB/s on an EPYC, as fast from the cache). One 32-byte
+ * load then holds the same 4 bytes of each of the 8 rows (lane k: row k): an integer product's lanes are
+ * rows, each row's integer sums end in its own lane, and a super-block's float steps are the portable
+ * path's (dot_k_block's), lane by lane, so the results are dot_k's bit for bit. Why: the stored form's
+ * AVX2 loops take about 1.2 (Q6_K) to 1.9 (Q4_K) times the instructions per weight byte (each sub-block's
+ * scale shuffled in per row, each super-block's sums kept in the 8 lanes of one row); llama.cpp repacks the
+ * K-quants for the same reason (its q4_K_8x8). */
 #define KBASE(type) ((type) - Q4_KX8 + Q4_K) /* the stored type of an interleaved form */
-static const short KX8_FIELDS[3][6][2] = { /* (offset, bytes) of a stored block's fields; {0, 0} ends */
-    {{0, 2}, {2, 2}, {4, 12}, {16, 128}},             /* Q4_K: d, dmin, scales, qs */
-    {{0, 2}, {2, 2}, {4, 12}, {16, 32}, {48, 128}},  /* Q5_K: d, dmin, scales, qh, qs */
-    {{0, 128}, {128, 64}, {192, 16}, {208, 2}},       /* Q6_K: ql, qh, scales, d */
+static const short K4_PIECES[2][6][2] = { /* (offset, bytes) of Q4_K's and Q5_K's pieces; {0, 0} ends */
+    {{0, 2}, {2, 2}, {4, 12}, {16, 128}},            /* d, dmin, scales, qs */
+    {{0, 2}, {2, 2}, {4, 12}, {16, 32}, {48, 128}}, /* d, dmin, scales, qh, qs */
 };
+
+/* Piece i of a stored block of `base` (blocks.py's PIECES): its offset and bytes (0 past the last). */
+INLINE int kx8_piece(int base, int i, int *at) {
+    if (base != Q6_K) {
+        *at = K4_PIECES[base - Q4_K][i][0];
+        return K4_PIECES[base - Q4_K][i][1];
+    }
+    if (i == 0 || i > 48) {
+        *at = i == 0 ? 192 : 208;
+        return i == 0 ? 16 : i == 49 ? 2 : 0;
+    }
+    int h = (i - 1) / 24, g = (i - 1) / 3 % 8, e = (i - 1) % 3; /* ql 4g.., ql 32 + 4g.., qh 4g.. of half h */
+    *at = e < 2 ? 64 * h + 32 * e + 4 * g : 128 + 32 * h + 4 * g;
+    return 4;
+}
 
 /* Row k's stored super-block (out, block_bytes(KBASE(type)) bytes) from a group's super-block blk. */
 static void kx8_block(int type, const uint8_t *blk, int k, uint8_t *out) {
-    for (const short(*f)[2] = KX8_FIELDS[KBASE(type) - Q4_K]; f[0][1] != 0; f++) {
-        const int at = f[0][0], size = f[0][1], z = size < 4 ? size : 4;
-        for (int w = 0; w < size / z; w++) memcpy(out + at + z * w, blk + 8 * at + 8 * z * w + z * k, z);
+    int at, size;
+    for (int i = 0, o = 0; (size = kx8_piece(KBASE(type), i, &at)) != 0; i++, o += size) {
+        const int z = size < 4 ? size : 4;
+        for (int w = 0; w < size / z; w++) memcpy(out + at + z * w, blk + 8 * o + 8 * z * w + z * k, z);
     }
 }
 
@@ -394,6 +413,20 @@ static void dequant_kx8(int type, const uint8_t *w, long nb, float *out) {
 }
 
 #ifdef HAVE_AVX2
+/* prefetch_ahead with the loop unrolled (a group's super-block is 18 to 27 cache lines: the loop's own
+ * instructions were a tenth of Q4_KX8's). */
+#ifndef KX8_AHEAD
+#define KX8_AHEAD PREFETCH_BYTES
+#endif
+#ifndef KX8_HINT
+#define KX8_HINT 3
+#endif
+INLINE void prefetch_group(const uint8_t *p, long bytes) {
+    if (KX8_AHEAD == 0) return;
+#pragma GCC unroll 32
+    for (long o = 0; o < bytes; o += 64) __builtin_prefetch(p + KX8_AHEAD + o, 0, KX8_HINT);
+}
+
 /* A shuffle_epi8 control that gives each 32-bit lane's bytes i0 and i1 as two 16-bit lanes, zero-extended
  * (high = 0) or in the high bytes (high = 1, a sign extension's first step). */
 INLINE __m256i lane_pairs(int i0, int i1, int high) {
@@ -435,7 +468,7 @@ INLINE void rows_k4x8(int type, const uint8_t *w, const void *const *xv, long nb
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps(), accm[r] = _mm256_setzero_ps();
     for (long b = 0; b < nb; b++) {
         const uint8_t *blk = w + b * gb;
-        prefetch_ahead(blk, gb);
+        prefetch_group(blk, gb);
         /* the 12 scale bytes of each row as 3 words (scales_k4_words, 8 rows at once): lane k of sc[h] holds
          * row k's scales 4h..4h+3, of mn[h] its mins */
         const __m256i u0 = load32(blk + 32), u1 = load32(blk + 64), u2 = load32(blk + 96);
@@ -445,6 +478,7 @@ INLINE void rows_k4x8(int type, const uint8_t *w, const void *const *xv, long nb
                                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(u2, 4), m4), _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(u1, 6), top2), 4))};
         __m256i sumi[TILE];
         for (int r = 0; r < R; r++) sumi[r] = _mm256_setzero_si256();
+#pragma GCC unroll 4
         for (int c = 0; c < 4; c++) {
             const __m256i s_lo = _mm256_shuffle_epi8(sc[c / 2], pick[(2 * c) % 4]);
             const __m256i s_hi = _mm256_shuffle_epi8(sc[c / 2], pick[(2 * c + 1) % 4]);
@@ -502,23 +536,25 @@ INLINE void rows_q6kx8(const uint8_t *w, const void *const *xv, long nb, int R, 
     __m256 acc[TILE];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (long b = 0; b < nb; b++) {
-        const uint8_t *blk = w + b * 1680, *ql = blk, *qh = blk + 1024;
-        prefetch_ahead(blk, 1680);
+        const uint8_t *blk = w + b * 1680, *v4 = blk + 128; /* the scales, then 96 bytes per 4 values */
+        prefetch_group(blk, 1680);
         /* lane k of scale[j]: row k's scale j as two int16; of sp[p]: its scales 2p and 2p + 1 */
         __m256i scale[16], sp[8];
         for (int j = 0; j < 4; j++) {
-            const __m256i word = load32(blk + 1536 + 32 * j);
+            const __m256i word = load32(blk + 32 * j);
             for (int i = 0; i < 4; i++) scale[4 * j + i] = _mm256_srai_epi16(_mm256_shuffle_epi8(word, pick[i]), 8);
             for (int i = 0; i < 2; i++) sp[2 * j + i] = _mm256_srai_epi16(_mm256_shuffle_epi8(word, pairs[i]), 8);
         }
         __m256i sumi[TILE];
         for (int r = 0; r < R; r++) sumi[r] = _mm256_setzero_si256();
+#pragma GCC unroll 2
         for (int h = 0; h < 2; h++)
+#pragma GCC unroll 4
             for (int g = 0; g < 8; g += 2) { /* values 128h + 32t + 4g.. (sub-block 8h + 2t + g / 4) and 4 on */
                 __m256i v[2][4];
                 for (int e = 0; e < 2; e++) {
-                    const __m256i a = load32(ql + 32 * (16 * h + g + e)), c = load32(ql + 32 * (16 * h + 8 + g + e));
-                    const __m256i hb = load32(qh + 32 * (8 * h + g + e));
+                    const uint8_t *at = v4 + 96 * (8 * h + g + e); /* ql 4g.., ql 32 + 4g.., qh 4g.. of half h */
+                    const __m256i a = load32(at), c = load32(at + 32), hb = load32(at + 64);
                     v[e][0] = _mm256_or_si256(_mm256_and_si256(a, m4), _mm256_and_si256(_mm256_slli_epi16(hb, 4), m30));
                     v[e][1] = _mm256_or_si256(_mm256_and_si256(c, m4), _mm256_and_si256(_mm256_slli_epi16(hb, 2), m30));
                     v[e][2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), m4), _mm256_and_si256(hb, m30));
