@@ -1,0 +1,124 @@
+"""Each GGUF block type held as stored, on files written by llama.cpp's own quantizer: ours against llama.cpp.
+
+The shipped SmolLM2-135M (a Q4_1 GGUF) is requantized by ``llama_cpp.llama_model_quantize`` (with
+``allow_requantize``) to each type, then next-token logits over English text (the first book of the
+default corpus) are compared with llama.cpp's on the same file: mean KL(llama.cpp || ours) over the
+positions and argmax agreement, for ``load_model(file, weights="auto")`` (gguf on the CPU, the CLI
+default).
+Also the bytes the model holds for its matrices (every 2-D weight, the embedding table and a tied head
+once) against the file's 2-D tensors, and the types the file holds: SmolLM2's 576 columns are no whole
+super-blocks of 256, so a K-quant file falls back to 32-value types on most tensors (llama.cpp's choice).
+
+    .venv/bin/python experiments/quality/quant_types_vs_llamacpp.py [--tokens 500] [--types Q2_K,IQ4_XS]
+
+Prints one row per type and writes ``experiments/quality/results/quant_types_vs_llamacpp.jsonl``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import ctypes
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+
+# llama.cpp's file types (llama.h's LLAMA_FTYPE_MOSTLY_*); Q4_1: the shipped file's own, the baseline
+FTYPES = {"Q4_1": 3, "F16": 1, "Q5_1": 9, "Q2_K": 10, "Q3_K_M": 12, "IQ4_NL": 25, "IQ4_XS": 30, "BF16": 32}
+
+
+def quantize(src: Path, dst: Path, ftype: int) -> None:
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype, params.allow_requantize, params.nthread = ftype, True, 2
+    if llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params)) != 0:
+        raise RuntimeError(f"llama.cpp could not quantize {src} to file type {ftype}")
+
+
+def file_types(path: Path) -> tuple[dict[str, int], int]:
+    """The file's 2-D tensors counted by type, and their bytes."""
+    from gguf import GGUFReader
+
+    counts: collections.Counter[str] = collections.Counter()
+    size = 0
+    for t in GGUFReader(str(path)).tensors:
+        if len(t.shape) == 2:
+            counts[t.tensor_type.name] += 1
+            size += int(t.n_bytes)
+    return dict(counts), size
+
+
+def held_bytes(model: torch.nn.Module) -> int:
+    """The bytes of every 2-D (and int8 scale) weight the model holds, each storage once."""
+    seen, total = set(), 0
+    for _, t in [*model.named_parameters(), *model.named_buffers()]:
+        key = t.untyped_storage().data_ptr()
+        if t.dim() >= 1 and t.numel() > 4096 and key not in seen:
+            seen.add(key)
+            total += t.untyped_storage().nbytes()
+    return total
+
+
+def llama_cpp_logits(path: Path, ids: torch.Tensor) -> torch.Tensor:
+    from llama_cpp import Llama
+
+    llm = Llama(str(path), n_ctx=ids.shape[1] + 8, logits_all=True, verbose=False, n_threads=2)
+    llm.eval(ids[0].tolist())
+    return torch.tensor(llm.scores[: ids.shape[1]])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tokens", type=int, default=500)
+    parser.add_argument("--types", default=",".join(FTYPES))
+    args = parser.parse_args()
+
+    from selfextend.evaluation.corpus import default_books
+    from selfextend.models import load_model, resolve_model
+    from selfextend.models.quantize import weight_format
+
+    source = resolve_model("smollm2-135m").gguf_path
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        os.environ["SELFEXTEND_CACHE"] = str(Path(tmp) / "cache")  # no conversion left in the user's cache
+        for name in args.types.split(","):
+            path = Path(tmp) / f"smollm2-{name}.gguf"
+            quantize(source, path, FTYPES[name])
+            model, tokenizer = load_model(str(path), weights="auto")  # gguf on the CPU
+            text = next(iter(default_books().values()))
+            ids = torch.tensor([tokenizer(text[: 8 * args.tokens]).input_ids[: args.tokens]])
+            with torch.no_grad():
+                ours = model(ids).logits[0].float()
+            theirs = llama_cpp_logits(path, ids)
+            p = torch.log_softmax(theirs, -1)
+            kl = (p.exp() * (p - torch.log_softmax(ours, -1))).sum(-1)
+            types, stored = file_types(path)
+            row = {
+                "type": name,
+                "file_types": types,
+                "weights": weight_format(model),
+                "kl_mean": float(kl.mean()),
+                "argmax_agreement": float((ours.argmax(-1) == theirs.argmax(-1)).float().mean()),
+                "file_matrix_bytes": stored,
+                "held_bytes": held_bytes(model),
+                "positions": ids.shape[1],
+            }
+            row["held_over_file"] = row["held_bytes"] / stored
+            rows.append(row)
+            print(
+                f"{name:7s} KL {row['kl_mean']:.5f}  argmax {100 * row['argmax_agreement']:.1f}%  "
+                f"held {row['held_bytes'] / 1e6:.1f} MB / file {stored / 1e6:.1f} MB = "
+                f"{row['held_over_file']:.3f}  {types}",
+                flush=True,
+            )
+            del model
+    out = Path(__file__).parent / "results" / "quant_types_vs_llamacpp.jsonl"
+    out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+if __name__ == "__main__":
+    main()
