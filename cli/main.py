@@ -7,6 +7,7 @@ non-zero exit, never a traceback.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import threading
@@ -20,6 +21,7 @@ from selfextend.cli.chat import chat
 from selfextend.cli.generate import generate
 from selfextend.cli.info import info
 from selfextend.cli.measure import passkey, ppl
+from selfextend.cli.options import quiet_openmp_waits
 from selfextend.cli.report import plot, table
 from selfextend.cli.serve import serve
 from selfextend.core.validate import first_line
@@ -55,6 +57,7 @@ class Group(click.Group):
 
     def main(self, *args, **kwargs):  # noqa: D102
         kwargs["standalone_mode"] = False
+        quiet_openmp_waits(os.environ)  # before any option or command imports torch
         warnings.showwarning = _warning_line
         _log_to_stderr()
         previous = None

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, MutableMapping
 from pathlib import Path
 
 import click
@@ -38,6 +39,25 @@ def number(lo: float | None = None, hi: float | None = None, **open_ends: bool) 
 SEED = Checked("seed", "parse_seed")
 POSITIVE = integer(1)
 COUNT = integer(0)
+
+
+OPENMP_WAITS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")  # how libgomp's idle threads wait, read at its load
+
+
+def quiet_openmp_waits(environ: MutableMapping[str, str]) -> bool:
+    """Set ``OMP_WAIT_POLICY=PASSIVE`` in ``environ`` (the process's, before torch loads libgomp, which
+    reads it once) unless the user set either variable of :data:`OPENMP_WAITS` or torch is loaded already
+    (too late: nothing is changed). Returns whether it set it.
+
+    Why: by default libgomp's workers spin up to 300,000 rounds after each parallel loop before sleeping.
+    A decode token runs hundreds of short loops, so on a machine with other work the spinning threads
+    take the cores the working ones need: beside a busy loop per core, SmolLM2's 100-token ``generate``
+    fell from ~80 to 3-4 tokens/s with 2 threads; sleeping at once it kept ~50-70
+    (experiments/speed/threads_under_load.py, docs/bench.md)."""
+    if "torch" in sys.modules or any(name in environ for name in OPENMP_WAITS):
+        return False
+    environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    return True
 
 
 def _set_threads(ctx: click.Context, param: click.Parameter, value: int | None) -> None:
