@@ -413,18 +413,24 @@ static void dequant_kx8(int type, const uint8_t *w, long nb, float *out) {
 }
 
 #ifdef HAVE_AVX2
-/* prefetch_ahead with the loop unrolled (a group's super-block is 18 to 27 cache lines: the loop's own
- * instructions were a tenth of Q4_KX8's). */
-#ifndef KX8_AHEAD
-#define KX8_AHEAD PREFETCH_BYTES
-#endif
-#ifndef KX8_HINT
-#define KX8_HINT 3
-#endif
+/* Bytes ahead of its super-block the x8 loops ask for (0: none), chosen per CPU kind: none on AMD, where
+ * the hardware's prefetcher keeps each thread's one stream in flight (one Zen 4 thread from memory, the
+ * AVX2 build, 8960 x 1536, best / median GB/s of 80 calls over 3 interleaved rounds: Q4_KX8 24-26 / 21-23
+ * without, 20-28 / 17-25 at 1536, 3072 or 6144 bytes with every hint, Q6_KX8 22-27 / 20-23 against
+ * 15-25 / 13-24; the issue's AVX2 EPYC ran the stored Q4_K slower with PREFETCH_BYTES); elsewhere
+ * PREFETCH_BYTES into every cache level, as chosen for the interleaved forms on a Xeon. Set at find_loops. */
+static long kx8_ahead = PREFETCH_BYTES;
+
+static long kx8_ahead_here(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_is("amd") ? 0 : PREFETCH_BYTES;
+}
+
+/* Ask for `bytes` past p + kx8_ahead (the loop unrolled: a group's super-block is 18 to 27 cache lines). */
 INLINE void prefetch_group(const uint8_t *p, long bytes) {
-    if (KX8_AHEAD == 0) return;
+    if (kx8_ahead == 0) return;
 #pragma GCC unroll 32
-    for (long o = 0; o < bytes; o += 64) __builtin_prefetch(p + KX8_AHEAD + o, 0, KX8_HINT);
+    for (long o = 0; o < bytes; o += 64) __builtin_prefetch(p + kx8_ahead + o, 0, 3);
 }
 
 /* A shuffle_epi8 control that gives each 32-bit lane's bytes i0 and i1 as two 16-bit lanes, zero-extended
@@ -652,6 +658,9 @@ static int stored_faster(void) {
 int kquant_loops(int type, int portable, loops *L) {
     if (type == Q4_KX8 || type == Q5_KX8 || type == Q6_KX8) {
         L->mm = mm_kx8, L->dequant = dequant_kx8;
+#ifdef HAVE_AVX2
+        kx8_ahead = kx8_ahead_here();
+#endif
         return 1;
     }
     if (type != Q4_K && type != Q5_K && type != Q6_K) return 0;
