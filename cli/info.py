@@ -13,6 +13,41 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:,.1f} MiB"
 
 
+def _generate_weights(model: str, table) -> list[tuple[str, str]]:
+    """Rows naming the weights form ``generate`` picks here by default (``--weights auto`` on the CPU) and,
+    for the ``gguf`` form, what it holds of the file's matrices by block type, against the file's bytes."""
+    import torch
+    from gguf import GGMLQuantizationType
+
+    from selfextend.models.gguf import KEPT_BLOCKS, held_matrices
+    from selfextend.models.load import auto_weights
+    from selfextend.models.sources import resolve_model
+    from selfextend.native.quant import quant_kernels
+
+    form = auto_weights("auto", resolve_model(model), torch.device("cpu"))
+    rows = [("weights generate uses", f"--weights {form} (auto, on the CPU)")]
+    if table is None or form != "gguf":
+        return rows
+    kernels = quant_kernels()
+    held = held_matrices(
+        table,
+        KEPT_BLOCKS[form],
+        torch.float32,
+        lambda kind, rows: kernels is not None and kernels.interleaves(kind) and rows % 8 == 0,
+    )
+    for h in held:
+        way = "as stored" if h.stored_as_is else "as int8"
+        what = f"{h.matrices} matri{'x' if h.matrices == 1 else 'ces'} {way}"
+        if h.embedding:
+            tied = h.held_bytes > h.file_bytes and h.stored_as_is
+            what += " (the embedding table" + (", and the tied head's interleaved copy)" if tied else ")")
+        held_here = f"{what}: {_mib(h.held_bytes)} (file {_mib(h.file_bytes)})"
+        rows.append((f"  {GGMLQuantizationType(h.kind).name}", held_here))
+    total = sum(h.held_bytes for h in held), sum(h.file_bytes for h in held)
+    rows.append(("  all matrices", f"{_mib(total[0])} (file {_mib(total[1])})"))
+    return rows
+
+
 def _kv(config, tokens: int, cells: str) -> str:
     """A context-shift cache's bytes at ``tokens`` cells of type ``cells`` (bf16 or f32), and the all-layers
     size where smaller."""
@@ -41,7 +76,10 @@ def info(model_arg: str | None, model_opt: str | None, group_size: int, window: 
     Self-Extend reach.
 
     Reads only the config (no weights). Weights: the bytes of the loaded model in each --weights /
-    --dtype form (int8: 1 byte per linear weight + a bfloat16 scale per row, the rest float32).
+    --dtype form (int8: 1 byte per linear weight + a bfloat16 scale per row, the rest float32), and the
+    form generate uses by default on the CPU; for a GGUF in the gguf form, the bytes it holds of the
+    file's matrices per block type against the file's (a tied head interleaved for the native products
+    holds its own copy of the table's blocks).
     KV bytes are for the cells `generate` uses by default on the CPU in float32 (bf16 where its native
     decode step serves the model, else f32): 2 (K and V) x 2 or 4 bytes x head_dim x kv_heads x layers per
     token; at N tokens, those of a context-shift cache of N cells (--ctx N), whose sliding-window layers
@@ -52,13 +90,14 @@ def info(model_arg: str | None, model_opt: str | None, group_size: int, window: 
     from selfextend.core.positions import max_length, validate
     from selfextend.generation.generator import NATIVE_CACHE_TYPE, native_cells_default
     from selfextend.kv.cache import sliding_cells
-    from selfextend.models import load_config, model_facts
+    from selfextend.models import model_facts
+    from selfextend.models.load import read_config
     from selfextend.models.weights import RunForm, form_bytes
 
     if model_arg is not None and model_opt is not None and model_arg != model_opt:
         raise click.UsageError(f"two models given ({model_arg}, {model_opt}): give MODEL or -m/--model")
     model = next((m for m in (model_arg, model_opt) if m is not None), "smollm2-135m")
-    config = load_config(model)
+    config, table = read_config(model)
     cells = NATIVE_CACHE_TYPE if native_cells_default(config, "cpu", torch.float32) else "f32"
     facts = model_facts(config)
     trained = facts.trained_window
@@ -95,6 +134,7 @@ def info(model_arg: str | None, model_opt: str | None, group_size: int, window: 
             ),
         ),
     ]
+    rows += _generate_weights(model, table)
     kinds = list(getattr(config.get_text_config(), "layer_types", None) or [])
     sliding = kinds.count("sliding_attention")
     if sliding:

@@ -11,13 +11,13 @@ from selfextend.hf.facts import ModelError, ModelFacts, check_rope, kv_shape, mo
 from selfextend.models.diskcache import (
     cache_entries,
     cache_root,
-    check_gguf,
     clear_cache,
     ensure_converted,
     gguf_cache_dir,
     is_cached,
     run_form,
 )
+from selfextend.models.gguf import check_gguf
 from selfextend.models.load import load_config, load_model, parse_dtype
 from selfextend.models.sources import ALIASES, DEFAULT_MODEL, ModelSource, resolve_model
 

@@ -26,8 +26,7 @@ import torch
 
 from selfextend.core.validate import first_line
 from selfextend.hf.facts import ModelError, check_rope
-from selfextend.models.gguf import GGUFTable, load_gguf
-from selfextend.models.gguf_rope import gguf_config
+from selfextend.models.gguf import GGUFTable, load_gguf, read_gguf
 from selfextend.models.heap import release_free_memory
 from selfextend.models.quantize import WEIGHT_FORMATS
 from selfextend.models.sources import ASSEMBLED_DIR, ModelSource, cache_root, hub_load, resolve_model
@@ -257,40 +256,6 @@ def _remove_superseded(entry: Path, gguf: Path) -> None:
             shutil.rmtree(other, ignore_errors=True)
 
 
-def check_gguf(path: str | os.PathLike[str]) -> GGUFTable:
-    """Refuse a file that is not a complete GGUF (:class:`ModelError` naming the file and the fault);
-    return its tensor table, so a conversion need not parse the file again.
-
-    The ``gguf`` package's reader parses the header, the metadata and the tensor table and maps every
-    tensor's data, so a truncated or corrupted file fails here, before transformers half-reads it. It
-    costs seconds (it parses the vocabulary), so it runs only before a conversion or a metadata read.
-    """
-    p = Path(path)
-    try:
-        with p.open("rb") as f:
-            magic = f.read(4)
-    except OSError as exc:
-        raise ModelError(f"cannot read {p}: {exc.strerror or exc}") from exc
-    if magic != b"GGUF":
-        raise ModelError(f"{p} is not a GGUF file (it does not start with the GGUF magic bytes)")
-    from gguf import GGUFReader
-
-    try:
-        reader = GGUFReader(p)
-    except Exception as exc:  # the reader raises ValueError, IndexError, struct errors... on bad bytes
-        raise ModelError(
-            f"{p} is truncated or corrupted: its GGUF header, metadata or tensor table cannot be read "
-            f"({type(exc).__name__})"
-        ) from exc
-    size = p.stat().st_size
-    for t in reader.tensors:
-        if t.data_offset + t.n_bytes > size:
-            raise ModelError(f"{p} is truncated: tensor {t.name} ends past the end of the file")
-    if not reader.tensors:
-        raise ModelError(f"{p} is a GGUF file without tensors (no weights)")
-    return GGUFTable.of(reader)
-
-
 def ensure_converted(source: ModelSource | str | os.PathLike[str], form: RunForm | None = None) -> Path:
     """Return the cache folder of a GGUF in ``form`` (default float32), converting and saving it first
     if needed (seconds, the first time).
@@ -309,14 +274,14 @@ def ensure_converted(source: ModelSource | str | os.PathLike[str], form: RunForm
 def convert_into(entry: Path, gguf: Path, form: RunForm) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Convert a GGUF into the cache folder ``entry``; return the model as converted and its tokenizer.
 
-    Every step that parses the GGUF's metadata (the check, which keeps the tensor table; the config;
+    Every step that parses the GGUF's metadata (the check and the config, which keep the tensor table;
     the tokenizer's conversion, once per GGUF) runs and frees its transient peak before the tokenizer
     is read from its files and kept,
     and all of that before any weight is in memory.
     """
     from transformers import AutoTokenizer
 
-    table = check_gguf(gguf)
+    table, config = read_gguf(gguf)
     log.info(
         "converting %s into %s weights in the model cache %s: once per file and form, later loads read "
         "the cache (seconds to a minute)",
@@ -324,8 +289,6 @@ def convert_into(entry: Path, gguf: Path, form: RunForm) -> tuple[PreTrainedMode
         form.name,
         entry.parent,
     )
-    release_free_memory()
-    config = gguf_config(gguf, table)
     check_rope(config, gguf.name)
     release_free_memory()
     tokenizer_dir = _converted_tokenizer(gguf)

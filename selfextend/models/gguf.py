@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,9 +27,10 @@ if TYPE_CHECKING:
     from gguf import GGUFReader
     from transformers import PretrainedConfig, PreTrainedModel
 
+from selfextend.hf.facts import ModelError
 from selfextend.models.blocks import block_packable
 from selfextend.models.gguf_families import tensor_names
-from selfextend.models.gguf_rope import GGUFRope
+from selfextend.models.gguf_rope import GGUFRope, gguf_config
 from selfextend.models.quantize import int4_packable
 from selfextend.models.weights import GGUFBlocks, RowBlocks, RunForm, empty_model, fill, int8_placeholders
 
@@ -92,6 +94,54 @@ class GGUFTable:
         from gguf import GGUFReader
 
         return cls.of(GGUFReader(str(path)))
+
+
+def check_gguf(path: str | os.PathLike[str]) -> GGUFTable:
+    """Refuse a file that is not a complete GGUF (:class:`ModelError` naming the file and the fault);
+    return its tensor table, so a conversion need not parse the file again (:func:`checked_reader`)."""
+    return GGUFTable.of(checked_reader(path))
+
+
+def read_gguf(path: Path) -> tuple[GGUFTable, PretrainedConfig]:
+    """A GGUF's tensor table and config, its metadata parsed once (:func:`checked_reader`, then
+    transformers reads the config through the same reader); the reader is dropped on return."""
+    reader = checked_reader(path)
+    table = GGUFTable.of(reader)
+    return table, gguf_config(path, table, reader)
+
+
+def checked_reader(path: str | os.PathLike[str]) -> GGUFReader:
+    """The ``gguf`` package's reader of ``path``, refusing a file that is not a complete GGUF
+    (:class:`ModelError` naming the file and the fault).
+
+    The ``gguf`` package's reader parses the header, the metadata and the tensor table and maps every
+    tensor's data, so a truncated or corrupted file fails here, before transformers half-reads it. It
+    costs seconds (it parses the vocabulary), so it runs only before a conversion or a metadata read.
+    """
+    p = Path(path)
+    try:
+        with p.open("rb") as f:
+            magic = f.read(4)
+    except OSError as exc:
+        raise ModelError(f"cannot read {p}: {exc.strerror or exc}") from exc
+    if magic != b"GGUF":
+        raise ModelError(f"{p} is not a GGUF file (it does not start with the GGUF magic bytes)")
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(p)
+    except Exception as exc:  # the reader raises ValueError, IndexError, struct errors... on bad bytes
+        raise ModelError(
+            f"{p} is truncated or corrupted: its GGUF header, metadata or tensor table cannot be read "
+            f"({type(exc).__name__})"
+        ) from exc
+    size = p.stat().st_size
+    for t in reader.tensors:
+        if t.data_offset + t.n_bytes > size:
+            raise ModelError(f"{p} is truncated: tensor {t.name} ends past the end of the file")
+    if not reader.tensors:
+        raise ModelError(f"{p} is a GGUF file without tensors (no weights)")
+    return reader
 
 
 def gguf_tensors(
@@ -243,31 +293,68 @@ def _value_shape(t: _Stored) -> tuple[int, ...]:
     return (*t.raw_shape[1:-1], last)
 
 
+@dataclass
+class Held:
+    """The matrices of one GGUF type that a run form holds one way (as stored, or not): how many, their
+    weights, their bytes in the file and in memory, and whether the embedding table is among them."""
+
+    kind: int
+    stored_as_is: bool
+    matrices: int = 0
+    weights: int = 0
+    file_bytes: int = 0
+    held_bytes: int = 0
+    embedding: bool = False
+
+
+def held_matrices(
+    table: GGUFTable,
+    keep: Callable[[int, int, int], bool],
+    dtype: torch.dtype,
+    head_copy: Callable[[int, int], bool] = lambda kind, rows: False,
+) -> list[Held]:
+    """What a run form holds of a GGUF's matrices (F32 ones aside), by type and way: those ``keep`` takes
+    hold their stored bytes, the others int8 with a float32 scale a row (the embedding table: ``dtype``).
+    A tied output head shares the embedding's bytes unless ``head_copy(kind, rows)`` (its blocks
+    interleaved: a copy of their size)."""
+    from gguf import GGMLQuantizationType
+
+    names = {t.name for t in table.tensors}
+    held: dict[tuple[int, bool], Held] = {}
+    for t in table.tensors:
+        if len(t.raw_shape) != 2 or t.kind == GGMLQuantizationType.F32:
+            continue
+        rows, columns = t.raw_shape[0], _value_shape(t)[-1]
+        kept, stored = keep(t.kind, rows, columns), math.prod(t.raw_shape) * t.raw_dtype.itemsize
+        entry = held.setdefault((t.kind, kept), Held(t.kind, kept))
+        table_held = t.name == "token_embd.weight"
+        entry.matrices += 1
+        entry.weights += rows * columns
+        entry.file_bytes += stored
+        entry.embedding |= table_held
+        if kept:
+            tied = table_held and "output.weight" not in names
+            entry.held_bytes += stored * (2 if tied and head_copy(t.kind, rows) else 1)
+        else:
+            size = torch.finfo(dtype).bits // 8 if table_held else 1
+            entry.held_bytes += rows * columns * size + (4 * rows if size == 1 else 0)
+    return sorted(held.values(), key=lambda h: (h.kind, not h.stored_as_is))
+
+
 def fallbacks(table: GGUFTable, keep: Callable[[int, int, int], bool], dtype: torch.dtype) -> list[str]:
     """One line per GGUF type of the matrices a run form does not hold as stored (``keep``: IQ2_XXS, TQ1_0,
     a K-quant whose rows are no whole super-blocks...): what they become, int8 with a float32 scale a row
     (the embedding table: ``dtype``), and the bytes that takes against the file's."""
     from gguf import GGMLQuantizationType
 
-    held: dict[int, list[int]] = {}  # type -> [tensors, weights, stored bytes, held bytes, the embedding's]
-    for t in table.tensors:
-        if len(t.raw_shape) != 2 or t.kind == GGMLQuantizationType.F32:
-            continue
-        rows, columns = t.raw_shape[0], _value_shape(t)[-1]
-        if keep(t.kind, rows, columns):
-            continue
-        size = torch.finfo(dtype).bits // 8 if t.name == "token_embd.weight" else 1
-        counts = held.setdefault(t.kind, [0, 0, 0, 0, 0])
-        for i, n in enumerate((1, rows * columns, math.prod(t.raw_shape) * t.raw_dtype.itemsize)):
-            counts[i] += n
-        counts[3] += rows * columns * size + (4 * rows if size == 1 else 0)
-        counts[4] += size > 1
     table_as = f" (the embedding table as {str(dtype).removeprefix('torch.')})"
     return [
-        f"{n} {GGMLQuantizationType(kind).name} matrices ({stored / 1e6:.1f} MB, "
-        f"{8 * stored / weights:.2f} bits a weight) are held as int8{table_as if embedding else ''}: "
-        f"{held_bytes / 1e6:.1f} MB, {8 * held_bytes / weights:.2f} bits a weight"
-        for kind, (n, weights, stored, held_bytes, embedding) in sorted(held.items())
+        f"{h.matrices} {GGMLQuantizationType(h.kind).name} matrices ({h.file_bytes / 1e6:.1f} MB, "
+        f"{8 * h.file_bytes / h.weights:.2f} bits a weight) are held as int8"
+        f"{table_as if h.embedding else ''}: "
+        f"{h.held_bytes / 1e6:.1f} MB, {8 * h.held_bytes / h.weights:.2f} bits a weight"
+        for h in held_matrices(table, keep, dtype)
+        if not h.stored_as_is
     ]
 
 

@@ -22,6 +22,10 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -257,9 +261,41 @@ def apply_gguf_rope(config: PretrainedConfig, rope: GGUFRope, name: str = "") ->
     text.rope_parameters = params
 
 
-def gguf_config(gguf: Path, table: GGUFTable | None = None) -> PretrainedConfig:
+_READER_LOCK = threading.Lock()
+
+
+@contextmanager
+def _parsed(reader: GGUFReader | None) -> Iterator[None]:
+    """While open, transformers' GGUF reading gets ``reader`` (already parsed) for its file instead of
+    parsing the metadata again (seconds for a large vocabulary): ``load_gguf_checkpoint`` makes its
+    ``gguf.GGUFReader`` by name at each call, so that name is pointed at a class handing back ``reader``
+    for the same path (any other path is parsed as usual)."""
+    if reader is None:
+        yield
+        return
+    import gguf
+
+    class Parsed(gguf.GGUFReader):
+        def __new__(cls, path: Any, *args: Any, **kwargs: Any) -> Any:
+            if os.path.realpath(path) == os.path.realpath(reader.data.filename):
+                return reader  # not a Parsed, so __init__ does not run again
+            return super().__new__(cls)
+
+    with _READER_LOCK:
+        original, gguf.GGUFReader = gguf.GGUFReader, Parsed
+        try:
+            yield
+        finally:
+            gguf.GGUFReader = original
+
+
+def gguf_config(
+    gguf: Path, table: GGUFTable | None = None, reader: GGUFReader | None = None
+) -> PretrainedConfig:
     """A GGUF's config: transformers' reading of its metadata, with the head size and rotation read as
-    llama.cpp reads them (:func:`apply_gguf_rope`; ``table``: the file's ``GGUFTable``, else read here)."""
+    llama.cpp reads them (:func:`apply_gguf_rope`; ``table``: the file's ``GGUFTable``, else read here;
+    ``reader``: the file's open ``gguf.GGUFReader``, which transformers then reads instead of parsing the
+    file a second time)."""
     from transformers import AutoConfig
 
     from selfextend.models.gguf import GGUFTable
@@ -267,7 +303,8 @@ def gguf_config(gguf: Path, table: GGUFTable | None = None) -> PretrainedConfig:
 
     register()  # the families transformers' tables lack (models/gguf_families.py)
     try:
-        config = complete_config(AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name))
+        with _parsed(reader):
+            config = complete_config(AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name))
     except (OSError, ValueError, KeyError, NotImplementedError) as exc:
         raise ModelError(f"cannot read GGUF '{gguf}': {first_line(exc)}") from exc
     apply_gguf_rope(config, (table or GGUFTable.read(gguf)).rope, gguf.name)

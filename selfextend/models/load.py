@@ -11,15 +11,14 @@ from selfextend.core.validate import first_line
 from selfextend.hf.facts import ModelError, check_rope
 from selfextend.models.diskcache import (
     RUN_FORM_FILE,
-    check_gguf,
     convert_into,
     gguf_cache_dir,
-    gguf_config,
     gguf_of,
     is_complete,
     parse_dtype,
     run_form,
 )
+from selfextend.models.gguf import GGUFTable, read_gguf
 from selfextend.models.quantize import Int8Linear, quantize_int8
 from selfextend.models.sources import DEFAULT_MODEL, ModelSource, hub_load, resolve_model
 from selfextend.models.weights import (
@@ -52,15 +51,21 @@ def load_config(name_or_path: str = DEFAULT_MODEL) -> PretrainedConfig:
 
     A GGUF's config comes from the GGUF's metadata (no dequantising).
     """
+    return read_config(name_or_path)[0]
+
+
+def read_config(name_or_path: str = DEFAULT_MODEL) -> tuple[PretrainedConfig, GGUFTable | None]:
+    """:func:`load_config`'s config, and for a GGUF its tensor table (its metadata parsed once for both)."""
     from transformers import AutoConfig
 
     source = resolve_model(name_or_path)
+    table = None
     if source.kind == "gguf":
-        config = gguf_config(source.gguf_path, check_gguf(source.gguf_path))
+        table, config = read_gguf(source.gguf_path)
     else:
         config = hub_load(source, AutoConfig.from_pretrained)
     check_rope(config, source.name)
-    return config
+    return config, table
 
 
 def _load_gguf_model(source: ModelSource, form: RunForm) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:

@@ -1,0 +1,81 @@
+"""``selfextend info`` on a GGUF (issue 42 item 16): the metadata parsed once, and the ``gguf`` form's
+bytes by block type as loading holds them."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+from test_models import write_tiny_gguf
+
+from selfextend.cli.main import main
+from selfextend.models import load_config, load_model
+from selfextend.models.blocks import BlockEmbedding, BlockLinear
+from selfextend.models.gguf import KEPT_BLOCKS, GGUFTable, held_matrices
+from selfextend.native.blocktypes import base_kind
+from selfextend.native.quant import quant_kernels
+
+
+def _q4_1(rows: int, columns: int) -> np.ndarray:
+    values = np.random.default_rng(1).standard_normal((rows, columns)).astype(np.float32) * 0.02
+    return gguf.quants.quantize(values, gguf.GGMLQuantizationType.Q4_1)
+
+
+@pytest.fixture(scope="module")
+def mixed_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Q8_0 matrices, the up projections Q4_1."""
+    path = tmp_path_factory.mktemp("info") / "mixed.gguf"
+    return write_tiny_gguf(path, quant="Q8_0", blocks={"Q4_1 ffn_up": _q4_1})
+
+
+def test_metadata_parsed_once(mixed_gguf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    parses = []
+    original = gguf.GGUFReader.__init__
+
+    def counted(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        parses.append(args[0] if args else kwargs)
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(gguf.GGUFReader, "__init__", counted)
+    config = load_config(str(mixed_gguf))
+    assert config.num_hidden_layers == 2 and len(parses) == 1, parses
+    assert gguf.GGUFReader.__name__ == "GGUFReader"  # the name is given back
+
+
+def _loaded_bytes(model: torch.nn.Module) -> dict[int, int]:
+    """Bytes of block storage per GGUF type in a loaded model, each storage once (fused layers are views)."""
+    seen, by_kind = set(), defaultdict(int)
+    for m in model.modules():
+        if isinstance(m, BlockLinear | BlockEmbedding):
+            storage = m.blocks.untyped_storage()
+            if storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                by_kind[base_kind(m.kind)] += storage.nbytes()
+    return dict(by_kind)
+
+
+@pytest.mark.skipif(quant_kernels() is None, reason="the native products cannot be built here")
+def test_held_bytes_are_the_loaded_models(mixed_gguf: Path, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("SELFEXTEND_CACHE", str(tmp_path / "cache"))
+    kernels = quant_kernels()
+    held = held_matrices(
+        GGUFTable.read(mixed_gguf),
+        KEPT_BLOCKS["gguf"],
+        torch.float32,
+        lambda kind, rows: kernels.interleaves(kind) and rows % 8 == 0,
+    )
+    model, _ = load_model(str(mixed_gguf), weights="gguf")
+    assert {int(h.kind): h.held_bytes for h in held} == _loaded_bytes(model)
+    assert {int(h.kind) for h in held} == {gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_1}
+
+    r = CliRunner().invoke(main, ["info", str(mixed_gguf), "-g", "2", "-w", "64"])
+    assert r.exit_code == 0, r.stderr
+    form = next(line for line in r.stdout.splitlines() if line.startswith("weights generate uses"))
+    assert form.split(None, 3)[-1] == "--weights gguf (auto, on the CPU)", form
+    lines = {line.split()[0]: line for line in r.stdout.splitlines() if line.startswith("  ")}
+    assert "2 matrices as stored" in lines["Q4_1"] and "the embedding table" in lines["Q8_0"]
