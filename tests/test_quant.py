@@ -6,8 +6,8 @@ does and dequantised): float32 rounding apart. (b) Against the float product ``x
 within the bound the activations' int8 rounding sets (half a step per value, times |W|). (c) Batch
 invariance: each row of a many-row call is bitwise the one-row call's. Each on the vector path and the
 portable one, with output sizes and row counts that are not multiples of anything (of 8 for the 8-row
-interleaved forms of Q4_0 and Q4_1, which must hold rows in eights), and on the vector path built
-without AVX-512 (the K-quants' AVX2 loops, on a CPU whose default build takes AVX-512 VNNI ones).
+interleaved forms of Q4_0, Q4_1, Q8_0 and the K-quants, which must hold rows in eights), and on the vector
+path built without AVX-512 (the K-quants' AVX2 loops, on a CPU whose default build takes AVX-512 VNNI ones).
 """
 
 from __future__ import annotations
