@@ -52,8 +52,8 @@ def quiet_openmp_waits(environ: MutableMapping[str, str]) -> bool:
     Why: by default libgomp's workers spin up to 300,000 rounds after each parallel loop before sleeping.
     A decode token runs hundreds of short loops, so on a machine with other work the spinning threads
     take the cores the working ones need: beside a busy loop per core, SmolLM2's 100-token ``generate``
-    fell from ~80 to 3-4 tokens/s with 2 threads; sleeping at once it kept ~50-70
-    (experiments/speed/threads_under_load.py, docs/bench.md)."""
+    with 2 threads ran at 1.1 tokens/s spinning and 40.8 sleeping at once (medians;
+    experiments/speed/threads_under_load.py, docs/bench.md)."""
     if "torch" in sys.modules or any(name in environ for name in OPENMP_WAITS):
         return False
     environ["OMP_WAIT_POLICY"] = "PASSIVE"
@@ -76,7 +76,9 @@ def threads_option(f: Callable) -> Callable:
         default=None,
         expose_value=False,
         callback=_set_threads,
-        help="CPU threads for the model's arithmetic (default: what torch picks, usually one per core).",
+        help="CPU threads for the model's arithmetic (default: what torch picks, usually one per core). "
+        "Idle threads sleep at once (OMP_WAIT_POLICY=PASSIVE unless OMP_WAIT_POLICY or GOMP_SPINCOUNT "
+        "is set), so other work on the machine slows them little.",
     )(f)
 
 
