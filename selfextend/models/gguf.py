@@ -107,7 +107,7 @@ def read_gguf(path: Path) -> tuple[GGUFTable, PretrainedConfig]:
     transformers reads the config through the same reader); the reader is dropped on return."""
     reader = checked_reader(path)
     table = GGUFTable.of(reader)
-    return table, gguf_config(path, table, reader)
+    return table, gguf_config(path, table.rope, reader)
 
 
 def checked_reader(path: str | os.PathLike[str]) -> GGUFReader:

@@ -41,8 +41,6 @@ if TYPE_CHECKING:
     from gguf import GGUFReader
     from transformers import PretrainedConfig
 
-    from selfextend.models.gguf import GGUFTable
-
 log = logging.getLogger(__name__)
 
 # the metadata keys read here, after ``<arch>.``
@@ -289,16 +287,13 @@ def _parsed(reader: GGUFReader | None) -> Iterator[None]:
             gguf.GGUFReader = original
 
 
-def gguf_config(
-    gguf: Path, table: GGUFTable | None = None, reader: GGUFReader | None = None
-) -> PretrainedConfig:
+def gguf_config(gguf: Path, rope: GGUFRope, reader: GGUFReader | None = None) -> PretrainedConfig:
     """A GGUF's config: transformers' reading of its metadata, with the head size and rotation read as
-    llama.cpp reads them (:func:`apply_gguf_rope`; ``table``: the file's ``GGUFTable``, else read here;
+    llama.cpp reads them (:func:`apply_gguf_rope`; ``rope``: the file's, from its ``GGUFTable``;
     ``reader``: the file's open ``gguf.GGUFReader``, which transformers then reads instead of parsing the
     file a second time)."""
     from transformers import AutoConfig
 
-    from selfextend.models.gguf import GGUFTable
     from selfextend.models.gguf_families import complete_config, register
 
     register()  # the families transformers' tables lack (models/gguf_families.py)
@@ -307,5 +302,5 @@ def gguf_config(
             config = complete_config(AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name))
     except (OSError, ValueError, KeyError, NotImplementedError) as exc:
         raise ModelError(f"cannot read GGUF '{gguf}': {first_line(exc)}") from exc
-    apply_gguf_rope(config, (table or GGUFTable.read(gguf)).rope, gguf.name)
+    apply_gguf_rope(config, rope, gguf.name)
     return config
