@@ -45,18 +45,20 @@ OPENMP_WAITS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")  # how libgomp's idle threa
 
 
 def quiet_openmp_waits(environ: MutableMapping[str, str]) -> bool:
-    """Set ``OMP_WAIT_POLICY=PASSIVE`` in ``environ`` (the process's, before torch loads libgomp, which
-    reads it once) unless the user set either variable of :data:`OPENMP_WAITS` or torch is loaded already
-    (too late: nothing is changed). Returns whether it set it.
+    """Set ``GOMP_SPINCOUNT=10000`` in ``environ`` (the process's, before torch loads libgomp, which reads
+    it once) unless the user set either variable of :data:`OPENMP_WAITS` or torch is loaded already (too
+    late: nothing is changed). Returns whether it set it.
 
     Why: by default libgomp's workers spin up to 300,000 rounds after each parallel loop before sleeping.
     A decode token runs hundreds of short loops, so on a machine with other work the spinning threads
-    take the cores the working ones need: beside a busy loop per core, SmolLM2's 100-token ``generate``
-    with 2 threads ran at 1.1 tokens/s spinning and 40.8 sleeping at once (medians;
-    experiments/speed/threads_under_load.py, docs/bench.md)."""
+    take the cores the working ones need (the issue's report: 3.4 tokens/s with two threads beside a
+    build, 50 with one). A short spin keeps the quiet machine's rate (a worker is still spinning when the
+    next loop starts) and lets a worker sleep soon beside other work; sleeping at once
+    (``OMP_WAIT_POLICY=PASSIVE``) cost 2.5x on a quiet machine (experiments/speed/threads_under_load.py,
+    docs/bench.md)."""
     if "torch" in sys.modules or any(name in environ for name in OPENMP_WAITS):
         return False
-    environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    environ["GOMP_SPINCOUNT"] = "10000"
     return True
 
 

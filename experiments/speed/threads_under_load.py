@@ -11,9 +11,10 @@ beside it would be. Rounds interleave every row, idle and loaded.
 
 Rows (``label``): ``ours default`` (what the CLI does when neither ``-t`` nor an OpenMP variable is set),
 ``ours -t 1``, ``ours -t 2``, ``ours before`` (libgomp's own default, spinning 300,000 rounds before a
-worker sleeps: ``GOMP_SPINCOUNT=300000``, the CLI's default before 2026-11-27), ``llama.cpp -t 1``
+worker sleeps: ``GOMP_SPINCOUNT=300000``, the CLI's default before 2026-11-27), ``ours passive`` (workers
+sleep at once: ``OMP_WAIT_POLICY=PASSIVE``), ``llama.cpp -t 1``
 (llama-cpp-python's default here: half the CPUs), ``llama.cpp -t 2`` (llama-cli's default: the cores)
-and ``llama.cpp -t 2 passive`` (with ``OMP_WAIT_POLICY=PASSIVE``, as ours now runs). llama.cpp's CPU
+and ``llama.cpp -t 2 passive`` (with ``OMP_WAIT_POLICY=PASSIVE``). llama.cpp's CPU
 backend here is built with OpenMP too (libggml-cpu links libgomp), so the other ``llama.cpp`` rows run with
 the environment this script was given (libgomp's defaults unless set).
 
@@ -56,6 +57,7 @@ ROWS: dict[str, tuple[str, int | None, dict[str, str]]] = {
     "ours -t 1": ("ours", 1, {}),
     "ours -t 2": ("ours", 2, {}),
     "ours before": ("ours", None, {"GOMP_SPINCOUNT": "300000"}),
+    "ours passive": ("ours", None, {"OMP_WAIT_POLICY": "PASSIVE"}),
     "llama.cpp -t 1": ("llama.cpp", 1, {}),
     "llama.cpp -t 2": ("llama.cpp", 2, {}),
     "llama.cpp -t 2 passive": ("llama.cpp", 2, {"OMP_WAIT_POLICY": "PASSIVE"}),
