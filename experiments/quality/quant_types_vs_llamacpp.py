@@ -4,7 +4,9 @@ The shipped SmolLM2-135M (a Q4_1 GGUF) is requantized by ``llama_cpp.llama_model
 ``allow_requantize``) to each type, then next-token logits over English text (the first book of the
 default corpus) are compared with llama.cpp's on the same file: mean KL(llama.cpp || ours) over the
 positions and argmax agreement, for ``load_model(file, weights="auto")`` (gguf on the CPU, the CLI
-default).
+default). Beside it, each engine's distance from the file's own values in float (``weights="float"``:
+the blocks dequantized, float activations): KL(float || llama.cpp) and KL(float || ours), so a gap
+between the two engines reads against what each loses to its integer activations.
 Also the bytes the model holds for its matrices (every 2-D weight, the embedding table and a tied head
 once) against the file's 2-D tensors, and the types the file holds: SmolLM2's 576 columns are no whole
 super-blocks of 256, so a K-quant file falls back to 32-value types on most tensors (llama.cpp's choice).
@@ -71,6 +73,12 @@ def llama_cpp_logits(path: Path, ids: torch.Tensor) -> torch.Tensor:
     return torch.tensor(llm.scores[: ids.shape[1]])
 
 
+def _kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
+    """KL(p || q) per position, from logits (positions, vocab)."""
+    p = torch.log_softmax(p_logits, -1)
+    return (p.exp() * (p - torch.log_softmax(q_logits, -1))).sum(-1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, default=500)
@@ -94,8 +102,11 @@ def main() -> None:
             with torch.no_grad():
                 ours = model(ids).logits[0].float()
             theirs = llama_cpp_logits(path, ids)
-            p = torch.log_softmax(theirs, -1)
-            kl = (p.exp() * (p - torch.log_softmax(ours, -1))).sum(-1)
+            kl = _kl(theirs, ours)
+            exact, _ = load_model(str(path), weights="float")  # the file's values, float activations
+            with torch.no_grad():
+                truth = exact(ids).logits[0].float()
+            del exact
             types, stored = file_types(path)
             row = {
                 "type": name,
@@ -103,6 +114,10 @@ def main() -> None:
                 "weights": weight_format(model),
                 "kl_mean": float(kl.mean()),
                 "argmax_agreement": float((ours.argmax(-1) == theirs.argmax(-1)).float().mean()),
+                "kl_float_llamacpp": float(_kl(truth, theirs).mean()),
+                "argmax_float_llamacpp": float((truth.argmax(-1) == theirs.argmax(-1)).float().mean()),
+                "kl_float_ours": float(_kl(truth, ours).mean()),
+                "argmax_float_ours": float((truth.argmax(-1) == ours.argmax(-1)).float().mean()),
                 "file_matrix_bytes": stored,
                 "held_bytes": held_bytes(model),
                 "positions": ids.shape[1],
@@ -111,6 +126,9 @@ def main() -> None:
             rows.append(row)
             print(
                 f"{name:7s} KL {row['kl_mean']:.5f}  argmax {100 * row['argmax_agreement']:.1f}%  "
+                f"from float: llama.cpp {row['kl_float_llamacpp']:.5f} "
+                f"/ {100 * row['argmax_float_llamacpp']:.1f}%, "
+                f"ours {row['kl_float_ours']:.5f} / {100 * row['argmax_float_ours']:.1f}%  "
                 f"held {row['held_bytes'] / 1e6:.1f} MB / file {stored / 1e6:.1f} MB = "
                 f"{row['held_over_file']:.3f}  {types}",
                 flush=True,
