@@ -54,7 +54,7 @@ def quiet_openmp_waits(environ: MutableMapping[str, str]) -> bool:
     take the cores the working ones need (the issue's report: 3.4 tokens/s with two threads beside a
     build, 50 with one). A short spin keeps the quiet machine's rate (a worker is still spinning when the
     next loop starts) and lets a worker sleep soon beside other work; sleeping at once
-    (``OMP_WAIT_POLICY=PASSIVE``) cost 2.5x on a quiet machine (experiments/speed/threads_under_load.py,
+    (``OMP_WAIT_POLICY=PASSIVE``) cost 2.4x on a quiet machine (experiments/speed/threads_under_load.py,
     docs/bench.md)."""
     if "torch" in sys.modules or any(name in environ for name in OPENMP_WAITS):
         return False
@@ -79,8 +79,8 @@ def threads_option(f: Callable) -> Callable:
         expose_value=False,
         callback=_set_threads,
         help="CPU threads for the model's arithmetic (default: what torch picks, usually one per core). "
-        "Idle threads sleep at once (OMP_WAIT_POLICY=PASSIVE unless OMP_WAIT_POLICY or GOMP_SPINCOUNT "
-        "is set), so other work on the machine slows them little.",
+        "Idle threads spin briefly, then sleep (GOMP_SPINCOUNT=10000 unless OMP_WAIT_POLICY or "
+        "GOMP_SPINCOUNT is set), so other work on the machine slows them less.",
     )(f)
 
 
