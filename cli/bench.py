@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 
+from selfextend.cli.bench_server import run_server_case, server_options
 from selfextend.cli.generation_options import decode_options
 from selfextend.cli.options import (
     COUNT,
@@ -49,7 +50,7 @@ from selfextend.core.validate import plural
     type=integer(2),
     default=2048,
     show_default=True,
-    help="Cache size (tokens) for endless generation.",
+    help="Cache size (tokens) for endless generation; the server case: cells per slot, both servers.",
 )
 @click.option(
     "--endless-tokens",
@@ -65,7 +66,8 @@ from selfextend.core.validate import plural
     help="Which measurements to run: prefill, decode, endless (shift cache against plain decoding), "
     "generate (int8 and, for a GGUF, int4 and gguf weights, each plain and with Self-Extend, against "
     "llama.cpp when llama-cpp-python is installed), first-token (seconds to the first token of a --lengths "
-    "prompt, int8, int4 and gguf with Self-Extend against llama.cpp; not default).",
+    "prompt, int8, int4 and gguf with Self-Extend against llama.cpp; not default), server (selfextend serve "
+    "against llama.cpp's llama-server under the same load, then a chat trimmed from the front; not default).",
 )
 @click.option(
     "--forms",
@@ -74,6 +76,7 @@ from selfextend.core.validate import plural
     help="Weight forms the generate and first-token cases time (a GGUF; other models: int8 only), e.g. "
     "gguf,int4 where int8 is slow to load on a large model.",
 )
+@server_options
 @click.option(
     "-o", "--out", type=click.Path(dir_okay=False), help="Also write every run and the summary as JSON Lines."
 )
@@ -94,6 +97,13 @@ def bench(
     endless_tokens: int,
     cases: str,
     forms: str,
+    llama_server: str | None,
+    parallel: int,
+    cache_reuse: int,
+    clients: int,
+    requests: int,
+    reply_tokens: int,
+    turns: int,
     out: str | None,
 ) -> None:
     """Time and memory of Self-Extend against plain SDPA attention and the full-matrix reference.
@@ -104,7 +114,23 @@ def bench(
     one shift. Generate: tokens/s of greedy generation through the shift cache with int8 weights and (for a
     GGUF) int4 and gguf weights, each plain and with Self-Extend, against llama.cpp on the same GGUF (ratio
     column: to llama.cpp). Other ratios compare each variant with plain at the same length, in the same run.
+    Server: selfextend serve and llama.cpp's llama-server on the same GGUF, slots, cells and threads, one at
+    a time, rounds interleaved: aggregate tokens/s and time to first token under --clients streaming
+    conversations, then a chat trimmed from the front (cache reuse); ours over theirs per round.
     """
+    wanted = {c.strip() for c in cases.split(",") if c.strip()}
+    unknown = wanted - {"prefill", "decode", "endless", "generate", "first-token", "server"}
+    if unknown:
+        raise click.BadParameter(f"unknown case {', '.join(sorted(unknown))}", param_hint="--cases")
+    if "server" in wanted:  # subprocesses, before this process holds a model
+        given = click.get_current_context().get_parameter_source("weights")
+        ours = weights if given != click.core.ParameterSource.DEFAULT else None
+        load = {"parallel": parallel, "ctx": ctx, "cache_reuse": cache_reuse, "clients": clients}
+        load.update(requests=requests, reply_tokens=reply_tokens, turns=turns)
+        run_server_case(model, llama_server, ours, cache_type, repeats, out, **load)
+        wanted.discard("server")
+        if not wanted:
+            return
     import psutil
     import torch
 
@@ -123,10 +149,6 @@ def bench(
     from selfextend.evaluation.sweep import parse_lengths
     from selfextend.generation.generator import decode_settings
 
-    wanted = {c.strip() for c in cases.split(",") if c.strip()}
-    unknown = wanted - {"prefill", "decode", "endless", "generate", "first-token"}
-    if unknown:
-        raise click.BadParameter(f"unknown case {', '.join(sorted(unknown))}", param_hint="--cases")
     timed_forms = [f.strip() for f in forms.split(",") if f.strip()]
     if not timed_forms or set(timed_forms) - {"int8", "int4", "gguf"}:
         raise click.BadParameter(f"'{forms}': name int8, int4 or gguf, comma-separated", param_hint="--forms")

@@ -119,6 +119,30 @@ def model_options(f: Callable) -> Callable:
     return f
 
 
+def parallel_option(default: int) -> Callable[[Callable], Callable]:
+    """-np/--parallel: a server's slots (``serve``; ``bench``'s server case gives both servers the same)."""
+    return click.option(
+        "-np",
+        "--parallel",
+        type=POSITIVE,
+        default=default,
+        show_default=True,
+        help="Slots: requests served at once.",
+    )
+
+
+def cache_reuse_option(f: Callable) -> Callable:
+    """--cache-reuse: the smallest reused chunk (``serve``; ``bench``'s server case, llama-server's too)."""
+    return click.option(
+        "--cache-reuse",
+        type=COUNT,
+        default=256,
+        show_default=True,
+        help="Reuse chunks of at least this many cached tokens that reappear later in a new prompt, moved by "
+        "K-shift instead of recomputed (0: the common prefix only).",
+    )(f)
+
+
 def weights_option(default: str) -> Callable[[Callable], Callable]:
     """--weights: auto, float (the model's dtype), int8 (weight-only, a quarter of float32's bytes), int4
     (a GGUF's own 4-bit blocks, repacked) or gguf (a GGUF's blocks as stored). The choices are ``auto``

@@ -16,8 +16,10 @@ from selfextend.cli.generation_options import cache_type_option, sampling_option
 from selfextend.cli.options import (
     COUNT,
     POSITIVE,
+    cache_reuse_option,
     integer,
     model_options,
+    parallel_option,
     self_extend_options,
     weights_option,
 )
@@ -33,17 +35,8 @@ if TYPE_CHECKING:
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0: all).")
 @click.option("--port", type=integer(1, hi=65535), default=8080, show_default=True, help="TCP port.")
 @click.option("-c", "--ctx", type=integer(16), default=2048, show_default=True, help="Cache cells per slot.")
-@click.option(
-    "-np", "--parallel", type=POSITIVE, default=1, show_default=True, help="Slots: requests served at once."
-)
-@click.option(
-    "--cache-reuse",
-    type=COUNT,
-    default=256,
-    show_default=True,
-    help="Reuse chunks of at least this many cached tokens that reappear later in a new prompt, moved by "
-    "K-shift instead of recomputed (0: the common prefix only).",
-)
+@parallel_option(1)
+@cache_reuse_option
 @click.option(
     "-cram",
     "--cache-ram",
