@@ -1,13 +1,15 @@
 """The native products with GGUF blocks as stored (``native/quant.c`` and each block family's source).
 
 Oracles: ``gguf.quants.dequantize`` of the same bytes. (a) The kernel against a plain float64 reference
-of the same math (the weight dequantised, each activation row quantized to int8 per block as the kernel
-does and dequantised): float32 rounding apart. (b) Against the float product ``x @ dequantize(W)^T``:
-within the bound the activations' int8 rounding sets (half a step per value, times |W|). (c) Batch
-invariance: each row of a many-row call is bitwise the one-row call's. Each on the vector path and the
-portable one, with output sizes and row counts that are not multiples of anything (of 8 for the 8-row
-interleaved forms of Q4_0, Q4_1, Q8_0 and the K-quants, which must hold rows in eights), and on the vector
-path built without AVX-512 (the K-quants' AVX2 loops, on a CPU whose default build takes AVX-512 VNNI ones).
+of the same math (the weight dequantised, each activation row quantized to int8 per block as llama.cpp's
+x86 build makes its Q8_0, Q8_1 and Q8_K blocks, and dequantised): float32 rounding apart. (b) Against the
+float product ``x @ dequantize(W)^T``: within the bound the activations' int8 rounding sets (about half a
+step per value, times |W|). (c) Batch invariance: each row of a many-row call is bitwise the one-row
+call's. Each on the vector path and the portable one, with output sizes and row counts that are not
+multiples of anything (of 8 for the 8-row interleaved forms of Q4_0, Q4_1, Q8_0 and the K-quants, which
+must hold rows in eights), and on the vector path built without AVX-512 (the K-quants' AVX2 loops, on a
+CPU whose default build takes AVX-512 VNNI ones). The reference's activation blocks are checked against
+llama.cpp's own where llama-cpp-python is installed.
 """
 
 from __future__ import annotations
@@ -56,18 +58,74 @@ def gguf_blocks(
     return raw.reshape(rows, -1)
 
 
-def activation_steps(x: np.ndarray, per: int) -> tuple[np.ndarray, np.ndarray]:
-    """The kernel's int8 activation blocks of ``per`` values, dequantised (float64), and each value's
-    scale d: float32 d = max|x| / 127, q = rint(x * (1 / d)), as quant.c computes them; ``per`` 0: the
-    float32 activations of F16 and BF16 rows, as they are (d 0)."""
+def activation_steps(x: np.ndarray, per: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The kernel's int8 activation blocks of ``per`` values, made as llama.cpp's x86 build makes its
+    Q8_0 / Q8_1 (32) and Q8_K (256) blocks, dequantised (float64); each value's rounding bound; and each
+    block of 32's s - d * sum (Q8_1's float16 s against its d times the sum: what Q4_1's and Q5_1's m
+    multiply).
+    32: q = x * (127 / max|x|) rounded half to even, d = float16(max|x| / 127), s = float16(max|x| / 127 *
+    sum q). 256: iscale = -127 / max, max the first value of the largest |x| with its sign, q = min(127,
+    iscale * x rounded half to even), d = 1 / iscale (float32 steps throughout). ``per`` 0: the float32
+    activations of F16 and BF16 rows, as they are (bound 0)."""
     m, k = x.shape
     if per == 0:
-        return x.astype(np.float64), np.zeros_like(x)
+        return x.astype(np.float64), np.zeros_like(x), np.zeros((m, 0))
     xb = x.reshape(m, k // per, per).astype(np.float32)
-    d = (np.abs(xb).max(axis=-1, keepdims=True) / np.float32(127)).astype(np.float32)
-    inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d != 0).astype(np.float32)
-    q = np.rint(xb * inv)
-    return (q * d.astype(np.float64)).reshape(m, k), np.broadcast_to(d, xb.shape).reshape(m, k)
+    if per == 32:
+        amax = np.abs(xb).max(axis=-1, keepdims=True)
+        d32 = amax / np.float32(127)
+        inv = np.divide(np.float32(127), amax, out=np.zeros_like(amax), where=amax != 0)
+        q = np.rint(xb * inv)
+        d = d32.astype(np.float16).astype(np.float64)
+        s = (d32 * q.sum(axis=-1, keepdims=True, dtype=np.float32)).astype(np.float16).astype(np.float64)
+        offset = (s - d * q.sum(axis=-1, keepdims=True))[..., 0]
+        bound = np.abs(d32.astype(np.float64)) / 2 + np.abs(q) * np.abs(d32.astype(np.float64) - d)
+    else:
+        first = np.take_along_axis(xb, np.abs(xb).argmax(axis=-1)[..., None], axis=-1)
+        iscale = np.divide(np.float32(-127), first, out=np.zeros_like(first), where=first != 0)
+        q = np.minimum(np.rint(iscale * xb), 127)
+        d = np.divide(np.float32(1), iscale, out=np.zeros_like(iscale), where=iscale != 0).astype(np.float64)
+        offset, bound = np.zeros((m, 0)), np.broadcast_to(np.abs(d) / 2, xb.shape)
+    return (q * d).reshape(m, k), bound.reshape(m, k), offset
+
+
+def block_mins(raw: np.ndarray, kind: int) -> np.ndarray:
+    """(rows, blocks) float64: each block's m of Q4_1 or Q5_1 rows (bytes 2-3, float16); no columns for a
+    type without one."""
+    if BLOCK_KINDS[kind] not in ("Q4_1", "Q5_1"):
+        return np.zeros((raw.shape[0], 0))
+    _, size = GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
+    blocks = raw.reshape(raw.shape[0], -1, size)
+    return np.ascontiguousarray(blocks[..., 2:4]).view(np.float16)[..., 0].astype(np.float64)
+
+
+@pytest.mark.parametrize(("name", "per", "size"), [("q8_0", 32, 34), ("q8_1", 32, 36), ("q8_K", 256, 292)])
+def test_activation_blocks_are_llama_cpps(name: str, per: int, size: int) -> None:
+    """The reference's activation blocks (activation_steps) are llama.cpp's own, bit for bit: its CPU
+    library's quantize_row_<name> (the one llama-cpp-python loads, where it is installed) on rows of
+    every scale, a zero block, blocks whose float16 d underflows and ties at half a step."""
+    import ctypes
+    import os
+
+    llama_cpp = pytest.importorskip("llama_cpp")
+    lib = ctypes.CDLL(os.path.join(os.path.dirname(llama_cpp.__file__), "lib", "libggml-cpu.so"))
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((16, 1024)) * rng.uniform(1e-3, 10, (16, 1))).astype(np.float32)
+    x[0, :256], x[1, :32], x[2] = 0, 1e-9, np.round(x[2] * 4) / 4
+    quantize = getattr(lib, f"quantize_row_{name}")
+    quantize.argtypes, quantize.restype = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64], None
+    blocks = np.zeros((16, 1024 // per, size), np.uint8)
+    for row, out in zip(x, blocks, strict=True):
+        quantize(row.ctypes.data, out.ctypes.data, 1024)
+    scale = np.float32 if per == 256 else np.float16
+    d = np.ascontiguousarray(blocks[..., : np.dtype(scale).itemsize]).view(scale)[..., 0].astype(np.float64)
+    q = blocks[..., 4 : 4 + per] if per == 256 else blocks[..., size - 32 :]
+    q = q.view(np.int8).astype(np.float64)
+    xd, _, offset = activation_steps(x, per)
+    assert np.array_equal(xd, (q * d[..., None]).reshape(x.shape))
+    if name == "q8_1":
+        s = np.ascontiguousarray(blocks[..., 2:4]).view(np.float16)[..., 0].astype(np.float64)
+        assert np.array_equal(offset, s - d * q.sum(axis=-1))
 
 
 def per_block(kind: int) -> int:
@@ -144,12 +202,14 @@ def test_product_is_the_same_math_and_close_to_float(kernels: QuantKernels, kind
     w = quants.dequantize(raw, GGMLQuantizationType(base_kind(kind))).astype(np.float64)  # (N, K)
     x = torch.randn(m, columns, generator=torch.Generator().manual_seed(m))
     got = kernels(x, blocks, kind).double().numpy()
-    xd, d = activation_steps(x.numpy(), per_block(base_kind(kind)))
-    same_math = xd @ w.T
+    xd, step, offset = activation_steps(x.numpy(), per_block(base_kind(kind)))
+    mins = block_mins(raw, base_kind(kind))
+    offset = offset if mins.shape[1] else np.zeros((m, 0))
+    same_math = xd @ w.T + offset @ mins.T  # Q4_1 and Q5_1: m times Q8_1's s, not d times the sum
     magnitude = np.abs(xd) @ np.abs(w).T
     assert np.all(np.abs(got - same_math) <= 2e-5 * magnitude + 1e-30), kind
-    exact = x.double().numpy() @ w.T  # (b): the activations' rounding, at most half a step each
-    bound = (d / 2) @ np.abs(w).T
+    exact = x.double().numpy() @ w.T  # (b): the activations' rounding, about half a step each
+    bound = step @ np.abs(w).T + np.abs(offset) @ np.abs(mins).T
     assert np.all(np.abs(got - exact) <= 1.0001 * bound + 2e-5 * magnitude)
     if base_kind(kind) not in FLOAT_ROWS:
         assert np.abs(got - exact).max() > 0  # int8 activations really are rounded
@@ -214,20 +274,16 @@ def test_interleaved_k_quants_are_the_stored_rows_products(kernels: QuantKernels
         torch.testing.assert_close(vector, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
 
 
-@pytest.mark.parametrize("kind", sorted(BLOCK_KINDS), ids=[BLOCK_KINDS[k] for k in sorted(BLOCK_KINDS)])
+@pytest.mark.parametrize("kind", KINDS, ids=NAMES)
 def test_looked_up_rows_are_gguf_values(kind: int) -> None:
-    """An embedding table's lookup (``rows``): the chosen rows, repeats and any order, as gguf dequantises
-    them, bit for bit in float32; an interleaved form is refused (its rows are not stored one by one)."""
-    raw = gguf_blocks(kind, N_OUT, columns_of(kind), seed=kind)
-    ids = torch.tensor([3, 0, N_OUT - 1, 3, 17])
-    want = quants.dequantize(raw[ids.numpy()], GGMLQuantizationType(kind))
-    assert torch.equal(
-        KERNELS.rows(torch.from_numpy(raw), kind, columns_of(kind), ids), torch.from_numpy(want)
+    """An embedding table's lookup (``rows``), stored or interleaved (row r: lane r % 8 of group r // 8):
+    every row, repeats and any order, as gguf dequantises the stored rows, bit for bit in float32."""
+    blocks, raw = kernel_blocks(kind, N_OUT, seed=kind)
+    ids = torch.cat(
+        [torch.randperm(raw.shape[0], generator=torch.Generator().manual_seed(kind)), torch.tensor([3, 3])]
     )
-    if kind in INTERLEAVED:
-        packed = torch.from_numpy(pack8(gguf_blocks(kind, 40, columns_of(kind)), kind))
-        with pytest.raises(ValueError, match="one by one"):
-            KERNELS.rows(packed, INTERLEAVED[kind], columns_of(kind), ids)
+    want = quants.dequantize(raw[ids.numpy()], GGMLQuantizationType(base_kind(kind)))
+    assert torch.equal(KERNELS.rows(blocks, kind, columns_of(kind), ids), torch.from_numpy(want))
 
 
 def test_bad_shapes_are_refused() -> None:

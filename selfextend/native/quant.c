@@ -5,10 +5,11 @@
  *
  * quant_mm: y[m, n_out] = x[m, n_in] . W^T, W the raw blocks of one GGUF tensor (n_out rows, each
  * n_in / block_values blocks). As llama.cpp does, each activation row is quantized once per call to int8
- * (per 32 values with the sum of the 32 for the 32-value block formats, Q8_0-style; per 256 with sums per
- * 16 for the K-quants, Q8_K-style: d = max|x| / 127, q = rint(x / d)), then each block's product is an
- * integer dot product scaled by the two blocks' float scales (each family's source gives its formulas).
- * The integer parts are exact, so only the float steps (one fused multiply-add per block and row, a fixed
+ * (per 32 values with the sum of the 32 for the 32-value block formats, as llama.cpp's Q8_0 and Q8_1 blocks:
+ * float16 d = max|x| / 127 and s = d sum; per 256 with sums per 16 for the K-quants, as its Q8_K blocks:
+ * d = max / -127 for the signed max: the integers and scales llama.cpp multiplies), then each block's
+ * product is an integer dot product scaled by the two blocks' float scales (each family's source gives its
+ * formulas). The integer parts are exact, so only the float steps (one fused multiply-add per block and row, a fixed
  * horizontal sum) set the rounding, and they are the same for every row whatever the call's row count:
  * a row's result does not depend on the batch (activation rows are tiled by TILE and weight rows by
  * WR_TILE for reuse, and a tile's accumulators each see the same instructions as a single row's; 2 or 3
@@ -25,19 +26,44 @@
  * row's reduction over n_in is never split. */
 #include "quant.h"
 
-/* `n` values from x[at...] quantized to int8 with d = max|x| / 127 into q; returns d. */
-INLINE float quantize_block(const void *x, int type, long at, int n, int8_t *q) {
+/* The 32 values from x[at...] as llama.cpp's x86 build quantizes an activation block of 32 (quantize_row_q8_0
+ * and _q8_1): amax = max|x|, q = x * (127 / amax) rounded half to even; returns amax / 127 (float32), whose
+ * float16 rounding is the block's scale. */
+INLINE float quantize_block32(const void *x, int type, long at, int8_t *q) {
     float amax = 0.0f;
-    for (int k = 0; k < n; k++) {
+    for (int k = 0; k < 32; k++) {
         float a = fabsf(load_x(x, type, at + k));
         amax = a > amax ? a : amax; /* fmaxf's result (a NaN skipped), without its call */
     }
-    float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
-    for (int k = 0; k < n; k++) q[k] = (int8_t)nearbyintf(load_x(x, type, at + k) * id);
-    return d;
+    float id = amax != 0.0f ? 127.0f / amax : 0.0f;
+    for (int k = 0; k < 32; k++) q[k] = (int8_t)nearbyintf(load_x(x, type, at + k) * id);
+    return amax / 127.0f;
 }
 
-/* Activation row x (n values of x type `type`) as the activation blocks `act` takes (quant.h). */
+/* The 256 values from x[at...] as llama.cpp quantizes an activation block of 256 (quantize_row_q8_K): max the
+ * first value of the largest |x|, with its sign; iscale = -127 / max, q = min(127, iscale x rounded half to
+ * even); returns the scale d = 1 / iscale (negative where max is positive), 0 where every value is 0. */
+INLINE float quantize_block256(const void *x, int type, long at, int8_t *q) {
+    float amax = 0.0f, max = 0.0f;
+    for (int k = 0; k < 256; k++) {
+        float v = load_x(x, type, at + k), a = fabsf(v);
+        if (a > amax) amax = a, max = v;
+    }
+    if (amax == 0.0f) {
+        memset(q, 0, 256);
+        return 0.0f;
+    }
+    float iscale = -127.0f / max;
+    for (int k = 0; k < 256; k++) {
+        float v = nearbyintf(iscale * load_x(x, type, at + k));
+        q[k] = (int8_t)(v < 127.0f ? v : 127.0f);
+    }
+    return 1.0f / iscale;
+}
+
+/* Activation row x (n values of x type `type`) as the activation blocks `act` takes (quant.h), each block's
+ * numbers those of llama.cpp's (its Q8_0 / Q8_1 and Q8_K blocks), so that a product's integer sums and
+ * scales are the ones llama.cpp multiplies. */
 static void quantize_row(const void *x, int type, long n, int act, void *out) {
     if (act == ACT_F32) {
         for (long k = 0; k < n; k++) ((float *)out)[k] = load_x(x, type, k);
@@ -46,17 +72,18 @@ static void quantize_row(const void *x, int type, long n, int act, void *out) {
     if (act == ACT_Q8_32) {
         for (long b = 0; b < n / 32; b++) {
             xq32 *o = (xq32 *)out + b;
-            o->d = quantize_block(x, type, 32 * b, 32, o->q);
+            float d = quantize_block32(x, type, 32 * b, o->q);
             int s = 0;
             for (int k = 0; k < 32; k++) s += o->q[k];
             o->sum = s;
-            o->s = o->d * (float)s;
+            o->d = (float)(_Float16)d;            /* Q8_0's and Q8_1's d: float16 */
+            o->s = (float)(_Float16)(d * (float)s); /* Q8_1's s: float16 of the unrounded d times the sum */
         }
         return;
     }
     for (long b = 0; b < n / 256; b++) {
         xqk *o = (xqk *)out + b;
-        o->d = quantize_block(x, type, 256 * b, 256, o->q);
+        o->d = quantize_block256(x, type, 256 * b, o->q);
         for (int g = 0; g < 16; g++) {
             int s = 0;
             for (int k = 0; k < 16; k++) s += o->q[16 * g + k];

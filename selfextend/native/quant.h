@@ -33,8 +33,9 @@ enum { TILE = 4, WR_TILE = 2, DECODE_ROWS = 4, WEIGHT_TILE_BYTES = 65536 };
 enum { PREFETCH_BYTES = 3072 };
 
 /* How a type's product takes the activation rows (blocktypes.py's ACTIVATIONS): int8 blocks of 32 with
- * their sum (xq32, Q8_0-style) or of 256 with the sums of 16 (xqk, Q8_K-style), d = max|x| / 127; or the
- * row as float32 (F16 and BF16 weights, float.c). */
+ * their sum (xq32: llama.cpp's Q8_0 and Q8_1 blocks, d and s = d sum float16 values) or of 256 with the sums
+ * of 16 (xqk: its Q8_K blocks, d = max / -127 for the signed max), quant.c's quantize_row; or the row as
+ * float32 (F16 and BF16 weights, float.c). */
 enum { ACT_Q8_32 = 0, ACT_Q8_K = 1, ACT_F32 = 2 };
 typedef struct { float d, s; int32_t sum; int8_t q[32]; } xq32;      /* an activation block, 32 values; s = d sum */
 /* and 256 values (K-quants), with the sums of 16 and each 32's sum times d (rows_k4_512's mins) */
