@@ -22,25 +22,17 @@ def _generate_weights(model: str, table) -> list[tuple[str, str]]:
     from selfextend.models.gguf import KEPT_BLOCKS, held_matrices
     from selfextend.models.load import auto_weights
     from selfextend.models.sources import resolve_model
-    from selfextend.native.quant import quant_kernels
 
     form = auto_weights("auto", resolve_model(model), torch.device("cpu"))
     rows = [("weights generate uses", f"--weights {form} (auto, on the CPU)")]
     if table is None or form != "gguf":
         return rows
-    kernels = quant_kernels()
-    held = held_matrices(
-        table,
-        KEPT_BLOCKS[form],
-        torch.float32,
-        lambda kind, rows: kernels is not None and kernels.interleaves(kind) and rows % 8 == 0,
-    )
+    held = held_matrices(table, KEPT_BLOCKS[form], torch.float32)
     for h in held:
         way = "as stored" if h.stored_as_is else "as int8"
         what = f"{h.matrices} matri{'x' if h.matrices == 1 else 'ces'} {way}"
         if h.embedding:
-            tied = h.held_bytes > h.file_bytes and h.stored_as_is
-            what += " (the embedding table" + (", and the tied head's interleaved copy)" if tied else ")")
+            what += " (the embedding table)"
         held_here = f"{what}: {_mib(h.held_bytes)} (file {_mib(h.file_bytes)})"
         rows.append((f"  {GGMLQuantizationType(h.kind).name}", held_here))
     total = sum(h.held_bytes for h in held), sum(h.file_bytes for h in held)
@@ -78,8 +70,8 @@ def info(model_arg: str | None, model_opt: str | None, group_size: int, window: 
     Reads only the config (no weights). Weights: the bytes of the loaded model in each --weights /
     --dtype form (int8: 1 byte per linear weight + a bfloat16 scale per row, the rest float32), and the
     form generate uses by default on the CPU; for a GGUF in the gguf form, the bytes it holds of the
-    file's matrices per block type against the file's (a tied head interleaved for the native products
-    holds its own copy of the table's blocks).
+    file's matrices per block type against the file's (a tied head and the embedding table hold one copy
+    of the table's blocks, interleaved or not).
     KV bytes are for the cells `generate` uses by default on the CPU in float32 (bf16 where its native
     decode step serves the model, else f32): 2 (K and V) x 2 or 4 bytes x head_dim x kv_heads x layers per
     token; at N tokens, those of a context-shift cache of N cells (--ctx N), whose sliding-window layers

@@ -44,13 +44,16 @@ def _maker(kind: int):
 @pytest.mark.parametrize("kind", sorted(BLOCK_KINDS), ids=[BLOCK_KINDS[k] for k in sorted(BLOCK_KINDS)])
 def test_each_type_is_held_as_stored(tmp_path: Path, kind: int) -> None:
     """Every matrix keeps its stored type (an interleaved form of it where the kernels hold one) and bytes
-    that dequantise to transformers' weight; the table is a BlockEmbedding of the same type; the logits are
-    the float model's, to the int8 rounding of the activations, and to float32 rounding for F16 and BF16,
-    whose products take the activations as they are."""
+    that dequantise to transformers' weight; the table is a BlockEmbedding of the same type, held once: in
+    the tied head's bytes (its interleaved form, rows in eights here), every token's row transformers' bit
+    for bit; the logits are the float model's, to the int8 rounding of the activations, and to float32
+    rounding for F16 and BF16, whose products take the activations as they are."""
     from transformers import AutoModelForCausalLM
 
     blocks = {f"{BLOCK_KINDS[kind]} {part}": _maker(kind) for part in PARTS}
-    path = write_tiny_gguf(tmp_path / "tiny.gguf", hidden=256, heads=4, kv_heads=2, blocks=blocks)
+    path = write_tiny_gguf(
+        tmp_path / "tiny.gguf", hidden=256, heads=4, kv_heads=2, blocks=blocks, extra_tokens=2
+    )
     reference = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32)
     model, _ = load_model(str(path), weights="gguf")
     for ref_layer, layer in zip(reference.model.layers, model.model.layers, strict=True):
@@ -59,7 +62,11 @@ def test_each_type_is_held_as_stored(tmp_path: Path, kind: int) -> None:
             module, want = getattr(getattr(layer, part), name), getattr(getattr(ref_layer, part), name).weight
             assert isinstance(module, BlockLinear) and base_kind(module.kind) == kind, name
             torch.testing.assert_close(module.dequantized(), want, atol=0, rtol=0)
-    assert isinstance(model.model.embed_tokens, BlockEmbedding) and model.model.embed_tokens.kind == kind
+    table, head = model.model.embed_tokens, model.lm_head
+    assert isinstance(table, BlockEmbedding) and base_kind(table.kind) == kind and table.kind == head.kind
+    assert table.blocks.untyped_storage().data_ptr() == head.blocks.untyped_storage().data_ptr()
+    vocab = reference.model.embed_tokens.weight.shape[0]
+    assert torch.equal(table.lookup(torch.arange(vocab)), reference.model.embed_tokens.weight)
     ids = torch.randint(3, 250, (1, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         want, got = reference(ids).logits, model(ids).logits

@@ -69,15 +69,18 @@ def write_tiny_gguf(
     kv_heads: int = 2,
     quant: str | None = None,
     blocks: dict[str, Callable[[int, int], np.ndarray]] | None = None,
+    extra_tokens: int = 0,
 ) -> Path:
     """A tiny Llama GGUF; with ``quant`` (e.g. ``"Q8_0"``) its matrices in that block format
     (written with gguf's own quantiser); ``blocks``: by tensor kind (``attn_v``, ``ffn_down``...), a
     function of (rows, columns) giving its stored blocks instead, of the type named by its first key part
-    (``"Q6_K attn_v"``)."""
+    (``"Q6_K attn_v"``); ``extra_tokens``: control tokens added at the end of the 262 (a vocabulary of
+    rows in eights, as the interleaved forms hold them, with 2)."""
     import gguf
 
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     tokens = specials + _bytes_to_unicode() + ["Ġt", "he", "Ġthe"]
+    tokens += [f"<|extra_{i}|>" for i in range(extra_tokens)]
     vocab, head_dim, ff = len(tokens), hidden // heads, 2 * hidden
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_name("tiny-llama")
@@ -94,7 +97,9 @@ def write_tiny_gguf(
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
     writer.add_token_list(tokens)
-    writer.add_token_types([3] * len(specials) + [1] * (vocab - len(specials)))
+    writer.add_token_types(
+        [3] * len(specials) + [1] * (vocab - len(specials) - extra_tokens) + [3] * extra_tokens
+    )
     writer.add_token_merges(["Ġ t", "h e", "Ġt he"])
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)

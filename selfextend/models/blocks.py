@@ -214,15 +214,16 @@ class BlockLinear(nn.Module):
 
 
 class BlockEmbedding(nn.Module):
-    """An embedding table held as a GGUF tensor's blocks as stored: ``blocks`` (N, bytes per row) uint8 of
-    type ``kind`` (not an interleaved form), each looked-up row dequantized to float32, gguf's values bit for
-    bit (:meth:`~selfextend.native.quant.QuantKernels.rows`, else ``gguf``'s dequantize).
+    """An embedding table held as a GGUF tensor's blocks: ``blocks`` (N, bytes per row) uint8 of type
+    ``kind``, as stored or in an 8-row interleaved form (:func:`pack8`), each looked-up row dequantized to
+    float32, gguf's values of the stored row bit for bit (:meth:`~selfextend.native.quant.QuantKernels.rows`,
+    else ``gguf``'s dequantize).
 
     Why: a lookup reads a row or a chunk's rows, so the table need not be held as floats; Llama 3.2 1B's
-    Q6_K table is 1,002 MiB in float32 and 200 MiB as stored, and a tied output head (a
-    :class:`BlockLinear`) shares the same bytes, except where it is interleaved (Q4_0, Q4_1 and Q8_0 tables
-    with rows in eights: :meth:`BlockLinear.interleave` gives the head its own rearranged copy, for a
-    faster product; SmolLM2's Q8_0 table is then held twice, 28.7 MiB each). ``embed_scale``: Gemma's
+    Q6_K table is 1,002 MiB in float32 and 200 MiB as stored. A tied output head (a :class:`BlockLinear`)
+    shares the same bytes: as stored, or interleaved where :meth:`BlockLinear.interleave` rearranges them
+    for a faster product (:func:`~selfextend.models.weights.fill` then gives the table the head's form, so
+    that it is held once: SmolLM2's Q8_0 table 28.7 MiB, not twice that). ``embed_scale``: Gemma's
     scaled embedding's factor, applied as its module does; :meth:`lookup` gives the rows unscaled.
     ``dtype``: of the rows given (the model's float type; the values are dequantized in float32 and cast,
     as a float table is made)."""
@@ -259,20 +260,30 @@ class BlockEmbedding(nn.Module):
         if kernels is None:
             from gguf import dequantize
 
-            rows = torch.from_numpy(
-                dequantize(self.blocks[flat].numpy(), self.kind).reshape(-1, self.embedding_dim)
-            )
+            raw, kind = self._stored_rows(flat)
+            rows = torch.from_numpy(dequantize(raw, kind).reshape(-1, self.embedding_dim))
         else:
             rows = kernels.rows(self.blocks, self.kind, self.embedding_dim, flat)
         return rows.reshape(*ids.shape, self.embedding_dim).to(self.dtype)
+
+    def _stored_rows(self, flat: torch.Tensor) -> tuple[np.ndarray, int]:
+        """(rows ``flat`` as the GGUF stores them, their GGUF type): of an interleaved form, each row's group
+        put back (:func:`unpack8`) and its lane (row % 8) kept."""
+        if self.kind not in INTERLEAVED.values():
+            return self.blocks[flat].numpy(), self.kind
+        size = self.blocks.shape[1]  # bytes per row
+        groups = self.blocks.view(-1, 8 * size)[flat // 8].reshape(-1, size)  # (8 M, bytes per row)
+        raw = unpack8(groups.numpy(), self.kind).reshape(-1, 8, size)  # (M, 8, bytes per row)
+        return raw[np.arange(flat.shape[0]), (flat % 8).numpy()], base_kind(self.kind)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.lookup(ids)
         return x if self.embed_scale is None else x * self.embed_scale.to(self.dtype)
 
     def extra_repr(self) -> str:
-        name = BLOCK_KINDS.get(self.kind, self.kind)
-        return f"{self.num_embeddings}, {self.embedding_dim}, GGUF {name} blocks"
+        name = BLOCK_KINDS.get(base_kind(self.kind), self.kind)
+        form = ", 8 rows interleaved" if self.kind in INTERLEAVED.values() else ""
+        return f"{self.num_embeddings}, {self.embedding_dim}, GGUF {name} blocks{form}"
 
 
 def fuse_blocks(layers: Sequence[BlockLinear]) -> tuple[BlockLinear, ...]:

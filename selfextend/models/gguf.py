@@ -307,19 +307,13 @@ class Held:
     embedding: bool = False
 
 
-def held_matrices(
-    table: GGUFTable,
-    keep: Callable[[int, int, int], bool],
-    dtype: torch.dtype,
-    head_copy: Callable[[int, int], bool] = lambda kind, rows: False,
-) -> list[Held]:
+def held_matrices(table: GGUFTable, keep: Callable[[int, int, int], bool], dtype: torch.dtype) -> list[Held]:
     """What a run form holds of a GGUF's matrices (F32 ones aside), by type and way: those ``keep`` takes
     hold their stored bytes, the others int8 with a float32 scale a row (the embedding table: ``dtype``).
-    A tied output head shares the embedding's bytes unless ``head_copy(kind, rows)`` (its blocks
-    interleaved: a copy of their size)."""
+    A tied output head shares the embedding's bytes (interleaved or not: the table then reads its rows from
+    the head's form), so the table counts once."""
     from gguf import GGMLQuantizationType
 
-    names = {t.name for t in table.tensors}
     held: dict[tuple[int, bool], Held] = {}
     for t in table.tensors:
         if len(t.raw_shape) != 2 or t.kind == GGMLQuantizationType.F32:
@@ -333,8 +327,7 @@ def held_matrices(
         entry.file_bytes += stored
         entry.embedding |= table_held
         if kept:
-            tied = table_held and "output.weight" not in names
-            entry.held_bytes += stored * (2 if tied and head_copy(t.kind, rows) else 1)
+            entry.held_bytes += stored
         else:
             size = torch.finfo(dtype).bits // 8 if table_held else 1
             entry.held_bytes += rows * columns * size + (4 * rows if size == 1 else 0)

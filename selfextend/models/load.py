@@ -166,8 +166,8 @@ def load_model(
 
     ``weights="gguf"`` holds a GGUF's linear weights in the block formats the native products compute
     (:data:`~selfextend.native.blocktypes.BLOCK_TYPES`) as stored, in a
-    :class:`~selfextend.models.blocks.BlockLinear` (a tied output head reads the embedding's own blocks, or
-    its own interleaved copy of them for a Q4_0, Q4_1 or Q8_0 table),
+    :class:`~selfextend.models.blocks.BlockLinear` (a tied output head reads the embedding's own blocks,
+    interleaved where the kernels hold its type so, the table then looking its rows up in that form),
     and every other linear layer as int8.
 
     ``weights="int4"`` holds a GGUF's linear weights stored in 4-bit blocks (Q4_0, Q4_1, Q4_K) as

@@ -26,6 +26,7 @@ from torch import nn
 from selfextend.models.blocks import BlockEmbedding, BlockLinear
 from selfextend.models.heap import release_free_memory
 from selfextend.models.quantize import INT4_GROUP, Int4Linear, Int8Linear, quantize_rows
+from selfextend.native.blocktypes import INTERLEAVED
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
@@ -222,11 +223,16 @@ def _assign(
 def _tie_head(model: nn.Module) -> None:
     """A tied output head shares the embedding (float) or is quantised from it (int8, if still empty;
     an int4 head was filled from its own blocks); a block head saved without its bytes (they were the
-    block table's) takes the table's."""
+    block table's) takes the table's; a block table whose head holds its rows interleaved looks its rows
+    up in the head's bytes (:class:`BlockEmbedding`), its stored copy dropped: the table is held once."""
     head, embed = model.get_output_embeddings(), model.get_input_embeddings()
     tied = getattr(model.config.get_text_config(), "tie_word_embeddings", False)
-    if tied and isinstance(head, BlockLinear) and head.blocks.is_meta and isinstance(embed, BlockEmbedding):
-        head.blocks = embed.blocks  # saved once: the head read the table's bytes as they are
+    if tied and isinstance(head, BlockLinear) and isinstance(embed, BlockEmbedding):
+        if head.blocks.is_meta:
+            head.blocks = embed.blocks  # saved once: the head read the table's bytes as they are
+        elif head.kind == INTERLEAVED.get(embed.kind) and head.blocks.shape[0] == embed.num_embeddings:
+            embed.blocks = head.blocks  # the same rows, rearranged when the head took them (interleave)
+            embed.set_kind(head.kind)
         return
     if not tied or head is None or isinstance(head, Int4Linear | BlockLinear):
         return

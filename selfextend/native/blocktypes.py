@@ -84,8 +84,9 @@ def c_name(t: BlockType) -> str:
 
 
 def c_sources() -> tuple[Path, ...]:
-    """The quant library's C files: the products' driver (``quant.c``) and each family's loops."""
-    return (HERE / "quant.c", *(HERE / f"{family}.c" for family in FAMILIES))
+    """The quant library's C files: the products' driver (``quant.c``), each family's loops and the row
+    lookups in the interleaved forms (``rows.c``)."""
+    return (HERE / "quant.c", *(HERE / f"{family}.c" for family in FAMILIES), HERE / "rows.c")
 
 
 def c_header(types: tuple[BlockType, ...] = BLOCK_TYPES) -> str:

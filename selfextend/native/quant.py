@@ -69,8 +69,9 @@ class QuantKernels:
         self._dequant = bind(lib.quant_dequant_bf16, [i32, ptr, long, long, ptr], i32)
         # an older quant.c built to be timed beside this one (experiments/speed/row_products.py --against)
         # lacks it
-        rows = getattr(lib, "quant_rows_f32", None)
+        rows, x8 = getattr(lib, "quant_rows_f32", None), getattr(lib, "quant_rows_x8_f32", None)
         self._rows = None if rows is None else bind(rows, [i32, ptr, long, ptr, long, long, ptr], i32)
+        self._rows_x8 = None if x8 is None else bind(x8, [i32, ptr, long, ptr, long, long, ptr], i32)
         interleaves = getattr(lib, "quant_interleaves", None)  # and this
         self._interleaves = None if interleaves is None else bind(interleaves, [i32], i32)
         self.address = ctypes.cast(
@@ -125,18 +126,22 @@ class QuantKernels:
         return out
 
     def rows(self, blocks: torch.Tensor, kind: int, n_in: int, ids: torch.Tensor) -> torch.Tensor:
-        """(len(ids), n_in) float32: rows ``ids`` (int64, in range) of the stored blocks of type ``kind``
-        (not an interleaved form), gguf's dequantized values bit for bit. ValueError for shapes that do
-        not fit."""
+        """(len(ids), n_in) float32: rows ``ids`` (int64, in range) of the blocks of type ``kind`` (stored, or
+        an interleaved form: row r is lane r % 8 of group r // 8, ``rows.c``), gguf's dequantized values of
+        the stored rows bit for bit, all in one call. ValueError for shapes that do not fit."""
         _check(blocks, kind, n_in)
-        if self._rows is None:
-            raise RuntimeError(f"{self.library.name} has no quant_rows_f32 (built from an older quant.c)")
+        lookup = self._rows_x8 if kind in INTERLEAVED.values() else self._rows
+        if lookup is None:
+            raise RuntimeError(f"{self.library.name} has no row lookups for GGUF type {kind} (older sources)")
         ids = ids.reshape(-1).to(torch.int64).contiguous()
         out = torch.empty(ids.shape[0], n_in)
-        if self._rows(
+        failed = lookup(
             kind, blocks.data_ptr(), blocks.shape[1], ids.data_ptr(), ids.shape[0], n_in, out.data_ptr()
-        ):
-            raise ValueError(f"quant_rows_f32: GGUF type {kind} rows are not looked up one by one")
+        )
+        if failed == 1:
+            raise MemoryError(f"quant_rows_x8_f32: no scratch space for a group of rows of {n_in}")
+        if failed:
+            raise ValueError(f"GGUF type {kind} rows of {n_in} values are not looked up")
         return out
 
     def tiled(self, x: torch.Tensor, blocks: torch.Tensor, kind: int) -> torch.Tensor:
