@@ -9,6 +9,7 @@ import click
 
 from selfextend.bench.trimmed_chat import TOPICS
 from selfextend.cli.options import POSITIVE, cache_reuse_option, integer, parallel_option
+from selfextend.core.validate import plural
 
 LABELS = {  # ratio key -> column title
     "aggregate_tokens_per_second": "tok/s",
@@ -103,12 +104,12 @@ def run_server_case(
         max_tokens=load["reply_tokens"],
         turns=load["turns"],
     )
+    s = setup
     click.echo(
-        f"server: {gguf.name}, selfextend serve --weights {setup.weights} against {binary}; {setup.parallel} "
-        f"slots of {setup.ctx} {setup.cache_type} cells, {setup.threads} threads, cache reuse "
-        f"{setup.cache_reuse}; {setup.clients} clients x {setup.requests} requests of {setup.max_tokens} "
-        f"tokens, then {setup.turns} trimmed-chat turns; {repeats} rounds, interleaved",
-        err=True,
+        f"server: {gguf.name}, selfextend serve --weights {s.weights} against {binary}; "
+        f"{plural(s.parallel, 'slot')} of {s.ctx} {s.cache_type} cells, {plural(s.threads, 'thread')}, "
+        f"cache reuse {s.cache_reuse}; {plural(s.clients, 'client')} x {plural(s.requests, 'request')} of "
+        f"{s.max_tokens} tokens, then {s.turns} trimmed-chat turns; {plural(repeats, 'round')}, interleaved"
     )
     header = f"{'round':>5} {'server':<13} {'tok/s':>8} " + " ".join(
         f"{t:>9}" for t in list(LABELS.values())[1:]
@@ -132,9 +133,7 @@ def run_server_case(
                 f"{_s(load_row['ttft_p50_s']):>9} {_s(load_row['ttft_p95_s']):>9} "
                 f"{_s(chat.get('ttft_median_s')):>9} {load_row['rss_end_mib']:>8.0f}"
             )
-        lines.append(
-            f"{round_:>5} {'ours/theirs':<13} " + " ".join(_x(ratio, k) for k in LABELS) + f" {'':>8}"
-        )
+        lines.append(f"{round_:>5} {'ours/theirs':<13} " + " ".join(_x(ratio, k) for k in LABELS))
         click.echo(lines[-1], err=True)
         per_round.append(ratio)
     medians = {

@@ -83,7 +83,9 @@ def test_both_servers_get_the_same_settings(tmp_path):
     setup = ServerSetup(gguf, Path("/opt/llama-server"), parallel=3, ctx=512, threads=2, cache_type="bf16")
     theirs = command("llama-server", setup, 8123)
     flags = {
-        a: b if not b.startswith("-") else True for a, b in zip(theirs[1:], [*theirs[2:], "-"]) if a[0] == "-"
+        a: b if not b.startswith("-") else True
+        for a, b in zip(theirs[1:], [*theirs[2:], "-"], strict=True)
+        if a[0] == "-"
     }
     assert flags["--no-kv-unified"] is True  # -c is the pool of all slots, split evenly
     assert theirs[0] == "/opt/llama-server" and flags["-m"] == str(gguf) and flags["--port"] == "8123"

@@ -68,7 +68,6 @@ class ServerSetup:
     requests: int = 6  # per client
     max_tokens: int = 64  # every load reply runs to this many tokens
     turns: int = 30  # trimmed-chat turns (0: none)
-    env: dict[str, str] = field(default_factory=dict)  # added to both servers' environment
     logs: Path = field(default_factory=lambda: Path(tempfile.gettempdir()))
 
 
@@ -105,9 +104,12 @@ def command(name: str, setup: ServerSetup, port: int) -> list[str]:
     ]
 
 
-def start(cmd: list[str], base: str, log: Path, env: dict, timeout: float = 900) -> subprocess.Popen:
-    """Start a server with ``env`` and its output in ``log``; return once ``/health`` answers 200. Raises
-    RuntimeError (with the log's tail) if it exits first, TimeoutError if it never answers."""
+def start(
+    cmd: list[str], base: str, log: Path, env: dict | None = None, timeout: float = 900
+) -> subprocess.Popen:
+    """Start a server with ``env`` (None: this process's) and its output in ``log``; return once ``/health``
+    answers 200. Raises RuntimeError (with the log's tail) if it exits first, TimeoutError if it never
+    answers."""
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     deadline = time.monotonic() + timeout
@@ -145,7 +147,7 @@ def measure(name: str, setup: ServerSetup, tokenizer, round_: int) -> list[dict]
     settings.update(parallel=setup.parallel, ctx_per_slot=setup.ctx, threads=setup.threads)
     settings.update(cache_reuse=setup.cache_reuse, cache_type=setup.cache_type, weights=weights)
     log = setup.logs / f"selfextend-bench-server.{name}.log"
-    proc = start(command(name, setup, port), base, log, {**os.environ, **setup.env})
+    proc = start(command(name, setup, port), base, log)
     try:
         run_phase(base, 1, 1, max_tokens=8)  # warm-up, not recorded
         load = run_phase(base, setup.clients, setup.requests, setup.max_tokens, full=True, same_history=True)
@@ -166,12 +168,12 @@ def measure(name: str, setup: ServerSetup, tokenizer, round_: int) -> list[dict]
     return records
 
 
-# what each round compares, ours over theirs: (phase, field, higher is better)
+# what each round compares, ours over theirs: (phase, field)
 COMPARED = (
-    ("load", "aggregate_tokens_per_second", True),
-    ("load", "ttft_p50_s", False),
-    ("load", "ttft_p95_s", False),
-    ("trimmed_chat", "ttft_median_s", False),
+    ("load", "aggregate_tokens_per_second"),
+    ("load", "ttft_p50_s"),
+    ("load", "ttft_p95_s"),
+    ("trimmed_chat", "ttft_median_s"),
 )
 
 
@@ -180,7 +182,7 @@ def ratios(records: list[dict]) -> dict[str, float]:
     ratio below 1 and a rate's above 1 are ours ahead)."""
     by = {(r["server"], r["phase"]): r for r in records}
     out = {}
-    for phase, key, _ in COMPARED:
+    for phase, key in COMPARED:
         ours, theirs = (
             by.get(("selfextend", phase), {}).get(key),
             by.get(("llama-server", phase), {}).get(key),
