@@ -12,6 +12,10 @@ once) against the file's 2-D tensors, and the types the file holds: SmolLM2's 57
 super-blocks of 256, so a K-quant file falls back to 32-value types on most tensors (llama.cpp's choice).
 
     .venv/bin/python experiments/quality/quant_types_vs_llamacpp.py [--tokens 500] [--types Q2_K,IQ4_XS]
+    # the 256-wide twin (experiments/tools/widen_to_256.py), every type:
+    .venv/bin/python experiments/quality/quant_types_vs_llamacpp.py \
+        --source dev-models/smollm2-135m-w768-f32.gguf \
+        --types Q4_K_M,Q5_K_M,Q6_K,Q8_0,Q4_0,Q4_1,Q5_1,Q2_K,Q3_K_M,IQ4_NL,IQ4_XS,F16,BF16
 
 Prints one row per type and writes ``experiments/quality/results/quant_types_vs_llamacpp.jsonl``.
 """
@@ -30,6 +34,7 @@ import torch
 
 # llama.cpp's file types (llama.h's LLAMA_FTYPE_MOSTLY_*); Q4_1: the shipped file's own, the baseline
 FTYPES = {"Q4_1": 3, "F16": 1, "Q5_1": 9, "Q2_K": 10, "Q3_K_M": 12, "IQ4_NL": 25, "IQ4_XS": 30, "BF16": 32}
+MORE_FTYPES = {"Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18, "Q8_0": 7, "Q4_0": 2}  # by name in --types
 
 
 def quantize(src: Path, dst: Path, ftype: int) -> None:
@@ -83,19 +88,25 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, default=500)
     parser.add_argument("--types", default=",".join(FTYPES))
+    parser.add_argument(
+        "--source",
+        type=Path,
+        help="a GGUF to quantize (default: the shipped SmolLM2), e.g. the "
+        "256-wide twin of experiments/tools/widen_to_256.py; results then go to a file named after it",
+    )
     args = parser.parse_args()
 
     from selfextend.evaluation.corpus import default_books
     from selfextend.models import load_model, resolve_model
     from selfextend.models.quantize import weight_format
 
-    source = resolve_model("smollm2-135m").gguf_path
+    source = args.source or resolve_model("smollm2-135m").gguf_path
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["SELFEXTEND_CACHE"] = str(Path(tmp) / "cache")  # no conversion left in the user's cache
         for name in args.types.split(","):
             path = Path(tmp) / f"smollm2-{name}.gguf"
-            quantize(source, path, FTYPES[name])
+            quantize(source, path, {**FTYPES, **MORE_FTYPES}[name])
             model, tokenizer = load_model(str(path), weights="auto")  # gguf on the CPU
             text = next(iter(default_books().values()))
             ids = torch.tensor([tokenizer(text[: 8 * args.tokens]).input_ids[: args.tokens]])
@@ -134,7 +145,11 @@ def main() -> None:
                 flush=True,
             )
             del model
-    out = Path(__file__).parent / "results" / "quant_types_vs_llamacpp.jsonl"
+    out = (
+        Path(__file__).parent
+        / "results"
+        / f"quant_types_vs_llamacpp{'-' + args.source.stem if args.source else ''}.jsonl"
+    )
     out.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
