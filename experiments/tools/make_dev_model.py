@@ -1,26 +1,32 @@
-"""Make the 1B-class development models of issue 27: the real shapes of Llama-3.2-1B and Qwen2.5-1.5B with
-seeded synthetic weights, written as an F16 GGUF and quantized by llama.cpp's own quantizer to Q4_0 and
-Q4_K_M, so the block mix (Q4_K with Q6_K for some attn_v / ffn_down layers and the output head) is what
-real ``_M`` files hold.
+"""Make development models with the real shapes of the models people run (issues 27 and 41): Llama-3.2-1B,
+Qwen2.5-1.5B (tied head, vocabulary 151,936, q/k/v bias), Llama-3.2-3B and Llama-3.1-8B, with seeded
+synthetic weights, written as an F16 GGUF and quantized by llama.cpp's own quantizer (Q4_0, Q4_K_M or any
+type it names), so the block mix (Q4_K with Q6_K for some attn_v / ffn_down layers and the output head) is
+what real files hold.
 
 Speed depends on shapes and block types, not on values, so these stand in for the real models, which no
 machine here can download. Weights are normal with a small std (activations stay finite through every
 layer), norms are ones. The tokenizer is SmolLM2's (from the shipped GGUF) padded with ``[PAD<i>]`` tokens
 of type UNUSED up to the vocabulary size, as llama.cpp's converter pads vocabularies; both llama.cpp and
-transformers' GGUF loader read it. Llama 3's ``llama3`` RoPE scaling is left out: llama.cpp reads it as a
-``rope_freqs`` tensor but transformers' GGUF loader ignores that tensor, so the two would disagree about
-the model; plain RoPE with theta 500000 is what both load. The Qwen2.5-1.5B shape has an untied output
-head, as issue 27 asks (a tied one reads about the same bytes per token).
+transformers' GGUF loader read it. The Llama 3 shapes carry their ``llama3`` RoPE scaling as llama.cpp's
+converter writes it: a ``rope_freqs.weight`` tensor (one divisor per frequency; factor 32 for 3.2, 8 for
+3.1, low 1, high 4, original window 8192) and no scaling keys; llama.cpp and selfextend's loader
+(``selfextend/models/gguf_rope.py``) both read it. ``qwen2.5-1.5b-untied`` is issue 27's variant with a
+separate output head.
+
+The F16 file is streamed one tensor at a time (the largest, the 8B's embedding, is 1.05 GB), so making the
+8B takes little memory; it is deleted after quantizing unless ``--keep-f16`` (or F16 is a type asked for).
 
 Measured (seed 0): llama-3.2-1b Q4_K_M 0.80 GB {F32: 33, Q4_K: 96, Q6_K: 17} (half the attn_v and ffn_down
-layers and the tied embedding/head in Q6_K, as in real files), Q4_0 0.77 GB {F32: 33, Q4_0: 112, Q6_K: 1}.
+layers and the tied embedding/head in Q6_K, as in real files), Q4_0 0.77 GB {F32: 33, Q4_0: 112, Q6_K: 1}
+(both before the ``rope_freqs`` tensor, one F32 more).
 
-    python experiments/tools/make_dev_model.py                      # both shapes, F16 + Q4_0 + Q4_K_M
-    python experiments/tools/make_dev_model.py --shape llama-3.2-1b --types Q4_K_M --out /tmp/models
+    python experiments/tools/make_dev_model.py                      # the 1B and 1.5B shapes, Q4_0 + Q4_K_M
+    python experiments/tools/make_dev_model.py --shape llama-3.1-8b --types Q4_K_M --out /tmp/models
 
 Files go into ``dev-models/`` under the folder it is run from (``--out``); ``llama-quantize`` is taken from
-the PATH (``--quantizer``), else llama-cpp-python's copy of the same code. Files are reproducible (fixed
-seed, no timestamps): the same arguments write the same bytes.
+``--quantizer`` or the PATH, else llama-cpp-python's copy of the same code (``llama_model_quantize``).
+Files are reproducible (fixed seed, no timestamps): the same arguments write the same bytes.
 """
 
 from __future__ import annotations
@@ -29,16 +35,32 @@ import argparse
 import collections
 import shutil
 import subprocess
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import gguf
 import numpy as np
 
+from selfextend.models.gguf_rope import _llama3_factors
 from selfextend.models.sources import resolve_model
 
 DEFAULT_OUT = Path("dev-models")  # relative: under the folder the script runs from
 STD = 0.02
+# llama.cpp's file types by the names its quantizer takes: Q4_K_M, IQ4_XS, F16, BF16, F32 ...
+FTYPES = {
+    m.name.removeprefix("MOSTLY_").removeprefix("ALL_"): m for m in gguf.LlamaFileType if m.name != "GUESSED"
+}
+
+
+@dataclass(frozen=True)
+class Llama3Rope:
+    """A ``rope_scaling`` of type ``llama3``, as the model's config.json states it."""
+
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
 
 
 @dataclass(frozen=True)
@@ -58,18 +80,41 @@ class Shape:
     context: int
     tied: bool
     qkv_bias: bool
+    llama3: Llama3Rope | None = None
 
 
+def _llama3(
+    hidden: int, layers: int, heads: int, head_dim: int, ffn: int, tied: bool, factor: float
+) -> Shape:
+    """A Llama 3 shape: 8 KV heads, vocabulary 128,256, theta 500,000, 128k context, llama3 RoPE scaling."""
+    values = (hidden, layers, heads, 8, head_dim, ffn, 128256, 5e5, 1e-5, 131072)
+    return Shape("llama", *values, tied=tied, qkv_bias=False, llama3=Llama3Rope(factor))
+
+
+QWEN_1_5B = (1536, 28, 12, 2, 128, 8960, 151936, 1e6, 1e-6, 32768)
 SHAPES = {
-    "llama-3.2-1b": Shape("llama", 2048, 16, 32, 8, 64, 8192, 128256, 500000.0, 1e-5, 131072, True, False),
-    "qwen2.5-1.5b": Shape("qwen2", 1536, 28, 12, 2, 128, 8960, 151936, 1e6, 1e-6, 32768, False, True),
+    "llama-3.2-1b": _llama3(2048, 16, 32, 64, 8192, tied=True, factor=32.0),
+    "qwen2.5-1.5b": Shape("qwen2", *QWEN_1_5B, tied=True, qkv_bias=True),
+    "qwen2.5-1.5b-untied": Shape("qwen2", *QWEN_1_5B, tied=False, qkv_bias=True),
+    "llama-3.2-3b": _llama3(3072, 28, 24, 128, 8192, tied=True, factor=32.0),
+    "llama-3.1-8b": _llama3(4096, 32, 32, 128, 14336, tied=False, factor=8.0),
 }
+DEFAULT_SHAPES = "llama-3.2-1b,qwen2.5-1.5b"
+
+
+def rope_freqs(s: Shape) -> np.ndarray:
+    """The ``rope_freqs`` divisors llama.cpp's converter writes for ``s``'s llama3 scaling (float32)."""
+    assert s.llama3 is not None
+    params = {"rope_theta": s.theta, **vars(s.llama3)}
+    return np.asarray(_llama3_factors(params, s.head_dim), dtype=np.float32)
 
 
 def tensor_shapes(s: Shape) -> list[tuple[str, tuple[int, ...]]]:
-    """Every tensor's GGUF name and numpy shape (rows = outputs), in llama.cpp's converter order."""
+    """Every tensor's GGUF name and numpy shape (rows = outputs), in llama.cpp's converter order (its
+    generated ``rope_freqs`` first)."""
     q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
-    out = [("token_embd.weight", (s.vocab, s.hidden))]
+    out = [("rope_freqs.weight", (s.head_dim // 2,))] if s.llama3 else []
+    out += [("token_embd.weight", (s.vocab, s.hidden))]
     for i in range(s.layers):
         b = f"blk.{i}."
         out += [(b + "attn_norm.weight", (s.hidden,))]
@@ -134,29 +179,32 @@ def write_f16(name: str, s: Shape, path: Path, seed: int) -> None:
     copy_tokenizer(writer, s.vocab)
     shapes = tensor_shapes(s)
     for tname, shape in shapes:
-        dtype = np.float32 if len(shape) == 1 else np.float16
-        writer.add_tensor_info(tname, shape, np.dtype(dtype), int(np.prod(shape)) * np.dtype(dtype).itemsize)
+        dtype = np.dtype(np.float32 if len(shape) == 1 else np.float16)
+        writer.add_tensor_info(tname, shape, dtype, int(np.prod(shape)) * dtype.itemsize)
     writer.write_header_to_file(path)
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     for i, (tname, shape) in enumerate(shapes):
-        writer.write_tensor_data(synthetic(tname, shape, seed, i))
+        values = rope_freqs(s) if tname == "rope_freqs.weight" else synthetic(tname, shape, seed, i)
+        writer.write_tensor_data(values)
     writer.close()
 
 
 def quantize(src: Path, dst: Path, qtype: str, quantizer: Path | None) -> None:
-    """``src`` -> ``dst`` in ``qtype`` by llama.cpp's quantizer: the ``llama-quantize`` binary if it
-    exists, else ``llama_model_quantize`` from llama-cpp-python (the same code)."""
-    if quantizer is not None and quantizer.exists():
-        subprocess.run([str(quantizer), str(src), str(dst), qtype, "2"], check=True, capture_output=True)
+    """``src`` -> ``dst`` in ``qtype`` by llama.cpp's quantizer: the ``llama-quantize`` binary if given,
+    else ``llama_model_quantize`` from llama-cpp-python (the same code)."""
+    if quantizer is not None:
+        run = subprocess.run([str(quantizer), str(src), str(dst), qtype, "2"], capture_output=True, text=True)
+        if run.returncode != 0:
+            raise RuntimeError(f"{quantizer} failed on {src} ({qtype}):\n{run.stderr[-2000:]}")
         return
     import llama_cpp
 
     params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{qtype}")
+    params.ftype = int(FTYPES[qtype])
     params.nthread = 2
     if llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), params) != 0:
-        raise RuntimeError(f"llama_model_quantize failed on {src}")
+        raise RuntimeError(f"llama_model_quantize failed on {src} ({qtype})")
 
 
 def type_counts(path: Path) -> dict[str, int]:
@@ -165,27 +213,47 @@ def type_counts(path: Path) -> dict[str, int]:
     return dict(sorted(counts.items()))
 
 
+def _listed(ap: argparse.ArgumentParser, text: str, known: list[str], what: str) -> list[str]:
+    """A comma-separated argument's items, each one of ``known`` (else argparse's one-line error)."""
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    unknown = [t for t in items if t not in known]
+    if unknown or not items:
+        ap.error(f"unknown {what} {', '.join(unknown) or '(none given)'}; known: {', '.join(known)}")
+    return items
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shape", choices=[*SHAPES, "all"], default="all")
-    ap.add_argument("--types", default="Q4_0,Q4_K_M", help="llama.cpp quantization types, comma-separated")
+    ap.add_argument("--shape", default=DEFAULT_SHAPES, help=f"comma-separated, or all: {', '.join(SHAPES)}")
+    ap.add_argument("--types", default="Q4_0,Q4_K_M", help="llama.cpp file types (its quantizer's names)")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder (default: ./dev-models)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--keep-f16", action="store_true", help="keep the F16 file the types are made from")
     found = shutil.which("llama-quantize")
     ap.add_argument("--quantizer", type=Path, default=found and Path(found), help="llama-quantize binary")
     args = ap.parse_args()
+    names = list(SHAPES) if args.shape == "all" else _listed(ap, args.shape, list(SHAPES), "shape")
+    qtypes = _listed(ap, args.types, list(FTYPES), "type")
+    if args.quantizer is not None and not args.quantizer.is_file():
+        ap.error(f"--quantizer {args.quantizer} is not a file")
     args.out.mkdir(parents=True, exist_ok=True)
-    for name in SHAPES if args.shape == "all" else [args.shape]:
+    for name in names:
         f16 = args.out / f"{name}-synthetic-F16.gguf"
+        start = time.perf_counter()
         if not f16.exists():
             tmp = f16.with_suffix(".partial")
             write_f16(name, SHAPES[name], tmp, args.seed)
             shutil.move(tmp, f16)
-        print(f"{f16}: {f16.stat().st_size / 1e9:.2f} GB {type_counts(f16)}", flush=True)
-        for qtype in [t.strip() for t in args.types.split(",") if t.strip()]:
+        took = time.perf_counter() - start
+        print(f"{f16}: {f16.stat().st_size / 1e9:.2f} GB {type_counts(f16)} ({took:.0f} s)", flush=True)
+        for qtype in (q for q in qtypes if q != "F16"):
             dst = args.out / f"{name}-synthetic-{qtype}.gguf"
+            start = time.perf_counter()
             quantize(f16, dst, qtype, args.quantizer)
-            print(f"{dst}: {dst.stat().st_size / 1e9:.2f} GB {type_counts(dst)}", flush=True)
+            took = time.perf_counter() - start
+            print(f"{dst}: {dst.stat().st_size / 1e9:.2f} GB {type_counts(dst)} ({took:.0f} s)", flush=True)
+        if not args.keep_f16 and "F16" not in qtypes:
+            f16.unlink()
 
 
 if __name__ == "__main__":
