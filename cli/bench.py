@@ -242,7 +242,8 @@ def bench(
         "generate": ("tokens_per_s", "tok/s"),
         "first-token": ("seconds", "s"),
     }
-    for row in summarize(runs):
+    summary = summarize(runs)
+    for row in summary:
         key, unit = units[row["case"]]
         engines = {
             r["prefill_engine"]
@@ -281,5 +282,9 @@ def bench(
         "generate: to llama.cpp); spread: (max - min) / median over the rounds; MB/tok: bytes a decode "
         "step reads at least (weights and the K/V cells at the average fill); GB/s: MB/tok x tok/s"
     )
+    for row in summary:
+        if len(row.get("round_ratios", ())) > 1:  # rounds interleaved: each its own ratio
+            rounds = ", ".join(f"{x:.2f}x" for x in row["round_ratios"])
+            click.echo(f"per round, to llama.cpp: {row['case']} {row['variant']} {row['length']}: {rounds}")
     if bandwidth:
         click.echo(f"machine read bandwidth: {bandwidth:.1f} GB/s ({torch.get_num_threads()} threads)")

@@ -179,3 +179,18 @@ def test_first_token_rows_name_the_prefill_engine(tmp_path, monkeypatch, engine)
         ("gguf+selfextend", engine, False),
         ("gguf+selfextend", engine, True),
     ]
+
+
+def test_generate_ratios_to_llama_cpp_per_round():
+    """Rounds are interleaved, so each has its own ratio beside the ratio of the medians."""
+    from selfextend.bench.runner import summarize
+
+    rates = {"int8": (30.0, 40.0, 20.0), "llama.cpp": (20.0, 40.0, 10.0)}
+    runs = [
+        {"case": "generate", "variant": v, "length": 512, "repeat": i, "tokens_per_s": x}
+        for v, xs in rates.items()
+        for i, x in enumerate(xs)
+    ]
+    (row,) = [r for r in summarize(runs) if r["variant"] == "int8"]
+    assert row["ratio"] == 30.0 / 20.0
+    assert row["round_ratios"] == [1.5, 1.0, 2.0]

@@ -265,7 +265,8 @@ def bench_endless(model: nn.Module, cfg: BenchConfig, rss: Callable[[], float]) 
 
 
 def summarize(records: list[dict]) -> list[dict]:
-    """Medians per (case, variant, length), with each variant's ratio to plain at the same length."""
+    """Medians per (case, variant, length), with each variant's ratio to plain at the same length (generate
+    and first-token: to llama.cpp, of the medians and per round, ``round_ratios``)."""
     groups: dict[tuple, list[dict]] = {}
     for r in records:
         groups.setdefault((r["case"], r["variant"], r["length"]), []).append(r)
@@ -324,4 +325,7 @@ def summarize(records: list[dict]) -> list[dict]:
             )
             if base:
                 row["ratio"] = row[key] / base[key]
+                theirs = {r["repeat"]: r[key] for r in groups[row["case"], "llama.cpp", row["length"]]}
+                ours = groups[row["case"], row["variant"], row["length"]]
+                row["round_ratios"] = [r[key] / theirs[r["repeat"]] for r in ours if r["repeat"] in theirs]
     return rows
