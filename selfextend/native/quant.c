@@ -1,6 +1,7 @@
 /* Products of activation rows with a GGUF tensor's quantized blocks, read as the file stores them: the
  * driver. Each block family's loops are in a source of its own (legacy.c: the 32-value formats and their
- * interleaved forms; kquant.c: the K-quants), each type's facts in blocktypes.h, generated from
+ * interleaved forms; kquant.c: the K-quants, kquant_x8.c their interleaved forms' vector loops), each type's
+ * facts in blocktypes.h, generated from
  * blocktypes.py at build; quant.h is what they share.
  *
  * quant_mm: y[m, n_out] = x[m, n_in] . W^T, W the raw blocks of one GGUF tensor (n_out rows, each
@@ -13,8 +14,9 @@
  * horizontal sum) set the rounding, and they are the same for every row whatever the call's row count:
  * a row's result does not depend on the batch (activation rows are tiled by TILE and weight rows by
  * WR_TILE for reuse, and a tile's accumulators each see the same instructions as a single row's; 2 or 3
- * rows take tiles of their own, so that the weights are read once for all; the 8-row interleaved forms take 3
- * rows as a tile that repeats its last one). A decode step (fewer than TILE
+ * rows take tiles of their own, so that the weights are read once for all; Q4_0X8, Q4_1X8 and Q8_0X8 take 3
+ * rows as a tile that repeats its last one, the K-quants' interleaved forms tiles of 1-4 rows, Q6_K's of 1-8,
+ * kquant_x8.c). A decode step (fewer than TILE
  * activation rows: one sequence, or a few slots' batched step) reads its weight rows one after another,
  * DECODE_ROWS per task: several rows read side by side are as many streams from memory, which ran at half
  * the rate (Q8_0: 6 GB/s against 11.5 on one core).
