@@ -77,6 +77,16 @@ def test_server_case_refusals_are_one_line(tmp_path, monkeypatch, args, said):
     assert len(lines) == 1 and lines[0].startswith("error:") and said in lines[0], r.stderr
 
 
+def test_server_case_needs_a_gguf(tmp_path, tiny_dir):
+    binary = _executable(tmp_path / "llama-server")
+    r = CliRunner().invoke(
+        main, ["bench", "--cases", "server", "--llama-server", str(binary), "-m", str(tiny_dir)]
+    )
+    lines = r.stderr.strip().splitlines()
+    assert r.exit_code == 2 and len(lines) == 1
+    assert lines[0].startswith("error: Invalid value for --model: the server case needs a GGUF model")
+
+
 def test_both_servers_get_the_same_settings(tmp_path):
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF")  # serve's parser checks that a named .gguf is there
