@@ -9,6 +9,7 @@ hang, and pass everything else through.
 from __future__ import annotations
 
 import builtins
+import ctypes
 import io
 import shutil
 from pathlib import Path
@@ -136,3 +137,21 @@ def test_generate_builds_the_kernels_before_the_clock_starts(tiny_dir, tmp_path,
     build = [i for i, line in enumerate(lines) if line.startswith("compiling the native kernels")]
     assert len(build) == 1 and " done in " in lines[build[0]]
     assert lines[-1].startswith("5 tokens in") and build[0] < len(lines) - 1
+
+
+@needs_cc
+def test_flags_from_the_environment_reach_the_compiler_and_the_key(tmp_path, monkeypatch) -> None:
+    """``$SELFEXTEND_NATIVE_FLAGS`` is added to every build's command (split as shell words) and is part of
+    the key: the same source built with other flags is another library; ``-mno-avx512f`` compiles without
+    the AVX-512 macros (on any x86 CPU)."""
+    monkeypatch.delenv("CC", raising=False)
+    source = tmp_path / "flagged.c"
+    source.write_text("#ifndef ANSWER\n#define ANSWER 42\n#endif\nint answer(void) { return ANSWER; }\n")
+    plain = build(tmp_path / "kernels", source, "tiny")
+    monkeypatch.setenv(building.FLAGS_ENV, "-DANSWER=41  -O2")
+    assert building.env_flags() == ("-DANSWER=41", "-O2")
+    flagged = build(tmp_path / "kernels", source, "tiny")
+    assert flagged != plain
+    assert [ctypes.CDLL(str(lib)).answer() for lib in (plain, flagged)] == [42, 41]
+    if "__x86_64__" in compiler_target(CC):
+        assert "__AVX512F__" not in compiler_target(CC, ("-mno-avx512f",))

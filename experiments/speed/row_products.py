@@ -16,9 +16,18 @@ earlier commit's, to measure a change), in the same rounds.
         --against /tmp/quant_before.c
 
 ``--activations``: that many activation rows per call too (the server's batched step of several slots, a
-prompt chunk), each count's time per call beside its GB/s. ``--flags``: compiler flags added to every build
-(``-mno-avx512f``: the AVX2 loops, as a CPU without AVX-512 runs them, on one that has it); a form an
-``--against`` source lacks (the K-quants' interleaved ones before they existed) is left out of its rows.
+prompt chunk), each count's time per call and multiply-adds per second (GMAC/s) beside its GB/s. ``--flags``:
+compiler flags added to every build (``-mno-avx512f``: the AVX2 loops, as a CPU without AVX-512 runs them,
+on one that has it; ``$SELFEXTEND_NATIVE_FLAGS`` too); a form an ``--against`` source lacks (the K-quants'
+interleaved ones before they existed) is left out of its rows. ``--against`` also takes a folder: an earlier
+commit's ``selfextend/native`` (its C files of the names the library has now, this table's generated
+header). ``--cpu-time``: rates per second of the process's CPU time, not of the wall clock (on a machine
+shared with other work, what the loops do while they run; with one thread), and ``--threads``, ``--calls``
+for long calls (many activation rows):
+
+    git archive HEAD selfextend/native | tar -x -C /tmp/before
+    python experiments/speed/row_products.py --kinds 12,14 --rows 8960 --columns 1536 --activations 4,512 \
+        --threads 1 --calls 4 --cpu-time --flags=-mno-avx512f --against /tmp/before/selfextend/native
 
     git show 505ff03:selfextend/models/quant.c > /tmp/quant_505ff03.c
     python experiments/speed/row_products.py --kinds 12,14 --rows 8960 --columns 1536 --activations 1 \
@@ -41,8 +50,17 @@ from test_quant import gguf_blocks  # noqa: E402
 from selfextend.bench.speed import read_bandwidth_gbs  # noqa: E402
 from selfextend.core.paths import cache_root  # noqa: E402
 from selfextend.models.blocks import BLOCK_KINDS, INTERLEAVED, pack8  # noqa: E402
-from selfextend.native.build import build  # noqa: E402
+from selfextend.native.build import Sources, build  # noqa: E402
 from selfextend.native.quant import SOURCE, QuantKernels  # noqa: E402
+
+
+def against_sources(path: Path) -> Path | Sources:
+    """The sources ``--against`` names: a C file as it is, or a folder's C files of the names the library
+    has now (those it holds), with this table's generated header."""
+    if not path.is_dir():
+        return path
+    files = tuple(path / f.name for f in SOURCE.files if (path / f.name).exists())
+    return Sources(files, SOURCE.generated)
 
 
 def main() -> None:
@@ -58,11 +76,15 @@ def main() -> None:
         "--activations", default="1", help="activation rows per call, e.g. 1,2,4,64 (a batched step, a chunk)"
     )
     parser.add_argument("--flags", default="", help="compiler flags added to every build, e.g. -mno-avx512f")
+    parser.add_argument("--threads", default="1,2", help="thread counts, each in turn")
+    parser.add_argument("--calls", type=int, default=30, help="timed calls per form and round")
+    parser.add_argument("--cpu-time", action="store_true", help="rates per second of CPU time, not wall time")
     args = parser.parse_args()
     flags = tuple(args.flags.split())
-    sources = {"": (SOURCE, "quant")}
+    clock = time.process_time if args.cpu_time else time.perf_counter
+    sources: dict[str, tuple[Path | Sources, str]] = {"": (SOURCE, "quant")}
     if args.against is not None:
-        sources[f" ({args.against.name})"] = (args.against, "quant-against")
+        sources[f" ({args.against.name})"] = (against_sources(args.against), "quant-against")
     try:
         builds = {
             label: QuantKernels(build(cache_root() / "kernels", source, name, flags))
@@ -82,7 +104,7 @@ def main() -> None:
                 INTERLEAVED[kind],
             )
     counts = [int(m) for m in args.activations.split(",")]
-    for threads in (1, 2):
+    for threads in (int(t) for t in args.threads.split(",")):
         torch.set_num_threads(threads)
         for r in range(args.rounds):
             rates = []
@@ -97,13 +119,14 @@ def main() -> None:
                     continue
                 for _ in range(4):
                     kernels(x, next(cycle), kind, torch.bfloat16)
-                t0 = time.perf_counter()
-                for _ in range(30):
+                t0 = clock()
+                for _ in range(args.calls):
                     kernels(x, next(cycle), kind, torch.bfloat16)
-                seconds = time.perf_counter() - t0
-                per_call = f" {seconds / 30 * 1e3:.2f} ms"
+                seconds = clock() - t0
+                macs = m * args.rows * args.columns * args.calls / seconds / 1e9
+                per_call = f" {seconds / args.calls * 1e3:.2f} ms {macs:.1f} GMAC/s"
                 shown = f"{name}{label}" if counts == [1] else f"{name} x{m}{label}{per_call}"
-                rates.append(f"{shown} {copies[0].numel() * 30 / seconds / 1e9:.1f}")
+                rates.append(f"{shown} {copies[0].numel() * args.calls / seconds / 1e9:.1f}")
             bandwidth = read_bandwidth_gbs()
             print(
                 f"{threads} thread(s), round {r}: "

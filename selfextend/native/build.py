@@ -7,6 +7,9 @@ directory under the cache root. A library is named after everything its code dep
 built on a CPU with instructions another lacks (AVX-512, SVE) is never loaded there, where it would kill
 the process with SIGILL. A build prints one line on stderr (that it compiles, then how long it took), so
 whoever times a run can see it; a compiler that hangs is stopped after :data:`COMPILE_TIMEOUT` seconds.
+``$SELFEXTEND_NATIVE_FLAGS`` (:data:`FLAGS_ENV`) adds compiler flags to every build, after :data:`FLAGS`
+and part of the key: ``-mno-avx512f`` builds the whole native path as a CPU with AVX2 and no AVX-512 runs
+it, on one that has AVX-512 (to measure the AVX2 loops there).
 It sits below the model loading because the GGUF block layers (:mod:`selfextend.native.quant`) use it as
 the decode step's kernels do; :func:`bind` and :data:`TYPES` are what their ctypes bindings share.
 """
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -34,6 +38,7 @@ FLAGS = ("-O3", "-march=native", "-fno-trapping-math", "-fopenmp", "-shared", "-
 COMPILE_TIMEOUT = 300.0  # seconds a compile may take before the caller falls back to torch ops
 QUERY_TIMEOUT = 60.0  # and a question to the compiler (its version, its target)
 ENV = "SELFEXTEND_NATIVE"  # "0": no native kernel is built or used (torch ops, reference products)
+FLAGS_ENV = "SELFEXTEND_NATIVE_FLAGS"  # compiler flags added to every build (shell words), e.g. -mno-avx512f
 TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # element types as the C sources number them
 
 
@@ -82,13 +87,13 @@ def build(directory: Path, source: Path | Sources, name: str, extra: tuple[str, 
     """The shared library of C ``source`` (a file or :class:`Sources`) in ``directory``
     (``name-<key>.so``), compiled unless already there for these sources, compiler and target
     (:func:`build_key`), with one line on stderr while it compiles and how long it took. ``extra``: flags
-    after :data:`FLAGS` (``-mno-avx512f``: a narrower path of the same sources, as the tests build one).
-    Raises ``RuntimeError`` (with the compiler's message) where it does not compile or takes over
-    :data:`COMPILE_TIMEOUT` seconds."""
+    after :data:`FLAGS` (``-mno-avx512f``: a narrower path of the same sources, as the tests build one),
+    then those of ``$SELFEXTEND_NATIVE_FLAGS`` (:func:`env_flags`). Raises ``RuntimeError`` (with the
+    compiler's message) where it does not compile or takes over :data:`COMPILE_TIMEOUT` seconds."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise RuntimeError("no C compiler (cc or gcc, or $CC)")
-    sources = Sources.of(source)
+    sources, extra = Sources.of(source), (*extra, *env_flags())
     target = directory / f"{name}-{build_key(cc, sources, extra)}.so"
     if target.exists():
         return target
@@ -119,17 +124,23 @@ def build_key(cc: str, source: Path | Sources, extra: tuple[str, ...] = ()) -> s
     process with SIGILL)."""
     key = hashlib.sha256()
     version = _run([cc, "--version"], QUERY_TIMEOUT).stdout
-    for part in (*Sources.of(source).key_parts(), " ".join(FLAGS + extra), version, compiler_target(cc)):
+    target = compiler_target(cc, extra)
+    for part in (*Sources.of(source).key_parts(), " ".join(FLAGS + extra), version, target):
         key.update(part if isinstance(part, bytes) else part.encode())
     return key.hexdigest()[:16]
 
 
-def compiler_target(cc: str) -> str:
-    """What the compiler generates code for under :data:`FLAGS`' ``-m`` options, on every architecture: gcc's
-    resolved target options (``-Q --help=target``) where it has them, and the macros the target defines
-    (``-dM -E``: ``__AVX512F__``, ``__ARM_FEATURE_SVE``, ..., which clang gives too). RuntimeError where the
-    compiler answers neither."""
-    machine = [f for f in FLAGS if f.startswith("-m")]
+def env_flags() -> tuple[str, ...]:
+    """The compiler flags of ``$SELFEXTEND_NATIVE_FLAGS``, split as a shell splits words (none: unset)."""
+    return tuple(shlex.split(os.environ.get(FLAGS_ENV, "")))
+
+
+def compiler_target(cc: str, extra: tuple[str, ...] = ()) -> str:
+    """What the compiler generates code for under the ``-m`` options of :data:`FLAGS` and ``extra``, on every
+    architecture: gcc's resolved target options (``-Q --help=target``) where it has them, and the macros the
+    target defines (``-dM -E``: ``__AVX512F__``, ``__ARM_FEATURE_SVE``, ..., which clang gives too).
+    RuntimeError where the compiler answers neither."""
+    machine = [f for f in FLAGS + extra if f.startswith("-m")]
     options = _run([cc, *machine, "-Q", "--help=target"], QUERY_TIMEOUT)
     macros = _run([cc, *machine, "-dM", "-E", "-x", "c", os.devnull], QUERY_TIMEOUT)
     answers = [p.stdout for p in (options, macros) if p.returncode == 0 and p.stdout.strip()]
