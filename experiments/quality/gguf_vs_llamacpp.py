@@ -6,7 +6,10 @@ GGUFs by ``convert_hf_to_gguf.py`` from the llama.cpp source folder given (as
 ``gguf_rope_check.py`` runs it). Per family: max abs logit diff and argmax agreement over English text
 against transformers on the original checkpoint (the truth), for ``load_model(gguf, weights="float")``
 and for llama.cpp (``llama_cpp`` on the same file, ``logits_all``); and whether 64 greedy tokens from
-``selfextend generate --weights float`` equal llama.cpp's on the same prompt. SmolLM2's tokenizer serves
+``selfextend generate --weights float`` equal llama.cpp's on the same prompt: as token ids (the CLI's
+generation loop run in this process) and as printed text (the CLI itself). The two differ where a random
+model emits byte tokens that are not valid UTF-8: the CLI prints U+FFFD for each such byte, as
+transformers' tokenizer decodes them, while llama-cpp-python drops them. SmolLM2's tokenizer serves
 the BPE families, Qwen2's vocabulary (``models/ggml-vocab-qwen2.gguf`` of the llama.cpp folder) the Qwen
 ones (transformers reads a Qwen file's vocabulary with Qwen2's own pre-tokenizer); Gemma 1-3 and Phi-3
 get a SentencePiece ``tokenizer.model`` trained here on the text (needs the ``sentencepiece`` package;
@@ -20,6 +23,7 @@ Writes ``experiments/quality/results/gguf_vs_llamacpp.jsonl``.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import subprocess
@@ -134,15 +138,32 @@ def greedy_ours(gguf: Path, prompt: str, n: int) -> str:
     return done.stdout.decode().removesuffix("\n")  # the line end the CLI closes its output with
 
 
-def greedy_llama_cpp(gguf: Path, prompt: str, n: int) -> tuple[str, list[int]] | None:
-    """llama.cpp's greedy text and its tokens of the prompt."""
+def greedy_llama_cpp(gguf: Path, prompt: str, n: int) -> tuple[str, list[int], list[int]] | None:
+    """llama.cpp's greedy text, its greedy token ids and its tokens of the prompt."""
     try:
         from llama_cpp import Llama
     except ImportError:
         return None
     llm = Llama(str(gguf), n_ctx=2048, verbose=False, n_threads=2)
     out = llm.create_completion(prompt, max_tokens=n, temperature=0.0, repeat_penalty=1.0, top_k=1)
-    return out["choices"][0]["text"], llm.tokenize(prompt.encode(), special=True)
+    prompt_ids = llm.tokenize(prompt.encode(), special=True)
+    llm.reset()
+    ids = list(itertools.islice(llm.generate(prompt_ids, top_k=1, temp=0.0, repeat_penalty=1.0), n))
+    return out["choices"][0]["text"], ids, prompt_ids
+
+
+def greedy_ours_ids(gguf: Path, prompt_ids: list[int], n: int) -> list[int]:
+    """The token ids of ``selfextend generate --weights float``'s greedy loop (its Generator and run, in
+    this process): what the CLI's text is decoded from."""
+    from selfextend.generation.generator import Generator, run
+    from selfextend.generation.sampling import SamplingParams
+    from selfextend.kv.cache import ContextShiftCache
+    from selfextend.models import load_model
+
+    model, _ = load_model(str(gguf), weights="float")
+    cache = ContextShiftCache(model, n_ctx=2048, n_keep=1)
+    gen = Generator(model, cache, SamplingParams(), seed=0)
+    return [token for token, _ in run(gen, prompt_ids, n)]
 
 
 def our_prompt_tokens(gguf: Path, prompt: str) -> list[int]:
@@ -177,13 +198,14 @@ def run_family(name: str, build: Callable, tokenizer, sp: Path | None, ids, prom
         theirs = greedy_llama_cpp(gguf, prompt, args.generate)
         try:
             mine = greedy_ours(gguf, prompt, args.generate)
-            row["greedy_equal"] = None if theirs is None else mine == theirs[0]
+            row["greedy_text_equal"] = None if theirs is None else mine == theirs[0]
         except RuntimeError as exc:
-            row["greedy_equal"] = f"error: {exc}"
+            row["greedy_text_equal"] = f"error: {exc}"
         # the two tokenizers read from the file: where they split the prompt differently (a vocabulary
         # put under another family's architecture), the greedy runs start from different tokens
         if theirs is not None and "error" not in row["ours"]:
-            row["prompt_tokens_equal"] = our_prompt_tokens(gguf, prompt) == theirs[1]
+            row["prompt_tokens_equal"] = our_prompt_tokens(gguf, prompt) == theirs[2]
+            row["greedy_equal"] = greedy_ours_ids(gguf, theirs[2], args.generate) == theirs[1]
     return row
 
 
@@ -213,7 +235,7 @@ def main() -> None:
     text = next(iter(default_books().values()))
     prompt = text[:200]
     rows = []
-    head = f"{'ours: diff / argmax':>22} {'llama.cpp: diff / argmax':>26} {'greedy equal':>13}"
+    head = f"{'ours: diff / argmax':>22} {'llama.cpp: diff / argmax':>26} {'greedy ids / text':>18}"
     print(f"{'family':12} {head} {'prompt tokens':>14}")
     with tempfile.TemporaryDirectory() as spd:
         sp = sentencepiece_model(text[:2_000_000], Path(spd))
@@ -234,10 +256,9 @@ def main() -> None:
                 builder = families(1024)[name]
             row = run_family(name, builder, tokenizer, sp, ids, prompt, args)
             rows.append(row)
-            same, split = row["greedy_equal"], row.get("prompt_tokens_equal")
-            print(
-                f"{name:12} {cell(row['ours']):>22} {cell(row['llama.cpp']):>26} {same!s:>13} {split!s:>14}"
-            )
+            same = f"{row.get('greedy_equal')!s} / {row.get('greedy_text_equal')!s}"
+            split = row.get("prompt_tokens_equal")
+            print(f"{name:12} {cell(row['ours']):>22} {cell(row['llama.cpp']):>26} {same:>18} {split!s:>14}")
     out = HERE / "results" / "gguf_vs_llamacpp.jsonl"
     out.parent.mkdir(exist_ok=True)
     out.write_text("".join(json.dumps(r) + "\n" for r in rows))
