@@ -187,3 +187,12 @@ def test_server_case_against_llama_server(tmp_path):
     summary = records[-1]
     assert summary["summary"] and set(summary["median_ratios"]) >= {"aggregate_tokens_per_second"}
     assert "ours/theirs" in done.stdout
+
+
+def test_setup_refuses_counts_the_cli_refuses(tmp_path):
+    from selfextend.core.validate import ValidationError
+
+    with pytest.raises(ValidationError, match="parallel"):
+        ServerSetup(tmp_path / "m.gguf", Path("llama-server"), parallel=0)
+    with pytest.raises(ValidationError, match="turns"):
+        ServerSetup(tmp_path / "m.gguf", Path("llama-server"), turns=31)

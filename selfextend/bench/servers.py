@@ -24,7 +24,8 @@ from pathlib import Path
 import psutil
 
 from selfextend.bench.clients import SAME_REPLY, get, run_phase
-from selfextend.bench.trimmed_chat import conversation, trimmed_median
+from selfextend.bench.trimmed_chat import TOPICS, conversation, trimmed_median
+from selfextend.core.validate import check_int
 
 SERVERS = ("selfextend", "llama-server")
 
@@ -69,6 +70,14 @@ class ServerSetup:
     max_tokens: int = 64  # every load reply runs to this many tokens
     turns: int = 30  # trimmed-chat turns (0: none)
     logs: Path = field(default_factory=lambda: Path(tempfile.gettempdir()))
+
+    def __post_init__(self) -> None:
+        """Every count checked (:class:`~selfextend.core.validate.ValidationError`), as the CLI does."""
+        lowest = {"parallel": 1, "ctx": 16, "threads": 1, "cache_reuse": 0}
+        lowest.update(clients=1, requests=1, max_tokens=1)
+        for name, lo in lowest.items():
+            setattr(self, name, check_int(getattr(self, name), name, lo))
+        self.turns = check_int(self.turns, "turns", 0, len(TOPICS))
 
 
 def gguf_tokenizer(gguf: Path):
