@@ -41,8 +41,9 @@ log = logging.getLogger(__name__)
 # Bump when what is written into a cache entry changes, so older entries are not trusted.
 # 4: Q4_0 / Q4_1 blocks held 8 rows interleaved (blocks.pack8); 5: Q8_0 too; 6: embedding tables as blocks;
 # 7: the config's head size and RoPE as llama.cpp reads them (models/gguf_rope.py); 8: K-quant blocks
-# interleaved where the kernels run that form faster (QuantKernels.interleaves)
-_CACHE_FORMAT = 8
+# interleaved where the kernels run that form faster (QuantKernels.interleaves); 9: a tied table held once,
+# in its head's interleaved form (weights._tie_head)
+_CACHE_FORMAT = 9
 _MARKER = "selfextend-cache.json"
 RUN_FORM_FILE = "model.safetensors"
 _TOKENIZERS = "tokenizer"  # cache subfolder: each GGUF's converted tokenizer, shared by its forms

@@ -277,11 +277,31 @@ static void dequant_x8(int type, const uint8_t *w, long nb, float *out) {
     }
 }
 
+/* Row `lane` (0..7) of an interleaved group (nb blocks) as float values into out[0 .. 32 nb): dequant_x8's
+ * values of that row alone (an embedding table's lookup in its tied head's bytes, rows.c). */
+static void row_x8(int type, const uint8_t *w, long nb, int lane, float *out) {
+    long bb = 8 * block_bytes(type);
+    const int head = type == Q4_1X8 ? 32 : 16, shift = type == Q4_0X8 ? 8 : 0, k = lane & 3, high = lane >> 2;
+    for (long b = 0; b < nb; b++) {
+        const uint8_t *blk = w + b * bb, *qs = blk + head;
+        float d = f16(blk + 2 * lane), m = type == Q4_1X8 ? f16(blk + 16 + 2 * lane) : 0.0f, *o = out + 32 * b;
+        for (int s = 0; s < 8; s++) /* the lane's bytes (Q4_0, Q4_1: nibbles, rows 4..7 the high ones) */
+            for (int i = 0; i < 4; i++) {
+                if (type == Q8_0X8) {
+                    o[4 * s + i] = d * (float)(int8_t)qs[32 * s + 4 * lane + i];
+                    continue;
+                }
+                uint8_t byte = qs[16 * s + 4 * k + i];
+                o[4 * s + i] = d * (float)((high ? byte >> 4 : byte & 0xF) - shift) + m;
+            }
+    }
+}
+
 /* The loops of `type`, one of this family's (blocktypes.py): find_loops's case for it. */
 int legacy_loops(int type, int portable, loops *L) {
     switch (type) {
     case Q4_0: case Q4_1: case Q5_0: case Q5_1: case Q8_0: L->dot = dot32, L->dequant = dequant32; break;
-    case Q4_0X8: case Q4_1X8: case Q8_0X8: L->mm = mm_x8, L->dequant = dequant_x8; break;
+    case Q4_0X8: case Q4_1X8: case Q8_0X8: L->mm = mm_x8, L->dequant = dequant_x8, L->row = row_x8; break;
     default: return 0;
     }
 #ifdef HAVE_AVX2

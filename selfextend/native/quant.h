@@ -123,6 +123,8 @@ typedef void (*tile_fn)(const uint8_t *, long, const void *const *, long, float 
  *          (one and WR_TILE weight rows): tile_fn, out[weight row * TILE + activation row];
  * mm       a form with a driver of its own (the 8-row interleaved ones: groups of 8 weight rows);
  * dequant  one stored row (an interleaved form: a group of 8 rows) as float values, gguf's dequantize;
+ * row      an interleaved form's row `lane` of a group as dequant gives it, alone (rows.c's lookups; where
+ *          NULL, they dequantize the whole group);
  * stored_faster  1 where a type with an interleaved form runs faster as stored on this build and CPU. */
 typedef struct {
     float (*dot)(int type, const uint8_t *w, const void *x, long nb);
@@ -130,6 +132,7 @@ typedef struct {
     void (*mm)(int type, const uint8_t *w, long n_out, long nb, const char *xq, long m, void *y, int y_type,
                int portable);
     void (*dequant)(int type, const uint8_t *w, long nb, float *out);
+    void (*row)(int type, const uint8_t *w, long nb, int lane, float *out);
     int stored_faster;
 } loops;
 

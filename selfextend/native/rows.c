@@ -1,15 +1,16 @@
 /* Rows looked up in the 8-row interleaved forms (Q4_0X8, Q4_1X8, Q8_0X8 and the K-quants', blocks.py's pack8):
  * an embedding table tied to an output head held interleaved reads its token rows from the head's bytes,
  * so that the file's table is held once, not once as stored and once interleaved (SmolLM2's Q8_0 table
- * 28.7 MiB, Gemma 3's 170 MiB). Row r is lane r % 8 of group r / 8; its group is dequantized by its
- * family's own dequantisation (loops' dequant: gguf's values, the 8 rows of a group), the row kept. */
+ * 28.7 MiB, Gemma 3's 170 MiB). Row r is lane r % 8 of group r / 8, dequantized by its family's loops:
+ * the row alone (loops' row: legacy.c's forms), else its whole group (loops' dequant: the K-quants' forms),
+ * the row kept; gguf's values either way. */
 #include "quant.h"
 
 /* y (n, n_in) float32 = rows ids[0..n) (each in range) of W of the interleaved `type`, held as groups of 8
  * rows of row_bytes each: gguf's dequantized values of the stored rows, bit for bit. A decode step looks
- * up a row and a prompt a row a token, in one call; a row costs its group's dequantisation (8 rows of
- * n_in values), small beside the products of the token. Returns 0, 1 where scratch memory could not be had,
- * 2 for a type or size it does not take (a stored type among them: quant_rows_f32 looks those up). */
+ * up a row and a prompt a row a token, in one call: small beside the products of the token, even where a
+ * row costs its group's dequantisation (8 rows of n_in values). Returns 0, 1 where scratch memory could
+ * not be had, 2 for a type or size it does not take (a stored type among them: quant_rows_f32 takes those). */
 int quant_rows_x8_f32(int type, const uint8_t *w, long row_bytes, const int64_t *ids, long n, long n_in,
                       float *y) {
     long bv = block_values(type);
@@ -19,12 +20,17 @@ int quant_rows_x8_f32(int type, const uint8_t *w, long row_bytes, const int64_t 
     int failed = 0;
 #pragma omp parallel if (n > 64) reduction(| : failed)
     {
-        float *group = malloc(8 * n_in * sizeof(float));
-        if (group == NULL) failed = 1;
+        float *group = L.row != NULL ? NULL : malloc(8 * n_in * sizeof(float)); /* a whole group's values */
+        if (L.row == NULL && group == NULL) failed = 1;
 #pragma omp for schedule(static)
         for (long i = 0; i < n; i++) {
+            const uint8_t *at = w + ids[i] / 8 * 8 * row_bytes;
+            if (L.row != NULL) {
+                L.row(type, at, n_in / bv, (int)(ids[i] % 8), y + i * n_in);
+                continue;
+            }
             if (group == NULL) continue; /* every thread meets the loop; the call fails as a whole */
-            L.dequant(type, w + ids[i] / 8 * 8 * row_bytes, n_in / bv, group);
+            L.dequant(type, at, n_in / bv, group);
             memcpy(y + i * n_in, group + ids[i] % 8 * n_in, n_in * sizeof(float));
         }
         free(group);
