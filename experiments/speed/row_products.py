@@ -29,6 +29,14 @@ for long calls (many activation rows):
     python experiments/speed/row_products.py --kinds 12,14 --rows 8960 --columns 1536 --activations 4,512 \
         --threads 1 --calls 4 --cpu-time --flags=-mno-avx512f --against /tmp/before/selfextend/native
 
+``--gguf FILE``: the block tensors of one layer of a real file (``--layer``, default 0) in place of random
+blocks of ``--kinds``, each as stored and interleaved, one copy (read from the cache where it fits: a prompt
+chunk's rate, not a decode step's from memory):
+
+    python experiments/speed/row_products.py --gguf dev-models/qwen2.5-1.5b-synthetic-Q4_K_M.gguf \
+        --activations 512 --threads 1 --calls 2 --cpu-time --flags=-mno-avx512f \
+        --against /tmp/before/selfextend/native
+
     git show 505ff03:selfextend/models/quant.c > /tmp/quant_505ff03.c
     python experiments/speed/row_products.py --kinds 12,14 --rows 8960 --columns 1536 --activations 1 \
         --rounds 3 --against /tmp/quant_505ff03.c --flags=-mno-avx512f
@@ -42,7 +50,9 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
+from gguf import GGUFReader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 from test_quant import gguf_blocks  # noqa: E402
@@ -50,6 +60,7 @@ from test_quant import gguf_blocks  # noqa: E402
 from selfextend.bench.speed import read_bandwidth_gbs  # noqa: E402
 from selfextend.core.paths import cache_root  # noqa: E402
 from selfextend.models.blocks import BLOCK_KINDS, INTERLEAVED, pack8  # noqa: E402
+from selfextend.native.blocktypes import block_shape  # noqa: E402
 from selfextend.native.build import Sources, build  # noqa: E402
 from selfextend.native.quant import SOURCE, QuantKernels  # noqa: E402
 
@@ -61,6 +72,21 @@ def against_sources(path: Path) -> Path | Sources:
         return path
     files = tuple(path / f.name for f in SOURCE.files if (path / f.name).exists())
     return Sources(files, SOURCE.generated)
+
+
+def layer_tensors(path: Path, layer: int) -> dict[str, tuple[np.ndarray, int]]:
+    """The tensors of layer ``layer`` of GGUF file ``path`` that the kernels hold as blocks: name ->
+    ((rows, bytes per row) uint8, GGUF type)."""
+    found = {}
+    for t in GGUFReader(path).tensors:
+        kind = int(t.tensor_type)
+        if t.name.startswith(f"blk.{layer}.") and kind in BLOCK_KINDS and len(t.shape) == 2:
+            rows = int(t.shape[1])  # gguf's shape is (columns, rows)
+            found[t.name.removeprefix(f"blk.{layer}.")] = (
+                np.ascontiguousarray(t.data).reshape(rows, -1),
+                kind,
+            )
+    return found
 
 
 def main() -> None:
@@ -79,6 +105,8 @@ def main() -> None:
     parser.add_argument("--threads", default="1,2", help="thread counts, each in turn")
     parser.add_argument("--calls", type=int, default=30, help="timed calls per form and round")
     parser.add_argument("--cpu-time", action="store_true", help="rates per second of CPU time, not wall time")
+    parser.add_argument("--gguf", type=Path, help="a GGUF file whose layer's tensors are timed (not --kinds)")
+    parser.add_argument("--layer", type=int, default=0, help="which layer of --gguf")
     args = parser.parse_args()
     flags = tuple(args.flags.split())
     clock = time.process_time if args.cpu_time else time.perf_counter
@@ -92,26 +120,32 @@ def main() -> None:
         }
     except (RuntimeError, OSError) as e:
         sys.exit(f"the quant kernels are not built: {e}")
-    forms: dict[str, tuple[list[torch.Tensor], int]] = {}
-    for kind in (int(k) for k in args.kinds.split(",")):
-        raw = gguf_blocks(kind, args.rows, args.columns)
-        copies = max(2, int(400e6 // raw.size))
-        forms[BLOCK_KINDS[kind]] = ([torch.from_numpy(raw.copy()) for _ in range(copies)], kind)
-        if kind in INTERLEAVED and args.rows % 8 == 0:
+    if args.gguf is not None:
+        tensors = layer_tensors(args.gguf, args.layer)
+    else:
+        kinds = (int(k) for k in args.kinds.split(","))
+        tensors = {BLOCK_KINDS[k]: (gguf_blocks(k, args.rows, args.columns), k) for k in kinds}
+    forms: dict[str, tuple[list[torch.Tensor], int, int]] = {}  # name -> (copies, type, columns)
+    for name, (raw, kind) in tensors.items():
+        columns = raw.shape[1] // block_shape(kind)[1] * block_shape(kind)[0]
+        copies = 1 if args.gguf is not None else max(2, int(400e6 // raw.size))
+        forms[name] = ([torch.from_numpy(raw.copy()) for _ in range(copies)], kind, columns)
+        if kind in INTERLEAVED and raw.shape[0] % 8 == 0:
             packed = pack8(raw, kind)
-            forms[BLOCK_KINDS[kind] + "x8"] = (
+            forms[name + "x8"] = (
                 [torch.from_numpy(packed.copy()) for _ in range(copies)],
                 INTERLEAVED[kind],
+                columns,
             )
     counts = [int(m) for m in args.activations.split(",")]
     for threads in (int(t) for t in args.threads.split(",")):
         torch.set_num_threads(threads)
         for r in range(args.rounds):
             rates = []
-            for (name, (copies, kind)), m, (label, kernels) in itertools.product(
+            for (name, (copies, kind, columns)), m, (label, kernels) in itertools.product(
                 forms.items(), counts, builds.items()
             ):
-                x = torch.randn(m, args.columns).bfloat16()
+                x = torch.randn(m, columns).bfloat16()
                 cycle = itertools.cycle(copies)
                 try:
                     kernels(x, copies[0], kind, torch.bfloat16)
@@ -123,7 +157,7 @@ def main() -> None:
                 for _ in range(args.calls):
                     kernels(x, next(cycle), kind, torch.bfloat16)
                 seconds = clock() - t0
-                macs = m * args.rows * args.columns * args.calls / seconds / 1e9
+                macs = m * copies[0].shape[0] * columns * args.calls / seconds / 1e9
                 per_call = f" {seconds / args.calls * 1e3:.2f} ms {macs:.1f} GMAC/s"
                 shown = f"{name}{label}" if counts == [1] else f"{name} x{m}{label}{per_call}"
                 rates.append(f"{shown} {copies[0].numel() * args.calls / seconds / 1e9:.1f}")
