@@ -6,7 +6,12 @@ default corpus) are compared with llama.cpp's on the same file: mean KL(llama.cp
 positions and argmax agreement, for ``load_model(file, weights="auto")`` (gguf on the CPU, the CLI
 default). Beside it, each engine's distance from the file's own values in float (``weights="float"``:
 the blocks dequantized, float activations): KL(float || llama.cpp) and KL(float || ours), so a gap
-between the two engines reads against what each loses to its integer activations.
+between the two engines reads against what each loses to its integer activations. And llama.cpp with
+float32 K/V cells instead of its float16 default: KL(that || ours) and KL(llama.cpp || that), how far
+llama.cpp moves from itself when only its attention's precision changes. Our activation blocks are
+llama.cpp's (its Q8_0 / Q8_1 / Q8_K, bit for bit), yet the int8 rounding turns any last-bit difference
+upstream into whole steps, so over 30 layers the two engines' roundings come apart: Q4_1 KL 0.0041
+against llama.cpp, 0.0042 between llama.cpp's float16 and float32 cells (docs/generate.md).
 Also the bytes the model holds for its matrices (every 2-D weight, the embedding table and a tied head
 once) against the file's 2-D tensors, and the types the file holds: SmolLM2's 576 columns are no whole
 super-blocks of 256, so a K-quant file falls back to 32-value types on most tensors (llama.cpp's choice).
@@ -70,10 +75,12 @@ def held_bytes(model: torch.nn.Module) -> int:
     return total
 
 
-def llama_cpp_logits(path: Path, ids: torch.Tensor) -> torch.Tensor:
+def llama_cpp_logits(path: Path, ids: torch.Tensor, f32_cells: bool = False) -> torch.Tensor:
+    """llama.cpp's logits at every position, with its defaults (float16 K and V cells) or float32 cells."""
     from llama_cpp import Llama
 
-    llm = Llama(str(path), n_ctx=ids.shape[1] + 8, logits_all=True, verbose=False, n_threads=2)
+    cells = {"type_k": 0, "type_v": 0} if f32_cells else {}  # GGML_TYPE_F32
+    llm = Llama(str(path), n_ctx=ids.shape[1] + 8, logits_all=True, verbose=False, n_threads=2, **cells)
     llm.eval(ids[0].tolist())
     return torch.tensor(llm.scores[: ids.shape[1]])
 
@@ -94,6 +101,7 @@ def main() -> None:
         help="a GGUF to quantize (default: the shipped SmolLM2), e.g. the "
         "256-wide twin of experiments/tools/widen_to_256.py; results then go to a file named after it",
     )
+    parser.add_argument("--out", type=Path, help="the results file (default: named after the source)")
     args = parser.parse_args()
 
     from selfextend.evaluation.corpus import default_books
@@ -114,6 +122,7 @@ def main() -> None:
                 ours = model(ids).logits[0].float()
             theirs = llama_cpp_logits(path, ids)
             kl = _kl(theirs, ours)
+            f32_cells = llama_cpp_logits(path, ids, f32_cells=True)
             exact, _ = load_model(str(path), weights="float")  # the file's values, float activations
             with torch.no_grad():
                 truth = exact(ids).logits[0].float()
@@ -125,6 +134,9 @@ def main() -> None:
                 "weights": weight_format(model),
                 "kl_mean": float(kl.mean()),
                 "argmax_agreement": float((ours.argmax(-1) == theirs.argmax(-1)).float().mean()),
+                "kl_f32_cells": float(_kl(f32_cells, ours).mean()),
+                "kl_llamacpp_f32_cells": float(_kl(theirs, f32_cells).mean()),
+                "argmax_f32_cells": float((ours.argmax(-1) == f32_cells.argmax(-1)).float().mean()),
                 "kl_float_llamacpp": float(_kl(truth, theirs).mean()),
                 "argmax_float_llamacpp": float((truth.argmax(-1) == theirs.argmax(-1)).float().mean()),
                 "kl_float_ours": float(_kl(truth, ours).mean()),
@@ -137,6 +149,8 @@ def main() -> None:
             rows.append(row)
             print(
                 f"{name:7s} KL {row['kl_mean']:.5f}  argmax {100 * row['argmax_agreement']:.1f}%  "
+                f"(float32 cells: {row['kl_f32_cells']:.5f} / {100 * row['argmax_f32_cells']:.1f}%; "
+                f"llama.cpp against itself with them {row['kl_llamacpp_f32_cells']:.5f})  "
                 f"from float: llama.cpp {row['kl_float_llamacpp']:.5f} "
                 f"/ {100 * row['argmax_float_llamacpp']:.1f}%, "
                 f"ours {row['kl_float_ours']:.5f} / {100 * row['argmax_float_ours']:.1f}%  "
@@ -145,7 +159,7 @@ def main() -> None:
                 flush=True,
             )
             del model
-    out = (
+    out = args.out or (
         Path(__file__).parent
         / "results"
         / f"quant_types_vs_llamacpp{'-' + args.source.stem if args.source else ''}.jsonl"
