@@ -17,9 +17,11 @@ separate output head.
 The F16 file is streamed one tensor at a time (the largest, the 8B's embedding, is 1.05 GB), so making the
 8B takes little memory; it is deleted after quantizing unless ``--keep-f16`` (or F16 is a type asked for).
 
-Measured (seed 0): llama-3.2-1b Q4_K_M 0.80 GB {F32: 33, Q4_K: 96, Q6_K: 17} (half the attn_v and ffn_down
-layers and the tied embedding/head in Q6_K, as in real files), Q4_0 0.77 GB {F32: 33, Q4_0: 112, Q6_K: 1}
-(both before the ``rope_freqs`` tensor, one F32 more).
+Measured (seed 0), Q4_K_M: qwen2.5-1.5b 0.98 GB {F32: 141, Q4_K: 168, Q6_K: 29} (the tied embedding/head,
+half the attn_v and ffn_down layers in Q6_K, as in real files); llama-3.2-3b 2.02 GB {F32: 58, Q4_K: 168,
+Q6_K: 29}; llama-3.1-8b 4.92 GB {F32: 66, Q4_K: 193, Q6_K: 33} (untied: the embedding in Q4_K, the head in
+Q6_K), made with a peak RSS of 3.5 GB (writer and quantizer) and 16 GB of F16 on disk while it runs. Before
+the ``rope_freqs`` tensor: llama-3.2-1b Q4_K_M 0.80 GB {F32: 33, Q4_K: 96, Q6_K: 17}, Q4_0 0.77 GB.
 
     python experiments/tools/make_dev_model.py                      # the 1B and 1.5B shapes, Q4_0 + Q4_K_M
     python experiments/tools/make_dev_model.py --shape llama-3.1-8b --types Q4_K_M --out /tmp/models
