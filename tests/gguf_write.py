@@ -168,9 +168,12 @@ def write(
     path: str | Path,
     arch: str | None = None,
     file_type: str = "F32",
+    types: dict[str, str] | None = None,
 ) -> Path:
     """Write a transformers checkpoint (a model, or its state dict with its ``config``) to ``path`` as
-    llama.cpp's converter would; ``file_type`` F32, F16, BF16 or Q8_0 (matrices; 1-D tensors stay F32).
+    llama.cpp's converter would; ``file_type`` F32, F16, BF16 or Q8_0 (matrices; 1-D tensors stay F32);
+    ``types``: another type gguf quantizes for the matrices of some kinds (``{"attn_v": "Q4_0"}``: a
+    Q4_K_M file's v projection differs from its q and k).
 
     ``arch`` is the gguf architecture (default from :data:`ARCHES` by ``config.model_type``).
     """
@@ -204,8 +207,10 @@ def write(
         if permuted and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
             t = permute_qk(t, kv_heads)
         for gguf_name, values in _family_tensors(hf_name, t, arch, names):
-            if values.ndim >= 2 and kind != gguf.GGMLQuantizationType.F32:
-                writer.add_tensor(gguf_name, gguf.quants.quantize(values, kind), raw_dtype=kind)
+            own = next((t for part, t in (types or {}).items() if gguf_name.split(".")[-2] == part), None)
+            matrix_kind = gguf.GGMLQuantizationType[own] if own else kind
+            if values.ndim >= 2 and matrix_kind != gguf.GGMLQuantizationType.F32:
+                writer.add_tensor(gguf_name, gguf.quants.quantize(values, matrix_kind), raw_dtype=matrix_kind)
             else:
                 writer.add_tensor(gguf_name, np.ascontiguousarray(values, dtype=np.float32))
     for gguf_name, values in extra.items():

@@ -224,16 +224,18 @@ def test_layers_in_one_native_call_are_the_python_loop_bit_for_bit(
     of the Python loop over the same kernels bit for bit: one sequence and three stepped together
     (different fills, shifting at different times), the mixed block types' runs (q/k fused, v apart), with
     and without Self-Extend (its grouped keys made in Python, scored in the call)."""
-    from selfextend.generation.batched import BatchedDecode
     from selfextend.hf.patch import self_extend
 
-    if extend:
-        with self_extend(pair[1], 2, 6):
-            return test_layers_in_one_native_call_are_the_python_loop_bit_for_bit(pair, cells, False)
+    with self_extend(pair[1], 2, 6) if extend else contextlib.nullcontext():
+        native_layers_equal_the_loop(pair[1], cells)
 
-    _, model = pair
+
+def native_layers_equal_the_loop(model: torch.nn.Module, cells: torch.dtype, vocab: int = 250) -> None:
+    """The test above's check on ``model`` (token ids below ``vocab``), for other files' models too."""
+    from selfextend.generation.batched import BatchedDecode
+
     ids = [
-        torch.randint(3, 250, (130,), generator=torch.Generator().manual_seed(s)).tolist() for s in range(3)
+        torch.randint(3, vocab, (130,), generator=torch.Generator().manual_seed(s)).tolist() for s in range(3)
     ]
     fills = (1, 9, 21)
     runs = []

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from selfextend.generation.products import activation_name, head_norms, norm_factors
+from selfextend.generation.products import activation_name, blocks_bias, head_norms, norm_factors
 from selfextend.kv.cache import ContextShiftCache
 from selfextend.kv.layers import CellLayer
 from selfextend.models.blocks import BlockLinear
@@ -42,7 +42,7 @@ class _Blocks(ctypes.Structure):
 
 class _Plan(ctypes.Structure):
     _fields_ = [
-        *[(name, _ptr) for name in ("norm", "post_norm", "attn_norm", "mlp_norm", "qn", "kn")],
+        *[(name, _ptr) for name in ("norm", "post_norm", "attn_norm", "mlp_norm", "qn", "kn", "qkv_bias")],
         *[(name, _f32) for name in ("norm_eps", "post_eps", "attn_eps", "mlp_eps", "head_eps", "scale")],
         ("n_qkv", _long),
         ("n_gu", _long),
@@ -60,9 +60,12 @@ class _Dims(ctypes.Structure):
     ]
 
 
-def _blocks(layer: nn.Module) -> tuple[torch.Tensor, int] | None:
-    """(blocks, kind) of a bias-less block layer whose blocks the kernel reads in place, else None."""
-    if not isinstance(layer, BlockLinear) or layer.bias is not None or not layer.blocks.is_contiguous():
+def _blocks(layer: nn.Module, bias: bool = False) -> tuple[torch.Tensor, int] | None:
+    """(blocks, kind) of a block layer whose blocks the kernel reads in place, without a bias unless
+    ``bias`` (q/k/v: ``decode_layers`` adds theirs), else None."""
+    if not isinstance(layer, BlockLinear) or not layer.blocks.is_contiguous():
+        return None
+    if layer.bias is not None and not bias:
         return None
     return layer.blocks, layer.kind
 
@@ -143,10 +146,10 @@ def native_layers(
     quant: QuantKernels | None,
 ) -> NativeLayers | None:
     """The layers as one native call, or None where a part is not what ``decode_layers`` computes: a
-    projection that is not a bias-less GGUF block layer, a norm that is not a known float32 RMSNorm, an
-    activation it does not have, head norms the rotation cannot apply, or no kernels built. ``qkv``,
-    ``gate_up``: each layer's fused projections as the decode step holds them (the same parts, the same
-    order); ``heads``: (H, Hkv, Hkv)."""
+    projection that is not a GGUF block layer or has a bias other than q/k/v's, a norm that is not a known
+    float32 RMSNorm, an activation it does not have, head norms the rotation cannot apply, or no kernels
+    built. ``qkv``, ``gate_up``: each layer's fused projections as the decode step holds them (the same
+    parts, the same order); ``heads``: (H, Hkv, Hkv)."""
     if native is None or quant is None or not layers:
         return None
     plans, held, act = (_Plan * len(layers))(), [], None
@@ -159,7 +162,8 @@ def native_layers(
         outputs = [layer.post_attention_layernorm, layer.post_feedforward_layernorm] if gemma else []
         output_norms = [norm_factors(m, torch.float32) for m in outputs]
         hn = head_norms(attn, torch.float32)
-        weights = [_blocks(m) for m in (*qkv_parts, *gu_parts, attn.o_proj, mlp.down_proj)]
+        weights = [_blocks(m, bias=True) for m in qkv_parts]
+        weights += [_blocks(m) for m in (*gu_parts, attn.o_proj, mlp.down_proj)]
         name = activation_name(mlp)
         if (
             None in norms + output_norms + weights
@@ -180,6 +184,10 @@ def native_layers(
             plan.qn, plan.kn, plan.head_eps = hn.query.data_ptr(), hn.key.data_ptr(), hn.eps
             held += [hn.query, hn.key]
         plan.scale = attn.scaling
+        bias = blocks_bias(qkv_parts)  # ((H + 2 Hkv) * D,) float32 in the fused order, or None
+        if bias is not None:
+            plan.qkv_bias = bias.data_ptr()
+            held.append(bias)
         blocks = iter(weights)
         for field, parts in (("qkv", qkv_parts), ("gu", gu_parts)):
             setattr(plan, f"n_{field}", len(parts))

@@ -11,7 +11,9 @@ before a quantized product and the gated activation (SwiGLU, GeGLU) between two 
 hands on the bfloat16 row the product takes (float32 inside, summed in another order than torch: equal
 to rounding), Gemma's norm of an attention or MLP output is added to the residual in the same call, and
 an int8 product of one row is the native one (torch's reads a large output head at a third of the
-bandwidth).
+bandwidth). GGUF block layers with a bias (Qwen2's q/k/v) are served directly too: the product rounded to
+bfloat16 as for the others, then ``float32(product) + bias`` in float32 (one rounding), out in float32:
+the arithmetic ``decode.c``'s ``decode_layers`` does where it makes a token's q/k/v rows.
 """
 
 from __future__ import annotations
@@ -57,9 +59,10 @@ def project(parts: tuple[nn.Module, ...], x: torch.Tensor) -> torch.Tensor:
 
 
 def direct(parts: tuple[nn.Module, ...]) -> bool:
-    """Whether :func:`product_of` calls a quantized kernel directly (bfloat16 in and out) for ``parts``."""
+    """Whether :func:`product_of` calls a quantized kernel directly (bfloat16 in; out bfloat16, or float32
+    for block layers with a bias: :func:`blocks_bias`) for ``parts``."""
     layer = parts[0]
-    if all(isinstance(p, BlockLinear) and p.bias is None for p in parts):
+    if all(isinstance(p, BlockLinear) for p in parts):
         return quant_kernels() is not None
     if len(parts) != 1 or getattr(layer, "bias", None) is not None:
         return False
@@ -71,8 +74,8 @@ def direct(parts: tuple[nn.Module, ...]) -> bool:
 def product_of(parts: tuple[nn.Module, ...], native: NativeKernels | None = None) -> Fn:
     """``x (1, K) -> (1, N)``: the int4 or int8 kernel called directly (bfloat16 out) for one bias-less
     quantized layer with contiguous buffers (int8: the native one where ``native`` is given), the native
-    GGUF block product for bias-less block layers (several: side by side), else the modules' forwards
-    (out in ``x``'s type)."""
+    GGUF block product for block layers (several: side by side; a bias added as :func:`blocks_product`
+    says), else the modules' forwards (out in ``x``'s type)."""
     layer = parts[0]
     if direct(parts) and isinstance(layer, BlockLinear):
         return blocks_product(parts, quant_kernels())
@@ -101,13 +104,32 @@ def each_add(add: Add, x: torch.Tensor, y: torch.Tensor) -> None:
 
 
 def blocks_product(parts: tuple[BlockLinear, ...], kernels: QuantKernels) -> Fn:
-    """``x (1, K) -> (1, N)`` bfloat16: the block layers' products, side by side where there are several
-    (of different types: a Q4_K_M file's v projection is Q6_K)."""
-    if len(parts) == 1:
-        blocks, kind = parts[0].blocks.contiguous(), parts[0].kind
-        return lambda x: kernels(x, blocks, kind, torch.bfloat16)
+    """``x (M, K) -> (M, N)``: the block layers' products in bfloat16, side by side where there are several
+    (of different types: a Q4_K_M file's v projection is Q6_K); where a part has a bias, ``float32(y) +
+    bias`` (:func:`blocks_bias`), float32 out."""
     held = [(p.blocks.contiguous(), p.kind) for p in parts]
-    return lambda x: torch.cat([kernels(x, b, k, torch.bfloat16) for b, k in held], dim=-1)
+    bias = blocks_bias(parts)
+
+    def product(x: torch.Tensor) -> torch.Tensor:
+        ys = [kernels(x, b, k, torch.bfloat16) for b, k in held]
+        y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
+        return y if bias is None else y.float().add_(bias)
+
+    return product
+
+
+def blocks_bias(parts: tuple[nn.Module, ...]) -> torch.Tensor | None:
+    """The biases of ``parts`` side by side (N,) float32 contiguous (zeros for a part without one), or None
+    where no part has one: what the decode step adds, in float32, to the float32 of the bfloat16 product."""
+    biases = [getattr(p, "bias", None) for p in parts]
+    if all(b is None for b in biases):
+        return None
+    return torch.cat(
+        [
+            torch.zeros(p.out_features) if b is None else b.detach().float().reshape(-1)
+            for p, b in zip(parts, biases, strict=True)
+        ]
+    ).contiguous()
 
 
 def norm_of(module: nn.Module, dtype: torch.dtype, native: NativeKernels | None = None) -> Fn:
@@ -152,7 +174,7 @@ def activation_of(
     """``[gate, up] (1, 2I) -> act(gate) * up (1, I)``: natively, rounded to bfloat16, after a direct
     product where ``native`` is given and has ``mlp``'s activation; else in ``dtype`` by ``mlp.act_fn``."""
     name = activation_name(mlp)
-    if native is not None and direct(gate_up) and name in ACTIVATIONS:
+    if native is not None and direct(gate_up) and blocks_bias(gate_up) is None and name in ACTIVATIONS:
         return lambda y: native.gated_bf16(y, name)
 
     def act(y: torch.Tensor) -> torch.Tensor:

@@ -429,9 +429,10 @@ typedef struct { /* a GGUF block weight: n_out rows of blocks of `type` (quant.c
 } blocks;
 
 typedef struct { /* one layer: RMSNorm factors (attn_norm, mlp_norm: Gemma's norms of the attention and MLP
-                  * outputs, NULL for a plain add; qn, kn: head norms or NULL), their epsilons, the
-                  * attention scale, and the weights (q/k/v and gate/up as runs of one type each) */
-    const float *norm, *post_norm, *attn_norm, *mlp_norm, *qn, *kn;
+                  * outputs, NULL for a plain add; qn, kn: head norms or NULL), the q/k/v bias ((H + 2 Hkv) D
+                  * float32 in the fused order, NULL for none: Qwen2's), the norms' epsilons, the attention
+                  * scale, and the weights (q/k/v and gate/up as runs of one type each) */
+    const float *norm, *post_norm, *attn_norm, *mlp_norm, *qn, *kn, *qkv_bias;
     float norm_eps, post_eps, attn_eps, mlp_eps, head_eps, scale;
     long n_qkv, n_gu;
     blocks qkv[MAX_PARTS], gu[MAX_PARTS], o, down;
@@ -500,6 +501,8 @@ int decode_layers(const layer_plan *plans, long n_layers, const layer_dims *dm, 
             long first = c[R_FIRST], n = c[R_SLOT] + 1 - first, ng = c[R_NG];
             const void *kg = ng > 0 ? (const void *)(intptr_t)c[R_KG] : q;
             for (long i = 0; i < nq; i++) qkvf[i] = from_bf16(big[r * nq + i]);
+            if (p->qkv_bias != NULL) /* float32(bf16 product) + bias: products.py's blocks_product */
+                for (long i = 0; i < nq; i++) qkvf[i] += p->qkv_bias[i];
             rope_write(qkvf, h, hkv, d, c[R_ROT], cos, sin, keys, values, c[R_K_STRIDE], c[R_V_STRIDE], c[R_SLOT],
                        (int)dm->cell_type, q, ng > 0 ? gcos : cos, ng > 0 ? gsin : sin, ng > 0 ? c[R_GROT] : c[R_ROT],
                        ng > 0 ? qg : NULL, p->qn, p->kn, p->head_eps);
