@@ -168,6 +168,22 @@ def llama_cpp_logits(gguf: Path, ids: torch.Tensor) -> torch.Tensor | None:
     return torch.tensor(llm.scores[: ids.shape[1]])
 
 
+def cell(r: dict | None) -> str:
+    """A comparison as a table cell: max abs logit diff / argmax agreement, "fails" or "-"."""
+    if r is None:
+        return "-"
+    if "error" in r:
+        return "fails"
+    return f"{r['max_abs_diff']:.3g} / {100 * r['argmax_agreement']:.1f}%"
+
+
+def write_rows(out: Path, rows: list[dict]) -> None:
+    """The rows as JSON lines into ``out`` (replaced)."""
+    out.parent.mkdir(exist_ok=True)
+    out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    print(f"wrote {out}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
@@ -208,21 +224,11 @@ def main() -> None:
             row["llama.cpp"] = None if found is None else compare(found, truth)
         rows.append(row)
 
-        def cell(r: dict | None) -> str:
-            if r is None:
-                return "-"
-            if "error" in r:
-                return "fails"
-            return f"{r['max_abs_diff']:.3g} / {100 * r['argmax_agreement']:.1f}%"
-
         print(
             f"{name:28} {cell(row['before']):>24} {cell(row['after']):>24} {cell(row['llama.cpp']):>20}",
             flush=True,
         )
-    out = HERE / "results" / "gguf_rope_check.jsonl"
-    out.parent.mkdir(exist_ok=True)
-    out.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    print(f"wrote {out}")
+    write_rows(HERE / "results" / "gguf_rope_check.jsonl", rows)
 
 
 if __name__ == "__main__":

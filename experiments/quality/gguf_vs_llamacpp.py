@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import subprocess
 import sys
@@ -37,7 +36,7 @@ import transformers as tf
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from gguf_rope_check import compare, convert, llama_cpp_logits  # noqa: E402
+from gguf_rope_check import cell, compare, convert, llama_cpp_logits, write_rows  # noqa: E402
 
 SMALL = dict(
     hidden_size=64,
@@ -209,14 +208,6 @@ def run_family(name: str, build: Callable, tokenizer, sp: Path | None, ids, prom
     return row
 
 
-def cell(r: dict | None) -> str:
-    if r is None:
-        return "-"
-    if "error" in r:
-        return "fails"
-    return f"{r['max_abs_diff']:.3g} / {100 * r['argmax_agreement']:.1f}%"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
@@ -259,10 +250,7 @@ def main() -> None:
             same = f"{row.get('greedy_equal')!s} / {row.get('greedy_text_equal')!s}"
             split = row.get("prompt_tokens_equal")
             print(f"{name:12} {cell(row['ours']):>22} {cell(row['llama.cpp']):>26} {same:>18} {split!s:>14}")
-    out = HERE / "results" / "gguf_vs_llamacpp.jsonl"
-    out.parent.mkdir(exist_ok=True)
-    out.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    print(f"wrote {out}")
+    write_rows(HERE / "results" / "gguf_vs_llamacpp.jsonl", rows)
 
 
 if __name__ == "__main__":
