@@ -29,6 +29,23 @@ def decoded_logits(
     return out
 
 
+def decoded_against_original(
+    model: nn.Module, original: nn.Module, ids: list[int], self_extend: bool
+) -> torch.Tensor:
+    """Largest |logit difference| between ``model``'s direct step and ``original``'s forward over the same
+    shifting cache, both with Self-Extend (G=3, W=12) where asked (removed from ``original`` after)."""
+    if self_extend:
+        for m in (original, model):
+            selfextend.apply_self_extend(m, group_size=3, window=12)
+    try:
+        got = decoded_logits(model, ids, direct=True)
+        want = decoded_logits(original, ids, direct=False)
+    finally:
+        if self_extend:
+            selfextend.remove_self_extend(original)
+    return (got - want).abs().max()
+
+
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
 @pytest.mark.parametrize("self_extend", [False, True])
 def test_direct_decode_equals_model_forward(family, self_extend):

@@ -10,7 +10,7 @@ import pytest
 import torch
 import transformers as tf
 from conftest import COMMON, make_model
-from test_decode import decoded_logits
+from test_decode import decoded_against_original, decoded_logits
 
 import selfextend
 from selfextend.generation.decode import decode_step_for
@@ -107,17 +107,7 @@ def test_decode_through_shifts_equals_the_original(files, name, self_extend):
     original, path, _ = files[name]
     model, _tok = load_model(str(path), weights="float")
     assert (decode_step_for(model) is not None) == (name in SERVED)
-    if self_extend:
-        for m in (original, model):
-            selfextend.apply_self_extend(m, group_size=3, window=12)
-    try:
-        ids = IDS[0, :70].tolist()
-        got = decoded_logits(model, ids, direct=True)
-        want = decoded_logits(original, ids, direct=False)
-    finally:
-        if self_extend:
-            selfextend.remove_self_extend(original)
-    assert (got - want).abs().max() < TOL
+    assert decoded_against_original(model, original, IDS[0, :70].tolist(), self_extend) < TOL
 
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))

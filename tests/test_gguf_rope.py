@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import COMMON, TRAINED, make_model
-from test_decode import decoded_logits
+from test_decode import decoded_against_original
 from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
@@ -134,17 +134,7 @@ def test_decode_step_through_shifts_equals_the_original(pairs, name, self_extend
     forward over the same cache."""
     original, path = pairs[name]
     model, _tok = load_model(str(path), weights="float")
-    if self_extend:
-        for m in (original, model):
-            selfextend.apply_self_extend(m, group_size=3, window=12)
-    try:
-        ids = IDS[0, :70].tolist()
-        got = decoded_logits(model, ids, direct=True)
-        want = decoded_logits(original, ids, direct=False)
-    finally:
-        if self_extend:
-            selfextend.remove_self_extend(original)
-    assert (got - want).abs().max() < TOL
+    assert decoded_against_original(model, original, IDS[0, :70].tolist(), self_extend) < TOL
 
 
 def test_self_extend_on_llama3_uses_the_files_frequencies(pairs):
