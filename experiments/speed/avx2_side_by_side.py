@@ -110,6 +110,10 @@ def main() -> None:
     parser.add_argument("--label", default="", help="a note kept with the rows (the CPU, the build)")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "avx2_side_by_side.jsonl")
     args = parser.parse_args()
+    if not args.model.is_file():
+        parser.error(f"no such GGUF file: {args.model}")
+    if not (args.llama_bench.is_file() and os.access(args.llama_bench, os.X_OK)):
+        parser.error(f"not an executable llama-bench: {args.llama_bench}")
 
     rows = []
     for r in range(args.rounds):
