@@ -1,67 +1,105 @@
 """The decode step's native kernels against the torch ops they replace, side by side in one process.
 
-Attention: SmolLM2-135M's shape (9 query heads, 3 KV heads, head size 64, 30 layers), 1,400 cells per
-layer, each layer's cells in its own buffer (as in the cache: nothing stays in the CPU's caches between
-layers), torch's SDPA against the native kernel per cell type. Output head: SmolLM2's int8 head (49,152 x
-576) times one row, torch's ``_weight_int8pack_mm`` against the native ``int8_gemv``. Rounds interleave
-the two; each prints milliseconds per token and the GB/s of what is read, next to the machine's read
-bandwidth measured in the same run.
+Attention: a model's shape (``--shape H,HKV,D,LAYERS``; default SmolLM2-135M's 9 query heads, 3 KV heads,
+head size 64, 30 layers), ``--cells`` cells per layer, each layer's cells in its own buffer (as in the
+cache: nothing stays in the CPU's caches between layers), torch's SDPA against the native kernel per cell
+type. Output head: SmolLM2's int8 head (49,152 x 576) times one row, torch's ``_weight_int8pack_mm``
+against the native ``int8_gemv``. Rounds interleave the paths; each prints milliseconds per token and the
+GB/s of what is read, next to the machine's read bandwidth measured in the same run.
+
+``--against DECODE_C``: the attention of another ``decode.c`` too (an earlier commit's, to measure a
+change), in the same rounds, and its time over ours per round; ``--flags``: compiler flags for every build
+(``-mno-avx512f``: as an AVX2-only CPU runs it). ``--cache-types``: which cell types (default all).
 
     python experiments/speed/native_bench.py [--cells 1400] [--rounds 3] [--threads 2]
+    git show 918751e~1:selfextend/native/decode.c > /tmp/decode_before.c
+    python experiments/speed/native_bench.py --shape 12,2,128,28 --cells 1088,4096 --cache-types bf16 \
+        --against /tmp/decode_before.c --flags=-mno-avx512f --rounds 5 --no-sdpa --no-head
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from selfextend.bench.speed import read_bandwidth_gbs
+from selfextend.core.paths import cache_root
 from selfextend.generation.generator import CACHE_DTYPES
-from selfextend.native.decode import native_kernels
-
-H, HKV, D, LAYERS = 9, 3, 64, 30
+from selfextend.native.build import build
+from selfextend.native.decode import SOURCE, NativeKernels
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cells", type=int, default=1400)
+    parser.add_argument("--cells", default="1400", help="cells per layer, e.g. 1088,4096")
+    parser.add_argument("--shape", default="9,3,64,30", help="query heads, KV heads, head size, layers")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--against", type=Path, help="another decode.c, its attention timed beside ours")
+    parser.add_argument("--flags", default="", help="compiler flags added to every build, e.g. -mno-avx512f")
+    parser.add_argument("--cache-types", default=",".join(CACHE_DTYPES), help="cell types, e.g. bf16")
+    parser.add_argument("--no-sdpa", action="store_true", help="leave torch's SDPA out")
+    parser.add_argument("--no-head", action="store_true", help="leave the int8 head out")
     args = parser.parse_args()
+    h, hkv, d, n_layers = (int(x) for x in args.shape.split(","))
     torch.set_num_threads(args.threads)
-    kernel = native_kernels()
-    if kernel is None:
-        raise SystemExit("error: the attention kernel could not be built here (no C compiler?)")
-    n, scale = args.cells, D**-0.5
-    print(f"machine read bandwidth: {read_bandwidth_gbs():.1f} GB/s; {n} cells x {LAYERS} layers")
-    paths = {
-        "sdpa": lambda q, k, v: F.scaled_dot_product_attention(
-            q.to(k.dtype), k, v, scale=scale, enable_gqa=True
-        ),
-        "kernel": lambda q, k, v: kernel(q, k, v, scale),
-    }
-    for name, dtype in CACHE_DTYPES.items():
-        g = torch.Generator().manual_seed(0)
-        layers = [
-            [torch.randn(1, HKV, 2 * n, D, generator=g).to(dtype)[..., :n, :] for _ in "kv"]
-            for _ in range(LAYERS)
-        ]
-        q = torch.randn(1, H, 1, D, generator=g)
-        mb = LAYERS * 2 * HKV * n * D * dtype.itemsize / 1e6
-        for r in range(args.rounds):
-            line = []
-            for path, fn in paths.items():
-                for _ in range(3):
-                    [fn(q, k, v) for k, v in layers]
-                t0 = time.perf_counter()
-                for _ in range(20):
-                    [fn(q, k, v) for k, v in layers]
-                ms = (time.perf_counter() - t0) / 20 * 1000
-                line.append(f"{path} {ms:.2f} ms ({mb / ms:.1f} GB/s)")
-            print(f"{name} round {r}: " + ", ".join(line), flush=True)
+    flags = tuple(args.flags.split())
+    sources = {"kernel": (SOURCE, "native")}
+    if args.against is not None:
+        sources[f"against ({args.against.name})"] = (args.against, "native-against")
+    try:
+        kernels = {
+            label: NativeKernels(build(cache_root() / "kernels", source, name, flags))
+            for label, (source, name) in sources.items()
+        }
+    except (RuntimeError, OSError) as e:
+        raise SystemExit(f"error: the attention kernel could not be built here: {e}") from None
+    kernel = kernels["kernel"]
+    scale = d**-0.5
+    print(f"machine read bandwidth: {read_bandwidth_gbs():.1f} GB/s; shape {args.shape}, {n_layers} layers")
+    paths = (
+        {}
+        if args.no_sdpa
+        else {
+            "sdpa": lambda q, k, v: F.scaled_dot_product_attention(
+                q.to(k.dtype), k, v, scale=scale, enable_gqa=True
+            )
+        }
+    )
+    for label, kern in kernels.items():
+        paths[label] = lambda q, k, v, kern=kern: kern(q, k, v, scale)
+    for n in (int(c) for c in args.cells.split(",")):
+        for name in args.cache_types.split(","):
+            dtype = CACHE_DTYPES[name]
+            g = torch.Generator().manual_seed(0)
+            layers = [
+                [torch.randn(1, hkv, 2 * n, d, generator=g).to(dtype)[..., :n, :] for _ in "kv"]
+                for _ in range(n_layers)
+            ]
+            q = torch.randn(1, h, 1, d, generator=g)
+            mb = n_layers * 2 * hkv * n * d * dtype.itemsize / 1e6
+            for r in range(args.rounds):
+                line, ms_of = [], {}
+                order = list(paths.items()) if r % 2 == 0 else list(paths.items())[::-1]
+                for path, fn in order:
+                    for _ in range(3):
+                        [fn(q, k, v) for k, v in layers]
+                    t0 = time.perf_counter()
+                    for _ in range(20):
+                        [fn(q, k, v) for k, v in layers]
+                    ms_of[path] = ms = (time.perf_counter() - t0) / 20 * 1000
+                    line.append(f"{path} {ms:.2f} ms ({mb / ms:.1f} GB/s)")
+                if args.against is not None:
+                    line.append(
+                        f"ours/against {ms_of['kernel'] / ms_of[f'against ({args.against.name})']:.3f}"
+                    )
+                print(f"{name} {n} cells round {r}: " + ", ".join(line), flush=True)
+    if args.no_head:
+        return
     g = torch.Generator().manual_seed(1)
     w = torch.randint(-127, 128, (49152, 576), dtype=torch.int8, generator=g)
     w_scale, x = (
