@@ -10,8 +10,8 @@ Each round runs, in turn: ``selfextend bench --cases generate`` (``--forms gguf`
 Self-Extend G=4 W=1024, from a prompt of ``--ctx``/2 tokens, ``--tokens`` greedy tokens; it also times
 llama-cpp-python's own build when that is installed, reported as a third column) then ``llama-bench -p 0
 -n TOKENS -d CTX/2`` (the same decode from the same depth, f16 cells: llama.cpp's default); then, with
-``--prompt N``, ``selfextend bench --cases first-token --lengths N`` against ``llama-bench -p N -n 0``. The
-order flips every round. Ratios are taken per round.
+``--prompt N``, ``selfextend bench --cases first-token --lengths N`` against ``llama-bench -p N -n 0``
+(``--no-decode``: that alone, for long prompts). The order flips every round. Ratios are taken per round.
 
     python experiments/speed/avx2_side_by_side.py MODEL.gguf --llama-bench /path/avx2/llama-bench \\
         --flags=-mno-avx512f --rounds 2 --prompt 1024
@@ -85,13 +85,15 @@ def one_round(model: Path, flip: bool, args: argparse.Namespace) -> dict:
     def prompt_theirs() -> None:
         row["llama_bench_prompt_s"] = args.prompt / llama_bench(model, args.prompt, 0, 0, args)
 
-    steps = [(decode_ours, decode_theirs)] + [(prompt_ours, prompt_theirs)] * bool(args.prompt)
+    steps = [(decode_ours, decode_theirs)] * (not args.no_decode)
+    steps += [(prompt_ours, prompt_theirs)] * bool(args.prompt)
     for a, b in steps:
         for step in (b, a) if flip else (a, b):
             step()
-    row["decode_ratio"] = row["ours"] / row["llama_bench"]
-    row["selfextend_ratio"] = row["ours_selfextend"] / row["llama_bench"]
-    row["ours_gbs"] = row["ours"] * row["mb_per_token"] / 1e3
+    if not args.no_decode:
+        row["decode_ratio"] = row["ours"] / row["llama_bench"]
+        row["selfextend_ratio"] = row["ours_selfextend"] / row["llama_bench"]
+        row["ours_gbs"] = row["ours"] * row["mb_per_token"] / 1e3
     if args.prompt:
         row["prompt_rate_ratio"] = row["llama_bench_prompt_s"] / row["ours_prompt_s"]
     return row
@@ -107,6 +109,7 @@ def main() -> None:
     parser.add_argument("--ctx", type=int, default=2048, help="cache cells; decode starts at ctx/2")
     parser.add_argument("--tokens", type=int, default=128, help="greedy tokens timed")
     parser.add_argument("--prompt", type=int, default=0, help="also time a prompt of N tokens (0: no)")
+    parser.add_argument("--no-decode", action="store_true", help="the prompt only (with --prompt)")
     parser.add_argument("--label", default="", help="a note kept with the rows (the CPU, the build)")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "avx2_side_by_side.jsonl")
     args = parser.parse_args()
@@ -114,14 +117,20 @@ def main() -> None:
         parser.error(f"no such GGUF file: {args.model}")
     if not (args.llama_bench.is_file() and os.access(args.llama_bench, os.X_OK)):
         parser.error(f"not an executable llama-bench: {args.llama_bench}")
+    if args.no_decode and not args.prompt:
+        parser.error("--no-decode leaves nothing to time without --prompt N")
 
     rows = []
     for r in range(args.rounds):
         row = one_round(args.model, r % 2 == 1, args)
         rows.append(row)
-        said = f"round {r}: ours {row['ours']:.2f} tok/s ({row['ours_gbs']:.1f} GB/s"
-        said += f" of {row['read_bandwidth_gbs']:.1f}), +SE {row['ours_selfextend']:.2f}, llama-bench"
-        said += f" {row['llama_bench']:.2f}: {row['decode_ratio']:.2f}x, SE {row['selfextend_ratio']:.2f}x"
+        said = f"round {r}:"
+        if not args.no_decode:
+            said += f" ours {row['ours']:.2f} tok/s ({row['ours_gbs']:.1f} GB/s"
+            said += f" of {row['read_bandwidth_gbs']:.1f}), +SE {row['ours_selfextend']:.2f}, llama-bench"
+            said += (
+                f" {row['llama_bench']:.2f}: {row['decode_ratio']:.2f}x, SE {row['selfextend_ratio']:.2f}x"
+            )
         if "llama_cpp_python" in row:
             said += f"; llama-cpp-python {row['llama_cpp_python']:.2f}"
         if args.prompt:
