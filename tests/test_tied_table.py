@@ -121,3 +121,20 @@ def test_saved_forms_hold_the_table_once(tied, tmp_path: Path) -> None:
             assert shared(loaded), name
             with torch.no_grad():
                 assert torch.equal(loaded(ids).logits, want), name
+
+
+def test_a_token_reads_the_tied_table_once(tied) -> None:
+    """``bench``'s bytes a decode step reads count the tied table once, as the head's product reads it (it
+    had dropped it: the table held in the head's bytes was taken for an untied one); an untied table counts
+    one row."""
+    from selfextend.bench.speed import bytes_per_token
+    from selfextend.kv.cache import ContextShiftCache
+
+    _, model = tied
+    cache = ContextShiftCache(model, n_ctx=16)
+    every = {t.data_ptr(): t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers())}
+    assert bytes_per_token(model, cache, 0) == sum(every.values())
+    table = model.model.embed_tokens
+    row = table.blocks[0].numel() * table.blocks.element_size()
+    with swapped(model, stored_table(table)):  # the table's own copy: the head reads the other
+        assert bytes_per_token(model, cache, 0) == sum(every.values()) + row

@@ -39,7 +39,9 @@ def bytes_per_token(model: nn.Module, cache: ContextShiftCache, fill: int) -> in
     embed = table.blocks if embed is None else embed  # a GGUF table held as blocks: rows of bytes
     weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
     head = model.get_output_embeddings()
-    if getattr(head, "weight", None) is not embed:
+    head_rows = getattr(head, "weight", None)
+    head_rows = getattr(head, "blocks", None) if head_rows is None else head_rows  # a GGUF head's blocks
+    if head_rows is None or head_rows.data_ptr() != embed.data_ptr():  # a table the head does not read
         weights -= (embed.shape[0] - 1) * embed[0].numel() * embed.element_size()
     return weights + cell_bytes(cache, fill)
 
