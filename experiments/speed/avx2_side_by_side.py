@@ -29,9 +29,26 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+
+
+def cpu_times() -> list[int]:
+    """The machine's CPU time so far in jiffies by kind (/proc/stat's first line: user, nice, system, idle,
+    iowait, irq, softirq, steal, ...)."""
+    return [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+
+
+def stolen(run: Callable[[], object], into: dict, key: str) -> object:
+    """``run()``, with the share of the machine's CPU time the hypervisor took meanwhile (steal) put in
+    ``into[key]``: a round where the host took our cores reads differently from one where it took memory."""
+    before = cpu_times()
+    done = run()
+    delta = [b - a for a, b in zip(before, cpu_times(), strict=True)]
+    into[key] = delta[7] / max(1, sum(delta[:8]))
+    return done
 
 
 def ours(model: Path, case: str, args: argparse.Namespace) -> dict[str, dict]:
@@ -64,7 +81,7 @@ def one_round(model: Path, flip: bool, args: argparse.Namespace) -> dict:
     depth = args.ctx // 2
 
     def decode_ours() -> None:
-        got = ours(model, "generate", args)
+        got = stolen(lambda: ours(model, "generate", args), row, "ours_steal")
         row["ours"] = got["gguf"]["tokens_per_s"]
         row["ours_selfextend"] = got["gguf+selfextend"]["tokens_per_s"]
         row["mb_per_token"] = got["gguf"]["mb_per_token"]
@@ -74,7 +91,9 @@ def one_round(model: Path, flip: bool, args: argparse.Namespace) -> dict:
             row["llama_mb_per_token"] = got["llama.cpp"]["mb_per_token"]
 
     def decode_theirs() -> None:
-        row["llama_bench"] = llama_bench(model, 0, args.tokens, depth, args)
+        row["llama_bench"] = stolen(
+            lambda: llama_bench(model, 0, args.tokens, depth, args), row, "llama_steal"
+        )
 
     def prompt_ours() -> None:
         got = ours(model, "first-token", args)
@@ -133,6 +152,8 @@ def main() -> None:
             )
         if "llama_cpp_python" in row:
             said += f"; llama-cpp-python {row['llama_cpp_python']:.2f}"
+        if not args.no_decode:
+            said += f"; steal {row['ours_steal']:.1%} (ours), {row['llama_steal']:.1%} (llama-bench)"
         if args.prompt:
             said += f"; prompt {args.prompt}: ours {row['ours_prompt_s']:.1f} s, llama-bench"
             said += f" {row['llama_bench_prompt_s']:.1f} s: {row['prompt_rate_ratio']:.2f}x the rate"
