@@ -182,10 +182,9 @@ INLINE void value_tile(const float *vs, long cells, long d, const float *p, long
  * e^(s - m)-weighted value sum acc[h * d ...] for each of its r query heads; s: r * (c1 - c0) scratch.
  * n8 = d / 8 eight-float vectors per row; every loop runs over those, so a constant n8 unrolls into registers.
  * Scores go eight cells at a time, their keys converted to float32 once for all r heads and read for two heads
- * at a time; values in blocks of
- * vb cells converted once, then a tile of TILE vectors for up to HEADS heads at a time (r <= 6, every
- * grouped-query ratio of the models we serve but 7 and 8, in one pass), the sums kept in registers. Each
- * block's lines are asked for a block or two ahead. Converting once instead of per head (and keeping the
+ * at a time; values in blocks of vb cells converted once, then a tile of TILE vectors for up to HEADS heads at
+ * a time (r <= 6, every grouped-query ratio of the models we serve but 7 and 8, in one pass), the sums kept in
+ * registers. Each block's lines are asked for a block or two ahead. Converting once instead of per head (and keeping the
  * value sums out of the stack) took Qwen2.5-1.5B's 28 layers over 4,096 bf16 cells from 16 to 11 ms a token
  * on two Zen 4 cores (AVX2 build). */
 INLINE void chunk(const float *q0, const float *qg0, float scale, const void *k, const void *kg, const void *v,
