@@ -1,8 +1,8 @@
 """Where a GGUF load's memory goes: resident memory after each stage of ``load_model``, each stage's peak.
 
-Each stage (the GGUF check, its config, the tokenizer's conversion, the weights, the tied head,
-writing the cache entry; from the cache: reading the run form) is wrapped so that it prints the
-process's VmRSS (anonymous and file-backed) when it ends and its own high-water mark: the mark
+Each stage (the GGUF check with its config, the tokenizer's conversion, the weights, the tied head,
+writing the cache entry; from the cache: reading the run form) is wrapped where it is called so that it
+prints the process's VmRSS (anonymous and file-backed) when it ends and its own high-water mark: the mark
 (VmHWM) is reset before each stage by writing 5 to /proc/self/clear_refs (Linux). "before X" lines
 show what happened between two stages (e.g. the tokenizer read from its files). CPU seconds are
 per stage. tracemalloc cannot see this: the memory is torch's, numpy's and the Rust tokenizer's.
@@ -81,13 +81,19 @@ def main() -> None:
 
     from selfextend import models
     from selfextend.hf.patch import apply_self_extend  # noqa: F401  (what every command imports)
-    from selfextend.models import weights
+    from selfextend.models import diskcache, load, weights
 
     stages.report("imports")
-    for name in ("check_gguf", "gguf_config", "_converted_tokenizer", "_convert_gguf", "_write_entry"):
-        stages.wrap(models, name)
-    for name in ("load_run_form", "_tie_head"):
-        stages.wrap(weights if name == "_tie_head" else models, name)
+    # each stage wrapped where it is called from: (module that calls it, its name)
+    for module, name in (
+        (diskcache, "read_gguf"),  # the GGUF check and its config, the tensor table kept
+        (diskcache, "_converted_tokenizer"),
+        (diskcache, "_convert_gguf"),
+        (diskcache, "_write_entry"),
+        (load, "load_run_form"),
+        (weights, "_tie_head"),
+    ):
+        stages.wrap(module, name)
     try:
         models.load_model(args.model, dtype=args.dtype, weights=args.weights)
         stages.report("load_model returned")
