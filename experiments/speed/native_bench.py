@@ -12,7 +12,7 @@ change), in the same rounds, and its time over ours per round; ``--flags``: comp
 (``-mno-avx512f``: as an AVX2-only CPU runs it). ``--cache-types``: which cell types (default all).
 
     python experiments/speed/native_bench.py [--cells 1400] [--rounds 3] [--threads 2]
-    git show 918751e~1:selfextend/native/decode.c > /tmp/decode_before.c
+    git show 2169e2a~1:selfextend/native/decode.c > /tmp/decode_before.c
     python experiments/speed/native_bench.py --shape 12,2,128,28 --cells 1088,4096 --cache-types bf16 \
         --against /tmp/decode_before.c --flags=-mno-avx512f --rounds 5 --no-sdpa --no-head
 """
