@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator, Sequence
+
 import pytest
 import torch
 from conftest import ROPE_TYPES, make_model
@@ -29,20 +32,28 @@ def decoded_logits(
     return out
 
 
+@contextlib.contextmanager
+def self_extended(models: Sequence[nn.Module], on: bool = True) -> Iterator[None]:
+    """``models`` with Self-Extend (G=3, W=12) for the block where ``on``, removed after."""
+    if on:
+        for m in models:
+            selfextend.apply_self_extend(m, group_size=3, window=12)
+    try:
+        yield
+    finally:
+        if on:
+            for m in models:
+                selfextend.remove_self_extend(m)
+
+
 def decoded_against_original(
     model: nn.Module, original: nn.Module, ids: list[int], self_extend: bool
 ) -> torch.Tensor:
     """Largest |logit difference| between ``model``'s direct step and ``original``'s forward over the same
-    shifting cache, both with Self-Extend (G=3, W=12) where asked (removed from ``original`` after)."""
-    if self_extend:
-        for m in (original, model):
-            selfextend.apply_self_extend(m, group_size=3, window=12)
-    try:
+    shifting cache, both with Self-Extend (G=3, W=12) where asked."""
+    with self_extended((original, model), self_extend):
         got = decoded_logits(model, ids, direct=True)
         want = decoded_logits(original, ids, direct=False)
-    finally:
-        if self_extend:
-            selfextend.remove_self_extend(original)
     return (got - want).abs().max()
 
 

@@ -18,7 +18,7 @@ import gguf_write
 import pytest
 import torch
 from conftest import make_model
-from test_decode import decoded_logits
+from test_decode import decoded_logits, self_extended
 from test_gguf_blocks import native_layers_equal_the_loop
 
 import selfextend
@@ -94,18 +94,11 @@ def test_decode_step_tracks_transformers(models, extend: bool) -> None:
     biases is far off (so they are added, once)."""
     reference, model, _ = models
     ids = torch.randint(3, VOCAB, (70,), generator=torch.Generator().manual_seed(3)).tolist()
-    if extend:
-        for m in (reference, model):
-            selfextend.apply_self_extend(m, group_size=3, window=12)
-    try:
+    with self_extended((reference, model), extend):
         got = decoded_logits(model, ids, direct=True)
         want = decoded_logits(reference, ids, direct=False)
         with _without_biases(reference):
             unbiased = decoded_logits(reference, ids, direct=False)
-    finally:
-        if extend:
-            for m in (reference, model):
-                selfextend.remove_self_extend(m)
     scale = want.abs().max()
     assert (got - want).abs().mean() < 0.01 * scale and (got - want).abs().max() < 0.03 * scale
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.95
