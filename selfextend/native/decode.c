@@ -117,20 +117,21 @@ INLINE v8 sums8(const v8 *t) {
            __builtin_shufflevector(b[0], b[1], 4, 5, 6, 7, 12, 13, 14, 15);
 }
 
-/* Query head h's scores against cells [j, j + 8) into s[0 .. 8): four cells at a time, each with two
- * accumulators (even and odd vectors, eight independent sums in flight), then the eight reduced together. */
-INLINE void scores8(const v8 *qh, const void *base, long j, long n8, int type, float *s) {
+/* One query head's scores against the eight float32 rows of `kb` (n8 vectors each) into s[0 .. 8): four cells
+ * at a time, each with two accumulators (even and odd vectors, eight independent sums in flight), then the
+ * eight reduced together. */
+INLINE void scores8(const v8 *qh, const float *kb, long n8, float *s) {
     v8 t[8];
     for (int i0 = 0; i0 < 8; i0 += 4) {
         v8 a[4], b[4];
-        for (int i = 0; i < 4; i++) a[i] = qh[0] * load8(base, (j + i0 + i) * n8 * 8, type), b[i] = (v8){0};
+        for (int i = 0; i < 4; i++) a[i] = qh[0] * *(const v8u *)(kb + (i0 + i) * n8 * 8), b[i] = (v8){0};
         for (long c = 1; c + 1 < n8; c += 2)
             for (int i = 0; i < 4; i++) {
-                b[i] += qh[c] * load8(base, ((j + i0 + i) * n8 + c) * 8, type);
-                a[i] += qh[c + 1] * load8(base, ((j + i0 + i) * n8 + c + 1) * 8, type);
+                b[i] += qh[c] * *(const v8u *)(kb + ((i0 + i) * n8 + c) * 8);
+                a[i] += qh[c + 1] * *(const v8u *)(kb + ((i0 + i) * n8 + c + 1) * 8);
             }
         for (int i = 0; i < 4; i++) {
-            b[i] += qh[n8 - 1] * load8(base, ((j + i0 + i) * n8 + n8 - 1) * 8, type); /* n8 is even */
+            b[i] += qh[n8 - 1] * *(const v8u *)(kb + ((i0 + i) * n8 + n8 - 1) * 8); /* n8 is even */
             t[i0 + i] = a[i] + b[i];
         }
     }
@@ -203,20 +204,19 @@ INLINE void chunk(const float *q0, const float *qg0, float scale, const void *k,
         const v8 *qj = grouped ? qg : q;
         const void *base = grouped ? kg : k;
         for (; j + 8 <= end; j += 8) {
-            const void *kb = base; /* the eight cells' keys, as float32 for every head */
-            long at = j;
+            const float *kr = (const float *)base + j * d; /* the eight cells' keys as float32, for every head */
             if (type != F32) {
                 for (long i = 0; i < 8 * n8; i++) {
                     if (i % 4 == 0) prefetch_cells(base, (j + 32) * d + i * 8, type);
                     kf[i] = load8(base, j * d + i * 8, type);
                 }
-                kb = kf, at = 0;
+                kr = (const float *)kf;
             }
-            const float *kr = (const float *)kb + at * d;
+            float *sj = s + j - c0;
             long h = 0;
             for (; h + 2 <= r; h += 2)
-                scores8x2(qj + h * n8, qj + (h + 1) * n8, kr, n8, s + h * len + j - c0, s + (h + 1) * len + j - c0);
-            if (h < r) scores8(qj + h * n8, kb, at, n8, F32, s + h * len + j - c0);
+                scores8x2(qj + h * n8, qj + (h + 1) * n8, kr, n8, sj + h * len, sj + (h + 1) * len);
+            if (h < r) scores8(qj + h * n8, kr, n8, sj + h * len);
         }
         for (; j < end; j++)
             for (long h = 0; h < r; h++) {
