@@ -136,6 +136,8 @@ def main() -> None:
         parser.error(f"no such GGUF file: {args.model}")
     if not (args.llama_bench.is_file() and os.access(args.llama_bench, os.X_OK)):
         parser.error(f"not an executable llama-bench: {args.llama_bench}")
+    if min(args.rounds, args.threads, args.tokens) < 1 or args.ctx < 2 or args.prompt < 0:
+        parser.error("--rounds, --threads and --tokens must be at least 1, --ctx 2, --prompt 0")
     if args.no_decode and not args.prompt:
         parser.error("--no-decode leaves nothing to time without --prompt N")
 

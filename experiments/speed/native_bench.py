@@ -45,12 +45,25 @@ def main() -> None:
     parser.add_argument("--no-sdpa", action="store_true", help="leave torch's SDPA out")
     parser.add_argument("--no-head", action="store_true", help="leave the int8 head out")
     args = parser.parse_args()
-    h, hkv, d, n_layers = (int(x) for x in args.shape.split(","))
+    try:
+        h, hkv, d, n_layers = (int(x) for x in args.shape.split(","))
+        cells = [int(c) for c in args.cells.split(",")]
+    except ValueError:
+        parser.error(
+            f"--shape takes four integers H,HKV,D,LAYERS and --cells integers, got {args.shape!r}, "
+            f"{args.cells!r}"
+        )
+    types = args.cache_types.split(",")
+    if min(h, hkv, d, n_layers, *cells) < 1 or h % hkv or set(types) - set(CACHE_DTYPES):
+        parser.error(
+            f"sizes must be positive with H a multiple of HKV, cell types among {', '.join(CACHE_DTYPES)}"
+        )
     torch.set_num_threads(args.threads)
     flags = tuple(args.flags.split())
-    sources = {"kernel": (SOURCE, "native")}
+    sources, theirs = {"kernel": (SOURCE, "native")}, None
     if args.against is not None:
-        sources[f"against ({args.against.name})"] = (args.against, "native-against")
+        theirs = f"against ({args.against.name})"
+        sources[theirs] = (args.against, "native-against")
     try:
         kernels = {
             label: NativeKernels(build(cache_root() / "kernels", source, name, flags))
@@ -72,8 +85,8 @@ def main() -> None:
     )
     for label, kern in kernels.items():
         paths[label] = lambda q, k, v, kern=kern: kern(q, k, v, scale)
-    for n in (int(c) for c in args.cells.split(",")):
-        for name in args.cache_types.split(","):
+    for n in cells:
+        for name in types:
             dtype = CACHE_DTYPES[name]
             g = torch.Generator().manual_seed(0)
             layers = [
@@ -93,10 +106,8 @@ def main() -> None:
                         [fn(q, k, v) for k, v in layers]
                     ms_of[path] = ms = (time.perf_counter() - t0) / 20 * 1000
                     line.append(f"{path} {ms:.2f} ms ({mb / ms:.1f} GB/s)")
-                if args.against is not None:
-                    line.append(
-                        f"ours/against {ms_of['kernel'] / ms_of[f'against ({args.against.name})']:.3f}"
-                    )
+                if theirs is not None:
+                    line.append(f"ours/against {ms_of['kernel'] / ms_of[theirs]:.3f}")
                 print(f"{name} {n} cells round {r}: " + ", ".join(line), flush=True)
     if args.no_head:
         return
