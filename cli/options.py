@@ -153,8 +153,8 @@ def weights_option(default: str) -> Callable[[Callable], Callable]:
         type=click.Choice(["auto", "float", "int8", "int4", "gguf"]),
         default=default,
         show_default=True,
-        help="Linear-layer weights: auto (gguf for a GGUF on the CPU, int4 there without a C compiler, int8 "
-        "otherwise), float (as --dtype), "
+        help="Linear-layer weights: auto (on the CPU: gguf for a GGUF, int4 there without a C compiler, "
+        "int8 otherwise; on a GPU: float), float (as --dtype; a GGUF dequantized at load), "
         "int8 (per-row weight-only, bfloat16 products; decoding reads 4x fewer bytes than float32), int4 "
         "(a GGUF's Q4_0/Q4_1/Q4_K weights repacked into torch's int4 layout) or gguf (a GGUF's "
         "Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q5_K/Q6_K blocks as stored, native int8 dot products); int4 and gguf "

@@ -202,10 +202,12 @@ def test_int4_without_gguf_blocks_is_int8_with_a_warning(tiny_dir: Path, caplog)
 
 def test_auto_weights_are_the_blocks_for_a_gguf_on_the_cpu(tiny_q4: Path, tiny_dir: Path, caplog) -> None:
     """``--weights auto`` (the default of generate, chat and serve): a GGUF's own blocks on the CPU (int4
-    without the native products), and int8 without a word for a model directory or another device."""
+    without the native products), int8 without a word for a model directory, float weights on a GPU (the
+    int8, int4 and block products are CPU kernels)."""
     blocks = "gguf" if quant_kernels() is not None else "int4"
     assert auto_weights("auto", resolve_model(str(tiny_q4)), torch.device("cpu")) == blocks
-    assert auto_weights("auto", resolve_model(str(tiny_q4)), torch.device("cuda")) == "int8"
+    assert auto_weights("auto", resolve_model(str(tiny_q4)), torch.device("cuda")) == "float"
+    assert auto_weights("auto", resolve_model(str(tiny_dir)), torch.device("cuda")) == "float"
     assert auto_weights("auto", resolve_model(str(tiny_dir)), torch.device("cpu")) == "int8"
     assert auto_weights("float", resolve_model(str(tiny_q4)), torch.device("cpu")) == "float"
     assert weight_format(load_model(str(tiny_q4), weights="auto")[0]) == blocks

@@ -131,7 +131,7 @@ def _query_rotation(
     delta = grouped_query_positions(pos, p.group_size, p.window) - pos
     key = (delta, id(p.inv_freq))
     if key not in known:
-        r = Rotation.of(torch.tensor([delta]), p.inv_freq)
+        r = Rotation.of(torch.tensor([delta], device=p.inv_freq.device), p.inv_freq)
         known[key] = r.cos.reshape(-1).contiguous(), r.sin.reshape(-1).contiguous()
         if not rotation_fits(known[key], d):
             raise ValueError(f"Self-Extend's rotation of {r.cos.shape[-1]} dims does not fit heads of {d}")
@@ -164,6 +164,7 @@ class DecodeStep:
         if reason:
             raise ValueError(f"DecodeStep does not support this model ({reason})")
         self.model = model
+        self.device = next(model.parameters()).device
         inner = model.model
         self.embed, self.norm, self.rotary = inner.embed_tokens, inner.norm, inner.rotary_emb
         self.embed_scale = getattr(self.embed, "embed_scale", None)  # Gemma's sqrt(hidden)
@@ -179,7 +180,8 @@ class DecodeStep:
         attn = self.layers[0].self_attn
         self.head_dim = d = attn.head_dim
         self.heads = [p.out_features // d for p in (attn.q_proj, attn.k_proj, attn.v_proj)]
-        self.native = native_kernels() if native else None
+        # the native kernels read CPU memory: on any other device the step is torch's ops alone
+        self.native = native_kernels() if native and self.device.type == "cpu" else None
         self.qkv, self.gate_up, self.plan = [], [], []
         dtype = self.dtype
         for layer in self.layers:
@@ -218,8 +220,9 @@ class DecodeStep:
     def _rotations_fit(self) -> bool:
         """Whether each kind's rotation is what the native ``rope_write`` reads (checked once: the rotary
         module gives the same size and type at every position)."""
-        x = self.embed_rows(torch.tensor([0])).view(1, 1, -1)
-        found = rotations_at(self.rotary, self.kinds, self.by_kind, x, torch.tensor([0]))
+        at = torch.zeros(1, dtype=torch.long, device=self.device)
+        x = self.embed_rows(at).view(1, 1, -1)
+        found = rotations_at(self.rotary, self.kinds, self.by_kind, x, at)
         flat = [(r.cos.reshape(-1).contiguous(), r.sin.reshape(-1).contiguous()) for r in found.values()]
         return all(rotation_fits(pair, self.head_dim) for pair in flat)
 
@@ -253,7 +256,7 @@ class DecodeStep:
         invariant (the native GGUF block products) a row's logits are bit for bit those of stepping it alone.
         """
         pos = [cache.n_past for cache in caches]
-        x = self.embed_rows(torch.tensor(tokens))  # (M, hidden): a copy, added to in place
+        x = self.embed_rows(torch.tensor(tokens, device=self.device))  # (M, hidden): a copy, added to in place
         x = x * self.embed_scale.to(x.dtype) if self.embed_scale is not None else x
         flat = self.rope(x[:, None], pos)  # each row's rotation by kind, as decode.c reads it
         batch = _Batch(caches, pos, [self._kernel(c) for c in caches], flat, {})

@@ -220,7 +220,7 @@ class Generator:
             logits = GrammarMask(self.grammar)(recent.view(1, -1), logits.view(1, -1))[0]
             if not any_left(logits, self.sampling, recent):
                 raise NoTokenLeft(self.grammar.accepting())
-        token = sample(logits, self.sampling, recent, self.rng if logits.device.type == "cpu" else None)
+        token = sample(logits, self.sampling, recent, self.rng)
         if self.grammar is not None:
             self.grammar.consume(token)
         return token

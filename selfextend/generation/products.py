@@ -67,7 +67,8 @@ def direct(parts: tuple[nn.Module, ...]) -> bool:
     if len(parts) != 1 or getattr(layer, "bias", None) is not None:
         return False
     if isinstance(layer, Int4Linear):
-        return layer.weight_int4.is_contiguous() and layer.scales_zeros.is_contiguous()
+        w, sz = layer.weight_int4, layer.scales_zeros
+        return w.device.type == "cpu" and w.is_contiguous() and sz.is_contiguous()
     return isinstance(layer, Int8Linear) and layer.weight_int8.device.type == "cpu"
 
 

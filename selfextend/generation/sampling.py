@@ -196,9 +196,11 @@ def sample(
     generator: torch.Generator | None = None,
 ) -> int:
     """Pick the next token id from one row of logits (vocab,), given the recent tokens (for penalties);
-    after top-k, among its candidates (:func:`candidate_distribution`)."""
+    after top-k, among its candidates (:func:`candidate_distribution`). A draw runs on the CPU, where
+    ``generator`` (a CPU generator) is: a seed gives the same tokens from the same logits on any device."""
     if params.temperature == 0:
         return argmax(_scores(logits, params, recent))
+    logits, recent = logits.cpu(), recent.cpu()  # (vocab,): one small copy beside the token's sync
     if params.top_k == 0:
         return int(torch.multinomial(distribution(logits, params, recent), 1, generator=generator))
     ids, probs = candidate_distribution(logits, params, recent)

@@ -110,12 +110,16 @@ def _place(model: PreTrainedModel, device_map: str | dict[str, Any]) -> None:
 
 
 def auto_weights(weights: str, source: ModelSource, device: torch.device) -> str:
-    """``weights`` itself, or for ``"auto"``: for a GGUF on the CPU its blocks as stored (``gguf``: native
-    int8 dot products, the fastest form there and within 0.3% of float perplexity), or ``int4`` (its 4-bit
-    blocks repacked for torch's kernel) where the native products cannot be built; int8 otherwise."""
+    """``weights`` itself, or for ``"auto"``: on a GPU ``float`` (a GGUF dequantized to ``--dtype`` at load:
+    the int8/int4/block products are CPU kernels, and the GPU's own matrix units read bf16 at the memory's
+    rate); on the CPU, for a GGUF its blocks as stored (``gguf``: native int8 dot products, the fastest form
+    there and within 0.3% of float perplexity), or ``int4`` (its 4-bit blocks repacked for torch's kernel)
+    where the native products cannot be built; int8 otherwise."""
     if weights != "auto":
         return weights
-    if source.kind != "gguf" or device.type != "cpu":
+    if device.type != "cpu":
+        return "float"
+    if source.kind != "gguf":
         return "int8"
     return "gguf" if quant_kernels() is not None else "int4"
 
@@ -161,8 +165,8 @@ def load_model(
     weight freed as it goes) and only the rest is cast to ``dtype``, so a bfloat16 checkpoint never
     exists in float32.
 
-    ``weights="auto"`` is gguf (int4 without a C compiler) for a GGUF on the CPU and int8 otherwise
-    (:func:`auto_weights`).
+    ``weights="auto"`` is gguf (int4 without a C compiler) for a GGUF on the CPU, int8 for other sources on
+    the CPU, and float on a GPU (:func:`auto_weights`).
 
     ``weights="gguf"`` holds a GGUF's linear weights in the block formats the native products compute
     (:data:`~selfextend.native.blocktypes.BLOCK_TYPES`) as stored, in a

@@ -1,0 +1,103 @@
+"""The engine's paths keep every tensor a step makes on the model's device: what a GPU needs, checked here
+without one (tests/device_guard.py: host-made tensors mixed with the model's are what CUDA refuses).
+
+The native kernels read CPU memory only, so on a GPU the steps run torch's ops alone; each test turns the
+kernels off as a GPU run has them off, then runs the path whole, with real values, context shifts and
+Self-Extend, under the guard.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_model, tiny_gemma3
+from device_guard import DeviceGuard
+
+import selfextend.generation.decode as decode_module
+from selfextend.evaluation.methods import applied, parse_method
+from selfextend.evaluation.nll import token_nll
+from selfextend.evaluation.passkey import answer
+from selfextend.generation.batched import BatchedDecode
+from selfextend.generation.generator import Generator, run
+from selfextend.generation.sampling import SamplingParams
+from selfextend.hf.patch import apply_self_extend
+from selfextend.kv.cache import ContextShiftCache
+
+PROMPT = list(range(3, 40))
+
+
+@pytest.fixture(autouse=True)
+def _no_native(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The step's backend as on a GPU: torch ops, no native kernel."""
+    monkeypatch.setattr(decode_module, "native_kernels", lambda: None)
+
+
+def _model(family: str, self_extend: bool) -> torch.nn.Module:
+    model = (
+        tiny_gemma3(["sliding_attention", "full_attention"], 8) if family == "gemma3" else make_model(family)
+    )
+    if self_extend:
+        apply_self_extend(model, group_size=4, window=16)
+    return model
+
+
+def test_the_guard_sees_a_host_tensor_mixed_in() -> None:
+    """The guard's own check: a position made without ``device=`` and added to a model tensor is flagged,
+    one made with it is not (so the tests below can fail)."""
+    model = make_model("llama")
+    with DeviceGuard(model) as guard:
+        inv_freq = model.model.rotary_emb.inv_freq
+        _ = torch.arange(4, device=inv_freq.device)[:, None] * inv_freq
+        _ = torch.tensor(2.0) * inv_freq  # a 0-dim host tensor: CUDA takes it as a scalar
+    assert guard.mixed == []
+    with DeviceGuard(model) as guard:
+        _ = torch.arange(4)[:, None] * model.model.rotary_emb.inv_freq
+    assert len(guard.mixed) == 1 and "arange(4)" in guard.mixed[0][1]
+    with pytest.raises(AssertionError, match="mix host and device"):
+        guard.check()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
+@pytest.mark.parametrize("self_extend", [False, True], ids=["plain", "self-extend"])
+def test_generate_through_shifts_stays_on_the_device(family: str, self_extend: bool) -> None:
+    """Prefill, the direct decode step, sampling with a seed and two context shifts."""
+    model = _model(family, self_extend)
+    with DeviceGuard(model) as guard:
+        gen = Generator(
+            model, ContextShiftCache(model, 48, n_keep=4), SamplingParams(temperature=0.8), seed=1
+        )
+        assert gen.step is not None and gen.step.native is None
+        tokens = [t for t, _ in run(gen, PROMPT, 40)]
+    assert len(tokens) == 40 and gen.cache.shifts >= 2
+    guard.check()
+
+
+@pytest.mark.parametrize("shared_from", [1, 8], ids=["shared-rows", "direct-rows"])
+def test_two_slots_step_together_on_the_device(shared_from: int) -> None:
+    """The server's batched step over two sequences (the compiled step's rows run eagerly, and the direct
+    step's rows), through a shift, with Self-Extend."""
+    model = _model("llama", True)
+    with DeviceGuard(model) as guard:
+        batched = BatchedDecode(model, shared_from=shared_from)
+        gens = [Generator(model, ContextShiftCache(model, 40, n_keep=4), seed=s) for s in range(2)]
+        for g, n in zip(gens, (30, 25), strict=True):
+            g.feed(PROMPT[:n])
+        for t in range(20):
+            batched([(g, 5 + t) for g in gens])
+    assert all(g.cache.shifts >= 1 for g in gens)
+    guard.check()
+
+
+def test_perplexity_and_passkey_stay_on_the_device() -> None:
+    """``ppl``'s scoring (whole and in prefill chunks) and ``passkey``'s greedy answer, with Self-Extend and
+    with a shift method."""
+    model = make_model("llama")
+    ids = torch.tensor([PROMPT])
+    with DeviceGuard(model) as guard:
+        for spec in ("selfextend:G=4,W=16", "plain", "ntk:factor=2"):
+            with applied(model, parse_method(spec)):
+                token_nll(model, ids)
+                token_nll(model, ids, prefill_chunk=16)
+        for spec in ("selfextend:G=4,W=16", "shift:ctx=24,keep=4"):
+            answer(model, PROMPT, parse_method(spec))
+    guard.check()
