@@ -256,7 +256,8 @@ class DecodeStep:
         invariant (the native GGUF block products) a row's logits are bit for bit those of stepping it alone.
         """
         pos = [cache.n_past for cache in caches]
-        x = self.embed_rows(torch.tensor(tokens, device=self.device))  # (M, hidden): a copy, added to in place
+        ids = torch.tensor(tokens, device=self.device)
+        x = self.embed_rows(ids)  # (M, hidden): a copy, added to in place
         x = x * self.embed_scale.to(x.dtype) if self.embed_scale is not None else x
         flat = self.rope(x[:, None], pos)  # each row's rotation by kind, as decode.c reads it
         batch = _Batch(caches, pos, [self._kernel(c) for c in caches], flat, {})

@@ -86,7 +86,8 @@ class PositionRotations:
     def _extend(self, x: torch.Tensor, want: int) -> None:
         """Keep the factors of the positions from ``len(self.rows)`` to ``want``."""
         have = len(self.rows)
-        found = rotations_at(self.rotary, self.kinds, self.by_kind, x[:1], torch.arange(have, want, device=x.device))
+        at = torch.arange(have, want, device=x.device)
+        found = rotations_at(self.rotary, self.kinds, self.by_kind, x[:1], at)
         n = want - have
         views = {k: (r.cos.view(n, -1).unbind(0), r.sin.view(n, -1).unbind(0)) for k, r in found.items()}
         self.rows += [{kind: (cos[i], sin[i]) for kind, (cos, sin) in views.items()} for i in range(n)]
@@ -96,7 +97,8 @@ class PositionRotations:
         (M,): views of the kept factors where they hold the positions."""
         if self._covers(x, max(pos)):
             return [self.rows[p] for p in pos]
-        found = rotations_at(self.rotary, self.kinds, self.by_kind, x, torch.tensor(pos, device=x.device)).items()
+        at = torch.tensor(pos, device=x.device)
+        found = rotations_at(self.rotary, self.kinds, self.by_kind, x, at).items()
         return [
             {k: (r.cos[j].reshape(-1).contiguous(), r.sin[j].reshape(-1).contiguous()) for k, r in found}
             for j in range(len(pos))
