@@ -101,3 +101,24 @@ def test_perplexity_and_passkey_stay_on_the_device() -> None:
         for spec in ("selfextend:G=4,W=16", "shift:ctx=24,keep=4"):
             answer(model, PROMPT, parse_method(spec))
     guard.check()
+
+
+def test_the_gpu_check_script_runs_dry(tmp_path) -> None:
+    """experiments/gpu/check.py, which only a GPU session measures with, runs here on the CPU (its parity
+    section against itself), so the script a GPU session starts with is not broken on arrival."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run(
+        [sys.executable, str(root / "experiments/gpu/check.py"), "--dry-run", "--only", "parity"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OUT": str(tmp_path)},
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "ok   parity two slots" in done.stdout and "failed=[]" in done.stdout
+    assert (tmp_path / "gpu_check.jsonl").read_text().count('"ok": true') >= 10

@@ -1,0 +1,104 @@
+"""Every GPU check of issue 48 in one run (under 5 minutes on an H200), for whoever has a GPU lent.
+
+1. **parity** (tiny random models, float32): generate through two context shifts (Llama, Qwen3, Gemma 3;
+   plain and Self-Extend), greedy and seeded, on ``cuda`` against the CPU; two batched slots against each
+   alone; ``ppl``'s scores and ``passkey``'s answers.
+2. **cli** (``.gpu/tiny``, made by prepare.sh): ``generate`` (with a shift, and with ``-g/-w``), ``chat``,
+   ``passkey``, ``ppl`` and ``serve`` with 2 slots on ``--device cuda`` against ``--device cpu``.
+3. **8b** (a Llama-3.1-8B shape, random bf16 weights): prefill plain against Self-Extend at 16k-64k (128k
+   with ``--long``) with peak memory; our engine's decode ms/token at 8k and 32k cells, plain and
+   Self-Extend.
+4. **kernel**: the fused Self-Extend prefill kernel's check, where it exists.
+
+    bash experiments/gpu/prepare.sh          # here, once: wheels and the tiny model into .gpu/
+    # on the GPU machine (the device tool: carry [".gpu"]):
+    bash experiments/gpu/run.sh [--long] [--only parity,cli,8b,kernel]
+
+Prints one line a check and writes them as JSON Lines to ``$OUT/gpu_check.jsonl`` (else ./gpu_check.jsonl).
+Exits 1 when a parity check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(Path(__file__).parent))
+
+RECORDS: list[dict] = []
+FAILED: list[str] = []
+
+
+def report(check: str, ok: bool | None = None, **fields) -> None:
+    """One line and one record; ``ok`` False marks the run failed."""
+    record = {"check": check, **({} if ok is None else {"ok": ok}), **fields}
+    RECORDS.append(record)
+    if ok is False:
+        FAILED.append(check)
+    mark = "" if ok is None else ("ok   " if ok else "FAIL ")
+    print(mark + check + ": " + ", ".join(f"{k}={v}" for k, v in fields.items()), flush=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", default="parity,cli,8b,kernel", help="comma-separated sections")
+    parser.add_argument("--long", action="store_true", help="8b prefill at 128k too (~35 s more)")
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="the script itself on the CPU: 'cuda' replaced by 'cpu', the 8b section on a small shape "
+        "(checks that it runs, measures nothing)",
+    )
+    args = parser.parse_args()
+    device = "cpu" if args.dry_run else "cuda"
+    if not args.dry_run and not torch.cuda.is_available():
+        print("error: torch sees no CUDA GPU", file=sys.stderr)
+        return 2
+    sections = set(args.only.split(","))
+    gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu (dry run)"
+    report("machine", gpu=gpu, torch=torch.__version__, cuda=torch.version.cuda)
+    t0 = time.perf_counter()
+    if "parity" in sections:
+        from gpu_parity import parity
+
+        parity(report, device)
+    if "cli" in sections:
+        from gpu_cli import cli_checks
+
+        cli_checks(report, ROOT, device)
+    if "8b" in sections:
+        from gpu_8b import eight_b
+
+        eight_b(report, gpu, args.long, device)
+    if "kernel" in sections:
+        kernel_check()
+    report("done", seconds=round(time.perf_counter() - t0, 1), failed=FAILED)
+    out = Path(os.environ.get("OUT") or ".") / "gpu_check.jsonl"
+    out.write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
+    return 1 if FAILED else 0
+
+
+def kernel_check() -> None:
+    """The fused prefill kernel's own script, where this checkout has it."""
+    import runpy
+
+    script = Path(__file__).with_name("check_fused_prefill.py")
+    if not script.exists():
+        report("kernel", note="no fused kernel script in this checkout")
+        return
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+    except SystemExit as e:
+        report("kernel", ok=not e.code, exit=e.code)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,113 @@
+"""check.py's 8b section: a Llama-3.1-8B shape with random bf16 weights on the GPU (built in seconds; no file
+is read): prefill plain against Self-Extend (G=32, W=2048) with peak memory, and decode ms/token through
+our engine (the generator's step over context-shift cells) and through transformers' forward."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from selfextend.bench.runner import (
+    BenchConfig,
+    MemoryMeter,
+    _greedy_seconds,
+    _tokens,
+    bench_decode,
+    bench_prefill,
+)
+from selfextend.generation.generator import Generator
+from selfextend.hf.patch import apply_self_extend, remove_self_extend
+from selfextend.kv.cache import ContextShiftCache
+
+G, W = 32, 2048
+SHAPE = dict(
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    max_position_embeddings=8192,
+    rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+)
+DECODE_TOKENS = 32
+HBM_GBS = 4800  # an H200's HBM3e read rate, the decode limit's denominator
+
+
+DRY = dict(SHAPE, vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=2)
+DRY_SCALE = 64  # --dry-run: lengths and G, W divided by this
+
+
+def build(device: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(
+                LlamaConfig(**(SHAPE if device == "cuda" else DRY), attn_implementation="sdpa")
+            )
+    finally:
+        torch.set_default_dtype(default)
+    return model.eval().requires_grad_(False)
+
+
+def eight_b(report: Callable[..., None], gpu: str, long: bool, device: str = "cuda") -> None:
+    model = build(device)
+    k = 1 if device == "cuda" else DRY_SCALE
+    g, w = G // min(k, 8), W // k
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    report("8b model", gpu=gpu, weights_gb=round(weight_bytes / 1e9, 2))
+    lengths = [n // k for n in [16384, 32768, 65536] + ([131072] if long else [])]
+    cfg = BenchConfig(lengths, [8192 // k], group_size=g, window=w, repeats=2, reference_max=0)
+    rows = list(bench_prefill(model, cfg, MemoryMeter(torch.device(device))))
+    for length in lengths:
+        at = [r for r in rows if r["length"] == length]
+        by = {v: [r for r in at if r["variant"] == v] for v in ("plain", "selfextend")}
+        ratios = [s["seconds"] / p["seconds"] for p, s in zip(by["plain"], by["selfextend"], strict=True)]
+        peak = max(r["peak_mib"] for r in by["selfextend"]) / max(r["peak_mib"] for r in by["plain"])
+        report(
+            f"8b prefill {length * k // 1024}k",
+            ok=max(ratios) <= 1.10 and peak <= 1.05,
+            plain_s=[round(r["seconds"], 3) for r in by["plain"]],
+            selfextend_s=[round(r["seconds"], 3) for r in by["selfextend"]],
+            ratio_per_round=[round(x, 2) for x in ratios],
+            peak_ratio=round(peak, 3),
+            gpu=gpu,
+        )
+    limit_ms = weight_bytes / (HBM_GBS * 1e9) * 1e3
+    for cells in (8192 // k, 32768 // k):
+        ms = {}
+        for variant in ("plain", "selfextend"):
+            if variant == "selfextend":
+                apply_self_extend(model, g, w)
+            try:
+                cache = ContextShiftCache(model, n_ctx=cells + DECODE_TOKENS + 2, dtype=torch.bfloat16)
+                gen = Generator(model, cache)
+                logits = gen.feed(_tokens(model, cells)[0].tolist())
+                _greedy_seconds(gen, logits, 2)  # warm-up
+                ms[variant] = [_greedy_seconds(gen, gen.last_logits, DECODE_TOKENS) * 1e3 / DECODE_TOKENS]
+                ms[variant].append(_greedy_seconds(gen, gen.last_logits, DECODE_TOKENS) * 1e3 / DECODE_TOKENS)
+            finally:
+                remove_self_extend(model)
+                cache = gen = None
+                if device == "cuda":
+                    torch.cuda.empty_cache()
+        se, plain = statistics.median(ms["selfextend"]), statistics.median(ms["plain"])
+        report(
+            f"8b engine decode {cells * k // 1024}k cells",
+            ok=(se <= 7.0 and se / plain <= 1.1) if cells == 32768 else None,
+            plain_ms=round(plain, 2),
+            selfextend_ms=round(se, 2),
+            ratio=round(se / plain, 3),
+            limit_ms=round(limit_ms, 2),
+            gpu=gpu,
+        )
+    cfg = BenchConfig(
+        [16384 // k], [32768 // k], group_size=g, window=w, repeats=1, decode_steps=8, reference_max=0
+    )
+    for r in bench_decode(model, cfg):
+        report(f"8b transformers-forward decode 32k {r['variant']}", ms_per_token=round(r["ms_per_token"], 2))

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Everything the GPU checks need that a bare GPU machine lacks, into ./.gpu (ignored by git, carried to the
+# device by the device tool's `carry`): wheels of the library's pure-Python and abi3 dependencies at this
+# venv's versions (the GPU machine has torch, numpy, click, accelerate, but an older transformers and no
+# gguf/llguidance/fastapi), and a tiny model with the default model's tokenizer and chat template, for the
+# CLI's commands. Run from the repository root after `make install`:  bash experiments/gpu/prepare.sh
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+PY=.venv/bin/python
+rm -rf .gpu && mkdir -p .gpu/wheels
+version() { "$PY" -c "import importlib.metadata as m; print(m.version('$1'))"; }
+pins=()
+for name in transformers huggingface-hub tokenizers safetensors llguidance gguf fastapi starlette uvicorn \
+    h11 annotated-types typing-inspection annotated-doc pydantic; do
+    pins+=("$name==$(version "$name")")
+done
+"$PY" -m pip download -q --no-deps --only-binary=:all: -d .gpu/wheels "${pins[@]}"
+# pydantic-core is built per Python version: one wheel for each the GPU machine might have
+core="pydantic-core==$(version pydantic-core)"
+for v in 3.10 3.11 3.12 3.13; do
+    "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version "$v" -d .gpu/wheels "$core" || true
+done
+"$PY" experiments/gpu/tiny_model.py .gpu/tiny
+du -sh .gpu/wheels .gpu/tiny

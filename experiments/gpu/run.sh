@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# On a GPU machine, from the repository root: install the carried wheels (.gpu/wheels, made by prepare.sh)
+# into .gpu/site without touching the machine's own packages, then run every GPU check.
+#   bash experiments/gpu/run.sh [--long] [--only parity,cli,8b,kernel]
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+python -m pip install -q --no-deps --no-index --find-links .gpu/wheels --target .gpu/site \
+    transformers huggingface-hub tokenizers safetensors llguidance gguf fastapi starlette uvicorn h11 \
+    annotated-types typing-inspection annotated-doc pydantic pydantic-core 2>&1 | grep -v "^WARNING" || true
+export PYTHONPATH="$PWD/.gpu/site:$PWD" HF_HUB_OFFLINE=1 SELFEXTEND_COMPILE=0
+python experiments/gpu/check.py "$@"
