@@ -1,6 +1,6 @@
 """check.py's 8b section: a Llama-3.1-8B shape with random bf16 weights on the GPU (built in seconds; no file
 is read): prefill plain against Self-Extend (G=32, W=2048) with peak memory, and decode ms/token through
-our engine (the generator's step over context-shift cells) and through transformers' forward."""
+our engine (the generator's step over context-shift cells: bench_decode)."""
 
 from __future__ import annotations
 
@@ -13,14 +13,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from selfextend.bench.runner import (
     BenchConfig,
     MemoryMeter,
-    _greedy_seconds,
-    _tokens,
     bench_decode,
     bench_prefill,
 )
-from selfextend.generation.generator import Generator
-from selfextend.hf.patch import apply_self_extend, remove_self_extend
-from selfextend.kv.cache import ContextShiftCache
 
 G, W = 32, 2048
 SHAPE = dict(
@@ -79,35 +74,22 @@ def eight_b(report: Callable[..., None], gpu: str, long: bool, device: str = "cu
             gpu=gpu,
         )
     limit_ms = weight_bytes / (HBM_GBS * 1e9) * 1e3
-    for cells in (8192 // k, 32768 // k):
-        ms = {}
-        for variant in ("plain", "selfextend"):
-            if variant == "selfextend":
-                apply_self_extend(model, g, w)
-            try:
-                cache = ContextShiftCache(model, n_ctx=cells + DECODE_TOKENS + 2, dtype=torch.bfloat16)
-                gen = Generator(model, cache)
-                logits = gen.feed(_tokens(model, cells)[0].tolist())
-                _greedy_seconds(gen, logits, 2)  # warm-up
-                ms[variant] = [_greedy_seconds(gen, gen.last_logits, DECODE_TOKENS) * 1e3 / DECODE_TOKENS]
-                ms[variant].append(_greedy_seconds(gen, gen.last_logits, DECODE_TOKENS) * 1e3 / DECODE_TOKENS)
-            finally:
-                remove_self_extend(model)
-                cache = gen = None
-                if device == "cuda":
-                    torch.cuda.empty_cache()
-        se, plain = statistics.median(ms["selfextend"]), statistics.median(ms["plain"])
+    cells = [8192 // k, 32768 // k]
+    cfg = BenchConfig(lengths[:1], cells, group_size=g, window=w, repeats=2, decode_steps=DECODE_TOKENS)
+    cfg.cache_type = "bf16"
+    rows = list(bench_decode(model, cfg))
+    for n in cells:
+        ms = {
+            v: statistics.median(r["ms_per_token"] for r in rows if r["length"] == n and r["variant"] == v)
+            for v in ("plain", "selfextend")
+        }
+        se, plain = ms["selfextend"], ms["plain"]
         report(
-            f"8b engine decode {cells * k // 1024}k cells",
-            ok=(se <= 7.0 and se / plain <= 1.1) if cells == 32768 else None,
+            f"8b engine decode {n * k // 1024}k cells",
+            ok=(se <= 7.0 and se / plain <= 1.1) if n * k == 32768 else None,
             plain_ms=round(plain, 2),
             selfextend_ms=round(se, 2),
             ratio=round(se / plain, 3),
             limit_ms=round(limit_ms, 2),
             gpu=gpu,
         )
-    cfg = BenchConfig(
-        [16384 // k], [32768 // k], group_size=g, window=w, repeats=1, decode_steps=8, reference_max=0
-    )
-    for r in bench_decode(model, cfg):
-        report(f"8b transformers-forward decode 32k {r['variant']}", ms_per_token=round(r["ms_per_token"], 2))

@@ -19,7 +19,6 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import DynamicCache
 
 from selfextend.core.validate import check_int
 from selfextend.generation.generator import Generator, decode_settings
@@ -188,24 +187,19 @@ def bench_prefill(model: nn.Module, cfg: BenchConfig, meter: MemoryMeter) -> Ite
 
 @torch.no_grad()
 def bench_decode(model: nn.Module, cfg: BenchConfig) -> Iterator[dict]:
-    """Milliseconds per decode step at a given cache length, plain against Self-Extend."""
-    device = next(model.parameters()).device
+    """Milliseconds per decode step over ``length`` cells, plain against Self-Extend: through the engine's
+    own step (the generator over a context-shift cache, what generate, chat and serve run), the cells
+    filled by a prefill first and one token decoded untimed."""
     for rep in range(cfg.repeats):
         for length in cfg.decode_lengths:
-            ids = _tokens(model, length + cfg.decode_steps)
+            ids = _tokens(model, length).tolist()[0]
             for name in DECODE_VARIANTS:
                 with variant(model, name, cfg.group_size, cfg.window):
-                    cache = DynamicCache(config=model.config)
-                    model(ids[:, :length], **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
-                    model(
-                        ids[:, length : length + 1], **cache_kwargs(model, cache), use_cache=True
-                    )  # warm-up step
-                    _sync(device)
-                    t0 = time.perf_counter()
-                    for t in range(length + 1, length + cfg.decode_steps):
-                        model(ids[:, t : t + 1], **cache_kwargs(model, cache), use_cache=True)
-                    _sync(device)
-                    ms = (time.perf_counter() - t0) * 1000 / (cfg.decode_steps - 1)
+                    gen = generator_for(model, cfg, length + cfg.decode_steps + 2)
+                    logits = gen.feed(ids)
+                    _greedy_seconds(gen, logits, 1)  # warm-up step
+                    seconds = _greedy_seconds(gen, gen.last_logits, cfg.decode_steps)
+                    ms = seconds * 1000 / cfg.decode_steps
                 yield {"case": "decode", "variant": name, "length": length, "repeat": rep, "ms_per_token": ms}
 
 
