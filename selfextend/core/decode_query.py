@@ -97,7 +97,7 @@ def self_extend_decode(
         if rotations is not None:
             q_g = rotations.rotate(q, delta, inv_freq)
         else:
-            q_g = rotate(q, torch.tensor([delta]), inv_freq)
+            q_g = rotate(q, torch.tensor([delta], device=q.device), inv_freq)
         grouped = torch.matmul(q_g, k_g.transpose(-1, -2))  # (B, Hkv, n_rep, n_grouped)
         scores = torch.cat((grouped, scores), dim=-1)  # (B, Hkv, n_rep, Lk)
     scores = soft_cap(scores, softcap)

@@ -100,7 +100,8 @@ def attend(
         visible = visible & (distance < window)
     if grouped is not None:
         rk, rq = grouped.keys, grouped.queries
-        k_g = Rotation(rk.cos[:, :, positions], rk.sin[:, :, positions]).apply(kf)  # (B, Hkv, n, D)
+        at = positions.clamp(max=rk.cos.shape[2] - 1)  # a cell not in use (past every query) is masked below
+        k_g = Rotation(rk.cos[:, :, at], rk.sin[:, :, at]).apply(kf)  # (B, Hkv, n, D)
         q_g = Rotation(rq.cos[:, :, pos], rq.sin[:, :, pos]).apply(qf)
         scores = torch.where(is_neighbor(distance, grouped.window), scores, _row_scores(q_g, k_g, fused))
     scores = (scores * scale).masked_fill(~visible, float("-inf"))

@@ -19,6 +19,7 @@ from selfextend.generation import compiled, decode
 from selfextend.generation.compiled import fast_decode_for
 from selfextend.generation.decode import decode_step_for
 from selfextend.generation.grammar import Grammar, GrammarMask, NoTokenLeft
+from selfextend.generation.graphed import graphed_decode_for
 from selfextend.generation.sampling import SamplingParams, any_left, sample
 from selfextend.hf.facts import cache_kwargs
 from selfextend.kv.cache import ContextShiftCache
@@ -141,6 +142,8 @@ class Generator:
         single = self.cache.layers[0].keys.shape[0] == 1
         self.step = decode_step_for(self.model) if self.direct_decode and single else None
         self.fast = fast_decode_for(self.model) if single and self.compile else None  # compiled where asked
+        if self.fast is None and single and self.direct_decode:  # on a GPU: the step captured as a graph
+            self.fast = graphed_decode_for(self.model)
 
     def make_room(self, n: int) -> None:
         """Shift the cache if ``n`` more tokens do not fit, forgetting the tokens it discards."""

@@ -1,0 +1,161 @@
+"""The decode step with static shapes, captured once as a CUDA graph and replayed for every token.
+
+A step of an 8B model launches about a thousand small kernels; on a GPU, launching them from Python costs
+more than the arithmetic (issue 48 measured 67 ms a token through transformers' forward on an H200 where
+reading the weights takes 3.4 ms). :class:`GraphedDecode` runs the compiled step's layer
+(:class:`~selfextend.generation.compiled.CompiledStep`: the one description of the step's math that the
+compiled and batched paths run) over *every* cell of each layer's buffers: a cell not in use gets a
+position after every query (:data:`UNREACHED`), so it is masked by the same rule that masks by position,
+and every token has the same shapes. Per token the host writes one int64 row (the token, its position,
+each layer's slot) into a buffer the graph reads; the new cells' positions are written inside the graph.
+Context shifts edit the same buffers in place (their addresses never change), so a graph stays valid
+through them; Self-Extend's rotation tables are built once for the cache's size.
+
+The graph is captured once per cache and attention setting (a new cache, or Self-Extend applied or
+removed, captures again). Capturing runs the token's step twice first (warm-up): each run writes the same
+key and value into the same cells, so the cache ends as one step leaves it. Where capture fails (a
+kernel that syncs, an old driver) the same static step runs eagerly, said once. On the CPU it always runs
+eagerly (``capture=False``): that is how the tests hold its math to :class:`DecodeStep`'s.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from selfextend.generation.cells import Cells
+from selfextend.generation.compiled import FastDecode, GroupedRotations, _stderr
+from selfextend.generation.rotary import static_rope
+from selfextend.kv.cache import ContextShiftCache
+from selfextend.kv.sliding import SlidingShiftLayer
+
+UNREACHED = 1 << 62  # the position of a cell not in use: later than any query, so never visible
+
+
+class _Captured(NamedTuple):
+    """One cache's graph: the int64 row it reads (token, position, a slot per layer) and its logits."""
+
+    key: tuple
+    io: torch.Tensor
+    graph: torch.cuda.CUDAGraph | None
+    logits: torch.Tensor | None
+
+
+class GraphedDecode(FastDecode):
+    """``graphed(token, cache) -> logits | None``: one token at ``cache.n_past`` through the static step,
+    replayed from a CUDA graph (``capture``, on a GPU) or run eagerly. None where it does not serve the token
+    (fewer than two cells, a layer's last free slot, an attention it does not compute): the caller then
+    takes another path, as with :class:`~selfextend.generation.compiled.FastDecode`."""
+
+    def __init__(
+        self, model: nn.Module, capture: bool = True, notify: Callable[[str], None] = _stderr
+    ) -> None:
+        super().__init__(model, compile=False, notify=notify)
+        self.capture = capture
+        self.held: weakref.WeakKeyDictionary[ContextShiftCache, _Captured] = weakref.WeakKeyDictionary()
+
+    @staticmethod
+    def _slots(cache: ContextShiftCache) -> list[int] | None:
+        """Each layer's slot for the next token (a full sliding ring compacted first), or None where a layer
+        has only its last slot left (the step's rule, as :class:`~selfextend.generation.cells.StepCells`)."""
+        slots = []
+        for layer in cache.layers:
+            if isinstance(layer, SlidingShiftLayer) and layer.n_used + 1 >= layer.capacity:
+                layer.compact()
+            if layer.n_used + 1 >= layer.capacity:
+                return None
+            slots.append(layer.n_used)
+        return slots
+
+    def _run(self, io: torch.Tensor, cache: ContextShiftCache, grouped: list[GroupedRotations | None]):
+        """The static step: logits (1, vocab) after the token of ``io`` = [token, position, slot per layer]
+        (an int64 tensor on the cache's device), its key and value written into every layer's cells."""
+        token, pos, slots = io[:1].view(1, 1), io[1:2], io[2:]
+        keys, values, seen = [], [], []
+        for i, layer in enumerate(cache.layers):
+            slot = slots[i : i + 1]
+            layer.positions.index_copy_(0, slot, pos)
+            in_use = torch.arange(layer.capacity, device=io.device) <= slot  # (capacity,)
+            seen.append(torch.where(in_use, layer.positions, UNREACHED))
+            keys.append(layer.keys)
+            values.append(layer.values)
+        return self.step.rows(token, pos, [Cells(keys, values, seen, slots)], grouped)
+
+    def _key(self, cache: ContextShiftCache, grouped: list[GroupedRotations | None]) -> tuple:
+        """What a captured graph holds fixed: the cache's buffers, the attention and Self-Extend's tables."""
+        buffers = tuple(t.data_ptr() for layer in cache.layers for t in (layer.keys, layer.values))
+        tables = tuple(None if g is None else (g.window, g.keys.cos.data_ptr()) for g in grouped)
+        return buffers, tables, self.step.config._attn_implementation
+
+    def _captured(self, cache: ContextShiftCache, io: torch.Tensor, grouped: list) -> _Captured:
+        """The cache's graph, captured now where there is none for its current key (``io`` holds this token:
+        the warm-up runs are its step)."""
+        key = self._key(cache, grouped)
+        held = self.held.get(cache)
+        if held is not None and held.key == key:
+            return held
+        if not (self.capture and io.device.type == "cuda"):
+            held = _Captured(key, io.clone(), None, None)
+        else:
+            held = self._capture(key, io, cache, grouped)
+        self.held[cache] = held
+        return held
+
+    def _capture(self, key: tuple, io: torch.Tensor, cache: ContextShiftCache, grouped: list) -> _Captured:
+        static = io.clone()
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):  # warm-up: this token's step, twice (the same cells written)
+                    self._run(static, cache, grouped)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                logits = self._run(static, cache, grouped)
+            return _Captured(key, static, graph, logits)
+        except RuntimeError as e:  # a kernel that cannot be captured: the same step, eagerly
+            self.capture = False
+            said = str(e).splitlines()[0] if str(e) else type(e).__name__
+            self.notify(f"warning: the decode step was not captured as a CUDA graph, run eagerly ({said})")
+            return _Captured(key, static, None, None)
+
+    @torch.no_grad()
+    def __call__(self, token: int, cache: ContextShiftCache) -> torch.Tensor | None:
+        """Logits (vocab,) after ``token`` written at ``cache.n_past`` (room made first), or None."""
+        if cache.n_past < 2 or not self.step.supported():
+            return None
+        slots = self._slots(cache)
+        if slots is None:
+            return None
+        device = cache.layers[0].keys.device
+        row = torch.tensor([token, cache.n_past, *slots], dtype=torch.long)
+        grouped = self.grouped_tables(cache.n_ctx)
+        held = self._captured(cache, row.to(device), grouped)
+        held.io.copy_(row, non_blocking=True)
+        if held.graph is not None:
+            held.graph.replay()
+            logits = held.logits[0].clone()
+        else:
+            logits = self._run(held.io, cache, grouped)[0]
+        for layer in cache.layers:
+            layer.grouped.invalidate(layer.n_used)
+            layer.n_used += 1
+            layer.next_pos += 1
+        return logits
+
+
+def graphed_decode_for(model: nn.Module) -> GraphedDecode | None:
+    """The static step for ``model`` on a GPU where it serves the model (the compiled step's families; RoPE
+    whose factors depend on the position alone), else None."""
+    from selfextend.generation.decode import why_not
+
+    if next(model.parameters()).device.type != "cuda" or why_not(model) is not None:
+        return None
+    if not static_rope(model.model.rotary_emb):
+        return None
+    return GraphedDecode(model)

@@ -1,0 +1,80 @@
+"""The static decode step a GPU captures as a CUDA graph (generation/graphed.py), run eagerly here: every
+cell of the buffers read, the cells not in use masked by position. Its logits equal the direct step's
+through context shifts (plain, Self-Extend, Gemma 3's sliding layers), and it makes no host tensor that a
+GPU would refuse (tests/device_guard.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_model, tiny_gemma3
+from device_guard import DeviceGuard
+
+import selfextend.generation.decode as decode_module
+from selfextend.generation.generator import Generator
+from selfextend.generation.graphed import GraphedDecode, graphed_decode_for
+from selfextend.hf.patch import apply_self_extend
+from selfextend.kv.cache import ContextShiftCache
+
+PROMPT = list(range(3, 30))
+
+
+def _model(family: str, self_extend: bool) -> torch.nn.Module:
+    if family == "gemma3":
+        model = tiny_gemma3(["sliding_attention", "full_attention"], 8)
+    else:
+        model = make_model(family)
+    if self_extend:
+        apply_self_extend(model, group_size=4, window=16)
+    return model
+
+
+def _greedy(model: torch.nn.Module, graphed: bool, n: int = 50) -> tuple[list[torch.Tensor], int, int]:
+    """Logits of ``n`` greedy steps through a 40-cell cache, the static step's count and the shifts."""
+    gen = Generator(model, ContextShiftCache(model, 40, n_keep=4, dtype=torch.float32))
+    if graphed:
+        gen.fast = GraphedDecode(model, capture=False, notify=lambda _: None)
+    served = 0
+    if graphed:
+        call = gen.fast.__call__
+
+        def counted(token, cache):
+            nonlocal served
+            out = call(token, cache)
+            served += out is not None
+            return out
+
+        gen.fast = counted
+    logits = gen.feed(PROMPT)
+    out = []
+    for _ in range(n):
+        logits = gen.write([int(logits.argmax())])
+        out.append(logits)
+    return out, served, gen.cache.shifts
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
+@pytest.mark.parametrize("self_extend", [False, True], ids=["plain", "self-extend"])
+def test_the_static_step_is_the_direct_steps_math(family: str, self_extend: bool) -> None:
+    model = _model(family, self_extend)
+    want, _, shifts = _greedy(model, graphed=False)
+    got, served, _ = _greedy(model, graphed=True)
+    assert shifts >= 2 and served >= 40  # the static step served nearly every token, across shifts
+    torch.testing.assert_close(torch.stack(got), torch.stack(want), atol=2e-5, rtol=1e-5)
+
+
+def test_the_static_step_makes_nothing_on_the_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under the guard, with the native kernels off as on a GPU (the direct step takes the tokens the
+    static one leaves: a layer's last free slot)."""
+    monkeypatch.setattr(decode_module, "native_kernels", lambda: None)
+    model = _model("llama", True)
+    with DeviceGuard(model) as guard:
+        _greedy(model, graphed=True, n=30)
+    guard.check()
+
+
+def test_it_is_the_gpu_path_only() -> None:
+    """On the CPU the generator keeps its direct step (graphs are a GPU's); a dynamic RoPE is not served."""
+    model = make_model("llama")
+    assert graphed_decode_for(model) is None
+    assert Generator(model, ContextShiftCache(model, 40)).fast is None
