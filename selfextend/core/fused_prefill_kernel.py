@@ -1,16 +1,18 @@
 """The Triton kernel of :mod:`selfextend.core.fused_prefill`: Self-Extend prefill under one online softmax.
 
-One program takes a block of query rows of one head and walks the key blocks its rows can see, in four
-ranges that need less and less of the work on the way to the causal diagonal:
+One program takes a block of query rows of one head and walks the key blocks its rows can see. Seen from
+the block, the keys fall in ranges that need less and less work on the way to the causal diagonal:
 
-1. blocks every row sees at grouped positions: ``q_g . k_g`` only, no mask;
-2. blocks that straddle the neighbor window: both products, the one of each pair picked by distance;
-3. blocks every row sees at normal positions, none past the diagonal: ``q . k`` only, no mask;
-4. blocks at the diagonal: ``q . k`` with the causal mask.
+1. ``[0, g_end)``: every pair at distance >= W: ``q_g . k_g``, no mask;
+2. ``[g_end, b_end)``: the window's edge, pairs of both kinds: walked twice, once ``q_g . k_g`` keeping the
+   grouped pairs, once ``q . k`` keeping the neighbor ones (each loop one product: fewer live registers
+   than both products and a per-element choice, and only a few blocks per row block);
+3. ``[b_end, d_start)``: every pair a neighbor, none past the diagonal: ``q . k``, no mask;
+4. ``[d_start, hi)``: the diagonal: ``q . k`` with the causal mask.
 
-A flash-attention-2 online softmax (running max, running sum, float32 accumulator) runs over all four,
-in base 2. Without triton installed this module still imports (the CPU package does not need triton):
-the kernels are then plain functions nobody calls.
+The softmax is order-free, so one flash-attention-2 online softmax (running max, running sum, float32
+accumulator, in base 2) runs through all of them. Without triton installed this module still imports
+(the CPU package does not need triton): the kernels are then plain functions nobody calls.
 """
 
 from types import SimpleNamespace
@@ -29,9 +31,6 @@ except ModuleNotFoundError:  # no triton: nothing here runs, :func:`fused_prefil
 
 
 LOG2E = tl.constexpr(1.4426950408889634)  # the softmax runs in base 2: exp(x) = exp2(x * log2(e))
-GROUPED = tl.constexpr(0)  # which products a range of key blocks needs: q_g . k_g only,
-BOTH = tl.constexpr(1)  # both, picked per pair by distance,
-NEIGHBOR = tl.constexpr(2)  # q . k only
 
 
 @_jit
@@ -69,25 +68,21 @@ def _key_range(
     l_i,
     m_i,
     q,
-    q_g,
     k_base,
-    kg_base,
     v_base,
     stride_kn,
     stride_kd,
-    stride_gn,
-    stride_gd,
     stride_vn,
     stride_vd,
     rows,
     lo,
     hi,
+    n_keys,
     lk,
-    n_grouped,
     window,
     qk_scale,
     softcap,
-    MODE: tl.constexpr,
+    GROUPED: tl.constexpr,
     MASKED: tl.constexpr,
     SOFTCAP: tl.constexpr,
     PAD_D: tl.constexpr,
@@ -98,10 +93,12 @@ def _key_range(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """The online softmax over key slots ``[lo, hi)`` for query rows at slots ``rows`` (BLOCK_M,).
+    """The online softmax over key slots ``[lo, hi)`` (``n_keys`` of them in ``k_base``) for query rows at
+    slots ``rows`` (BLOCK_M,): grouped pairs (distance >= W) where ``GROUPED``, else neighbor pairs.
 
-    ``MODE`` says which products the range needs (GROUPED, BOTH, NEIGHBOR); ``MASKED`` adds the causal mask
-    and the key-count bounds (ranges 2 and 4). Returns the updated (acc, l_i, m_i)."""
+    ``MASKED`` keeps only the pairs of that kind at or before the diagonal (ranges that are not entirely
+    of one kind or that reach the diagonal); a row may then see nothing in a block, so the running max
+    is guarded against -inf. Returns the updated (acc, l_i, m_i)."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     zero = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -109,30 +106,14 @@ def _key_range(
     d_row = (offs_d < HEAD_DIM)[None, :]  # (1, BLOCK_D): for value tiles
     for start in range(lo, hi, BLOCK_N):
         cols = start + offs_n  # (BLOCK_N,) key slots
-        if MODE != GROUPED:
-            k_t = _load(
-                k_base + cols[None, :] * stride_kn + offs_d[:, None] * stride_kd,
-                (cols < lk)[None, :],
-                d_col,
-                MASKED,
-                PAD_D,
-            )  # (BLOCK_D, BLOCK_N)
-            s_n = _dot(q, k_t, zero, IEEE, UPCAST)
-        if MODE != NEIGHBOR:
-            kg_t = _load(
-                kg_base + cols[None, :] * stride_gn + offs_d[:, None] * stride_gd,
-                (cols < n_grouped)[None, :],
-                d_col,
-                MASKED,
-                PAD_D,
-            )  # (BLOCK_D, BLOCK_N)
-            s_g = _dot(q_g, kg_t, zero, IEEE, UPCAST)
-        if MODE == GROUPED:
-            s = s_g
-        elif MODE == NEIGHBOR:
-            s = s_n
-        else:
-            s = tl.where(rows[:, None] - cols[None, :] < window, s_n, s_g)  # (BLOCK_M, BLOCK_N)
+        k_t = _load(
+            k_base + cols[None, :] * stride_kn + offs_d[:, None] * stride_kd,
+            (cols < n_keys)[None, :],
+            d_col,
+            MASKED,
+            PAD_D,
+        )  # (BLOCK_D, BLOCK_N)
+        s = _dot(q, k_t, zero, IEEE, UPCAST)  # (BLOCK_M, BLOCK_N)
         if SOFTCAP:  # cap * tanh(scaled / cap), tanh through exp (no tanh among the long-stable tl ops)
             x = s * (qk_scale / softcap)
             e = tl.exp(-2.0 * tl.abs(x))
@@ -141,12 +122,19 @@ def _key_range(
         else:
             s = s * (qk_scale * LOG2E)
         if MASKED:
-            visible = (cols[None, :] <= rows[:, None]) & (cols[None, :] < lk)
-            s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
+            distance = rows[:, None] - cols[None, :]  # (BLOCK_M, BLOCK_N)
+            if GROUPED:
+                keep = distance >= window  # these keys are all below n_keys = Lk - W
+            else:
+                keep = (distance >= 0) & (distance < window) & (cols[None, :] < lk)
+            s = tl.where(keep, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet: p and alpha 0, not NaN
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None]).to(v_base.dtype.element_ty)  # rounded as the product reads it
         alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        l_i = l_i * alpha + tl.sum(p.to(tl.float32), 1)  # the same p on both sides of the division
         v = _load(
             v_base + cols[:, None] * stride_vn + offs_d[None, :] * stride_vd,
             (cols < lk)[:, None],
@@ -154,7 +142,7 @@ def _key_range(
             MASKED,
             PAD_D,
         )  # (BLOCK_N, BLOCK_D)
-        acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], IEEE, UPCAST)
+        acc = _dot(p, v, acc * alpha[:, None], IEEE, UPCAST)
         m_i = m_new
     return acc, l_i, m_i
 
@@ -229,9 +217,9 @@ def self_extend_prefill_kernel(
     kg_base = kg_ptr + b * s_cb + hk * s_ch
     v_base = v_ptr + b * s_vb + hk * s_vh
 
-    # The four ranges (each a multiple of BLOCK_N from 0, every row sees slot 0, so the running max is
-    # finite after the first block): [0, g_end) grouped for every row, [g_end, b_end) the window's edge,
-    # [b_end, d_start) neighbors for every row and none past the diagonal, [d_start, hi) the diagonal.
+    # The ranges of the module's docstring, each starting at a multiple of BLOCK_N: [0, g_end) grouped for
+    # every row, [g_end, b_end) the window's edge, [b_end, d_start) neighbors for every row and none past
+    # the diagonal (whole blocks), [d_start, hi) the diagonal.
     hi = tl.minimum(lk, off + m0 + BLOCK_M)
     g_end = (tl.maximum(off + m0 - window + 1, 0) // BLOCK_N) * BLOCK_N  # row m0's grouped slots: <= off+m0-W
     n_from = tl.cdiv(tl.maximum(off + m0 + BLOCK_M - window, 0), BLOCK_N) * BLOCK_N  # last row's neighbors
@@ -243,25 +231,30 @@ def self_extend_prefill_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     q_g = tl.load(qg_base + g_tile, mask=q_ok, other=0.0)
     acc, l_i, m_i = _key_range(
-        acc, l_i, m_i, q_g, q_g, k_base, kg_base, v_base, s_kn, s_kd, s_cn, s_cd, s_vn, s_vd,
-        rows, 0, g_end, lk, n_grouped, window, qk_scale, softcap,
-        GROUPED, False, SOFTCAP, PAD_D, IEEE, UPCAST, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D,
+        acc, l_i, m_i, q_g, kg_base, v_base, s_cn, s_cd, s_vn, s_vd,
+        rows, 0, g_end, n_grouped, lk, window, qk_scale, softcap,
+        True, False, SOFTCAP, PAD_D, IEEE, UPCAST, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D,
+    )  # fmt: skip
+    acc, l_i, m_i = _key_range(
+        acc, l_i, m_i, q_g, kg_base, v_base, s_cn, s_cd, s_vn, s_vd,
+        rows, g_end, b_end, n_grouped, lk, window, qk_scale, softcap,
+        True, True, SOFTCAP, PAD_D, IEEE, UPCAST, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D,
     )  # fmt: skip
     q = tl.load(q_base + q_tile, mask=q_ok, other=0.0)
     acc, l_i, m_i = _key_range(
-        acc, l_i, m_i, q, q_g, k_base, kg_base, v_base, s_kn, s_kd, s_cn, s_cd, s_vn, s_vd,
-        rows, g_end, b_end, lk, n_grouped, window, qk_scale, softcap,
-        BOTH, True, SOFTCAP, PAD_D, IEEE, UPCAST, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D,
+        acc, l_i, m_i, q, k_base, v_base, s_kn, s_kd, s_vn, s_vd,
+        rows, g_end, b_end, lk, lk, window, qk_scale, softcap,
+        False, True, SOFTCAP, PAD_D, IEEE, UPCAST, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D,
     )  # fmt: skip
     acc, l_i, m_i = _key_range(
-        acc, l_i, m_i, q, q, k_base, kg_base, v_base, s_kn, s_kd, s_cn, s_cd, s_vn, s_vd,
-        rows, b_end, d_start, lk, n_grouped, window, qk_scale, softcap,
-        NEIGHBOR, False, SOFTCAP, PAD_D, IEEE, UPCAST, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D,
+        acc, l_i, m_i, q, k_base, v_base, s_kn, s_kd, s_vn, s_vd,
+        rows, b_end, d_start, lk, lk, window, qk_scale, softcap,
+        False, False, SOFTCAP, PAD_D, IEEE, UPCAST, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D,
     )  # fmt: skip
     acc, l_i, m_i = _key_range(
-        acc, l_i, m_i, q, q, k_base, kg_base, v_base, s_kn, s_kd, s_cn, s_cd, s_vn, s_vd,
-        rows, d_start, hi, lk, n_grouped, window, qk_scale, softcap,
-        NEIGHBOR, True, SOFTCAP, PAD_D, IEEE, UPCAST, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D,
+        acc, l_i, m_i, q, k_base, v_base, s_kn, s_kd, s_vn, s_vd,
+        rows, d_start, hi, lk, lk, window, qk_scale, softcap,
+        False, True, SOFTCAP, PAD_D, IEEE, UPCAST, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D,
     )  # fmt: skip
     out = acc / l_i[:, None]
     o_ptrs = o_ptr + b * s_ob + h * s_oh + offs_m[:, None] * s_om + offs_d[None, :] * s_od
