@@ -23,7 +23,8 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
 SMALL = BlockConfig(16, 16, 4, 1)  # many blocks, so every range of the kernel is walked
 
 # (name, B, H, Hkv, Lq, Lk, D, G, W, dtype, softcap, tiles, through): tiles None = the default ones;
-# through "kernel" calls it directly, "dispatch" goes through self_extend_attention
+# through "kernel" calls it directly ("strided": on views of (B, L, H, D) tensors), "dispatch" goes through
+# self_extend_attention
 CASES = [
     ("g2 w8 37", 1, 4, 2, 37, 37, 16, 2, 8, torch.float32, None, SMALL, "kernel"),
     ("g4 w8 chunk 37/60 gqa4/1 softcap", 1, 4, 1, 37, 60, 16, 4, 8, torch.float32, 5.0, SMALL, "kernel"),
@@ -52,6 +53,7 @@ CASES = [
     ("bf16 g4 w20 130 d64 softcap", 1, 4, 2, 130, 130, 64, 4, 20, torch.bfloat16, 3.0, SMALL, "kernel"),
     ("bf16 chunk 37/100 d64 gqa4/1", 1, 4, 1, 37, 100, 64, 2, 8, torch.bfloat16, None, SMALL, "kernel"),
     ("fp16 g4 w8 37", 1, 4, 2, 37, 37, 16, 4, 8, torch.float16, None, SMALL, "kernel"),
+    ("strided views (B, L, H, D) b2", 2, 4, 2, 37, 45, 32, 2, 8, torch.float32, None, SMALL, "strided"),
     ("dispatch g3 w20 90 b2", 2, 4, 2, 90, 90, 16, 3, 20, torch.float32, None, None, "dispatch"),
     ("dispatch chunk 40/90", 1, 4, 2, 40, 90, 64, 4, 16, torch.float32, 4.0, None, "dispatch"),
     ("dispatch bf16 g4 w8 70", 1, 4, 4, 70, 70, 64, 4, 8, torch.bfloat16, None, None, "dispatch"),
@@ -71,6 +73,8 @@ def run(case: tuple) -> dict[str, object]:
         q, k, v, q_pos, k_pos, group, window, inv_freq, softcap=softcap
     )
     q_r, k_r, v = rotate(q, q_pos, inv_freq).to(dtype), rotate(k, k_pos, inv_freq).to(dtype), v.to(dtype)
+    if through == "strided":  # as transformers hands them: (B, L, H, D) storage seen as (B, H, L, D)
+        q_r, k_r, v = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q_r, k_r, v))
     if through == "dispatch":
         out = self_extend_attention(q_r, k_r, v, q_pos, group, window, inv_freq, softcap=softcap)
     else:
