@@ -113,7 +113,7 @@ def fused_self_extend_prefill(
     cfg = config or default_config(d, q.dtype)
     block_d = max(16, 1 << (d - 1).bit_length())  # tl.dot wants 16 or more, a power of two
     out = torch.empty_like(q)
-    grid = (-(-lq // cfg.block_m), b * h)
+    grid = (b * h, -(-lq // cfg.block_m))  # heads vary fastest: every head's longest row blocks run first
     with torch.cuda.device(q.device) if q.device.type == "cuda" else contextlib.nullcontext():
         self_extend_prefill_kernel[grid](
             q, q_g, k, k_g, v, out,

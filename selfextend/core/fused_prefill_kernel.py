@@ -196,10 +196,11 @@ def self_extend_prefill_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """One block of query rows of one (batch, head): grid (cdiv(Lq, BLOCK_M), B * H), the longest blocks
-    (last rows, most keys) launched first. Query head ``h`` reads KV head ``h // n_rep`` in place."""
-    m_block = tl.cdiv(lq, BLOCK_M) - 1 - tl.program_id(0)
-    bh = tl.program_id(1)
+    """One block of query rows of one (batch, head): grid (B * H, cdiv(Lq, BLOCK_M)), heads varying fastest
+    and the longest blocks (last rows, most keys) launched first, so the causal tail is short and the query
+    heads sharing a KV head run side by side. Query head ``h`` reads KV head ``h // n_rep`` in place."""
+    m_block = tl.cdiv(lq, BLOCK_M) - 1 - tl.program_id(1)
+    bh = tl.program_id(0)
     b = (bh // n_heads).to(tl.int64)
     h = (bh % n_heads).to(tl.int64)
     hk = h // n_rep
