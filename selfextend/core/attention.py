@@ -8,8 +8,10 @@ Keys come with their positions (:class:`KeyCells`, attached by the KV cache to t
 in increasing order, the queries' own keys last. A decode step (one query row) takes
 :func:`~selfextend.core.decode_query.self_extend_decode`, which needs no mask.
 
-For prefill, the efficient kernel never builds a (Lq, Lk) score matrix. It runs two attention passes
-with a fused kernel that also returns the log-sum-exp of each row, and merges them exactly:
+For prefill on CUDA with triton installed, gapless keys take one fused Triton kernel
+(:mod:`selfextend.core.fused_prefill`). Elsewhere the efficient kernel never builds a (Lq, Lk) score
+matrix: it runs two attention passes with a fused kernel that also returns the log-sum-exp of each row,
+and merges them exactly:
 
 - neighbor pass: query blocks against only the keys of their band ``(i - W, i]``;
 - grouped pass: in slot space, query row ``r`` (at slot ``off + r``) sees keys
@@ -29,6 +31,7 @@ import torch
 
 from selfextend.core.cells import KeyCells
 from selfextend.core.decode_query import grouped_prefix, self_extend_decode
+from selfextend.core.fused_prefill import fused_prefill_applies, fused_self_extend_prefill
 from selfextend.core.masked import attention_by_position, repeat_kv, soft_cap
 from selfextend.core.positions import grouped_key_positions, grouped_query_positions, is_neighbor
 from selfextend.core.rope import RotationTable, rotate
@@ -296,14 +299,17 @@ def self_extend_attention(
         return attention_by_position(q, k, v, q_pos, cells.positions, scale, self_extend=se, softcap=softcap)
 
     n_grouped = lk - window
+    q_g = k_g = None
+    if n_grouped > 0 and group_size > 1:  # G = 1: grouped positions are the normal ones
+        k_g = grouped_prefix(k, cells, n_grouped, group_size, inv_freq)
+        q_g = rotate(q, grouped_query_positions(q_pos, group_size, window) - q_pos, inv_freq)
+    if fused_prefill_applies(q, k, cells):
+        return fused_self_extend_prefill(q, k, v, q_g, k_g, window, scale, softcap)
     out, lse = _neighbor_pass(q, k, v, window, scale, softcap)
     if n_grouped <= 0:
         return out
-    if group_size == 1:  # grouped positions are the normal ones
+    if q_g is None or k_g is None:
         q_g, k_g = q, k[..., :n_grouped, :]
-    else:
-        k_g = grouped_prefix(k, cells, n_grouped, group_size, inv_freq)
-        q_g = rotate(q, grouped_query_positions(q_pos, group_size, window) - q_pos, inv_freq)
     grouped = _grouped_pass(q_g, k_g, v, window, scale, softcap)
     if grouped is not None:
         first, out_g, lse_g = grouped

@@ -1,0 +1,133 @@
+"""Self-Extend prefill in one fused kernel (Triton), where it can run: CUDA tensors with triton installed.
+
+The two-pass path of :func:`~selfextend.core.attention.self_extend_attention` (a masked neighbor pass,
+query block by query block, then a grouped causal pass, merged by log-sum-exp) reads the keys twice and
+builds masks; on an H200 it costs 4-5x flash causal attention at 32k tokens. The kernel
+(:mod:`~selfextend.core.fused_prefill_kernel`) walks each query block's keys once under one online
+softmax: grouped products where every pair is at distance >= W, normal ones inside the window, both only
+in the blocks at the window's edge. It takes the grouped queries and keys as tensors (the same ones the
+two-pass path builds), so the formulas stay in :mod:`~selfextend.core.positions` and
+:mod:`~selfextend.core.rope`.
+
+triton is optional: nothing here imports it until a kernel runs, and :func:`fused_prefill_applies` says
+no where it is missing. With ``TRITON_INTERPRET=1`` set before triton is imported, the kernel also runs
+on CPU tensors (Triton's interpreter: slow, for tests).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+from functools import lru_cache
+from typing import NamedTuple
+
+import torch
+
+from selfextend.core.cells import KeyCells
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 256
+
+
+class BlockConfig(NamedTuple):
+    """The kernel's tiling: query rows and key slots per block, warps and pipeline stages per program."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+@lru_cache(maxsize=1)
+def triton_available() -> bool:
+    """Whether triton can be imported (looked up once, without importing it)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def interpreting() -> bool:
+    """Whether Triton's interpreter is on (``TRITON_INTERPRET=1``): kernels then run on CPU tensors."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def fused_prefill_applies(q: torch.Tensor, k: torch.Tensor, cells: KeyCells) -> bool:
+    """Whether :func:`fused_self_extend_prefill` takes this prefill: gapless keys (slot arithmetic gives
+    the distances), CUDA tensors (or CPU ones under the interpreter), a dtype and head size it takes, and
+    triton installed. Elsewhere the two-pass path runs."""
+    device = q.device.type
+    on_device = device == "cuda" or (device == "cpu" and interpreting())
+    return (
+        on_device
+        and cells.first is not None
+        and k.device == q.device
+        and q.dtype in DTYPES
+        and k.dtype == q.dtype
+        and q.shape[-1] <= MAX_HEAD_DIM
+        and triton_available()
+    )
+
+
+def default_config(head_dim: int, dtype: torch.dtype) -> BlockConfig:
+    """Tiles for a head size and dtype, chosen for Hopper (H100/H200) and fine elsewhere; float32 (tests,
+    and CUDA float32 models) takes smaller ones, its tiles being twice as large in bytes."""
+    if dtype == torch.float32:
+        return BlockConfig(64, 32, 4, 2) if head_dim <= 128 else BlockConfig(32, 32, 4, 1)
+    if head_dim <= 64:
+        return BlockConfig(128, 64, 4, 3)
+    if head_dim <= 128:
+        return BlockConfig(128, 64, 8, 3)
+    return BlockConfig(64, 32, 8, 2)
+
+
+def fused_self_extend_prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_g: torch.Tensor | None,
+    k_g: torch.Tensor | None,
+    window: int,
+    scale: float,
+    softcap: float | None = None,
+    config: BlockConfig | None = None,
+) -> torch.Tensor:
+    """Self-Extend attention for gapless keys, the queries' keys last, in one kernel.
+
+    q (B, H, Lq, D) rotated at the queries' positions, ``q_g`` (B, H, Lq, D) the same queries at their
+    grouped positions; k/v (B, Hkv, Lk, D) with Hkv dividing H (query head ``h`` reads KV head
+    ``h // (H / Hkv)``, in place), ``k_g`` (B, Hkv, Lk - W, D) the first keys at grouped positions. Query
+    row ``r`` sits at key slot ``Lk - Lq + r`` and sees slots up to it: at grouped positions those at
+    distance >= ``window``, at their own the rest, under one softmax of the scaled scores (soft-capped by
+    ``softcap``, Gemma 2). ``q_g``/``k_g`` None (or no key ever grouped): plain causal attention, exact for
+    G = 1. Returns (B, H, Lq, D) in q's dtype.
+    """
+    from selfextend.core.fused_prefill_kernel import self_extend_prefill_kernel
+
+    b, h, lq, d = q.shape
+    hkv, lk = k.shape[1], k.shape[2]
+    if h % hkv or v.shape[1] != hkv or lk < lq:
+        raise ValueError(f"fused prefill: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    n_grouped = 0 if k_g is None else min(k_g.shape[2], lk - window)
+    if q_g is None or k_g is None or n_grouped <= 0:
+        q_g, k_g, window, n_grouped = q, k, lk, 0  # every pair a neighbor (no distance reaches lk)
+    window = min(window, lk)
+    cfg = config or default_config(d, q.dtype)
+    block_d = max(16, 1 << (d - 1).bit_length())  # tl.dot wants 16 or more, a power of two
+    out = torch.empty_like(q)
+    grid = (b * h, -(-lq // cfg.block_m))  # heads vary fastest: every head's longest row blocks run first
+    with torch.cuda.device(q.device) if q.device.type == "cuda" else contextlib.nullcontext():
+        self_extend_prefill_kernel[grid](
+            q, q_g, k, k_g, v, out,
+            *q.stride(), *q_g.stride(), *k.stride(), *k_g.stride(), *v.stride(), *out.stride(),
+            h, h // hkv, lq, lk, n_grouped, window, float(scale), float(softcap or 0.0),
+            SOFTCAP=softcap is not None,
+            IEEE=q.dtype == torch.float32,
+            UPCAST=interpreting() and q.dtype == torch.bfloat16,
+            PAD_D=block_d != d,
+            HEAD_DIM=d,
+            BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n,
+            BLOCK_D=block_d,
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )  # fmt: skip
+    return out

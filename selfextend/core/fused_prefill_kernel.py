@@ -1,0 +1,262 @@
+"""The Triton kernel of :mod:`selfextend.core.fused_prefill`: Self-Extend prefill under one online softmax.
+
+One program takes a block of query rows of one head and walks the key blocks its rows can see. Seen from
+the block, the keys fall in ranges that need less and less work on the way to the causal diagonal:
+
+1. ``[0, g_end)``: every pair at distance >= W: ``q_g . k_g``, no mask;
+2. ``[g_end, b_end)``: the window's edge, pairs of both kinds: walked twice, once ``q_g . k_g`` keeping the
+   grouped pairs, once ``q . k`` keeping the neighbor ones (each loop one product: fewer live registers
+   than both products and a per-element choice, and only a few blocks per row block);
+3. ``[b_end, d_start)``: every pair a neighbor, none past the diagonal: ``q . k``, no mask;
+4. ``[d_start, hi)``: the diagonal: ``q . k`` with the causal mask.
+
+The softmax is order-free, so one flash-attention-2 online softmax (running max, running sum, float32
+accumulator, in base 2) runs through all of them. Without triton installed this module still imports
+(the CPU package does not need triton): the kernels are then plain functions nobody calls.
+"""
+
+from types import SimpleNamespace
+
+try:
+    import triton
+    import triton.language as tl
+
+    _jit = triton.jit
+except ModuleNotFoundError:  # no triton: nothing here runs, :func:`fused_prefill.applies` says so first
+    triton = None
+    tl = SimpleNamespace(constexpr=lambda value: value)
+
+    def _jit(fn):  # type: ignore[no-redef]
+        return fn
+
+
+LOG2E = tl.constexpr(1.4426950408889634)  # the softmax runs in base 2: exp(x) = exp2(x * log2(e))
+
+
+@_jit
+def _load(ptrs, n_ok, d_ok, CHECK_N: tl.constexpr, PAD_D: tl.constexpr):
+    """A tile, masked only where the key count or the head size's padding needs it (zeros outside)."""
+    if CHECK_N:
+        if PAD_D:
+            x = tl.load(ptrs, mask=n_ok & d_ok, other=0.0)
+        else:
+            x = tl.load(ptrs, mask=n_ok, other=0.0)
+    else:
+        if PAD_D:
+            x = tl.load(ptrs, mask=d_ok, other=0.0)
+        else:
+            x = tl.load(ptrs)
+    return x
+
+
+@_jit
+def _dot(a, b, acc, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    """``acc + a @ b`` in float32: exact float32 products where ``IEEE`` (no TF32), and the operands
+    widened first where ``UPCAST`` (the interpreter's bfloat16 products are wrong in triton 3.9)."""
+    if UPCAST:
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    elif IEEE:
+        out = tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        out = tl.dot(a, b, acc)
+    return out
+
+
+@_jit
+def _key_range(
+    acc,
+    l_i,
+    m_i,
+    q,
+    k_base,
+    v_base,
+    stride_kn,
+    stride_kd,
+    stride_vn,
+    stride_vd,
+    rows,
+    lo,
+    hi,
+    n_keys,
+    lk,
+    window,
+    qk_scale,
+    softcap,
+    GROUPED: tl.constexpr,
+    MASKED: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    PAD_D: tl.constexpr,
+    IEEE: tl.constexpr,
+    UPCAST: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """The online softmax over key slots ``[lo, hi)`` (``n_keys`` of them in ``k_base``) for query rows at
+    slots ``rows`` (BLOCK_M,): grouped pairs (distance >= W) where ``GROUPED``, else neighbor pairs.
+
+    ``MASKED`` keeps only the pairs of that kind at or before the diagonal (ranges that are not entirely
+    of one kind or that reach the diagonal); a row may then see nothing in a block, so the running max
+    is guarded against -inf. Returns the updated (acc, l_i, m_i)."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    zero = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    d_col = (offs_d < HEAD_DIM)[:, None]  # (BLOCK_D, 1): for transposed key tiles
+    d_row = (offs_d < HEAD_DIM)[None, :]  # (1, BLOCK_D): for value tiles
+    for start in range(lo, hi, BLOCK_N):
+        cols = start + offs_n  # (BLOCK_N,) key slots
+        k_t = _load(
+            k_base + cols[None, :] * stride_kn + offs_d[:, None] * stride_kd,
+            (cols < n_keys)[None, :],
+            d_col,
+            MASKED,
+            PAD_D,
+        )  # (BLOCK_D, BLOCK_N)
+        s = _dot(q, k_t, zero, IEEE, UPCAST)  # (BLOCK_M, BLOCK_N)
+        if SOFTCAP:  # cap * tanh(scaled / cap), tanh through exp (no tanh among the long-stable tl ops)
+            x = s * (qk_scale / softcap)
+            e = tl.exp(-2.0 * tl.abs(x))
+            t = (1.0 - e) / (1.0 + e)
+            s = tl.where(x < 0, -t, t) * (softcap * LOG2E)
+        else:
+            s = s * (qk_scale * LOG2E)
+        if MASKED:
+            distance = rows[:, None] - cols[None, :]  # (BLOCK_M, BLOCK_N)
+            if GROUPED:
+                keep = distance >= window  # these keys are all below n_keys = Lk - W
+            else:
+                keep = (distance >= 0) & (distance < window) & (cols[None, :] < lk)
+            s = tl.where(keep, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet: p and alpha 0, not NaN
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None]).to(v_base.dtype.element_ty)  # rounded as the product reads it
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p.to(tl.float32), 1)  # the same p on both sides of the division
+        v = _load(
+            v_base + cols[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+            (cols < lk)[:, None],
+            d_row,
+            MASKED,
+            PAD_D,
+        )  # (BLOCK_N, BLOCK_D)
+        acc = _dot(p, v, acc * alpha[:, None], IEEE, UPCAST)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@_jit
+def self_extend_prefill_kernel(
+    q_ptr,
+    qg_ptr,
+    k_ptr,
+    kg_ptr,
+    v_ptr,
+    o_ptr,
+    s_qb,
+    s_qh,
+    s_qm,
+    s_qd,
+    s_gb,
+    s_gh,
+    s_gm,
+    s_gd,
+    s_kb,
+    s_kh,
+    s_kn,
+    s_kd,
+    s_cb,
+    s_ch,
+    s_cn,
+    s_cd,
+    s_vb,
+    s_vh,
+    s_vn,
+    s_vd,
+    s_ob,
+    s_oh,
+    s_om,
+    s_od,
+    n_heads,
+    n_rep,
+    lq,
+    lk,
+    n_grouped,
+    window,
+    qk_scale,
+    softcap,
+    SOFTCAP: tl.constexpr,
+    IEEE: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PAD_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """One block of query rows of one (batch, head): grid (B * H, cdiv(Lq, BLOCK_M)), heads varying fastest
+    and the longest blocks (last rows, most keys) launched first, so the causal tail is short and the query
+    heads sharing a KV head run side by side. Query head ``h`` reads KV head ``h // n_rep`` in place."""
+    m_block = tl.cdiv(lq, BLOCK_M) - 1 - tl.program_id(1)
+    bh = tl.program_id(0)
+    b = (bh // n_heads).to(tl.int64)
+    h = (bh % n_heads).to(tl.int64)
+    hk = h // n_rep
+    m0 = m_block * BLOCK_M
+    off = lk - lq  # query row r sits at key slot off + r
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    rows = off + offs_m  # (BLOCK_M,) the rows' slots
+    q_ok = (offs_m < lq)[:, None] & (offs_d < HEAD_DIM)[None, :]  # (BLOCK_M, BLOCK_D)
+    q_tile = offs_m[:, None] * s_qm + offs_d[None, :] * s_qd
+    g_tile = offs_m[:, None] * s_gm + offs_d[None, :] * s_gd
+    q_base = q_ptr + b * s_qb + h * s_qh
+    qg_base = qg_ptr + b * s_gb + h * s_gh
+    k_base = k_ptr + b * s_kb + hk * s_kh
+    kg_base = kg_ptr + b * s_cb + hk * s_ch
+    v_base = v_ptr + b * s_vb + hk * s_vh
+
+    # The ranges of the module's docstring, each starting at a multiple of BLOCK_N: [0, g_end) grouped for
+    # every row, [g_end, b_end) the window's edge, [b_end, d_start) neighbors for every row and none past
+    # the diagonal (whole blocks), [d_start, hi) the diagonal.
+    hi = tl.minimum(lk, off + m0 + BLOCK_M)
+    g_end = (tl.maximum(off + m0 - window + 1, 0) // BLOCK_N) * BLOCK_N  # row m0's grouped slots: <= off+m0-W
+    n_from = tl.cdiv(tl.maximum(off + m0 + BLOCK_M - window, 0), BLOCK_N) * BLOCK_N  # last row's neighbors
+    b_end = tl.minimum(tl.maximum(n_from, g_end), hi)
+    d_start = tl.maximum(((off + m0 + 1) // BLOCK_N) * BLOCK_N, b_end)
+
+    m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    q_g = tl.load(qg_base + g_tile, mask=q_ok, other=0.0)
+    acc, l_i, m_i = _key_range(
+        acc, l_i, m_i, q_g, kg_base, v_base, s_cn, s_cd, s_vn, s_vd,
+        rows, 0, g_end, n_grouped, lk, window, qk_scale, softcap,
+        True, False, SOFTCAP, PAD_D, IEEE, UPCAST, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D,
+    )  # fmt: skip
+    acc, l_i, m_i = _key_range(
+        acc, l_i, m_i, q_g, kg_base, v_base, s_cn, s_cd, s_vn, s_vd,
+        rows, g_end, b_end, n_grouped, lk, window, qk_scale, softcap,
+        True, True, SOFTCAP, PAD_D, IEEE, UPCAST, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D,
+    )  # fmt: skip
+    q = tl.load(q_base + q_tile, mask=q_ok, other=0.0)
+    acc, l_i, m_i = _key_range(
+        acc, l_i, m_i, q, k_base, v_base, s_kn, s_kd, s_vn, s_vd,
+        rows, g_end, b_end, lk, lk, window, qk_scale, softcap,
+        False, True, SOFTCAP, PAD_D, IEEE, UPCAST, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D,
+    )  # fmt: skip
+    acc, l_i, m_i = _key_range(
+        acc, l_i, m_i, q, k_base, v_base, s_kn, s_kd, s_vn, s_vd,
+        rows, b_end, d_start, lk, lk, window, qk_scale, softcap,
+        False, False, SOFTCAP, PAD_D, IEEE, UPCAST, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D,
+    )  # fmt: skip
+    acc, l_i, m_i = _key_range(
+        acc, l_i, m_i, q, k_base, v_base, s_kn, s_kd, s_vn, s_vd,
+        rows, d_start, hi, lk, lk, window, qk_scale, softcap,
+        False, True, SOFTCAP, PAD_D, IEEE, UPCAST, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D,
+    )  # fmt: skip
+    out = acc / l_i[:, None]
+    o_ptrs = o_ptr + b * s_ob + h * s_oh + offs_m[:, None] * s_om + offs_d[None, :] * s_od
+    tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=q_ok)

@@ -1,0 +1,107 @@
+"""The fused prefill kernel against the reference, case by case, in Triton's interpreter.
+
+Run by tests/test_fused_prefill.py in a subprocess with ``TRITON_INTERPRET=1`` (it must be set before
+triton is imported, and the suite's worker has imported it already): prints one JSON line per case, the
+largest difference from :func:`self_extend_attention_reference` and the tolerance of its dtype.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+import selfextend.core.attention as attention
+from selfextend.core.attention import self_extend_attention, self_extend_attention_reference
+from selfextend.core.decode_query import grouped_keys
+from selfextend.core.fused_prefill import BlockConfig, fused_self_extend_prefill
+from selfextend.core.positions import grouped_query_positions
+from selfextend.core.rope import rotate
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
+SMALL = BlockConfig(16, 16, 4, 1)  # many blocks, so every range of the kernel is walked
+
+# (name, B, H, Hkv, Lq, Lk, D, G, W, dtype, softcap, tiles, through): tiles None = the default ones;
+# through "kernel" calls it directly ("strided": on views of (B, L, H, D) tensors), "dispatch" goes through
+# self_extend_attention
+CASES = [
+    ("g2 w8 37", 1, 4, 2, 37, 37, 16, 2, 8, torch.float32, None, SMALL, "kernel"),
+    ("g4 w8 chunk 37/60 gqa4/1 softcap", 1, 4, 1, 37, 60, 16, 4, 8, torch.float32, 5.0, SMALL, "kernel"),
+    (
+        "g4 w20 130 d64",
+        1,
+        4,
+        2,
+        130,
+        130,
+        64,
+        4,
+        20,
+        torch.float32,
+        None,
+        BlockConfig(32, 16, 4, 1),
+        "kernel",
+    ),
+    ("g4 w20 130 d64 default tiles", 1, 2, 1, 130, 130, 64, 4, 20, torch.float32, None, None, "kernel"),
+    ("g1 37", 1, 4, 2, 37, 37, 16, 1, 8, torch.float32, None, SMALL, "kernel"),
+    ("w past the length", 1, 4, 2, 37, 37, 16, 4, 64, torch.float32, None, SMALL, "kernel"),
+    ("one query row 1/37", 1, 4, 2, 1, 37, 16, 2, 8, torch.float32, None, SMALL, "kernel"),
+    ("d128 b2", 2, 2, 2, 37, 37, 128, 4, 8, torch.float32, None, SMALL, "kernel"),
+    ("d48 padded", 1, 4, 2, 37, 37, 48, 4, 8, torch.float32, None, SMALL, "kernel"),
+    ("bf16 g2 w8 37", 1, 4, 2, 37, 37, 16, 2, 8, torch.bfloat16, None, SMALL, "kernel"),
+    ("bf16 g4 w20 130 d64 softcap", 1, 4, 2, 130, 130, 64, 4, 20, torch.bfloat16, 3.0, SMALL, "kernel"),
+    ("bf16 chunk 37/100 d64 gqa4/1", 1, 4, 1, 37, 100, 64, 2, 8, torch.bfloat16, None, SMALL, "kernel"),
+    ("fp16 g4 w8 37", 1, 4, 2, 37, 37, 16, 4, 8, torch.float16, None, SMALL, "kernel"),
+    ("strided views (B, L, H, D) b2", 2, 4, 2, 37, 45, 32, 2, 8, torch.float32, None, SMALL, "strided"),
+    ("dispatch g3 w20 90 b2", 2, 4, 2, 90, 90, 16, 3, 20, torch.float32, None, None, "dispatch"),
+    ("dispatch chunk 40/90", 1, 4, 2, 40, 90, 64, 4, 16, torch.float32, 4.0, None, "dispatch"),
+    ("dispatch bf16 g4 w8 70", 1, 4, 4, 70, 70, 64, 4, 8, torch.bfloat16, None, None, "dispatch"),
+]
+
+
+def run(case: tuple) -> dict[str, object]:
+    """One case: random un-rotated q/k/v, the reference on them, the kernel on them rotated."""
+    name, b, h, hkv, lq, lk, d, group, window, dtype, softcap, tiles, through = case
+    torch.manual_seed(0)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    q, k, v = torch.randn(b, h, lq, d), torch.randn(b, hkv, lk, d), torch.randn(b, hkv, lk, d)
+    k_pos = torch.arange(lk)[None] + 7 * torch.arange(b)[:, None]  # (B, Lk): each row at its own offset
+    q_pos = k_pos[:, lk - lq :]
+    scale = d**-0.5
+    reference = self_extend_attention_reference(
+        q, k, v, q_pos, k_pos, group, window, inv_freq, softcap=softcap
+    )
+    q_r, k_r, v = rotate(q, q_pos, inv_freq).to(dtype), rotate(k, k_pos, inv_freq).to(dtype), v.to(dtype)
+    if through == "strided":  # as transformers hands them: (B, L, H, D) storage seen as (B, H, L, D)
+        q_r, k_r, v = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q_r, k_r, v))
+    if through == "dispatch":
+        out = self_extend_attention(q_r, k_r, v, q_pos, group, window, inv_freq, softcap=softcap)
+    else:
+        n_grouped = lk - window
+        q_g = k_g = None
+        if n_grouped > 0 and group > 1:
+            k_g = grouped_keys(k_r[..., :n_grouped, :], k_pos[:, :n_grouped], group, inv_freq)
+            q_g = rotate(q_r, grouped_query_positions(q_pos, group, window) - q_pos, inv_freq)
+        out = fused_self_extend_prefill(q_r, k_r, v, q_g, k_g, window, scale, softcap, tiles)
+    error = (out.float() - reference.float()).abs().max().item()
+    return {"case": name, "dtype": str(dtype), "error": error, "tol": TOL[dtype]}
+
+
+def main() -> None:
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+    calls = []
+    fused = attention.fused_self_extend_prefill
+
+    def counted(*args: object, **kwargs: object) -> torch.Tensor:
+        calls.append(1)
+        return fused(*args, **kwargs)
+
+    attention.fused_self_extend_prefill = counted
+    for case in CASES:
+        print(json.dumps(run(case)), flush=True)
+    print(json.dumps({"dispatched": len(calls)}))
+
+
+if __name__ == "__main__":
+    main()
