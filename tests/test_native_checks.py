@@ -74,9 +74,9 @@ def test_norms_check_the_weights_type(dtype) -> None:
     x, y, w = torch.randn(1, n), torch.randn(1, n), torch.randn(n)
     KERNEL.rms_norm_bf16(x, w, 1e-6)
     KERNEL.rms_norm_add(x, y, w, 1e-6)
-    with pytest.raises(ValueError, match="float32 factors"):
+    with pytest.raises(ValueError, match="factors reads 64 contiguous float32"):
         KERNEL.rms_norm_bf16(x, w.to(dtype), 1e-6)
-    with pytest.raises(ValueError, match="float32 factors"):
+    with pytest.raises(ValueError, match="factors reads 64 contiguous float32"):
         KERNEL.rms_norm_add(x, y, w.to(dtype), 1e-6)
-    with pytest.raises(ValueError, match="float32 factors"):
+    with pytest.raises(ValueError, match="factors reads 64 contiguous float32"):
         KERNEL.rms_norm_add(x, y, torch.randn(n, 2)[:, 0], 1e-6)  # strided

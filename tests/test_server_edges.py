@@ -204,3 +204,31 @@ def test_requests_after_the_loop_ended_are_refused(tiny):
         assert status == 503 and out["error"]["type"] == "server_error", out
         status, out = request(base, "GET", "/health", timeout=10)
         assert status == 503 and out["status"] == "error", out
+
+
+def test_a_token_id_past_the_table_is_a_400(tiny):
+    """Issue 49: raw prompt ids are held to the rows the embedding table stores, not only to the tokenizer's
+    size. A GGUF whose vocabulary is longer than its table is refused at load, but a model put together
+    otherwise (here a Q8_0 block table of 16 rows fewer than the tokenizer) may still hold one: an id past its
+    rows is a 400 naming the range, and an id inside it is answered."""
+    import gguf
+    import torch
+
+    from selfextend.models.blocks import BlockEmbedding
+
+    model, tok = tiny
+    inner, before = model.model, model.model.embed_tokens
+    rows = len(tok) - 16
+    raw = gguf.quants.quantize(before.weight[:rows].numpy(), gguf.GGMLQuantizationType.Q8_0)
+    inner.embed_tokens = BlockEmbedding(torch.from_numpy(raw), 8, before.embedding_dim)
+    try:
+        with serving(model, tok, n_ctx=64, parallel=1) as (base, engine):
+            assert engine.vocab == rows
+            for ids in ([5, rows], [len(tok) - 1], [rows + 4_000_000]):
+                body = {"prompt": ids, "max_tokens": 2}
+                status, out = request(base, "POST", "/v1/completions", body, timeout=30)
+                assert status == 400 and f"[0, {rows})" in out["error"]["message"], out
+            status, out = request(base, "POST", "/v1/completions", {"prompt": [5, rows - 1], "max_tokens": 2})
+            assert status == 200, out
+    finally:
+        inner.embed_tokens = before

@@ -24,11 +24,12 @@ from selfextend.generation.products import activation_name, blocks_bias, head_no
 from selfextend.kv.cache import ContextShiftCache
 from selfextend.kv.layers import CellLayer
 from selfextend.models.blocks import BlockLinear
-from selfextend.native.decode import ACTIVATIONS, NativeKernels
+from selfextend.native.decode import ACTIVATIONS, CELL_FIELDS, NativeKernels
+from selfextend.native.guard import address
 from selfextend.native.quant import QuantKernels
 
 MAX_PARTS = 3  # runs of one type in a fused projection (decode.c's MAX_PARTS)
-FIELDS = 15  # int64 values per layer and row in the cells table (decode.c's R_FIELDS)
+FIELDS = CELL_FIELDS  # int64 values per layer and row in the cells table (decode.c's R_FIELDS)
 NO_GROUPED = (0,) * 6  # a row's last six fields where no key is grouped
 # (i, j, cells) -> row j's grouped keys at layer i before its token's cell is claimed, (1, Hkv, n_g, D) in the
 # cells' type with contiguous rows, and the query's grouped (cos, sin); None where it scores none
@@ -58,6 +59,36 @@ class _Dims(ctypes.Structure):
         (name, _long)
         for name in ("hidden", "h", "hkv", "d", "inter", "act", "cell_type", "threads", "portable")
     ]
+
+
+def _rotation(cos: torch.Tensor, sin: torch.Tensor, d: int) -> tuple[int, int, int]:
+    """(cos address, sin address, size) of a rotation's factors as the cells table holds them: ValueError
+    unless both are float32 of one even size of at most the head size (the C's stack rows hold ``d``)."""
+    n = cos.numel()
+    if n > d or n % 2 or sin.numel() != n:
+        raise ValueError(f"decode_layers takes (cos, sin) of one even size <= {d}, not {n}, {sin.numel()}")
+    return address(cos, torch.float32, n, "the rotation's cos"), address(sin, torch.float32, n, "its sin"), n
+
+
+def _weight(w: torch.Tensor, kind: int) -> tuple[int, int, int]:
+    """(address, rows, type) of a block layer's weight as a plan holds it (every byte of its rows read)."""
+    return address(w, torch.uint8, w.shape[0] * w.shape[1], "a layer's blocks"), w.shape[0], kind
+
+
+def _sizes_fit(
+    layer: nn.Module, qkv: Sequence[nn.Module], gate_up: Sequence[nn.Module], dims: tuple[int, ...]
+) -> bool:
+    """Whether a layer's projections have the sizes ``decode_layers`` reads for ``dims`` (hidden, H, Hkv, D,
+    intermediate), their blocks' own sizes (a block layer's sizes are its buffers')."""
+    hidden, h, hkv, d, inter = dims
+    o, down = layer.self_attn.o_proj, layer.mlp.down_proj
+    sizes = (sum(p.out_features for p in qkv), sum(p.out_features for p in gate_up))
+    return (
+        sizes == ((h + 2 * hkv) * d, 2 * inter)
+        and all(p.in_features == hidden for p in (*qkv, *gate_up))
+        and (o.in_features, o.out_features) == (h * d, hidden)
+        and (down.in_features, down.out_features) == (inter, hidden)
+    )
 
 
 def _blocks(layer: nn.Module, bias: bool = False) -> tuple[torch.Tensor, int] | None:
@@ -101,8 +132,10 @@ class NativeLayers:
         claim moves no cell). MemoryError without scratch space, ValueError for cells the attention kernel
         does not read."""
         table, held = [], []
+        h, hkv, d = self.dims[1:4]
         # each row's rotation by kind as the table holds it: (cos address, sin address, size)
-        factors = [{k: (c.data_ptr(), s.data_ptr(), c.numel()) for k, (c, s) in r.items()} for r in rotations]
+        factors = [{k: _rotation(c, s, d) for k, (c, s) in r.items()} for r in rotations]
+        cell_dtype = caches[0].layers[0].keys.dtype
         for i, (kind, window) in enumerate(zip(self.kinds, self.windows, strict=True)):
             for j, cache in enumerate(caches):
                 cells = cache.layers[i]
@@ -111,7 +144,12 @@ class NativeLayers:
                 found = None if grouped is None else grouped(i, j, cells)
                 slot = cells.claim()
                 keys, values = cells.keys, cells.values
-                table += (keys.data_ptr(), values.data_ptr(), keys.stride(1), values.stride(1), slot)
+                if keys.shape[:2] != (1, hkv) or values.shape != keys.shape or keys.shape[-1] != d:
+                    raise ValueError(f"decode_layers takes cells (1, {hkv}, n, {d}), not {tuple(keys.shape)}")
+                n = hkv * keys.shape[2] * d
+                table.append(address(keys, cell_dtype, n, "decode_layers' keys", rows=d))
+                table.append(address(values, cell_dtype, n, "decode_layers' values", rows=d))
+                table += (keys.stride(1), values.stride(1), slot)
                 table.append(cells.visible_from(pos[j], window))
                 table += factors[j][kind]
                 if found is None:
@@ -119,8 +157,15 @@ class NativeLayers:
                     continue
                 k_g, (gcos, gsin) = found
                 held.append(k_g)
-                table += (k_g.data_ptr(), k_g.shape[2], k_g.stride(1))
-                table += (gcos.data_ptr(), gsin.data_ptr(), gcos.numel())
+                n_g = k_g.shape[2]
+                if k_g.shape[:2] != (1, hkv) or k_g.shape[-1] != d or n_g > keys.shape[2]:
+                    raise ValueError(f"decode_layers takes grouped keys (1, {hkv}, n, {d}), not {k_g.shape}")
+                table += (
+                    address(k_g, cell_dtype, hkv * n_g * d, "the grouped keys", rows=d),
+                    n_g,
+                    k_g.stride(1),
+                )
+                table += _rotation(gcos, gsin, d)
         # (layers, rows, FIELDS); through array: torch.tensor reads a list of ints at ~0.1 us each
         buffer = array.array("q", table)  # referenced until the call returns
         cells_table = torch.frombuffer(buffer, dtype=torch.int64).view(len(self.kinds), len(caches), FIELDS)
@@ -154,6 +199,11 @@ def native_layers(
         return None
     plans, held, act = (_Plan * len(layers))(), [], None
     d = layers[0].self_attn.head_dim
+    h, hkv, _ = heads
+    attn0, mlp0 = layers[0].self_attn, layers[0].mlp
+    if not (isinstance(attn0.o_proj, BlockLinear) and isinstance(mlp0.down_proj, BlockLinear)):
+        return None
+    hidden, inter = attn0.o_proj.out_features, mlp0.down_proj.in_features
     for plan, layer, qkv_parts, gu_parts in zip(plans, layers, qkv, gate_up, strict=True):
         attn, mlp = layer.self_attn, layer.mlp
         gemma = hasattr(layer, "pre_feedforward_layernorm")
@@ -171,40 +221,34 @@ def native_layers(
             or name not in ACTIVATIONS
             or act not in (None, ACTIVATIONS[name])
             or max(len(qkv_parts), len(gu_parts)) > MAX_PARTS
+            or not _sizes_fit(layer, qkv_parts, gu_parts, (hidden, h, hkv, d, inter))
+            or any(w.shape != (hidden,) for w, _ in norms + output_norms)
         ):
             return None
         act = ACTIVATIONS[name]
-        (plan.norm, plan.norm_eps), (plan.post_norm, plan.post_eps) = [(w.data_ptr(), e) for w, e in norms]
+        (plan.norm, plan.norm_eps), (plan.post_norm, plan.post_eps) = [
+            (address(w, torch.float32, hidden, "a layer's norm"), e) for w, e in norms
+        ]
         held += [w for w, _ in norms + output_norms]
         if gemma:
             (plan.attn_norm, plan.attn_eps), (plan.mlp_norm, plan.mlp_eps) = [
-                (w.data_ptr(), e) for w, e in output_norms
+                (address(w, torch.float32, hidden, "an output norm"), e) for w, e in output_norms
             ]
         if hn is not None:
-            plan.qn, plan.kn, plan.head_eps = hn.query.data_ptr(), hn.key.data_ptr(), hn.eps
+            plan.qn, plan.kn = (address(w, torch.float32, d, "a head norm") for w in (hn.query, hn.key))
+            plan.head_eps = hn.eps
             held += [hn.query, hn.key]
         plan.scale = attn.scaling
         bias = blocks_bias(qkv_parts)  # ((H + 2 Hkv) * D,) float32 in the fused order, or None
         if bias is not None:
-            plan.qkv_bias = bias.data_ptr()
+            plan.qkv_bias = address(bias, torch.float32, (h + 2 * hkv) * d, "the q/k/v bias")
             held.append(bias)
         blocks = iter(weights)
         for field, parts in (("qkv", qkv_parts), ("gu", gu_parts)):
             setattr(plan, f"n_{field}", len(parts))
             for k in range(len(parts)):
-                w, kind = next(blocks)
-                getattr(plan, field)[k] = _Blocks(w.data_ptr(), w.shape[0], kind)
+                getattr(plan, field)[k] = _Blocks(*_weight(*next(blocks)))
         for field in ("o", "down"):
-            w, kind = next(blocks)
-            setattr(plan, field, _Blocks(w.data_ptr(), w.shape[0], kind))
+            setattr(plan, field, _Blocks(*_weight(*next(blocks))))
         held += [w for w, _ in weights]
-    h, hkv, _ = heads
-    hidden, inter = layers[0].self_attn.o_proj.out_features, layers[0].mlp.down_proj.in_features
-    for layer, qkv_parts, gu_parts in zip(layers, qkv, gate_up, strict=True):  # the sizes the C loop takes
-        o, down = layer.self_attn.o_proj, layer.mlp.down_proj
-        sizes = (sum(p.out_features for p in qkv_parts), sum(p.out_features for p in gu_parts))
-        if sizes != ((h + 2 * hkv) * d, 2 * inter) or (o.in_features, o.out_features) != (h * d, hidden):
-            return None
-        if (down.in_features, down.out_features) != (inter, hidden):
-            return None
     return NativeLayers(native, quant, plans, (hidden, h, hkv, d, inter, act), kinds, windows, held)

@@ -21,6 +21,7 @@ from selfextend.native.blocktypes import BLOCK_KINDS, INTERLEAVED, base_kind, bl
 from selfextend.native.quant import chunk_engine, quant_kernels
 
 _SLAB_ROWS = 256  # rows dequantised at a time by the reference product
+F16 = 1  # gguf's F16 code: the type of a block layer's (meta) placeholder, until its blocks come
 BF16_MIN_ROWS = 128  # rows from which a call takes a layer's bf16 chunk engine (a tile's dequantisation pays)
 
 
@@ -127,6 +128,30 @@ def stored(blocks: torch.Tensor, kind: int) -> tuple[np.ndarray, int]:
     return blocks.numpy(), kind
 
 
+def row_values(kind: int, row_bytes: int) -> int:
+    """Values in a row of ``row_bytes`` bytes of GGUF type ``kind`` (or its interleaved form): whole blocks'
+    values; ValueError for bytes that are not whole blocks, or a type the kernels do not compute."""
+    if base_kind(kind) not in BLOCK_KINDS:
+        raise ValueError(f"GGUF type {kind} is not held as blocks")
+    values, size = block_shape(kind)
+    if row_bytes % size:
+        raise ValueError(f"rows of {row_bytes} bytes are not whole {BLOCK_KINDS[base_kind(kind)]} blocks")
+    return row_bytes // size * values
+
+
+def check_blocks(blocks: torch.Tensor, kind: int, name: str) -> None:
+    """ValueError naming ``name`` unless ``blocks`` are what a block layer of ``kind`` holds: (rows, bytes
+    per row) uint8 of whole blocks, rows in eights for an interleaved form."""
+    if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[0] < 1:
+        raise ValueError(f"{name}: blocks of {tuple(blocks.shape)} {blocks.dtype}, not (rows, bytes) uint8")
+    try:
+        row_values(kind, blocks.shape[1])
+    except ValueError as exc:
+        raise ValueError(f"{name}: {exc}") from None
+    if kind in INTERLEAVED.values() and blocks.shape[0] % 8:
+        raise ValueError(f"{name}: an interleaved form holds rows in eights, not {blocks.shape[0]}")
+
+
 def block_packable(kind: int, rows: int, columns: int) -> bool:
     """Whether a GGUF weight of type ``kind`` and (rows, columns) is held as stored: a block format the
     kernels compute (:data:`BLOCK_KINDS`)."""
@@ -167,17 +192,30 @@ class BlockLinear(nn.Module):
     """``y = x W^T + b`` with ``W`` the rows of a GGUF tensor's blocks of type ``kind`` as stored: ``blocks``
     (N, bytes per row) uint8. ``block_kind`` (a buffer) carries the type into the saved run form.
     ``chunk_engine`` (``int8`` or ``bf16``, :func:`~selfextend.native.quant.chunk_engine`) is how calls of
-    :data:`BF16_MIN_ROWS` rows or more multiply; fewer rows always take int8."""
+    :data:`BF16_MIN_ROWS` rows or more multiply; fewer rows always take int8. ``in_features`` and
+    ``out_features`` are the blocks' own (their bytes per row and rows), never set beside them, so the
+    kernels are never told of values the buffer does not hold; ``in_features`` given to the constructor
+    must agree with them (ValueError otherwise)."""
 
     def __init__(
         self, blocks: torch.Tensor, kind: int, in_features: int, bias: torch.Tensor | None = None
     ) -> None:
         super().__init__()
         self.chunk_engine = chunk_engine()
-        self.kind, self.in_features, self.out_features = kind, in_features, blocks.shape[0]
+        self.kind = kind
+        if row_values(kind, blocks.shape[1]) != in_features:
+            raise ValueError(f"blocks of {blocks.shape[1]} bytes a row hold no rows of {in_features} values")
         self.register_buffer("blocks", blocks)
         self.register_buffer("block_kind", torch.tensor([kind], dtype=torch.int32, device=blocks.device))
         self.register_buffer("bias", bias)
+
+    @property
+    def out_features(self) -> int:
+        return self.blocks.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return row_values(self.kind, self.blocks.shape[1])
 
     def set_kind(self, kind: int) -> None:
         """Take ``kind`` as the blocks' type (a saved layer's ``block_kind``, read back)."""
@@ -213,6 +251,11 @@ class BlockLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, GGUF {name} blocks{form}"
 
 
+class TokenIdError(IndexError, ValueError):
+    """A token id outside the rows an embedding table stores (an IndexError, as torch's embedding raises,
+    and a ValueError, as every input the native kernels refuse)."""
+
+
 class BlockEmbedding(nn.Module):
     """An embedding table held as a GGUF tensor's blocks: ``blocks`` (N, bytes per row) uint8 of type
     ``kind``, as stored or in an 8-row interleaved form (:func:`pack8`), each looked-up row dequantized to
@@ -237,11 +280,23 @@ class BlockEmbedding(nn.Module):
         dtype: torch.dtype = torch.float32,
     ) -> None:
         super().__init__()
-        self.kind, self.num_embeddings, self.embedding_dim = kind, blocks.shape[0], embedding_dim
-        self.dtype = dtype
+        if row_values(kind, blocks.shape[1]) != embedding_dim:
+            raise ValueError(
+                f"blocks of {blocks.shape[1]} bytes a row hold no rows of {embedding_dim} values"
+            )
+        self.kind, self.dtype = kind, dtype
         self.register_buffer("blocks", blocks)
         self.register_buffer("block_kind", torch.tensor([kind], dtype=torch.int32, device=blocks.device))
         self.register_buffer("embed_scale", embed_scale, persistent=False)
+
+    @property
+    def num_embeddings(self) -> int:
+        """The rows the table stores: what a lookup may read, whatever a config says."""
+        return self.blocks.shape[0]
+
+    @property
+    def embedding_dim(self) -> int:
+        return row_values(self.kind, self.blocks.shape[1])
 
     def set_kind(self, kind: int) -> None:
         """Take ``kind`` as the blocks' type (a saved table's ``block_kind``, read back)."""
@@ -250,11 +305,11 @@ class BlockEmbedding(nn.Module):
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` (any shape) as ``(*ids.shape, embedding_dim)`` of :attr:`dtype`, unscaled. IndexError
-        for an id outside the table."""
+        (a ValueError too: :class:`TokenIdError`) for an id outside the rows the table stores."""
         flat = ids.reshape(-1).to(torch.int64)
         if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.num_embeddings):
-            raise IndexError(
-                f"token ids must lie in [0, {self.num_embeddings}), got {flat.min()}..{flat.max()}"
+            raise TokenIdError(
+                f"token ids must lie in [0, {self.num_embeddings}), got {int(flat.min())}..{int(flat.max())}"
             )
         kernels = quant_kernels()
         if kernels is None:

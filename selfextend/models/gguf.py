@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 
 from selfextend.hf.facts import ModelError
 from selfextend.models.blocks import block_packable
+from selfextend.models.gguf_check import check_table
 from selfextend.models.gguf_families import tensor_names
 from selfextend.models.gguf_rope import GGUFRope, gguf_config
 from selfextend.models.quantize import int4_packable
@@ -126,6 +127,7 @@ def checked_reader(path: str | os.PathLike[str]) -> GGUFReader:
         raise ModelError(f"cannot read {p}: {exc.strerror or exc}") from exc
     if magic != b"GGUF":
         raise ModelError(f"{p} is not a GGUF file (it does not start with the GGUF magic bytes)")
+    check_table(p)  # counts, sizes and the vocabulary, before the reader builds anything on them
     from gguf import GGUFReader
 
     try:
@@ -186,6 +188,15 @@ def gguf_tensors(
     out_head = model.get_output_embeddings() if tied else None
     head = None if out_head is None else f"{module_names[id(out_head)]}.weight"
     held = linear | {embedding} if embedding_blocks else linear  # the weights that may keep their blocks
+    shapes = {n: tuple(t.shape) for n, t in [*model.named_parameters(), *model.named_buffers()]}
+
+    def checked(gguf_name: str, name: str, value: torch.Tensor | RowBlocks | GGUFBlocks) -> tuple[str, ...]:
+        """``(name, value)``, or ModelError naming the GGUF tensor where its shape is not the config's."""
+        got = (value.raw.shape[0], value.columns) if isinstance(value, GGUFBlocks) else tuple(value.shape)
+        want = shapes.get(name)
+        if want is not None and got != want:
+            raise ModelError(f"{gguf_name}: shape {got} where the config says {want}")
+        return name, value
 
     def process(weights: np.ndarray, name: str) -> tuple[np.ndarray, str]:
         result = processor.process(
@@ -239,13 +250,13 @@ def gguf_tensors(
             for t in table.tensors:
                 shared = tied_head(f, t)
                 if shared is not None:
-                    yield shared
+                    yield checked(t.name, *shared)
                     if embedding_blocks:  # the table looks its rows up in the head's bytes
-                        yield embedding, shared[1]
+                        yield checked(t.name, embedding, shared[1])
                         continue
                 packed = as_blocks(f, t)
                 if packed is not None:
-                    yield packed
+                    yield checked(t.name, *packed)
                     continue
                 rows = t.raw_shape[0]
                 # a 1-D tensor is read whole (a block format's bytes cannot be cut between values), and
@@ -263,7 +274,7 @@ def gguf_tensors(
                         if name in mapping:
                             shape = (rows, *first.shape[1:])
                             pairs = [(0, first)], blocks(f, t, step, step)
-                            yield mapping[name], RowBlocks(shape, _to_torch(*pairs))
+                            yield checked(t.name, mapping[name], RowBlocks(shape, _to_torch(*pairs)))
                         continue
                     del first, probe
                     whole = np.empty((rows, *_value_shape(t)), dtype=np.float32)
@@ -272,8 +283,10 @@ def gguf_tensors(
                     array, name = process(whole, t.name)
                     del whole
                 if name in mapping:
-                    yield mapping[name], torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
-        yield from parsed["tensors"].items()  # what the processor assembled from several (fused experts)
+                    value = torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
+                    yield checked(t.name, mapping[name], value)
+        for name, value in parsed["tensors"].items():  # what the processor assembled from several (experts)
+            yield checked(name, name, value)
 
     return stream()
 

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from selfextend.models.blocks import BlockEmbedding, BlockLinear
+from selfextend.models.blocks import F16, BlockEmbedding, BlockLinear, check_blocks
 from selfextend.models.heap import release_free_memory
 from selfextend.models.quantize import INT4_GROUP, Int4Linear, Int8Linear, quantize_rows
 from selfextend.native.blocktypes import INTERLEAVED
@@ -127,8 +127,8 @@ def _placeholder(model: nn.Module, path: str, kind: type[Int4Linear | BlockLinea
     if kind is Int4Linear:
         packed = torch.empty(n, k // 2, dtype=torch.uint8, device="meta")
         layer = Int4Linear(packed, torch.empty(k // INT4_GROUP, n, 2, dtype=torch.bfloat16, device="meta"))
-    else:
-        layer = BlockLinear(torch.empty(n, 0, dtype=torch.uint8, device="meta"), 0, k)
+    else:  # an F16 layer of the config's size until its blocks come (its sizes are its buffer's)
+        layer = BlockLinear(torch.empty(n, 2 * k, dtype=torch.uint8, device="meta"), F16, k)
     layer.bias = module.bias
     parent, _, child = path.rpartition(".")
     setattr(model.get_submodule(parent), child, layer)
@@ -141,8 +141,9 @@ def _embedding_placeholder(model: nn.Module, path: str, dtype: torch.dtype) -> B
     module = model.get_submodule(path)
     if isinstance(module, BlockEmbedding):
         return module
-    empty = torch.empty(module.num_embeddings, 0, dtype=torch.uint8, device="meta")
-    table = BlockEmbedding(empty, 0, module.embedding_dim, getattr(module, "embed_scale", None), dtype)
+    n, dim = module.num_embeddings, module.embedding_dim  # as F16 blocks until the table's come
+    empty = torch.empty(n, 2 * dim, dtype=torch.uint8, device="meta")
+    table = BlockEmbedding(empty, F16, dim, getattr(module, "embed_scale", None), dtype)
     parent, _, child = path.rpartition(".")
     setattr(model.get_submodule(parent) if parent else model, child, table)
     return table
@@ -212,12 +213,43 @@ def _assign(
         q, scale = _quantize(tensor)
         module.weight_int8, module.scale = q, scale.to(torch.bfloat16)
     elif attr in module._parameters:
+        _same_shape(name, module._parameters[attr], tensor)
         module._parameters[attr] = nn.Parameter(_materialise(tensor, dtype), requires_grad=False)
     elif attr in module._buffers:
+        _same_shape(name, module._buffers[attr], tensor)
         keep = isinstance(module, Int8Linear) and attr in ("weight_int8", "scale")
         module._buffers[attr] = _materialise(tensor, None if keep else dtype)
     else:
         raise KeyError(f"checkpoint tensor {name} has no place in {type(model).__name__}")
+
+
+def _same_shape(name: str, held: torch.Tensor | None, tensor: torch.Tensor | RowBlocks) -> None:
+    """ValueError naming ``name`` where a tensor's shape is not that of the skeleton's place for it."""
+    if held is not None and tuple(held.shape) != tuple(tensor.shape):
+        raise ValueError(f"{name}: shape {tuple(tensor.shape)} where the config says {tuple(held.shape)}")
+
+
+def _size(m: nn.Module) -> tuple[int, int] | None:
+    """(rows, columns) a linear layer or embedding table holds, read from its weight's own buffer."""
+    if isinstance(m, BlockLinear):
+        return m.out_features, m.in_features
+    if isinstance(m, BlockEmbedding):
+        return m.num_embeddings, m.embedding_dim
+    if isinstance(m, Int4Linear):
+        return m.weight_int4.shape[0], 2 * m.weight_int4.shape[1]
+    w = m.weight_int8 if isinstance(m, Int8Linear) else getattr(m, "weight", None)
+    return tuple(w.shape) if isinstance(m, nn.Linear | nn.Embedding | Int8Linear) else None
+
+
+def _check_sizes(model: nn.Module, sizes: dict[str, tuple[int, int] | None]) -> None:
+    """ValueError naming the layer where a filled layer's sizes (its buffers') are not those the config gave
+    the skeleton (``sizes``), or a block layer's buffer is not whole blocks of its type."""
+    for path, m in model.named_modules():
+        if isinstance(m, BlockLinear | BlockEmbedding):
+            check_blocks(m.blocks, m.kind, path)
+        got, want = _size(m), sizes.get(path)
+        if want is not None and got is not None and got != want:
+            raise ValueError(f"{path}: {got[0]} rows of {got[1]} where the config says {want}")
 
 
 def _tie_head(model: nn.Module) -> None:
@@ -253,12 +285,14 @@ def fill(
 
     Raises ``KeyError`` if a tensor has no place in the model or a weight is still missing afterwards.
     """
+    sizes = {path: _size(m) for path, m in model.named_modules()}
     for name, tensor in tensors:
         _assign(model, name, tensor, form)
         del tensor
         release_free_memory()
     _tie_head(model)
     release_free_memory()
+    _check_sizes(model, sizes)
     missing = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if missing:
         raise KeyError(f"{len(missing)} weights missing from the checkpoint, e.g. {', '.join(missing[:3])}")

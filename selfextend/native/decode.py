@@ -33,10 +33,14 @@ from typing import NamedTuple
 import torch
 
 from selfextend.native.build import TYPES, bind, kernels
+from selfextend.native.guard import address
+
+F32, BF16 = torch.float32, torch.bfloat16
 
 SOURCE = Path(__file__).with_name("decode.c")
 MAX_QUERY_ROWS = 16  # query heads per KV head the kernel takes (decode.c's MAX_R)
 MAX_HEAD_DIM = 256  # and head size (a multiple of 16; 8 * MAX_V8 there)
+CELL_FIELDS = 15  # int64 values per layer and row of decode_layers' cells table (decode.c's R_FIELDS)
 NO_MEMORY = 2  # what decode_attention returns without scratch space (1: sizes it cannot read)
 ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1}  # transformers' names of the gated activations native.c has
 
@@ -95,19 +99,14 @@ class NativeKernels:
         :mod:`selfextend.generation.native_layers`, which builds its plans, sizes and ``cells`` table (int64);
         ``mm``: the address of quant.c's quant_mm. Returns its code (0 done, 1 no scratch space, 2 cells the
         attention does not read)."""
-        if x.dtype != torch.float32 or x.dim() != 2 or not x.is_contiguous():
-            raise ValueError(f"decode_layers takes contiguous float32 rows, not {tuple(x.shape)} {x.dtype}")
-        if cells.dtype != torch.int64 or not cells.is_contiguous():
-            raise ValueError("decode_layers takes its cells table as contiguous int64")
-        return self._layers(
-            ctypes.addressof(plans),
-            n_layers,
-            ctypes.addressof(dims),
-            cells.data_ptr(),
-            x.shape[0],
-            x.data_ptr(),
-            mm,
-        )
+        if x.dim() != 2 or x.shape[1] != dims.hidden or len(plans) < n_layers:
+            raise ValueError(
+                f"decode_layers takes rows of {dims.hidden} for {len(plans)} layers, not {x.shape}"
+            )
+        m = x.shape[0]
+        rows = address(x, F32, m * dims.hidden, "decode_layers' rows")
+        table = address(cells, torch.int64, n_layers * m * CELL_FIELDS, "decode_layers' cells table")
+        return self._layers(ctypes.addressof(plans), n_layers, ctypes.addressof(dims), table, m, rows, mm)
 
     def takes(self, heads: int, k: torch.Tensor, v: torch.Tensor) -> bool:
         """Whether the kernel reads cells ``k``, ``v`` (B, Hkv, n, D) for ``heads`` query heads: one sequence
@@ -148,19 +147,25 @@ class NativeKernels:
         _, h, _, d = q.shape
         hkv, n = k.shape[1], k.shape[2]
         q = q.float().contiguous()  # (1, H, 1, D) = (Hkv, H / Hkv, D) in memory
-        q_g, k_g, n_g, kg_stride = q, q, 0, 0
+        cells = TYPES.get(k.dtype, -1)
+        keys = address(k, k.dtype if cells >= 0 else F32, hkv * n * d, "the attention's keys", rows=d)
+        vals = address(v, k.dtype, hkv * n * d, "the attention's values", rows=d)
+        q_at = address(q, F32, h * d, "the attention's query")
+        qg_at, kg_at, n_g, kg_stride = q_at, q_at, 0, 0
         if grouped is not None:
             q_g, k_g = grouped[0].float().contiguous(), grouped[1].to(k.dtype)
             if k_g.stride(-1) != 1 or k_g.stride(-2) != d:
                 k_g = k_g.contiguous()
             n_g, kg_stride = k_g.shape[2], k_g.stride(1)
+            qg_at = address(q_g, F32, h * d, "the attention's grouped query")
+            kg_at = address(k_g, k.dtype, hkv * n_g * d, "the attention's grouped keys", rows=d)
         out = torch.empty_like(q)
         failed = self._fn(
-            q.data_ptr(),
-            q_g.data_ptr(),
-            k.data_ptr(),
-            k_g.data_ptr(),
-            v.data_ptr(),
+            q_at,
+            qg_at,
+            keys,
+            kg_at,
+            vals,
             n,
             n_g,
             hkv,
@@ -235,29 +240,30 @@ class NativeKernels:
                     raise ValueError(f"rope_write takes (cos, sin) of the same even size <= {d}, float32")
         q = torch.empty(1, h, 1, d)
         q_g = torch.empty(1, h, 1, d) if grouped is not None else None
-        cos, sin = rotation
+        (cos, sin), cells = rotation, hkv * keys.shape[2] * d
         gcos, gsin = grouped if grouped is not None else (cos, sin)
+        rot, grot = cos.numel(), gcos.numel()
         self._write(
-            qkv.data_ptr(),
+            address(qkv, F32, (h + 2 * hkv) * d, "rope_write's row"),
             h,
             hkv,
             d,
-            cos.numel(),
-            cos.data_ptr(),
-            sin.data_ptr(),
-            keys.data_ptr(),
-            values.data_ptr(),
+            rot,
+            address(cos, F32, rot, "rope_write's cos"),
+            address(sin, F32, rot, "rope_write's sin"),
+            address(keys, keys.dtype if keys.dtype in TYPES else F32, cells, "rope_write's keys", rows=d),
+            address(values, keys.dtype, cells, "rope_write's values", rows=d),
             keys.stride(1),
             values.stride(1),
             slot,
             TYPES[keys.dtype],
             q.data_ptr(),
-            gcos.data_ptr(),
-            gsin.data_ptr(),
-            gcos.numel(),
+            address(gcos, F32, grot, "rope_write's grouped cos"),
+            address(gsin, F32, grot, "rope_write's grouped sin"),
+            grot,
             None if q_g is None else q_g.data_ptr(),
-            None if norms is None else norms.query.data_ptr(),
-            None if norms is None else norms.key.data_ptr(),
+            None if norms is None else address(norms.query, F32, d, "rope_write's query norm"),
+            None if norms is None else address(norms.key, F32, d, "rope_write's key norm"),
             0.0 if norms is None else norms.eps,
         )
         return q, q_g
@@ -266,42 +272,39 @@ class NativeKernels:
         """An RMSNorm ``weight * x / rms(x)`` of one row ``x`` (1, n) float32 by ``weight`` (n,) float32 (the
         factor it scales by: Gemma's ``1 + weight``), rounded to bfloat16 (the input of the quantized product
         after it)."""
-        n = weight.shape[0]
-        if not _norm_weight_fits(weight):
-            raise ValueError(f"rms_norm_bf16 takes contiguous float32 factors, not {weight.dtype} ones")
-        if x.shape != (1, n) or x.dtype != torch.float32 or not x.is_contiguous():
-            raise ValueError(f"rms_norm_bf16 takes one contiguous float32 row of {n}, not {tuple(x.shape)}")
+        n = weight.shape[0] if weight.dim() == 1 else -1
+        if x.shape != (1, n):
+            raise ValueError(f"rms_norm_bf16 takes one row of its {n} factors, not {tuple(x.shape)}")
+        at = address(x, F32, n, "rms_norm_bf16's row")
+        factors = address(weight, F32, n, "rms_norm_bf16's factors")
         out = torch.empty(1, n, dtype=torch.bfloat16)
-        self._norm(x.data_ptr(), weight.data_ptr(), n, eps, out.data_ptr())
+        self._norm(at, factors, n, eps, out.data_ptr())
         return out
 
     def rms_norm_add(self, x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
         """``x += weight * y / rms(y)`` in place, for rows ``x`` (1, n) float32 and ``y`` (1, n) float32 or
         bfloat16 (a quantized product's output): Gemma's norm of an attention or MLP output, then the
         residual add."""
-        n = weight.shape[0]
-        if not _norm_weight_fits(weight):
-            raise ValueError(f"rms_norm_add takes contiguous float32 factors, not {weight.dtype} ones")
-        if not (
-            x.shape == y.shape == (1, n)
-            and x.dtype == torch.float32
-            and y.dtype in (torch.float32, torch.bfloat16)
-            and x.is_contiguous()
-            and y.is_contiguous()
-        ):
-            raise ValueError(f"rms_norm_add takes contiguous rows of {n}: {tuple(x.shape)}, {tuple(y.shape)}")
-        self._norm_add(y.data_ptr(), TYPES[y.dtype], weight.data_ptr(), n, eps, x.data_ptr())
+        n = weight.shape[0] if weight.dim() == 1 else -1
+        if not x.shape == y.shape == (1, n):
+            raise ValueError(
+                f"rms_norm_add takes rows of its {n} factors: {tuple(x.shape)}, {tuple(y.shape)}"
+            )
+        added = address(y, BF16 if y.dtype == BF16 else F32, n, "rms_norm_add's normed row")
+        factors = address(weight, F32, n, "rms_norm_add's factors")
+        self._norm_add(added, TYPES[y.dtype], factors, n, eps, address(x, F32, n, "rms_norm_add's residual"))
 
     def gated_bf16(self, gate_up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
         """``act(gate) * up`` for one row ``gate_up`` = [gate, up] (1, 2n) bfloat16, computed in float32 and
         rounded to bfloat16 (1, n); ``activation`` one of :data:`ACTIVATIONS`."""
-        if gate_up.dtype != torch.bfloat16 or not gate_up.is_contiguous() or gate_up.shape[-1] % 2:
-            raise ValueError(f"gated_bf16 takes one contiguous bfloat16 row, not {tuple(gate_up.shape)}")
+        if gate_up.dim() == 0 or gate_up.shape[-1] % 2:
+            raise ValueError(f"gated_bf16 takes one row of gate and up, not {tuple(gate_up.shape)}")
         if activation not in ACTIVATIONS:
             raise ValueError(f"gated_bf16 computes {', '.join(ACTIVATIONS)}, not {activation!r}")
         n = gate_up.shape[-1] // 2
+        at = address(gate_up, BF16, 2 * n, "gated_bf16's row")
         out = torch.empty(1, n, dtype=torch.bfloat16)
-        self._gated(gate_up.data_ptr(), n, ACTIVATIONS[activation], out.data_ptr())
+        self._gated(at, n, ACTIVATIONS[activation], out.data_ptr())
         return out
 
     def int8_gemv(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -309,17 +312,20 @@ class NativeKernels:
         ``scale`` (N,) bfloat16, out (M, N) bfloat16: torch's ``_weight_int8pack_mm``, which reads a large
         weight (an output head) at a third of the bandwidth (experiments/speed/native_bench.py). The weight is
         read once for all rows, and each row's output is the one it gets alone (batched decoding)."""
+        if weight.dim() != 2:
+            raise ValueError(f"int8_gemv takes a weight of (rows, columns), not {tuple(weight.shape)}")
         n, k = weight.shape
         x = x.to(torch.bfloat16)
-        if x.dim() != 2 or x.shape[1] != k or not (x.is_contiguous() and weight.is_contiguous()):
-            raise ValueError(f"int8_gemv takes contiguous rows of {k}, not {tuple(x.shape)}")
-        if weight.dtype != torch.int8 or scale.dtype != torch.bfloat16 or scale.numel() != n:
-            raise ValueError("int8_gemv takes int8 weights with one bfloat16 scale per row")
-        if not scale.is_contiguous():
-            raise ValueError("int8_gemv takes contiguous scales")
+        if x.dim() != 2 or x.shape[1] != k or scale.numel() != n:
+            raise ValueError(
+                f"int8_gemv takes rows of {k} and {n} scales, not {tuple(x.shape)}, {scale.numel()}"
+            )
         m = x.shape[0]
+        rows = address(x, BF16, m * k, "int8_gemv's rows")
+        w = address(weight, torch.int8, n * k, "int8_gemv's weight")
+        scales = address(scale, BF16, n, "int8_gemv's scales")
         out = torch.empty(m, n, dtype=torch.bfloat16)
-        if self._gemv(x.data_ptr(), weight.data_ptr(), scale.data_ptr(), m, n, k, out.data_ptr()):
+        if self._gemv(rows, w, scales, m, n, k, out.data_ptr()):
             raise MemoryError(f"int8_gemv: no scratch space for {m} rows of {k}")
         return out
 
@@ -335,11 +341,6 @@ def rotation_fits(rotation: tuple[torch.Tensor, torch.Tensor], d: int) -> bool:
         and cos.numel() == sin.numel() <= d
         and cos.numel() % 2 == 0
     )
-
-
-def _norm_weight_fits(weight: torch.Tensor) -> bool:
-    """Whether a norm's ``weight`` is the (n,) contiguous float32 factors the C norms read."""
-    return weight.dim() == 1 and weight.dtype == torch.float32 and weight.is_contiguous()
 
 
 def _chunks(hkv: int, n: int, threads: int) -> int:

@@ -203,14 +203,18 @@ int quant_dequant_bf16(int type, const uint8_t *w, long n_out, long n_in, uint16
     return failed;
 }
 
-/* y (n, n_in) float32 = rows ids[0..n) of the stored rows W of `type` (row_bytes apart), gguf's dequantized
- * values: an embedding table held as its blocks, looked up a few rows a token. Returns 2 for a type or size
- * it does not take (an interleaved form among them: its rows are not stored one after another). */
-int quant_rows_f32(int type, const uint8_t *w, long row_bytes, const int64_t *ids, long n, long n_in, float *y) {
+/* y (n, n_in) float32 = rows ids[0..n) of the n_rows stored rows W of `type` (row_bytes apart), gguf's
+ * dequantized values: an embedding table held as its blocks, looked up a few rows a token. Returns 2 for a type
+ * or size it does not take (an interleaved form among them: its rows are not stored one after another), 3 for
+ * an id outside [0, n_rows) (nothing read: a token id past the table never reads past its end). */
+int quant_rows_f32(int type, const uint8_t *w, long row_bytes, long n_rows, const int64_t *ids, long n, long n_in,
+                   float *y) {
     long bv = block_values(type);
     loops L;
     if (bv == 0 || IS_X8(type) || n_in % bv != 0 || n < 0 || row_bytes != n_in / bv * block_bytes(type)) return 2;
     if (!find_loops(type, 1, &L)) return 2;
+    for (long i = 0; i < n; i++)
+        if (ids[i] < 0 || ids[i] >= n_rows) return 3;
 #pragma omp parallel for schedule(static) if (n > 64)
     for (long i = 0; i < n; i++) L.dequant(type, w + ids[i] * row_bytes, n_in / bv, y + i * n_in);
     return 0;

@@ -27,6 +27,7 @@ import torch
 
 from selfextend.native.blocktypes import BLOCK_KINDS, INTERLEAVED, block_shape, c_header, c_sources
 from selfextend.native.build import TYPES, Sources, bind, kernels
+from selfextend.native.guard import address
 
 SOURCE = Sources(c_sources(), (("blocktypes.h", c_header()),))  # the driver, each family's loops, the table
 PORTABLE_ENV = "SELFEXTEND_QUANT_PORTABLE"
@@ -70,8 +71,8 @@ class QuantKernels:
         # an older quant.c built to be timed beside this one (experiments/speed/row_products.py --against)
         # lacks it
         rows, x8 = getattr(lib, "quant_rows_f32", None), getattr(lib, "quant_rows_x8_f32", None)
-        self._rows = None if rows is None else bind(rows, [i32, ptr, long, ptr, long, long, ptr], i32)
-        self._rows_x8 = None if x8 is None else bind(x8, [i32, ptr, long, ptr, long, long, ptr], i32)
+        self._rows = None if rows is None else bind(rows, [i32, ptr, long, long, ptr, long, long, ptr], i32)
+        self._rows_x8 = None if x8 is None else bind(x8, [i32, ptr, long, long, ptr, long, long, ptr], i32)
         interleaves = getattr(lib, "quant_interleaves", None)  # and this
         self._interleaves = None if interleaves is None else bind(interleaves, [i32], i32)
         self.address = ctypes.cast(
@@ -87,16 +88,16 @@ class QuantKernels:
         (others are taken as float32). ValueError for shapes that do not fit."""
         if x.dtype not in (torch.float32, torch.bfloat16):
             x = x.float()
-        _check(blocks, kind, x.shape[-1])
+        w = _check(blocks, kind, x.shape[-1])
         x = x.reshape(-1, x.shape[-1]).contiguous()
         (m, k), n = x.shape, blocks.shape[0]
         out = torch.empty(m, n, dtype=out_dtype)
         failed = self._mm(
             kind,
-            blocks.data_ptr(),
+            w,
             n,
             k,
-            x.data_ptr(),
+            address(x, x.dtype, m * k, "quant_mm's rows"),
             TYPES[x.dtype],
             m,
             out.data_ptr(),
@@ -119,27 +120,30 @@ class QuantKernels:
         """(N, n_in) bfloat16: the weight rows of ``blocks`` of type ``kind`` (as :meth:`__call__` takes
         them), each value gguf's dequantisation rounded to nearest even. ValueError for shapes that do
         not fit."""
-        _check(blocks, kind, n_in)
+        w = _check(blocks, kind, n_in)
         out = torch.empty(blocks.shape[0], n_in, dtype=torch.bfloat16)
-        if self._dequant(kind, blocks.data_ptr(), blocks.shape[0], n_in, out.data_ptr()):
+        if self._dequant(kind, w, blocks.shape[0], n_in, out.data_ptr()):
             raise MemoryError(f"quant_dequant_bf16: no scratch space for rows of {n_in}")
         return out
 
     def rows(self, blocks: torch.Tensor, kind: int, n_in: int, ids: torch.Tensor) -> torch.Tensor:
-        """(len(ids), n_in) float32: rows ``ids`` (int64, in range) of the blocks of type ``kind`` (stored, or
-        an interleaved form: row r is lane r % 8 of group r // 8, ``rows.c``), gguf's dequantized values of
-        the stored rows bit for bit, all in one call. ValueError for shapes that do not fit."""
-        _check(blocks, kind, n_in)
+        """(len(ids), n_in) float32: rows ``ids`` (int64) of the blocks of type ``kind`` (stored, or an
+        interleaved form: row r is lane r % 8 of group r // 8, ``rows.c``), gguf's dequantized values of
+        the stored rows bit for bit, all in one call. ValueError for shapes that do not fit and for an id
+        outside the rows the blocks hold (the C checks them too: it is given their count)."""
+        w = _check(blocks, kind, n_in)
         lookup = self._rows_x8 if kind in INTERLEAVED.values() else self._rows
         if lookup is None:
             raise RuntimeError(f"{self.library.name} has no row lookups for GGUF type {kind} (older sources)")
         ids = ids.reshape(-1).to(torch.int64).contiguous()
-        out = torch.empty(ids.shape[0], n_in)
-        failed = lookup(
-            kind, blocks.data_ptr(), blocks.shape[1], ids.data_ptr(), ids.shape[0], n_in, out.data_ptr()
-        )
+        n_rows, n = blocks.shape[0], ids.shape[0]
+        out = torch.empty(n, n_in)
+        at = address(ids, torch.int64, n, "the row lookup's ids")
+        failed = lookup(kind, w, blocks.shape[1], n_rows, at, n, n_in, out.data_ptr())
         if failed == 1:
             raise MemoryError(f"quant_rows_x8_f32: no scratch space for a group of rows of {n_in}")
+        if failed == 3:
+            raise ValueError(f"token ids must lie in [0, {n_rows}) (the table's rows), got {_span(ids)}")
         if failed:
             raise ValueError(f"GGUF type {kind} rows of {n_in} values are not looked up")
         return out
@@ -159,19 +163,27 @@ class QuantKernels:
         return out
 
 
-def _check(blocks: torch.Tensor, kind: int, k: int) -> None:
-    """ValueError where ``blocks`` are not (N, bytes per row) uint8 of ``kind`` for rows of ``k`` values."""
+def _span(ids: torch.Tensor) -> str:
+    return f"{int(ids.min())}..{int(ids.max())}" if ids.numel() else "none"
+
+
+def _check(blocks: torch.Tensor, kind: int, k: int) -> int:
+    """The address of ``blocks``; ValueError where they are not (N, bytes per row) uint8 of ``kind`` for rows
+    of ``k`` values, contiguous on the CPU (:func:`~selfextend.native.guard.address`)."""
     if kind not in BLOCK_KINDS and kind not in INTERLEAVED.values():
         raise ValueError(f"quant_mm computes GGUF types {sorted(BLOCK_KINDS)}, not {kind}")
     values, size = block_shape(kind)
-    if k < 1 or blocks.shape[0] < 1:
-        raise ValueError(f"quant_mm takes weights of a row and a value or more, not {blocks.shape[0]}x{k}")
-    if blocks.dtype != torch.uint8 or blocks.dim() != 2 or not blocks.is_contiguous():
+    if blocks.dim() != 2 or k < 1 or blocks.shape[0] < 1:
+        raise ValueError(
+            f"quant_mm takes weights of a row and a value or more, not {tuple(blocks.shape)}, {k}"
+        )
+    if blocks.dtype != torch.uint8 or not blocks.is_contiguous():
         raise ValueError("quant_mm takes the blocks as contiguous (rows, bytes per row) uint8")
     if k % values or blocks.shape[1] != k // values * size:
         raise ValueError(f"quant_mm: rows of {k} values do not fit blocks of {blocks.shape[1]} bytes")
     if kind in INTERLEAVED.values() and blocks.shape[0] % 8:
         raise ValueError(f"quant_mm: an interleaved form holds rows in eights, not {blocks.shape[0]}")
+    return address(blocks, torch.uint8, blocks.shape[0] * blocks.shape[1], "quant_mm's blocks")
 
 
 @functools.cache

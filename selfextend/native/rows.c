@@ -6,17 +6,20 @@
  * the row kept; gguf's values either way. */
 #include "quant.h"
 
-/* y (n, n_in) float32 = rows ids[0..n) (each in range) of W of the interleaved `type`, held as groups of 8
- * rows of row_bytes each: gguf's dequantized values of the stored rows, bit for bit. A decode step looks
- * up a row and a prompt a row a token, in one call: small beside the products of the token, even where a
- * row costs its group's dequantisation (8 rows of n_in values). Returns 0, 1 where scratch memory could
- * not be had, 2 for a type or size it does not take (a stored type among them: quant_rows_f32 takes those). */
-int quant_rows_x8_f32(int type, const uint8_t *w, long row_bytes, const int64_t *ids, long n, long n_in,
-                      float *y) {
+/* y (n, n_in) float32 = rows ids[0..n) of the n_rows rows (a multiple of 8) of W of the interleaved `type`,
+ * held as groups of 8 rows of row_bytes each: gguf's dequantized values of the stored rows, bit for bit. A
+ * decode step looks up a row and a prompt a row a token, in one call: small beside the products of the
+ * token, even where a row costs its group's dequantisation (8 rows of n_in values). Returns 0, 1 where
+ * scratch memory could not be had, 2 for a type or size it does not take (a stored type among them:
+ * quant_rows_f32 takes those), 3 for an id outside [0, n_rows) (nothing read). */
+int quant_rows_x8_f32(int type, const uint8_t *w, long row_bytes, long n_rows, const int64_t *ids, long n,
+                      long n_in, float *y) {
     long bv = block_values(type);
     loops L;
     if (bv == 0 || !IS_X8(type) || n_in % bv != 0 || n < 0 || row_bytes != n_in / bv * block_bytes(type)) return 2;
-    if (!find_loops(type, 1, &L) || L.dequant == NULL) return 2;
+    if (n_rows % 8 != 0 || !find_loops(type, 1, &L) || L.dequant == NULL) return 2;
+    for (long i = 0; i < n; i++)
+        if (ids[i] < 0 || ids[i] >= n_rows) return 3;
     int failed = 0;
 #pragma omp parallel if (n > 64) reduction(| : failed)
     {

@@ -94,7 +94,7 @@ def create_app(engine: Engine, settings: Settings) -> FastAPI:
     max_prompt = settings.max_prompt_tokens or PROMPT_CELLS * engine.n_ctx
 
     def completion(request: CompletionRequest) -> Prompt:
-        return completion_prompt(engine.tokenizer, request.prompt, request.n_keep)
+        return completion_prompt(engine.tokenizer, request.prompt, request.n_keep, engine.vocab)
 
     def chat(request: ChatRequest) -> Prompt:
         try:

@@ -65,6 +65,9 @@ class Engine:
         cache_ram: int = 0,
     ) -> None:
         self.model, self.tokenizer, self.n_ctx = model, tokenizer, n_ctx
+        # the ids a prompt may hold: the tokenizer's, and never past the rows the embedding table stores
+        table = model.get_input_embeddings()
+        self.vocab = min(len(tokenizer), getattr(table, "num_embeddings", len(tokenizer)))
         set_chunk_engine(model, default="int8")
         self.cache_reuse, self.max_queue, self.prefill_chunk = cache_reuse, max_queue, prefill_chunk
         self.eos = eos_token_ids(model, tokenizer)

@@ -88,9 +88,12 @@ def _keep(n_keep: int | None, default: int, n: int) -> int:
     return n if n_keep == -1 else min(n_keep, n)
 
 
-def completion_prompt(tokenizer, prompt: str | list[str] | list[int], n_keep: int | None) -> Prompt:
+def completion_prompt(
+    tokenizer, prompt: str | list[str] | list[int], n_keep: int | None, vocab: int | None = None
+) -> Prompt:
     """A completion prompt: text (a one-element list of text too) or token ids. :class:`APIError` for more
-    than one prompt or an id outside the vocabulary."""
+    than one prompt or an id outside the vocabulary: ``[0, vocab)``, the ids the model's embedding table
+    holds rows for (the engine's ``vocab``), else the tokenizer's."""
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
         if len(prompt) != 1:
             raise APIError(400, "one prompt per request (n = 1)", "prompt")
@@ -99,9 +102,9 @@ def completion_prompt(tokenizer, prompt: str | list[str] | list[int], n_keep: in
         check_text(prompt, "prompt")
         ids = list(tokenizer(prompt).input_ids) if prompt else []
     else:
-        ids = list(prompt)
-        if any(not 0 <= t < len(tokenizer) for t in ids):
-            raise APIError(400, f"token ids must be in [0, {len(tokenizer)})", "prompt")
+        ids, vocab = list(prompt), len(tokenizer) if vocab is None else vocab
+        if any(not 0 <= t < vocab for t in ids):
+            raise APIError(400, f"token ids must be in [0, {vocab})", "prompt")
     return Prompt(ids, _keep(n_keep, 0, len(ids)))
 
 

@@ -1,0 +1,172 @@
+"""A GGUF's header, metadata and tensor table walked once before anything trusts them.
+
+``gguf``'s reader takes a tensor's dimensions as they come: their product is taken in uint64 (a count
+past 2^64 wraps), a zero or huge dimension is a shape like any other, and it builds a Python object for
+every string of the vocabulary (a minute for 4M tokens) before anyone can look at the table. This walk
+reads only counts and lengths, refusing in one line naming the key or tensor: anything that ends past the
+end of the file, an unknown type, a dimension that is zero or makes the tensor's byte count overflow,
+rows that are not whole blocks of the tensor's type, a tensor named twice, and a vocabulary longer than
+the embedding table (a token id past the table's rows would read memory past it). What it accepts,
+``gguf``'s reader then parses (:func:`~selfextend.models.gguf.checked_reader`).
+"""
+
+from __future__ import annotations
+
+import mmap
+import struct
+from pathlib import Path
+
+from selfextend.hf.facts import ModelError
+
+MAX_DIMS = 4  # GGML_MAX_DIMS
+MAX_BYTES = 1 << 62  # no tensor's byte count (nor offset) can reach it: the sums below stay in int64
+_SCALARS = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # value type -> bytes
+STRING, ARRAY, U32, U64 = 8, 9, 4, 10
+TOKENS, EMBEDDING = "tokenizer.ggml.tokens", "token_embd.weight"
+
+
+class _Walk:
+    """A cursor over the file's bytes that refuses, naming ``what`` it was reading, to pass their end."""
+
+    def __init__(self, data: mmap.mmap | bytes, path: Path) -> None:
+        self.data, self.at, self.path = data, 0, path
+
+    def take(self, n: int, what: str) -> int:
+        if n < 0 or self.at + n > len(self.data):
+            raise ModelError(f"{self.path} is truncated or corrupted: {what} ends past the end of the file")
+        start, self.at = self.at, self.at + n
+        return start
+
+    def u32(self, what: str) -> int:
+        return struct.unpack_from("<I", self.data, self.take(4, what))[0]
+
+    def u64(self, what: str) -> int:
+        return struct.unpack_from("<Q", self.data, self.take(8, what))[0]
+
+    def string(self, what: str) -> str:
+        n = self.u64(what)
+        start = self.take(n, what)
+        return bytes(self.data[start : start + n]).decode("utf-8", errors="replace")
+
+    def value(self, kind: int, what: str) -> int | str | tuple | None:
+        """Skip (or read: an integer, a string) one value of GGUF type ``kind``; ("array", its count)."""
+        if kind == STRING:
+            return self.string(what)
+        if kind == ARRAY:
+            item, count = self.u32(what), self.u64(what)
+            if item == STRING:
+                for _ in range(count):  # lengths only: 4M tokens in about a second
+                    self.take(self.u64(what), what)
+            elif item in _SCALARS:
+                self.take(count * _SCALARS[item], what)
+            else:
+                raise ModelError(f"{self.path}: metadata key {what} holds an array of unknown type {item}")
+            return ("array", count)  # type: ignore[return-value]
+        if kind not in _SCALARS:
+            raise ModelError(f"{self.path}: metadata key {what} has an unknown value type {kind}")
+        start = self.take(_SCALARS[kind], what)
+        return (
+            int.from_bytes(self.data[start : start + _SCALARS[kind]], "little")
+            if kind in (U32, U64)
+            else None
+        )
+
+
+def check_table(path: Path) -> None:
+    """Walk the GGUF at ``path`` (its magic already checked); ModelError naming the key or tensor at fault."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        walk = _Walk(data, path)
+        walk.take(4, "the magic")
+        version = walk.u32("the header")
+        if version not in (2, 3):
+            raise ModelError(f"{path}: GGUF version {version} (this reads versions 2 and 3)")
+        n_tensors, n_kv = walk.u64("the header"), walk.u64("the header")
+        if max(n_tensors, n_kv) > len(data):
+            raise ModelError(f"{path} is truncated or corrupted: it says {n_tensors} tensors, {n_kv} keys")
+        values = {}
+        for _ in range(n_kv):
+            key = walk.string("a metadata key")
+            values[key] = walk.value(walk.u32(f"metadata key {key}"), f"metadata key {key}")
+        seen: dict[str, tuple[int, ...]] = {}
+        ends: dict[str, int] = {}  # each tensor's end in the data section
+        for _ in range(n_tensors):
+            name = walk.string("a tensor's name")
+            what = f"tensor {name}'s entry"
+            n_dims = walk.u32(what)
+            if not 1 <= n_dims <= MAX_DIMS:
+                raise ModelError(
+                    f"{path}: tensor {name} has {n_dims} dimensions (GGUF holds 1 to {MAX_DIMS})"
+                )
+            dims = tuple(walk.u64(what) for _ in range(n_dims))
+            kind, offset = walk.u32(what), walk.u64(what)
+            if name in seen:
+                raise ModelError(f"{path}: tensor {name} is named twice")
+            if kind not in GGML_QUANT_SIZES:
+                raise ModelError(f"{path}: tensor {name} has an unknown type {kind}")
+            values_per_block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
+            if 0 in dims:
+                raise ModelError(f"{path}: tensor {name} has a zero-size dimension {dims}")
+            if dims[0] % values_per_block:
+                raise ModelError(
+                    f"{path}: tensor {name}'s rows of {dims[0]} values are not whole "
+                    f"{GGMLQuantizationType(kind).name} blocks of {values_per_block}"
+                )
+            count = 1
+            for n in dims:
+                count *= n  # Python integers: no wrap
+            if count // values_per_block * block_bytes >= MAX_BYTES or offset >= MAX_BYTES:
+                raise ModelError(f"{path}: tensor {name}'s dimensions {dims} overflow its byte count")
+            seen[name], ends[name] = dims, offset + count // values_per_block * block_bytes
+        alignment = values.get("general.alignment")
+        alignment = alignment if isinstance(alignment, int) and alignment > 0 else 32
+        start = (walk.at + alignment - 1) // alignment * alignment
+        for name, end in ends.items():
+            if start + end > len(data):
+                raise ModelError(f"{path} is truncated: tensor {name} ends past the end of the file")
+        _check_vocabulary(path, values, seen)
+        _check_sizes(path, values, seen)
+
+
+def _check_vocabulary(path: Path, values: dict, tensors: dict[str, tuple[int, ...]]) -> None:
+    """ModelError where the vocabulary (the token list, or the architecture's ``vocab_size`` key) is longer
+    than the embedding table's rows: the tokenizer, and a client, could then name a row it does not hold."""
+    table = tensors.get(EMBEDDING)
+    if table is None or len(table) < 2:
+        return
+    rows = table[1]  # GGUF dimensions go columns first
+    size_key = f"{values.get('general.architecture')}.vocab_size"
+    for key in (TOKENS, size_key):
+        tokens = values.get(key)
+        tokens = tokens[1] if isinstance(tokens, tuple) else tokens
+        if isinstance(tokens, int) and tokens > rows:
+            raise ModelError(
+                f"{path}: {key} says {tokens} tokens, but {EMBEDDING} holds {rows} rows (a token id past "
+                f"them would read past the table)"
+            )
+
+
+SIZES = (
+    "embedding_length",
+    "feed_forward_length",
+    "attention.head_count",
+    "attention.head_count_kv",
+    "vocab_size",
+)
+
+
+def _check_sizes(path: Path, values: dict, tensors: dict[str, tuple[int, ...]]) -> None:
+    """ModelError naming the key where a size the config is made from is zero, or larger than every dimension
+    of every tensor (no tensor can then have the shape it implies: refused before a model of that size is
+    built), where the block count passes the tensors, or the query heads are no multiple of the KV heads."""
+    arch = values.get("general.architecture")
+    largest = max((n for dims in tensors.values() for n in dims), default=0)
+    for name in (*SIZES, "block_count"):
+        key, value = f"{arch}.{name}", values.get(f"{arch}.{name}")
+        bound = len(tensors) if name == "block_count" else largest
+        if isinstance(value, int) and not 1 <= value <= bound:
+            raise ModelError(f"{path}: {key} is {value}, where the tensors allow 1 to {bound}")
+    heads, kv = (values.get(f"{arch}.attention.{k}") for k in ("head_count", "head_count_kv"))
+    if isinstance(heads, int) and isinstance(kv, int) and heads % kv:
+        raise ModelError(f"{path}: {arch}.attention.head_count_kv {kv} does not divide head_count {heads}")
