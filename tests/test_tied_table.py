@@ -48,7 +48,8 @@ def tied(
 
 def stored_table(table: BlockEmbedding) -> BlockEmbedding:
     """The same table held as the GGUF stores its rows (a copy of its own)."""
-    raw = torch.from_numpy(unpack8(table.blocks.numpy(), table.kind))
+    interleaved = table.kind in INTERLEAVED.values()
+    raw = torch.from_numpy(unpack8(table.blocks.numpy(), table.kind)) if interleaved else table.blocks.clone()
     return BlockEmbedding(raw, base_kind(table.kind), table.embedding_dim, table.embed_scale, table.dtype)
 
 
@@ -64,10 +65,13 @@ def swapped(model: torch.nn.Module, table: torch.nn.Module) -> Iterator[None]:
 
 
 def shared(model: torch.nn.Module) -> bool:
-    """Whether the table and the head hold one storage, in the head's interleaved form."""
+    """Whether the table and the head hold one storage, in the head's form: interleaved where this CPU's
+    kernels interleave the type (on a Xeon with AVX-512 the K-quants keep their stored rows)."""
     table, head = model.model.embed_tokens, model.lm_head
     same = table.blocks.untyped_storage().data_ptr() == head.blocks.untyped_storage().data_ptr()
-    return same and table.kind == head.kind == INTERLEAVED[base_kind(table.kind)]
+    base = base_kind(table.kind)
+    form = INTERLEAVED[base] if quant_kernels().interleaves(base) else base
+    return same and table.kind == head.kind == form
 
 
 def test_the_table_is_held_once_with_the_stored_tables_logits(tied) -> None:

@@ -255,15 +255,16 @@ def _check_sizes(model: nn.Module, sizes: dict[str, tuple[int, int] | None]) -> 
 def _tie_head(model: nn.Module) -> None:
     """A tied output head shares the embedding (float) or is quantised from it (int8, if still empty;
     an int4 head was filled from its own blocks); a block head saved without its bytes (they were the
-    block table's) takes the table's; a block table whose head holds its rows interleaved looks its rows
-    up in the head's bytes (:class:`BlockEmbedding`), its stored copy dropped: the table is held once."""
+    block table's) takes the table's; a block table looks its rows up in the head's bytes, as stored or
+    interleaved (:class:`BlockEmbedding`), its own copy dropped: the table is held once."""
     head, embed = model.get_output_embeddings(), model.get_input_embeddings()
     tied = getattr(model.config.get_text_config(), "tie_word_embeddings", False)
     if tied and isinstance(head, BlockLinear) and isinstance(embed, BlockEmbedding):
+        same = head.kind in (embed.kind, INTERLEAVED.get(embed.kind))
         if head.blocks.is_meta:
             head.blocks = embed.blocks  # saved once: the head read the table's bytes as they are
-        elif head.kind == INTERLEAVED.get(embed.kind) and head.blocks.shape[0] == embed.num_embeddings:
-            embed.blocks = head.blocks  # the same rows, rearranged when the head took them (interleave)
+        elif same and head.blocks.shape[0] == embed.num_embeddings:
+            embed.blocks = head.blocks  # the same rows, as stored or rearranged when the head took them
             embed.set_kind(head.kind)
         return
     if not tied or head is None or isinstance(head, Int4Linear | BlockLinear):
