@@ -173,10 +173,10 @@ def _check(blocks: torch.Tensor, kind: int, k: int) -> int:
     if kind not in BLOCK_KINDS and kind not in INTERLEAVED.values():
         raise ValueError(f"quant_mm computes GGUF types {sorted(BLOCK_KINDS)}, not {kind}")
     values, size = block_shape(kind)
-    if blocks.dim() != 2 or k < 1 or blocks.shape[0] < 1:
-        raise ValueError(
-            f"quant_mm takes weights of a row and a value or more, not {tuple(blocks.shape)}, {k}"
-        )
+    if blocks.dim() != 2:
+        raise ValueError(f"quant_mm takes the blocks as (rows, bytes per row), not {tuple(blocks.shape)}")
+    if k < 1 or blocks.shape[0] < 1:
+        raise ValueError(f"quant_mm takes weights of a row and a value or more, not {blocks.shape[0]}x{k}")
     if blocks.dtype != torch.uint8 or not blocks.is_contiguous():
         raise ValueError("quant_mm takes the blocks as contiguous (rows, bytes per row) uint8")
     if k % values or blocks.shape[1] != k // values * size:
