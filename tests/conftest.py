@@ -163,6 +163,16 @@ def tiny_dir(tmp_path_factory) -> Path:
     return d
 
 
+@pytest.fixture(scope="module")
+def tiny(tiny_dir):
+    """(the tiny model of ``tiny_dir``, its tokenizer): a Llama with the default model's vocabulary."""
+    from transformers import AutoTokenizer
+
+    model = LlamaForCausalLM.from_pretrained(tiny_dir).eval()
+    model.requires_grad_(False)
+    return model, AutoTokenizer.from_pretrained(tiny_dir)
+
+
 @pytest.fixture(autouse=True)
 def _no_default_compile(monkeypatch: pytest.MonkeyPatch) -> None:
     """Commands decode eagerly unless a test asks for ``--compile`` (also in the commands tests start as

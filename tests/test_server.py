@@ -17,17 +17,9 @@ import openai
 import pytest
 import torch
 from server_util import connect, request, serve_process, serving, side_by_side
-from transformers import AutoTokenizer, LlamaForCausalLM
 
 import selfextend
 from selfextend.generation.generator import eos_token_ids
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_dir):
-    model = LlamaForCausalLM.from_pretrained(tiny_dir).eval()
-    model.requires_grad_(False)
-    return model, AutoTokenizer.from_pretrained(tiny_dir)
 
 
 @pytest.fixture(scope="module")

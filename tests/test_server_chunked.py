@@ -6,22 +6,13 @@ from __future__ import annotations
 
 import threading
 
-import pytest
 import torch
-from transformers import AutoTokenizer, LlamaForCausalLM
 
 from selfextend.generation.generator import Generator
 from selfextend.generation.sampling import SamplingParams
 from selfextend.server.engine import Engine, Job
 
 CHUNK = 16
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_dir):
-    model = LlamaForCausalLM.from_pretrained(tiny_dir).eval()
-    model.requires_grad_(False)
-    return model, AutoTokenizer.from_pretrained(tiny_dir)
 
 
 class Recorder:

@@ -11,7 +11,6 @@ import time
 import openai
 import pytest
 from server_util import request, serving
-from transformers import AutoTokenizer, LlamaForCausalLM
 
 from selfextend.generation.generator import TextStream
 from selfextend.server import schemas
@@ -23,13 +22,6 @@ BOOL_A = {
     "additionalProperties": False,
 }
 ASK = [{"role": "user", "content": "Is the sea blue? Answer as JSON."}]
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_dir):
-    model = LlamaForCausalLM.from_pretrained(tiny_dir).eval()
-    model.requires_grad_(False)
-    return model, AutoTokenizer.from_pretrained(tiny_dir)
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from server_util import request, serving
-from transformers import AutoTokenizer, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 import selfextend
 from selfextend.cli.main import main
@@ -181,13 +181,6 @@ def test_file_of_the_previous_format_resumes(runs, tiny_dir, tmp_path):
 
 
 # --- slot files ------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_dir):
-    model = LlamaForCausalLM.from_pretrained(tiny_dir).eval()
-    model.requires_grad_(False)
-    return model, AutoTokenizer.from_pretrained(tiny_dir)
 
 
 def fill_and_save(base: str, name: str) -> int:

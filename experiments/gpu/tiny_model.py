@@ -7,27 +7,21 @@ the GPU checks run the CLI's commands on (a GPU machine cannot convert the defau
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import AutoTokenizer, LlamaForCausalLM
 
 from selfextend.models import ensure_converted, resolve_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
+from conftest import real_vocab_config  # noqa: E402  (the suite's tiny model for this tokenizer)
 
 
 def main(out: str) -> None:
     tokenizer = AutoTokenizer.from_pretrained(ensure_converted(resolve_model("smollm2-135m")))
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=True,
-        initializer_range=0.15,  # sharp attention: positions matter
-    )
+    config = real_vocab_config(len(tokenizer), intermediate_size=128, initializer_range=0.15)  # sharp
     LlamaForCausalLM(config).save_pretrained(out)
     tokenizer.save_pretrained(out)
 
