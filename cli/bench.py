@@ -147,7 +147,7 @@ def bench(
     from selfextend.cli.options import load_with_self_extend
     from selfextend.evaluation.results import append_jsonl
     from selfextend.evaluation.sweep import parse_lengths
-    from selfextend.generation.generator import decode_settings
+    from selfextend.generation.settings import decode_settings
 
     timed_forms = [f.strip() for f in forms.split(",") if f.strip()]
     if not timed_forms or set(timed_forms) - {"int8", "int4", "gguf"}:

@@ -91,7 +91,7 @@ def chat(
     from selfextend.cli.options import load_with_self_extend
     from selfextend.cli.resume import in_use, model_id, resume
     from selfextend.cli.stream import Output, prefill_bar
-    from selfextend.generation.generator import decode_settings
+    from selfextend.generation.settings import decode_settings
 
     system = system_prompt(system, system_file)
     if session_file:

@@ -71,16 +71,9 @@ def generate(
     from selfextend.cli.options import load_with_self_extend
     from selfextend.cli.stream import Output, prefill_bar
     from selfextend.evaluation.corpus import read_stdin, read_text_file
-    from selfextend.generation.generator import (
-        GenerationStats,
-        Generator,
-        StopMatcher,
-        TextStream,
-        build_prompt,
-        decode_settings,
-        eos_token_ids,
-        run,
-    )
+    from selfextend.generation.generator import GenerationStats, Generator, run
+    from selfextend.generation.settings import decode_settings
+    from selfextend.generation.text import StopMatcher, TextStream, build_prompt, eos_token_ids
     from selfextend.kv.cache import ContextShiftCache
 
     check_cache(ctx, keep)

@@ -18,7 +18,7 @@ from selfextend.cli.options import (
     weights_option,
 )
 
-CACHE_TYPES = ("f32", "bf16", "f16")  # generation.generator.CACHE_DTYPES's names
+CACHE_TYPES = ("f32", "bf16", "f16")  # generation.settings.CACHE_DTYPES's names
 
 
 def system_options(f: Callable) -> Callable:

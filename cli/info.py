@@ -80,7 +80,7 @@ def info(model_arg: str | None, model_opt: str | None, group_size: int, window: 
     import torch
 
     from selfextend.core.positions import max_length, validate
-    from selfextend.generation.generator import NATIVE_CACHE_TYPE, native_cells_default
+    from selfextend.generation.settings import NATIVE_CACHE_TYPE, native_cells_default
     from selfextend.kv.cache import sliding_cells
     from selfextend.models import model_facts
     from selfextend.models.load import read_config

@@ -131,7 +131,7 @@ def serve(
 
     from selfextend.cli.generate import warn_beyond_reach
     from selfextend.cli.options import load_with_self_extend
-    from selfextend.generation.generator import decode_settings
+    from selfextend.generation.settings import decode_settings
     from selfextend.models.heap import bound_heap_growth
     from selfextend.server.app import Settings, create_app
     from selfextend.server.engine import Engine

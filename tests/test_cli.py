@@ -78,7 +78,7 @@ def test_info_cache_type_is_generates_default(tiny_dir, monkeypatch, native):
     runs, else the float32 model's own type), in the bytes such a cache allocates."""
     import torch
 
-    from selfextend.generation import generator
+    from selfextend.generation import settings as generator
     from selfextend.kv.cache import ContextShiftCache
     from selfextend.models import load_model
 

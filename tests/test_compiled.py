@@ -235,7 +235,7 @@ def test_decode_settings_defaults() -> None:
     kernels; the model's dtype with the compiled step; the CLI's names are the library's."""
     from selfextend.cli.generation_options import CACHE_TYPES
     from selfextend.core.validate import ValidationError
-    from selfextend.generation.generator import CACHE_DTYPES, decode_settings
+    from selfextend.generation.settings import CACHE_DTYPES, decode_settings
     from selfextend.native.decode import native_kernels
 
     model = make_model("llama")

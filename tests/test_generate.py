@@ -10,8 +10,8 @@ import torch
 from click.testing import CliRunner
 
 from selfextend.cli.main import main
-from selfextend.generation.generator import StopMatcher, TextStream
 from selfextend.generation.sampling import SamplingParams, argmax, distribution, sample
+from selfextend.generation.text import StopMatcher, TextStream
 
 NONE = torch.tensor([], dtype=torch.long)
 P = torch.tensor([0.5, 0.3, 0.15, 0.05])  # a distribution whose filtered sets are easy to work out by hand
@@ -380,8 +380,9 @@ def test_grammar_keeps_a_random_model_to_the_schema(tiny_dir):
     schema accepts, ended by an end-of-sequence token."""
     import jsonschema
 
-    from selfextend.generation.generator import Generator, eos_token_ids, run
+    from selfextend.generation.generator import Generator, run
     from selfextend.generation.grammar import Grammar
+    from selfextend.generation.text import eos_token_ids
     from selfextend.kv.cache import ContextShiftCache
     from selfextend.models import load_model
 

@@ -19,7 +19,7 @@ import torch
 from server_util import connect, request, serve_process, serving, side_by_side
 
 import selfextend
-from selfextend.generation.generator import eos_token_ids
+from selfextend.generation.text import eos_token_ids
 
 
 @pytest.fixture(scope="module")

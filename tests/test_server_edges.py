@@ -12,7 +12,7 @@ import openai
 import pytest
 from server_util import request, serving
 
-from selfextend.generation.generator import TextStream
+from selfextend.generation.text import TextStream
 from selfextend.server import schemas
 
 BOOL_A = {

@@ -21,7 +21,8 @@ import torch
 
 from selfextend.evaluation.passkey import ANSWER_TOKENS, build_passkey_prompt, is_correct
 from selfextend.evaluation.results import append_jsonl, read_jsonl
-from selfextend.generation.generator import CACHE_DTYPES, Generator
+from selfextend.generation.generator import Generator
+from selfextend.generation.settings import CACHE_DTYPES
 from selfextend.hf.patch import apply_self_extend
 from selfextend.kv.cache import ContextShiftCache
 from selfextend.models import load_model

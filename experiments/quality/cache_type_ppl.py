@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from selfextend.evaluation.corpus import default_books
-from selfextend.generation.generator import CACHE_DTYPES
+from selfextend.generation.settings import CACHE_DTYPES
 from selfextend.hf.facts import cache_kwargs
 from selfextend.hf.patch import apply_self_extend
 from selfextend.kv.cache import ContextShiftCache

@@ -20,7 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from selfextend.evaluation.corpus import default_books
-from selfextend.generation.generator import CACHE_DTYPES, Generator
+from selfextend.generation.generator import Generator
+from selfextend.generation.settings import CACHE_DTYPES
 from selfextend.kv.cache import ContextShiftCache
 from selfextend.models import load_model
 

@@ -17,8 +17,9 @@ from pathlib import Path
 import torch
 import transformers
 
-from selfextend.generation.generator import Generator, build_prompt
+from selfextend.generation.generator import Generator
 from selfextend.generation.sampling import SamplingParams
+from selfextend.generation.text import build_prompt
 from selfextend.kv.cache import ContextShiftCache
 from selfextend.models import load_model
 

@@ -30,7 +30,8 @@ import torch
 
 from selfextend.generation.compiled import FastDecode
 from selfextend.generation.decode import DecodeStep
-from selfextend.generation.generator import CACHE_DTYPES, Generator
+from selfextend.generation.generator import Generator
+from selfextend.generation.settings import CACHE_DTYPES
 from selfextend.hf.patch import apply_self_extend
 from selfextend.kv.cache import ContextShiftCache
 from selfextend.models import load_model

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from selfextend.bench.speed import read_bandwidth_gbs
 from selfextend.core.paths import cache_root
-from selfextend.generation.generator import CACHE_DTYPES
+from selfextend.generation.settings import CACHE_DTYPES
 from selfextend.native.build import build
 from selfextend.native.decode import SOURCE, NativeKernels
 

@@ -21,7 +21,8 @@ import torch
 from torch import nn
 
 from selfextend.core.validate import check_int
-from selfextend.generation.generator import Generator, decode_settings
+from selfextend.generation.generator import Generator
+from selfextend.generation.settings import decode_settings
 from selfextend.hf.facts import cache_kwargs
 from selfextend.hf.patch import REFERENCE_IMPLEMENTATION, apply_self_extend, remove_self_extend
 from selfextend.kv.cache import ContextShiftCache

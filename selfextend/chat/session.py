@@ -30,8 +30,9 @@ from selfextend.chat.sessionfile import (
 from selfextend.chat.template import ChatTemplate
 from selfextend.chat.turns import Exchange, ShiftReport, TurnLedger
 from selfextend.core.validate import first_line
-from selfextend.generation.generator import PREFILL_CHUNK, Generator, StopMatcher, TextStream, eos_token_ids
+from selfextend.generation.generator import PREFILL_CHUNK, Generator
 from selfextend.generation.sampling import SamplingParams
+from selfextend.generation.text import StopMatcher, TextStream, eos_token_ids
 from selfextend.kv import promptcache
 from selfextend.kv.cache import ContextShiftCache
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from selfextend.generation.generator import CACHE_DTYPES
+from selfextend.generation.settings import CACHE_DTYPES
 from selfextend.kv import promptcache
 
 SESSION_KIND = "selfextend-chat/2"

@@ -15,7 +15,7 @@ user turn, and dropping whole exchanges never leaves half a turn's markers in th
 from __future__ import annotations
 
 from selfextend.chat.turns import Exchange
-from selfextend.generation.generator import common_prefix
+from selfextend.generation.text import common_prefix
 
 PLAIN_TEMPLATE = (
     "{% for m in messages %}"

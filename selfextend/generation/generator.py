@@ -9,13 +9,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch import nn
 
 from selfextend.core.validate import ValidationError, check_int, check_seed, plural
-from selfextend.generation import compiled, decode
 from selfextend.generation.compiled import fast_decode_for
 from selfextend.generation.decode import decode_step_for
 from selfextend.generation.grammar import Grammar, GrammarMask, NoTokenLeft
@@ -23,10 +21,7 @@ from selfextend.generation.graphed import graphed_decode_for
 from selfextend.generation.sampling import SamplingParams, any_left, sample
 from selfextend.hf.facts import cache_kwargs
 from selfextend.kv.cache import ContextShiftCache
-from selfextend.native.decode import native_kernels
 
-CACHE_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}  # llama.cpp's names
-NATIVE_CACHE_TYPE = "bf16"  # the default where the native decode step runs (default_cache_dtype)
 PREFILL_CHUNK = 512  # prompt pieces in run(): as llama.cpp's default micro-batch; also the progress step
 
 
@@ -57,61 +52,6 @@ class GenerationStats:
             + f", {plural(self.shifts, 'context shift')}, cache {self.n_past}/{self.n_ctx}"
             + (f", stopped: {self.stop_reason}" if self.stop_reason else "")
         )
-
-
-class TextStream:
-    """Incremental detokenizer: emits text only once it is complete (no split multi-byte characters)."""
-
-    def __init__(self, tokenizer) -> None:
-        self.tokenizer = tokenizer
-        self.ids: list[int] = []
-        self.prefix_offset = 0
-        self.read_offset = 0
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
-
-    def push(self, token: int) -> str:
-        self.ids.append(token)
-        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
-        text = self._decode(self.ids[self.prefix_offset :])
-        if len(text) > len(prefix) and not text.endswith("\ufffd"):
-            # keep the windows short: the prefix is only context for the tokenizer's spacing rules, and
-            # the ids before it are dropped (an endless run would otherwise keep every token it wrote)
-            del self.ids[: self.read_offset]
-            self.prefix_offset, self.read_offset = 0, len(self.ids)
-            return text[len(prefix) :]
-        return ""
-
-
-class StopMatcher:
-    """Holds back text that may be the start of a stop string; reports when one is complete."""
-
-    def __init__(self, stops: Sequence[str]) -> None:
-        self.stops = [s for s in stops if s]
-        self.pending = ""
-
-    def push(self, text: str) -> tuple[str, bool]:
-        """Returns (text safe to emit, stopped)."""
-        self.pending += text
-        for s in self.stops:
-            i = self.pending.find(s)
-            if i >= 0:
-                out, self.pending = self.pending[:i], ""
-                return out, True
-        hold = 0
-        for s in self.stops:
-            for n in range(min(len(s) - 1, len(self.pending)), 0, -1):
-                if self.pending.endswith(s[:n]):
-                    hold = max(hold, n)
-                    break
-        out = self.pending[: len(self.pending) - hold]
-        self.pending = self.pending[len(out) :]
-        return out, False
-
-    def flush(self) -> str:
-        out, self.pending = self.pending, ""
-        return out
 
 
 @dataclass
@@ -294,86 +234,3 @@ def run(
         stats.seconds = time.perf_counter() - t0
         stats.shifts, stats.n_past = generator.cache.shifts, generator.cache.n_past
         yield token, stats
-
-
-def default_cache_dtype(model: nn.Module) -> torch.dtype | None:
-    """The KV cache's element type when none is asked for and the step is not compiled: bfloat16 where
-    :func:`native_cells_default` holds for ``model`` as it runs (and its module layout is the direct step's),
-    else None, the model's dtype."""
-    param = next(model.parameters())
-    native = decode.layout_problem(model) is None and native_cells_default(
-        model.config, param.device, param.dtype
-    )
-    return CACHE_DTYPES[NATIVE_CACHE_TYPE] if native else None
-
-
-def native_cells_default(config: Any, device: torch.device | str, dtype: torch.dtype) -> bool:
-    """Whether a model of ``config`` run in ``dtype`` on ``device`` gets bf16 cells by default: a float32
-    model that the direct :class:`~selfextend.generation.decode.DecodeStep` decodes on the CPU with its native
-    kernels (which read bf16 cells as stored, plain or Self-Extend: side by side in
-    ``python experiments/speed/decode_paths.py direct:f32 direct:bf16``, 0.93-0.95x the time of f32 cells, for
-    half the memory; perplexity +0.03%, README). Elsewhere the cells are in the model's dtype (torch's bf16
-    CPU attention is slower than its float32 one: bf16 cells would halve the speed there)."""
-    direct = torch.device(device).type == "cpu" and dtype == torch.float32
-    return direct and decode.config_problem(config) is None and native_kernels() is not None
-
-
-def decode_settings(
-    model: nn.Module, compile: bool | None = None, cache_type: str | None = None
-) -> tuple[bool, torch.dtype | None]:
-    """(compile, KV cache dtype) from the command-line choices, None meaning the default: compile where it
-    pays (:func:`~selfextend.generation.compiled.compile_pays`); the cache in the model's dtype with the
-    compiled step (slower over bf16 and f16 cells than over f32), else :func:`default_cache_dtype` (``model``
-    as it will run). What the reduced types cost in perplexity and K-shift drift is in the README
-    (``experiments/quality/cache_type_ppl.py``, ``experiments/quality/decode_cache_nll.py``)."""
-    compile = compiled.compile_pays(model) if compile is None else compile
-    if cache_type is None:
-        return compile, None if compile else default_cache_dtype(model)
-    if cache_type not in CACHE_DTYPES:
-        raise ValidationError("cache type", f"must be one of {', '.join(CACHE_DTYPES)}, got {cache_type!r}")
-    return compile, CACHE_DTYPES[cache_type]
-
-
-def eos_token_ids(model: nn.Module, tokenizer) -> tuple[int, ...]:
-    """The tokens that end a reply: the generation config's end-of-sequence ids and the tokenizer's."""
-    ids = model.generation_config.eos_token_id
-    ids = [ids] if isinstance(ids, int) else list(ids or [])
-    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
-        ids.append(tokenizer.eos_token_id)
-    return tuple(ids)
-
-
-def common_prefix(a: Sequence, b: Sequence) -> int:
-    """Length of the longest common prefix of two sequences (token ids or strings)."""
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
-
-
-def build_prompt(
-    tokenizer, prompt: str, system: str | None = None, chat: bool = True
-) -> tuple[list[int], int]:
-    """Token ids of the prompt and how many leading ones are the system part (BOS, system prompt).
-
-    With a chat template, the system part is what two renders with different user texts share
-    (the template's system block and the user header); without, it is the BOS and ``system``.
-    """
-    if chat and getattr(tokenizer, "chat_template", None):
-
-        def render(user: str) -> list[int]:
-            msgs = ([{"role": "system", "content": system}] if system else []) + [
-                {"role": "user", "content": user}
-            ]
-            return list(
-                tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)["input_ids"]
-            )
-
-        ids = render(prompt)
-        return ids, common_prefix(render("A"), render("B"))
-    text = f"{system}\n\n{prompt}" if system else prompt
-    ids = list(tokenizer(text).input_ids)
-    if system:
-        return ids, common_prefix(ids, tokenizer(f"{system}\n\n").input_ids)
-    bos = tokenizer.bos_token_id
-    return ids, int(bool(ids) and bos is not None and ids[0] == bos)

@@ -32,8 +32,9 @@ from torch import nn
 
 from selfextend.generation.batched import BatchedDecode
 from selfextend.generation.decode import decode_step_for
-from selfextend.generation.generator import PREFILL_CHUNK, StopMatcher, TextStream, eos_token_ids, run
+from selfextend.generation.generator import PREFILL_CHUNK, run
 from selfextend.generation.grammar import NoTokenLeft
+from selfextend.generation.text import StopMatcher, TextStream, eos_token_ids
 from selfextend.models.blocks import set_chunk_engine
 from selfextend.models.heap import release_free_memory
 from selfextend.server.jobs import Job, Running, Stopped

@@ -7,9 +7,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from selfextend.generation.generator import GenerationStats, StopMatcher, TextStream
+from selfextend.generation.generator import GenerationStats
 from selfextend.generation.grammar import Grammar
 from selfextend.generation.sampling import SamplingParams
+from selfextend.generation.text import StopMatcher, TextStream
 from selfextend.server.slots import Reuse, Slot
 
 

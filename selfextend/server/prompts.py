@@ -23,7 +23,7 @@ from fastapi.exceptions import RequestValidationError
 from jinja2 import TemplateError
 
 from selfextend.chat.template import ChatTemplate
-from selfextend.generation.generator import common_prefix
+from selfextend.generation.text import common_prefix
 from selfextend.server.guard import APIError
 from selfextend.server.schemas import Message, Sampling
 

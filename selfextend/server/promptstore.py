@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from selfextend.generation.generator import common_prefix
+from selfextend.generation.text import common_prefix
 from selfextend.kv.promptcache import snapshot
 from selfextend.server.slots import Slot, held
 

@@ -21,7 +21,9 @@ import torch
 from torch import nn
 
 from selfextend.generation.decode import DecodeStep
-from selfextend.generation.generator import CACHE_DTYPES, Generator, common_prefix
+from selfextend.generation.generator import Generator
+from selfextend.generation.settings import CACHE_DTYPES
+from selfextend.generation.text import common_prefix
 from selfextend.kv.cache import ContextShiftCache
 from selfextend.kv.sliding import SlidingShiftLayer
 

@@ -1,0 +1,110 @@
+"""Text in and out of the token stream: the prompt's ids (a chat template's or plain text's), the reply's
+text as it streams (detokenized without splitting a character, held back where it may start a stop
+string), and the tokens that end a reply. The generation loop (:mod:`selfextend.generation.generator`),
+chat and the server share them."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import nn
+
+
+class TextStream:
+    """Incremental detokenizer: emits text only once it is complete (no split multi-byte characters)."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.prefix_offset = 0
+        self.read_offset = 0
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def push(self, token: int) -> str:
+        self.ids.append(token)
+        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        text = self._decode(self.ids[self.prefix_offset :])
+        if len(text) > len(prefix) and not text.endswith("\ufffd"):
+            # keep the windows short: the prefix is only context for the tokenizer's spacing rules, and
+            # the ids before it are dropped (an endless run would otherwise keep every token it wrote)
+            del self.ids[: self.read_offset]
+            self.prefix_offset, self.read_offset = 0, len(self.ids)
+            return text[len(prefix) :]
+        return ""
+
+
+class StopMatcher:
+    """Holds back text that may be the start of a stop string; reports when one is complete."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = [s for s in stops if s]
+        self.pending = ""
+
+    def push(self, text: str) -> tuple[str, bool]:
+        """Returns (text safe to emit, stopped)."""
+        self.pending += text
+        for s in self.stops:
+            i = self.pending.find(s)
+            if i >= 0:
+                out, self.pending = self.pending[:i], ""
+                return out, True
+        hold = 0
+        for s in self.stops:
+            for n in range(min(len(s) - 1, len(self.pending)), 0, -1):
+                if self.pending.endswith(s[:n]):
+                    hold = max(hold, n)
+                    break
+        out = self.pending[: len(self.pending) - hold]
+        self.pending = self.pending[len(out) :]
+        return out, False
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out
+
+
+def eos_token_ids(model: nn.Module, tokenizer) -> tuple[int, ...]:
+    """The tokens that end a reply: the generation config's end-of-sequence ids and the tokenizer's."""
+    ids = model.generation_config.eos_token_id
+    ids = [ids] if isinstance(ids, int) else list(ids or [])
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids.append(tokenizer.eos_token_id)
+    return tuple(ids)
+
+
+def common_prefix(a: Sequence, b: Sequence) -> int:
+    """Length of the longest common prefix of two sequences (token ids or strings)."""
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def build_prompt(
+    tokenizer, prompt: str, system: str | None = None, chat: bool = True
+) -> tuple[list[int], int]:
+    """Token ids of the prompt and how many leading ones are the system part (BOS, system prompt).
+
+    With a chat template, the system part is what two renders with different user texts share
+    (the template's system block and the user header); without, it is the BOS and ``system``.
+    """
+    if chat and getattr(tokenizer, "chat_template", None):
+
+        def render(user: str) -> list[int]:
+            msgs = ([{"role": "system", "content": system}] if system else []) + [
+                {"role": "user", "content": user}
+            ]
+            return list(
+                tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)["input_ids"]
+            )
+
+        ids = render(prompt)
+        return ids, common_prefix(render("A"), render("B"))
+    text = f"{system}\n\n{prompt}" if system else prompt
+    ids = list(tokenizer(text).input_ids)
+    if system:
+        return ids, common_prefix(ids, tokenizer(f"{system}\n\n").input_ids)
+    bos = tokenizer.bos_token_id
+    return ids, int(bool(ids) and bos is not None and ids[0] == bos)
