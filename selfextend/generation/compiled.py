@@ -15,7 +15,7 @@ graph. Families: Llama, Mistral, Qwen2, Qwen3 (q/k norms) and Gemma 3 (norms aro
 GELU-tanh, per-layer RoPE base, sliding layers, q/k norms, scaled embedding). What is compiled is one
 decoder layer (:func:`layer_rows`), called for every layer with that layer's weights: all layers share
 its graph (one per kind of attention: sliding, full, grouped), so the first compile traces one layer,
-not the model. Run eagerly for one row, an int8 output head is the native one (generation/native.py).
+not the model. Run eagerly for one row, an int8 output head is the native one (native/decode.py).
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ from selfextend.kv.cache import ContextShiftCache
 from selfextend.kv.layers import CellLayer
 from selfextend.models.blocks import BlockEmbedding, BlockLinear, fuse_blocks
 from selfextend.models.quantize import Int4Linear, Int8Linear, fuse_int4, fuse_int8
-from selfextend.native.decode import ACTIVATIONS, NativeKernels, native_kernels, rotation_fits
+from selfextend.native.decode import GATED, NativeKernels, native_kernels, rotation_fits
 from selfextend.native.quant import quant_kernels
 
 log = logging.getLogger(__name__)
@@ -84,7 +84,7 @@ def config_problem(config) -> str | None:
     if config.model_type not in FAMILIES:
         return f"model type {config.model_type}"
     act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
-    if act not in ACTIVATIONS or getattr(config, "pretraining_tp", 1) > 1:
+    if act not in GATED or getattr(config, "pretraining_tp", 1) > 1:
         return "activation or tensor-parallel layout"
     if getattr(config, "attn_logit_softcapping", None) is not None:
         return "attention logit soft-capping"

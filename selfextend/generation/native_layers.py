@@ -24,7 +24,7 @@ from selfextend.generation.products import activation_name, blocks_bias, head_no
 from selfextend.kv.cache import ContextShiftCache
 from selfextend.kv.layers import CellLayer
 from selfextend.models.blocks import BlockLinear
-from selfextend.native.decode import ACTIVATIONS, CELL_FIELDS, NativeKernels
+from selfextend.native.decode import CELL_FIELDS, GATED, NativeKernels
 from selfextend.native.guard import address
 from selfextend.native.quant import QuantKernels
 
@@ -218,14 +218,14 @@ def native_layers(
         if (
             None in norms + output_norms + weights
             or (hasattr(attn, "q_norm") and hn is None)
-            or name not in ACTIVATIONS
-            or act not in (None, ACTIVATIONS[name])
+            or name not in GATED
+            or act not in (None, GATED[name])
             or max(len(qkv_parts), len(gu_parts)) > MAX_PARTS
             or not _sizes_fit(layer, qkv_parts, gu_parts, (hidden, h, hkv, d, inter))
             or any(w.shape != (hidden,) for w, _ in norms + output_norms)
         ):
             return None
-        act = ACTIVATIONS[name]
+        act = GATED[name]
         (plan.norm, plan.norm_eps), (plan.post_norm, plan.post_eps) = [
             (address(w, torch.float32, hidden, "a layer's norm"), e) for w, e in norms
         ]

@@ -27,7 +27,7 @@ from torch import nn
 
 from selfextend.models.blocks import BlockLinear
 from selfextend.models.quantize import INT4_GROUP, Int4Linear, Int8Linear
-from selfextend.native.decode import ACTIVATIONS, HeadNorms, NativeKernels
+from selfextend.native.decode import GATED, HeadNorms, NativeKernels
 from selfextend.native.quant import QuantKernels, quant_kernels
 
 Fn = Callable[[torch.Tensor], torch.Tensor]
@@ -175,7 +175,7 @@ def activation_of(
     """``[gate, up] (1, 2I) -> act(gate) * up (1, I)``: natively, rounded to bfloat16, after a direct
     product where ``native`` is given and has ``mlp``'s activation; else in ``dtype`` by ``mlp.act_fn``."""
     name = activation_name(mlp)
-    if native is not None and direct(gate_up) and blocks_bias(gate_up) is None and name in ACTIVATIONS:
+    if native is not None and direct(gate_up) and blocks_bias(gate_up) is None and name in GATED:
         return lambda y: native.gated_bf16(y, name)
 
     def act(y: torch.Tensor) -> torch.Tensor:

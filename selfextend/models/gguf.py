@@ -30,8 +30,9 @@ if TYPE_CHECKING:
 from selfextend.hf.facts import ModelError
 from selfextend.models.blocks import block_packable
 from selfextend.models.gguf_check import check_table
+from selfextend.models.gguf_config import gguf_config
 from selfextend.models.gguf_families import tensor_names
-from selfextend.models.gguf_rope import GGUFRope, gguf_config
+from selfextend.models.gguf_rope import GGUFRope
 from selfextend.models.quantize import int4_packable
 from selfextend.models.weights import GGUFBlocks, RowBlocks, RunForm, empty_model, fill, int8_placeholders
 

@@ -1,4 +1,5 @@
-"""A GGUF's config (:func:`gguf_config`), its rotary embedding and head sizes read as llama.cpp reads them.
+"""A GGUF's rotary embedding and head sizes read as llama.cpp reads them, into its config
+(:func:`apply_gguf_rope`; the config itself: :mod:`selfextend.models.gguf_config`).
 
 transformers builds a GGUF's config from a per-architecture table of metadata keys that leaves out most
 of what sets the rotation: llama.cpp's converter writes Llama 3's scaling only as the ``rope_freqs``
@@ -22,22 +23,15 @@ from __future__ import annotations
 
 import logging
 import math
-import os
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from selfextend.core.validate import first_line
 from selfextend.hf.facts import ModelError
 
 if TYPE_CHECKING:
-    from pathlib import Path
-
     from gguf import GGUFReader
     from transformers import PretrainedConfig
 
@@ -257,50 +251,3 @@ def apply_gguf_rope(config: PretrainedConfig, rope: GGUFRope, name: str = "") ->
     if nested:
         params["full_attention"] = target
     text.rope_parameters = params
-
-
-_READER_LOCK = threading.Lock()
-
-
-@contextmanager
-def _parsed(reader: GGUFReader | None) -> Iterator[None]:
-    """While open, transformers' GGUF reading gets ``reader`` (already parsed) for its file instead of
-    parsing the metadata again (seconds for a large vocabulary): ``load_gguf_checkpoint`` makes its
-    ``gguf.GGUFReader`` by name at each call, so that name is pointed at a class handing back ``reader``
-    for the same path (any other path is parsed as usual)."""
-    if reader is None:
-        yield
-        return
-    import gguf
-
-    class Parsed(gguf.GGUFReader):
-        def __new__(cls, path: Any, *args: Any, **kwargs: Any) -> Any:
-            if os.path.realpath(path) == os.path.realpath(reader.data.filename):
-                return reader  # not a Parsed, so __init__ does not run again
-            return super().__new__(cls)
-
-    with _READER_LOCK:
-        original, gguf.GGUFReader = gguf.GGUFReader, Parsed
-        try:
-            yield
-        finally:
-            gguf.GGUFReader = original
-
-
-def gguf_config(gguf: Path, rope: GGUFRope, reader: GGUFReader | None = None) -> PretrainedConfig:
-    """A GGUF's config: transformers' reading of its metadata, with the head size and rotation read as
-    llama.cpp reads them (:func:`apply_gguf_rope`; ``rope``: the file's, from its ``GGUFTable``;
-    ``reader``: the file's open ``gguf.GGUFReader``, which transformers then reads instead of parsing the
-    file a second time)."""
-    from transformers import AutoConfig
-
-    from selfextend.models.gguf_families import complete_config, register
-
-    register()  # the families transformers' tables lack (models/gguf_families.py)
-    try:
-        with _parsed(reader):
-            config = complete_config(AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name))
-    except (OSError, ValueError, KeyError, NotImplementedError) as exc:
-        raise ModelError(f"cannot read GGUF '{gguf}': {first_line(exc)}") from exc
-    apply_gguf_rope(config, rope, gguf.name)
-    return config

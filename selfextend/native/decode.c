@@ -528,7 +528,7 @@ typedef struct { /* the model's sizes: hidden, query and KV heads, head size, in
 enum { R_KEYS, R_VALUES, R_K_STRIDE, R_V_STRIDE, R_SLOT, R_FIRST, R_COS, R_SIN, R_ROT };
 enum { R_KG = R_ROT + 1, R_NG, R_KG_STRIDE, R_GCOS, R_GSIN, R_GROT, R_FIELDS };
 
-/* Pieces per KV head for decode_attention (native.py's _chunks). */
+/* Pieces per KV head for decode_attention (decode.py's _chunks). */
 static long chunks_of(long hkv, long n, long threads) {
     long c = 1;
     while ((hkv * c) % threads && c < threads) c++;

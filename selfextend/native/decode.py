@@ -42,7 +42,7 @@ MAX_QUERY_ROWS = 16  # query heads per KV head the kernel takes (decode.c's MAX_
 MAX_HEAD_DIM = 256  # and head size (a multiple of 16; 8 * MAX_V8 there)
 CELL_FIELDS = 15  # int64 values per layer and row of decode_layers' cells table (decode.c's R_FIELDS)
 NO_MEMORY = 2  # what decode_attention returns without scratch space (1: sizes it cannot read)
-ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1}  # transformers' names of the gated activations native.c has
+GATED = {"silu": 0, "gelu_pytorch_tanh": 1}  # the gated activations decode.c computes, by transformers' names
 
 
 class HeadNorms(NamedTuple):
@@ -296,15 +296,15 @@ class NativeKernels:
 
     def gated_bf16(self, gate_up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
         """``act(gate) * up`` for one row ``gate_up`` = [gate, up] (1, 2n) bfloat16, computed in float32 and
-        rounded to bfloat16 (1, n); ``activation`` one of :data:`ACTIVATIONS`."""
+        rounded to bfloat16 (1, n); ``activation`` one of :data:`GATED`."""
         if gate_up.dim() == 0 or gate_up.shape[-1] % 2:
             raise ValueError(f"gated_bf16 takes one row of gate and up, not {tuple(gate_up.shape)}")
-        if activation not in ACTIVATIONS:
-            raise ValueError(f"gated_bf16 computes {', '.join(ACTIVATIONS)}, not {activation!r}")
+        if activation not in GATED:
+            raise ValueError(f"gated_bf16 computes {', '.join(GATED)}, not {activation!r}")
         n = gate_up.shape[-1] // 2
         at = address(gate_up, BF16, 2 * n, "gated_bf16's row")
         out = torch.empty(1, n, dtype=torch.bfloat16)
-        self._gated(at, n, ACTIVATIONS[activation], out.data_ptr())
+        self._gated(at, n, GATED[activation], out.data_ptr())
         return out
 
     def int8_gemv(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

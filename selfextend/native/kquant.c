@@ -354,12 +354,7 @@ static void dequant_k(int type, const uint8_t *w, long nb, float *out) {
  * path's (dot_k_block's), lane by lane, so the results are dot_k's bit for bit. Why: the stored form's
  * AVX2 loops take about 1.2 (Q6_K) to 1.9 (Q4_K) times the instructions per weight byte (each sub-block's
  * scale shuffled in per row, each super-block's sums kept in the 8 lanes of one row); llama.cpp repacks the
- * K-quants for the same reason (its q4_K_8x8). One EPYC (Zen 4) thread, 8960 x 1536 from memory, one
- * activation row, best / median GB/s of 30 calls, 2 rounds, the machine reading 24.7-25.2 in the same run
- * (row_products.py's read_bandwidth_gbs): AVX2 build (-mno-avx512f) stored -> interleaved Q4_K 18.6-19.0 /
- * 17.8-18.2 -> 25.4-25.7 / 24.3-24.5, Q5_K 18.1-18.2 / 17.6-17.8 -> 24.9-25.0 / 23.3-23.5, Q6_K 20.8-20.9
- * / 20.0-20.1 -> 26.5-27.0 / 25.0-25.1; AVX-512 build Q4_K 17.3-17.6 -> 27.5-27.8, Q5_K 16.5-16.6 ->
- * 27.9-28.1, Q6_K 22.4-22.5 -> 27.9-28.1 (the source of 505ff03 as the stored rows, within 0.4). */
+ * K-quants for the same reason (its q4_K_8x8); the measurements: docs/history.md, "Kernel measurements". */
 #define KBASE(type) ((type) - Q4_KX8 + Q4_K) /* the stored type of an interleaved form */
 static const short K4_PIECES[2][6][2] = { /* (offset, bytes) of Q4_K's and Q5_K's pieces; {0, 0} ends */
     {{0, 2}, {2, 2}, {4, 12}, {16, 128}},            /* d, dmin, scales, qs */

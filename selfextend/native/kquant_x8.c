@@ -3,12 +3,8 @@
  * a tile of activation rows whose weight values are unpacked once for all of them, each row's integer sums
  * and float steps the portable path's (dot_k_block's), lane by lane: the stored rows' results bit for bit,
  * whatever the tile. A prompt chunk's rows go through tiles, a batched step of a few slots through one tile
- * (the weights read once for them all). Against the loops before (kquant.c of 0f370d0, whose adds gcc
- * reassociated, see IN_REG): Qwen2.5-1.5B's layer 0 (Q4_K q, k, o, gate, up; Q6_K v, down), one Zen 4
- * thread, multiply-adds per CPU second (a shared machine), 4-6 interleaved rounds: a 512-row chunk, AVX2
- * build (-mno-avx512f) 68.5 -> 92.8 G/s (1.34-1.59x a round), default build 1.23-1.28x; 4 rows (a batched
- * step) 1.14-1.22x; one row 0.97-1.22x. vpdpbusd in place of the multiply and int16 add (Zen 4's AVX-512
- * VNNI on 256 bits) gave the 512-row chunk 1.00-1.04x: not kept. */
+ * (the weights read once for them all). What they gained over the loops before, and what was tried and not
+ * kept (vpdpbusd): docs/history.md, "Kernel measurements". */
 #include "kquant_x8.h"
 
 #ifdef HAVE_AVX2
