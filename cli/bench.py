@@ -143,7 +143,7 @@ def bench(
         bench_prefill,
         summarize,
     )
-    from selfextend.bench.speed import bench_first_token, bench_generate, read_bandwidth_gbs
+    from selfextend.bench.speed import bench_first_token, bench_generate
     from selfextend.cli.options import load_with_self_extend
     from selfextend.evaluation.results import append_jsonl
     from selfextend.evaluation.sweep import parse_lengths
@@ -218,7 +218,8 @@ def bench(
         if "first-token" in wanted:
             for r in bench_first_token(loaded, cfg, gguf, torch.get_num_threads()):
                 record(r)
-    bandwidth = read_bandwidth_gbs() if "generate" in wanted else None
+    readings = [r["read_bandwidth_gbs"] for r in runs if "read_bandwidth_gbs" in r]  # [before, after] each
+    bandwidth = [min(lo for lo, _ in readings), max(hi for _, hi in readings)] if readings else None
     weights_said = ", ".join(
         [f"{weights} weights"] * bool(wanted & {"prefill", "decode", "endless"})
         + ["generate: weights per variant"] * bool(wanted & {"generate", "first-token"})
@@ -228,7 +229,7 @@ def bench(
         f"{plural(repeats, 'repeat')} (medians; prefill after one untimed warm-up run per variant), "
         f"{'compiled' if cfg.compile else 'eager'} decode, "
         + f"{str(cache_dtype or lm.dtype).removeprefix('torch.')} cache"
-        + (f", machine read bandwidth {bandwidth:.1f} GB/s" if bandwidth else "")
+        + (f", machine read bandwidth {bandwidth[0]:.1f}-{bandwidth[1]:.1f} GB/s" if bandwidth else "")
     )
     click.echo(
         f"{'case':8} {'variant':15} {'length':>7} {'value':>12} {'ratio':>9} "
@@ -253,8 +254,14 @@ def bench(
         }
         if engines:  # which engine read the prompts (first-token rows of GGUF block layers)
             row["prefill_engine"] = ",".join(sorted(engines))
-        if bandwidth and row["case"] == "generate":
-            row["read_bandwidth_gbs"] = bandwidth
+        around = [
+            r["read_bandwidth_gbs"]
+            for r in runs
+            if "read_bandwidth_gbs" in r
+            and (r["case"], r["variant"], r["length"]) == (row["case"], row["variant"], row["length"])
+        ]
+        if around:  # the bandwidth just before and after each of the row's timed runs: its range
+            row["read_bandwidth_gbs"] = [min(lo for lo, _ in around), max(hi for _, hi in around)]
         ratio = f"{row['ratio']:.2f}x" if "ratio" in row else ""
         peak = f"{row['peak_mib']:.0f}" if "peak_mib" in row else ""
         mem = f"{row['memory_ratio']:.2f}x" if "memory_ratio" in row else ""
@@ -287,4 +294,7 @@ def bench(
             rounds = ", ".join(f"{x:.2f}x" for x in row["round_ratios"])
             click.echo(f"per round, to llama.cpp: {row['case']} {row['variant']} {row['length']}: {rounds}")
     if bandwidth:
-        click.echo(f"machine read bandwidth: {bandwidth:.1f} GB/s ({torch.get_num_threads()} threads)")
+        click.echo(
+            f"machine read bandwidth: {bandwidth[0]:.1f}-{bandwidth[1]:.1f} GB/s ({torch.get_num_threads()} "
+            "threads; STREAM-style reads just before and after each timed run, lowest to highest)"
+        )

@@ -46,6 +46,12 @@ def test_bench_records_and_plot(tiny_dir, tmp_path):
     generate = {x["variant"]: x for x in runs if x["case"] == "generate"}
     assert set(generate) == {"int8", "int8+selfextend"}  # no GGUF here: no int4, no llama.cpp
     assert all(x["tokens_per_s"] > 0 and x["shifts"] >= 1 for x in generate.values())
+    for x in generate.values():  # the read bandwidth just before and after each timed run
+        lo, hi = x["read_bandwidth_gbs"]
+        assert 0 < lo <= hi
+    ranges = [x["read_bandwidth_gbs"] for x in records if x.get("summary") and x["case"] == "generate"]
+    assert ranges and all(len(r) == 2 and r[0] <= r[1] for r in ranges)
+    assert "machine read bandwidth" in r.stdout
     summary = [x for x in records if x.get("summary")]
     assert any("ratio" in x for x in summary if x["case"] == "prefill")
     assert "ratio: to plain" in r.stdout
@@ -194,3 +200,16 @@ def test_generate_ratios_to_llama_cpp_per_round():
     (row,) = [r for r in summarize(runs) if r["variant"] == "int8"]
     assert row["ratio"] == 30.0 / 20.0
     assert row["round_ratios"] == [1.5, 1.0, 2.0]
+
+
+def test_the_read_bandwidth_probe() -> None:
+    """The STREAM-style probe reads its buffer at a plausible rate (0.5-2000 GB/s: some memory, no cache
+    fiction), and refuses a read of nothing."""
+    from selfextend.native.stream import stream_probe
+
+    probe = stream_probe()
+    if probe is None:
+        pytest.skip("no C compiler here to build the probe")
+    assert 0.5 < probe(64, 2) < 2000
+    with pytest.raises(ValueError, match="at least 1 MiB"):
+        probe(0, 1)

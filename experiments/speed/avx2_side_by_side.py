@@ -32,6 +32,8 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from selfextend.bench.speed import bandwidth_around
+
 HERE = Path(__file__).resolve().parent
 
 
@@ -91,9 +93,12 @@ def one_round(model: Path, flip: bool, args: argparse.Namespace) -> dict:
             row["llama_mb_per_token"] = got["llama.cpp"]["mb_per_token"]
 
     def decode_theirs() -> None:
-        row["llama_bench"] = stolen(
-            lambda: llama_bench(model, 0, args.tokens, depth, args), row, "llama_steal"
-        )
+        around: dict = {}
+        with bandwidth_around(around):  # the probe just before and after llama-bench's run
+            row["llama_bench"] = stolen(
+                lambda: llama_bench(model, 0, args.tokens, depth, args), row, "llama_steal"
+            )
+        row["llama_read_bandwidth_gbs"] = around["read_bandwidth_gbs"]
 
     def prompt_ours() -> None:
         got = ours(model, "first-token", args)
@@ -113,6 +118,7 @@ def one_round(model: Path, flip: bool, args: argparse.Namespace) -> dict:
         row["decode_ratio"] = row["ours"] / row["llama_bench"]
         row["selfextend_ratio"] = row["ours_selfextend"] / row["llama_bench"]
         row["ours_gbs"] = row["ours"] * row["mb_per_token"] / 1e3
+        row["ours_share"] = row["ours_gbs"] / row["read_bandwidth_gbs"][1]  # of the highest reading around it
     if args.prompt:
         row["prompt_rate_ratio"] = row["llama_bench_prompt_s"] / row["ours_prompt_s"]
     return row
@@ -148,7 +154,8 @@ def main() -> None:
         said = f"round {r}:"
         if not args.no_decode:
             said += f" ours {row['ours']:.2f} tok/s ({row['ours_gbs']:.1f} GB/s"
-            said += f" of {row['read_bandwidth_gbs']:.1f}), +SE {row['ours_selfextend']:.2f}, llama-bench"
+            lo, hi = row["read_bandwidth_gbs"]
+            said += f" of {lo:.1f}-{hi:.1f}), +SE {row['ours_selfextend']:.2f}, llama-bench"
             said += (
                 f" {row['llama_bench']:.2f}: {row['decode_ratio']:.2f}x, SE {row['selfextend_ratio']:.2f}x"
             )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -21,6 +22,7 @@ from selfextend.bench.runner import (
 )
 from selfextend.kv.cache import ContextShiftCache
 from selfextend.models.blocks import BlockLinear
+from selfextend.native.stream import stream_probe
 
 
 def cell_bytes(cache: ContextShiftCache, fill: int) -> int:
@@ -47,8 +49,12 @@ def bytes_per_token(model: nn.Module, cache: ContextShiftCache, fill: int) -> in
 
 
 def read_bandwidth_gbs(mib: int = 512, repeats: int = 5) -> float:
-    """The machine's read bandwidth with the current threads: the best of ``repeats`` sums over a float32
-    tensor of ``mib`` MiB (larger than the caches), in GB/s."""
+    """The machine's read bandwidth with the current threads, in GB/s: the best of ``repeats`` STREAM-style
+    reads of a ``mib`` MiB buffer (larger than the caches; :mod:`selfextend.native.stream`), or of
+    ``torch.sum`` over it where the probe is not built."""
+    probe = stream_probe()
+    if probe is not None:
+        return probe(mib, repeats)
     x = torch.ones(mib * 2**20 // 4)
     x.sum()
     best = float("inf")
@@ -57,6 +63,17 @@ def read_bandwidth_gbs(mib: int = 512, repeats: int = 5) -> float:
         x.sum()
         best = min(best, time.perf_counter() - t0)
     return x.numel() * 4 / best / 1e9
+
+
+@contextmanager
+def bandwidth_around(record: dict) -> Iterator[None]:
+    """``record["read_bandwidth_gbs"]``: [lowest, highest] of the read bandwidth just before and just after
+    the block (GB/s): a shared host's memory moves with its other tenants, so one reading is not the
+    bandwidth a timed run had."""
+    before = read_bandwidth_gbs()
+    yield
+    after = read_bandwidth_gbs()
+    record["read_bandwidth_gbs"] = [round(min(before, after), 2), round(max(before, after), 2)]
 
 
 def generate_variants(weights: list[str]) -> list[str]:
@@ -93,7 +110,8 @@ def bench_generate(
                 if llama is None:
                     continue
                 before = llama.shifts
-                record["tokens_per_s"] = llama.tokens_per_second(prompt, cfg.endless_tokens)
+                with bandwidth_around(record):
+                    record["tokens_per_s"] = llama.tokens_per_second(prompt, cfg.endless_tokens)
                 record["shifts"] = llama.shifts - before
                 record["mb_per_token"] = llama_mb
             else:
@@ -103,7 +121,8 @@ def bench_generate(
                     gen = generator_for(lm, cfg, ctx)
                     logits = gen.feed(prompt)
                     _greedy_seconds(gen, logits, 2)  # the first steps compile (once per model) or warm up
-                    seconds = _greedy_seconds(gen, gen.last_logits, cfg.endless_tokens)
+                    with bandwidth_around(record):
+                        seconds = _greedy_seconds(gen, gen.last_logits, cfg.endless_tokens)
                     record["tokens_per_s"] = cfg.endless_tokens / seconds
                     record["shifts"] = gen.cache.shifts
                     record["mb_per_token"] = bytes_per_token(lm, gen.cache, fill) / 1e6
