@@ -152,23 +152,29 @@ def families() -> dict[str, Callable[[], torch.nn.Module]]:
     }
 
 
-def tokenizer() -> tf.PreTrainedTokenizerFast:
-    """A byte-level BPE of :data:`VOCAB` tokens trained on :data:`TEXT` (``<pad>``, ``<s>``, ``</s>``
-    first; ``<|endoftext|>``, which transformers' Qwen2 tokenizer would add past the 128 otherwise)."""
+def tokenizer(vocab: int = VOCAB, specials: tuple[str, ...] = ()) -> tf.PreTrainedTokenizerFast:
+    """A byte-level BPE of ``vocab`` tokens trained on :data:`TEXT` (``<pad>``, ``<s>``, ``</s>`` first;
+    ``<|endoftext|>``, which transformers' Qwen2 tokenizer would add past the 128 otherwise; then
+    ``specials``). Of :data:`VOCAB`, only the characters of the text; with more, every byte (so any text
+    has its tokens)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
+    every_byte = pre_tokenizers.ByteLevel.alphabet() if vocab > VOCAB else []
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB, special_tokens=["<pad>", "<s>", "</s>", "<|endoftext|>"], show_progress=False
+        vocab_size=vocab,
+        special_tokens=["<pad>", "<s>", "</s>", "<|endoftext|>", *specials],
+        initial_alphabet=every_byte,
+        show_progress=False,
     )
     tok.train_from_iterator([TEXT] * 4, trainer)
     fast = tf.PreTrainedTokenizerFast(
         tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>"
     )
-    if len(fast) != VOCAB:
-        raise RuntimeError(f"the trained tokenizer has {len(fast)} tokens, not {VOCAB}")
+    if len(fast) != vocab:
+        raise RuntimeError(f"the trained tokenizer has {len(fast)} tokens, not {vocab}")
     return fast
 
 
