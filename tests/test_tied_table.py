@@ -48,7 +48,8 @@ def tied(
 
 def stored_table(table: BlockEmbedding) -> BlockEmbedding:
     """The same table held as the GGUF stores its rows (a copy of its own)."""
-    raw = torch.from_numpy(unpack8(table.blocks.numpy(), table.kind))
+    raw = table.blocks.numpy()
+    raw = torch.from_numpy(unpack8(raw, table.kind) if table.kind in INTERLEAVED.values() else raw.copy())
     return BlockEmbedding(raw, base_kind(table.kind), table.embedding_dim, table.embed_scale, table.dtype)
 
 
@@ -64,10 +65,13 @@ def swapped(model: torch.nn.Module, table: torch.nn.Module) -> Iterator[None]:
 
 
 def shared(model: torch.nn.Module) -> bool:
-    """Whether the table and the head hold one storage, in the head's interleaved form."""
+    """Whether the table and the head hold one storage, in the head's form: interleaved, or the stored rows
+    where the kernels keep them for that type on this CPU (the K-quants' AVX-512 loops)."""
     table, head = model.model.embed_tokens, model.lm_head
     same = table.blocks.untyped_storage().data_ptr() == head.blocks.untyped_storage().data_ptr()
-    return same and table.kind == head.kind == INTERLEAVED[base_kind(table.kind)]
+    base = base_kind(table.kind)
+    held = INTERLEAVED[base] if quant_kernels().interleaves(base) else base
+    return same and table.kind == head.kind == held
 
 
 def test_the_table_is_held_once_with_the_stored_tables_logits(tied) -> None:

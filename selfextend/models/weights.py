@@ -233,6 +233,8 @@ def _tie_head(model: nn.Module) -> None:
         elif head.kind == INTERLEAVED.get(embed.kind) and head.blocks.shape[0] == embed.num_embeddings:
             embed.blocks = head.blocks  # the same rows, rearranged when the head took them (interleave)
             embed.set_kind(head.kind)
+        elif head.kind == embed.kind and torch.equal(head.blocks, embed.blocks):
+            embed.blocks = head.blocks  # the stored rows saved twice (a head that keeps them): held once
         return
     if not tied or head is None or isinstance(head, Int4Linear | BlockLinear):
         return
