@@ -95,7 +95,9 @@ def test_server_case_needs_a_gguf(tmp_path, tiny_dir):
 def test_both_servers_get_the_same_settings(tmp_path):
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF")  # serve's parser checks that a named .gguf is there
-    setup = ServerSetup(gguf, Path("/opt/llama-server"), parallel=3, ctx=512, threads=2, cache_type="bf16")
+    setup = ServerSetup(
+        gguf, Path("/opt/llama-server"), parallel=3, ctx=512, threads=2, cache_type="bf16", logs=tmp_path
+    )
     theirs = command("llama-server", setup, 8123)
     flags = {
         a: b if not b.startswith("-") else True
@@ -224,7 +226,11 @@ def test_server_case_against_a_real_llama_server(tmp_path):
 def test_each_run_logs_into_a_folder_of_its_own(tmp_path):
     """Concurrent runs never write over each other's server logs (they shared /tmp's fixed names)."""
     a, b = (ServerSetup(tmp_path / "m.gguf", Path("llama-server")) for _ in range(2))
-    assert a.logs != b.logs and a.logs.is_dir() and b.logs.is_dir()
+    try:
+        assert a.logs != b.logs and a.logs.is_dir() and b.logs.is_dir()
+    finally:
+        for folder in (a.logs, b.logs):
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def test_a_port_taken_before_the_bind_is_tried_again(tmp_path):
