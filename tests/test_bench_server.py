@@ -178,6 +178,7 @@ def _server_case(binary: str | Path, gguf: Path, out: Path) -> tuple[subprocess.
     """``selfextend bench --cases server`` of :data:`CASE` on ``gguf`` against ``binary``, in an environment
     without OpenMP variables (as a user's): the run and its records."""
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    env["TMPDIR"] = str(out.parent)  # the run's log folder beside its records
     cmd = [sys.executable, "-m", "selfextend", "bench", "--cases", "server", "-m", str(gguf)]
     cmd += ["--llama-server", str(binary), *CASE, "-o", str(out)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
