@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import os
 import statistics
 from collections.abc import Callable
 
 import click
 
 from selfextend.bench.trimmed_chat import TOPICS
-from selfextend.cli.options import POSITIVE, cache_reuse_option, integer, parallel_option
+from selfextend.cli.options import (
+    POSITIVE,
+    QUIETED,
+    cache_reuse_option,
+    integer,
+    parallel_option,
+    without_our_waits,
+)
 from selfextend.core.validate import plural
 
 LABELS = {  # ratio key -> column title
@@ -103,6 +111,7 @@ def run_server_case(
         requests=load["requests"],
         max_tokens=load["reply_tokens"],
         turns=load["turns"],
+        llama_env=without_our_waits(os.environ),
     )
     s = setup
     click.echo(
@@ -111,6 +120,13 @@ def run_server_case(
         f"cache reuse {s.cache_reuse}; {plural(s.clients, 'client')} x {plural(s.requests, 'request')} of "
         f"{s.max_tokens} tokens, then {s.turns} trimmed-chat turns; {plural(repeats, 'round')}, interleaved"
     )
+    if QUIETED:
+        waits = (
+            f"{', '.join(f'{k}={os.environ[k]}' for k in QUIETED)} for ours, llama-server's default for it"
+        )
+    else:
+        waits = "as your environment sets them, for both"
+    click.echo(f"OpenMP waits: {waits}; the servers' output in {s.logs}")
     header = f"{'round':>5} {'server':<13} {'tok/s':>8} " + " ".join(
         f"{t:>9}" for t in list(LABELS.values())[1:]
     )

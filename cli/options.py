@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from pathlib import Path
 
 import click
@@ -42,6 +42,7 @@ COUNT = integer(0)
 
 
 OPENMP_WAITS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")  # how libgomp's idle threads wait, read at its load
+QUIETED: list[str] = []  # the variables quiet_openmp_waits set in this process (not the user's)
 
 
 def quiet_openmp_waits(environ: MutableMapping[str, str]) -> bool:
@@ -59,7 +60,14 @@ def quiet_openmp_waits(environ: MutableMapping[str, str]) -> bool:
     if "torch" in sys.modules or any(name in environ for name in OPENMP_WAITS):
         return False
     environ["GOMP_SPINCOUNT"] = "10000"
+    QUIETED.append("GOMP_SPINCOUNT")
     return True
+
+
+def without_our_waits(environ: Mapping[str, str]) -> dict[str, str]:
+    """``environ`` less what :func:`quiet_openmp_waits` set: for another program (llama-server), which
+    should wait as it does by default, not as we do; a value the user set stays."""
+    return {k: v for k, v in environ.items() if k not in QUIETED}
 
 
 def _set_threads(ctx: click.Context, param: click.Parameter, value: int | None) -> None:

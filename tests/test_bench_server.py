@@ -1,7 +1,9 @@
 """``selfextend bench --cases server``: finding llama-server (one-line errors), the command lines both servers
 get (ours parsed by ``serve``'s own options), the streaming load clients and the trimmed chat against a real
-server on a loopback socket (a tiny model in this process), and, where a llama-server binary is found
-(``$LLAMA_SERVER`` or ``$PATH``; CI has none), one short real run of the case. No timing is asserted."""
+server on a loopback socket (a tiny model in this process), the whole case against llama-server's own
+answers recorded from the real binary and replayed (and against the binary itself where one is found:
+``$LLAMA_SERVER`` or ``$PATH``; CI has none), each run's own log folder, a port lost before its bind, and
+llama-server's environment without our OpenMP waits. No timing is asserted."""
 
 from __future__ import annotations
 
@@ -17,13 +19,16 @@ from click.testing import CliRunner
 from server_util import serving
 from transformers import AutoTokenizer, LlamaForCausalLM
 
-from selfextend.bench.clients import SAME_REPLY, run_phase
+from selfextend.bench import servers
+from selfextend.bench.clients import SAME_REPLY, get, run_phase
 from selfextend.bench.servers import (
     ServerSetup,
     YardstickError,
     command,
     find_llama_server,
     ratios,
+    start_on_a_free_port,
+    stop,
 )
 from selfextend.bench.trimmed_chat import SYSTEM, conversation, rendered_tokens, trimmed_median
 from selfextend.cli.main import main
@@ -90,7 +95,9 @@ def test_server_case_needs_a_gguf(tmp_path, tiny_dir):
 def test_both_servers_get_the_same_settings(tmp_path):
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF")  # serve's parser checks that a named .gguf is there
-    setup = ServerSetup(gguf, Path("/opt/llama-server"), parallel=3, ctx=512, threads=2, cache_type="bf16")
+    setup = ServerSetup(
+        gguf, Path("/opt/llama-server"), parallel=3, ctx=512, threads=2, cache_type="bf16", logs=tmp_path
+    )
     theirs = command("llama-server", setup, 8123)
     flags = {
         a: b if not b.startswith("-") else True
@@ -161,32 +168,117 @@ def _llama_server() -> str | None:
     return os.environ.get("LLAMA_SERVER") or shutil.which("llama-server")
 
 
-@pytest.mark.real
-@pytest.mark.skipif(
-    _llama_server() is None, reason="no llama-server binary ($LLAMA_SERVER or on $PATH; CI has no llama.cpp)"
-)
-def test_server_case_against_llama_server(tmp_path):
-    out = tmp_path / "server.jsonl"
-    args = ["--llama-server", _llama_server(), "--repeats", "1", "--parallel", "1", "--ctx", "512"]
-    args += ["--clients", "1", "--requests", "2", "--reply-tokens", "4", "--turns", "2", "-t", "2"]
-    done = subprocess.run(
-        [sys.executable, "-m", "selfextend", "bench", "--cases", "server", *args, "-o", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+DATA = Path(__file__).parent / "data" / "llama_server"
+# the bench's server case as experiments/tools/record_llama_server.py recorded llama-server's answers to it
+CASE = ["--repeats", "1", "--parallel", "1", "--ctx", "512", "--clients", "1", "--requests", "2"]
+CASE += ["--reply-tokens", "4", "--turns", "2", "-t", "1"]
+
+
+def _server_case(binary: str | Path, gguf: Path, out: Path) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    """``selfextend bench --cases server`` of :data:`CASE` on ``gguf`` against ``binary``, in an environment
+    without OpenMP variables (as a user's): the run and its records."""
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    env["TMPDIR"] = str(out.parent)  # the run's log folder beside its records
+    cmd = [sys.executable, "-m", "selfextend", "bench", "--cases", "server", "-m", str(gguf)]
+    cmd += ["--llama-server", str(binary), *CASE, "-o", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
-    records = [json.loads(line) for line in out.read_text().splitlines()]
+    return done, [json.loads(line) for line in out.read_text().splitlines()]
+
+
+def _check_case(done: subprocess.CompletedProcess, records: list[dict]) -> None:
     loads = {r["server"]: r for r in records if r.get("phase") == "load"}
     assert set(loads) == {"selfextend", "llama-server"}
     for r in loads.values():
         assert (r["ok"], r["5xx"], r["completion_tokens"]) == (2, 0, 8)
-    assert loads["selfextend"]["prompt_tokens"] == loads["llama-server"]["prompt_tokens"]
+    assert loads["selfextend"]["prompt_tokens"] == loads["llama-server"]["prompt_tokens"] > 0
     chats = [r for r in records if r.get("phase") == "trimmed_chat"]
     assert len(chats) == 2 and all(len(c["ttft_s"]) == 2 for c in chats)
     summary = records[-1]
     assert summary["summary"] and set(summary["median_ratios"]) >= {"aggregate_tokens_per_second"}
     assert "ours/theirs" in done.stdout
+    assert "GOMP_SPINCOUNT=10000 for ours, llama-server's default for it" in done.stdout
+
+
+def test_server_case_against_llama_server(tmp_path):
+    """The whole case (both servers started, the load phase, the trimmed chat, the records, the ratios and
+    the table) against llama-server's own answers, recorded from the real binary built from the
+    llama-cpp-python 0.3.36 sdist and replayed (tests/llama_server_replay.py: it computes nothing, and
+    refuses a command line or OpenMP variables other than those llama-server was recorded with). Made by
+    ``.venv/bin/python experiments/tools/record_llama_server.py /path/to/llama.cpp /path/to/llama-server``;
+    a change to what the case sends llama-server (its flags, the requests) needs a new recording. Both
+    servers count the same prompt tokens: llama.cpp's tokenizer and template against ours, on one file."""
+    replay = Path(__file__).parent / "llama_server_replay.py"
+    binary = tmp_path / "llama-server"
+    binary.write_text(f'#!/bin/sh\nexec {sys.executable} {replay} {DATA / "replay.json"} "$@"\n')
+    binary.chmod(0o755)
+    _check_case(*_server_case(binary, DATA / "tiny-chat.gguf", tmp_path / "server.jsonl"))
+
+
+@pytest.mark.real
+@pytest.mark.skipif(
+    _llama_server() is None, reason="no llama-server binary ($LLAMA_SERVER or on $PATH; CI has no llama.cpp)"
+)
+def test_server_case_against_a_real_llama_server(tmp_path):
+    """The same case against the binary itself, where there is one."""
+    _check_case(*_server_case(_llama_server(), DATA / "tiny-chat.gguf", tmp_path / "server.jsonl"))
+
+
+def test_each_run_logs_into_a_folder_of_its_own(tmp_path):
+    """Concurrent runs never write over each other's server logs (they shared /tmp's fixed names)."""
+    a, b = (ServerSetup(tmp_path / "m.gguf", Path("llama-server")) for _ in range(2))
+    try:
+        assert a.logs != b.logs and a.logs.is_dir() and b.logs.is_dir()
+    finally:
+        for folder in (a.logs, b.logs):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_a_port_taken_before_the_bind_is_tried_again(tmp_path):
+    """A server that exits saying it could not bind (its port taken between the pick and the bind) is
+    started again on another port; any other early exit is reported at once."""
+    marker = tmp_path / "tried"
+    fake = tmp_path / "llama-server"
+    fake.write_text(
+        f"""#!{sys.executable}
+import http.server, pathlib, sys
+marker = pathlib.Path({str(marker)!r})
+if sys.argv[-1] == "fail":
+    sys.exit("some other error")
+if not marker.exists():
+    marker.write_text("x")
+    sys.exit("couldn't bind HTTP server socket, hostname: 127.0.0.1")
+port = int(sys.argv[sys.argv.index("--port") + 1])
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers()
+    def log_message(self, *a):
+        pass
+http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
+"""
+    )
+    fake.chmod(0o755)
+    setup = ServerSetup(tmp_path / "m.gguf", fake, logs=tmp_path)
+    proc, base = start_on_a_free_port("llama-server", setup, tmp_path / "log")
+    try:
+        assert marker.exists() and get(base, "/health") == 200
+    finally:
+        stop(proc)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(servers, "command", lambda name, s, port: [str(fake), "--port", str(port), "fail"])
+        with pytest.raises(RuntimeError, match="some other error"):
+            start_on_a_free_port("llama-server", setup, tmp_path / "log")
+
+
+def test_llama_server_waits_as_built(monkeypatch):
+    """llama-server's environment lacks the OpenMP variable our CLI set for itself; a user's stays."""
+    from selfextend.cli import options
+
+    monkeypatch.setattr(options, "QUIETED", ["GOMP_SPINCOUNT"])
+    environ = {"GOMP_SPINCOUNT": "10000", "PATH": "/bin", "OMP_WAIT_POLICY": "passive"}
+    assert options.without_our_waits(environ) == {"PATH": "/bin", "OMP_WAIT_POLICY": "passive"}
+    monkeypatch.setattr(options, "QUIETED", [])
+    assert options.without_our_waits(environ) == environ
 
 
 def test_setup_refuses_counts_the_cli_refuses(tmp_path):

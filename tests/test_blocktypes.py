@@ -8,9 +8,10 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
 from selfextend.native.blocktypes import BLOCK_TYPES, BlockType, c_header, c_name, c_sources
 from selfextend.native.build import Sources, build, build_key
@@ -20,13 +21,28 @@ CC = shutil.which("cc") or shutil.which("gcc")
 needs_cc = pytest.mark.skipif(CC is None, reason="no C compiler here")
 
 
+@needs_cc
 @pytest.mark.parametrize("t", BLOCK_TYPES, ids=[t.name for t in BLOCK_TYPES])
 def test_each_type_is_gguf_s(t: BlockType) -> None:
-    """Name, code and block shape are gguf's; the family's source exists and names the type."""
+    """Name, code and block shape are gguf's, and the built library computes the type as gguf reads it:
+    rows of that type (gguf's own quantiser where it has one, else random bytes with sane scales) looked
+    up exactly as ``gguf.quants.dequantize`` gives them, and their products on the vector and the portable
+    path near the float product with those values (so the family's C has the type's loops, whatever its
+    comments say)."""
+    from test_quant import gguf_blocks
+
     assert GGMLQuantizationType(t.code).name == t.name
     assert GGML_QUANT_SIZES[GGMLQuantizationType(t.code)] == (t.values, t.nbytes)
-    source = Path(c_sources()[0]).with_name(f"{t.family}.c")
-    assert source in c_sources() and f"case {t.name}" in source.read_text()
+    kernels = quant_kernels()
+    assert kernels is not None, "the quant library did not build or load (see its warning)"
+    raw = gguf_blocks(t.code, 16, 512, seed=t.code)
+    want = torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType(t.code)).astype(np.float32))
+    blocks = torch.from_numpy(raw)
+    assert torch.equal(kernels.rows(blocks, t.code, 512, torch.arange(16)), want)
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(t.code))
+    for path in (kernels, QuantKernels(kernels.library, portable=True)):
+        got, exact = path(x, blocks, t.code), x @ want.T
+        assert (got - exact).abs().max() <= 0.02 * exact.abs().max(), (t.name, path.portable)
 
 
 def test_the_header_is_the_table() -> None:

@@ -1,7 +1,8 @@
 """The RoPE families users run, each from a GGUF written as llama.cpp's converter writes it
 (tests/gguf_write.py): logits against transformers on the original checkpoint, through the forward and the
 decode step (the direct one where it serves the family, the model's forward otherwise), plain and
-Self-Extend, across context shifts; the default weights (a Q8_0 file's blocks) within their rounding."""
+Self-Extend, across context shifts; the default weights (a Q8_0 file's blocks) within their rounding.
+Files written by llama.cpp's converter itself, not our writer: test_gguf_converted.py."""
 
 from __future__ import annotations
 

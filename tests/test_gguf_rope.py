@@ -1,7 +1,8 @@
 """RoPE read from a GGUF as llama.cpp reads it: each variant, written as llama.cpp's converter writes it
 (tests/gguf_write.py), loaded with ``load_model(path, weights="float")`` and compared with transformers on
 the original checkpoint: the forward, the direct decode step through context shifts, Self-Extend, the
-converted model read back from the cache, and the prompt cache's fingerprint."""
+converted model read back from the cache, and the prompt cache's fingerprint. Files written by llama.cpp's
+converter itself, not our writer: test_gguf_converted.py."""
 
 from __future__ import annotations
 

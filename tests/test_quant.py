@@ -9,13 +9,15 @@ call's. Each on the vector path and the portable one, with output sizes and row 
 multiples of anything (of 8 for the 8-row interleaved forms of Q4_0, Q4_1, Q8_0 and the K-quants, which
 must hold rows in eights), and on the vector path built without AVX-512 (the K-quants' AVX2 loops, on a
 CPU whose default build takes AVX-512 VNNI ones). The reference's activation blocks are checked against
-llama.cpp's own where llama-cpp-python is installed.
+llama.cpp's own: its blocks stored in ``tests/data/``, and its library where llama-cpp-python is
+installed.
 """
 
 from __future__ import annotations
 
 import functools
 import platform
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -99,24 +101,38 @@ def block_mins(raw: np.ndarray, kind: int) -> np.ndarray:
     return np.ascontiguousarray(blocks[..., 2:4]).view(np.float16)[..., 0].astype(np.float64)
 
 
-@pytest.mark.parametrize(("name", "per", "size"), [("q8_0", 32, 34), ("q8_1", 32, 36), ("q8_K", 256, 292)])
-def test_activation_blocks_are_llama_cpps(name: str, per: int, size: int) -> None:
-    """The reference's activation blocks (activation_steps) are llama.cpp's own, bit for bit: its CPU
-    library's quantize_row_<name> (the one llama-cpp-python loads, where it is installed) on rows of
-    every scale, a zero block, blocks whose float16 d underflows and ties at half a step."""
+STORED_BLOCKS = Path(__file__).parent / "data" / "activation_blocks.npz"
+
+
+def _installed_blocks(x: np.ndarray, name: str, per: int, size: int) -> np.ndarray:
+    """llama.cpp's quantize_row_<name> of each row of ``x``, from the CPU library llama-cpp-python loads
+    (skipped where it is not installed)."""
     import ctypes
     import os
 
     llama_cpp = pytest.importorskip("llama_cpp")
     lib = ctypes.CDLL(os.path.join(os.path.dirname(llama_cpp.__file__), "lib", "libggml-cpu.so"))
-    rng = np.random.default_rng(0)
-    x = (rng.standard_normal((16, 1024)) * rng.uniform(1e-3, 10, (16, 1))).astype(np.float32)
-    x[0, :256], x[1, :32], x[2] = 0, 1e-9, np.round(x[2] * 4) / 4
     quantize = getattr(lib, f"quantize_row_{name}")
     quantize.argtypes, quantize.restype = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64], None
-    blocks = np.zeros((16, 1024 // per, size), np.uint8)
+    blocks = np.zeros((x.shape[0], x.shape[1] // per, size), np.uint8)
     for row, out in zip(x, blocks, strict=True):
-        quantize(row.ctypes.data, out.ctypes.data, 1024)
+        quantize(np.ascontiguousarray(row).ctypes.data, out.ctypes.data, x.shape[1])
+    return blocks
+
+
+@pytest.mark.parametrize("source", ["stored", "installed"])
+@pytest.mark.parametrize(("name", "per", "size"), [("q8_0", 32, 34), ("q8_1", 32, 36), ("q8_K", 256, 292)])
+def test_activation_blocks_are_llama_cpps(name: str, per: int, size: int, source: str) -> None:
+    """The reference's activation blocks (activation_steps) are llama.cpp's own, bit for bit: its CPU
+    library's quantize_row_<name> on rows of every scale, a zero block, a block whose float16 d underflows
+    and ties at half a step. "stored": the rows and llama.cpp's blocks kept in ``tests/data/`` (made by
+    ``.venv/bin/python experiments/tools/llamacpp_activation_blocks.py build/bin/libggml-cpu.so``, the
+    library built from the llama-cpp-python 0.3.36 sdist as that script's docstring says); "installed": the
+    same rows through the library of an installed llama-cpp-python."""
+    stored = np.load(STORED_BLOCKS)
+    x = stored["x"]
+    blocks = stored[name] if source == "stored" else _installed_blocks(x, name, per, size)
+    assert blocks.shape == (x.shape[0], x.shape[1] // per, size)
     scale = np.float32 if per == 256 else np.float16
     d = np.ascontiguousarray(blocks[..., : np.dtype(scale).itemsize]).view(scale)[..., 0].astype(np.float64)
     q = blocks[..., 4 : 4 + per] if per == 256 else blocks[..., size - 32 :]

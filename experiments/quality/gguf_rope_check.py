@@ -107,8 +107,9 @@ def variants(vocab: int) -> dict[str, Callable[[], torch.nn.Module]]:
 
 
 # Runs the converter as it is, except that a BPE pre-tokenizer it does not recognise (SmolLM2's tokenizer as
-# transformers re-saves it hashes differently from the original) is taken as SmolLM2's: the tokenizer
-# does not touch the tensors or the RoPE keys this script checks.
+# transformers re-saves it hashes differently from the original) is taken as SmolLM2's, and a family that
+# reads a SentencePiece tokenizer.model (Gemma 1 and 2) reads the folder's BPE tokenizer where it has none:
+# the tokenizer does not touch the tensors or the RoPE keys checked.
 _RUNNER = """
 import runpy, sys
 sys.path.insert(0, sys.argv[1])
@@ -120,17 +121,24 @@ def pre(self, tokenizer):
     except NotImplementedError:
         return "smollm"
 base.TextModel.get_vocab_base_pre = pre
+sentencepiece = base.TextModel._set_vocab_sentencepiece
+def vocab(self, *args, **kwargs):
+    if not (self.dir_model / "tokenizer.model").is_file():
+        return self._set_vocab_gpt2()
+    return sentencepiece(self, *args, **kwargs)
+base.TextModel._set_vocab_sentencepiece = vocab
 script = sys.argv[2]
 sys.argv = sys.argv[2:]
 runpy.run_path(script, run_name="__main__")
 """
 
 
-def convert(llama_cpp: Path, model_dir: Path, out: Path) -> None:
+def convert(llama_cpp: Path, model_dir: Path, out: Path, outtype: str = "f32") -> None:
+    """``convert_hf_to_gguf.py`` of ``llama_cpp`` on ``model_dir`` into ``out`` (``--outtype``)."""
     env = dict(os.environ, PYTHONPATH=str(llama_cpp / "gguf-py"))
     script = str(llama_cpp / "convert_hf_to_gguf.py")
     cmd = [sys.executable, "-c", _RUNNER, str(llama_cpp), script, str(model_dir), "--outfile", str(out)]
-    done = subprocess.run([*cmd, "--outtype", "f32"], env=env, capture_output=True, text=True)
+    done = subprocess.run([*cmd, "--outtype", outtype], env=env, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"convert_hf_to_gguf.py failed:\n{done.stderr[-3000:]}")
 

@@ -18,7 +18,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -69,7 +69,8 @@ class ServerSetup:
     requests: int = 6  # per client
     max_tokens: int = 64  # every load reply runs to this many tokens
     turns: int = 30  # trimmed-chat turns (0: none)
-    logs: Path = field(default_factory=lambda: Path(tempfile.gettempdir()))
+    logs: Path | None = None  # the servers' output (None: a folder of this run's own, made here)
+    llama_env: dict[str, str] | None = None  # llama-server's environment (None: this process's)
 
     def __post_init__(self) -> None:
         """Every count checked (:class:`~selfextend.core.validate.ValidationError`), as the CLI does."""
@@ -78,6 +79,8 @@ class ServerSetup:
         for name, lo in lowest.items():
             setattr(self, name, check_int(getattr(self, name), name, lo))
         self.turns = check_int(self.turns, "turns", 0, len(TOPICS))
+        if self.logs is None:  # one folder per run: concurrent runs never write over each other's logs
+            self.logs = Path(tempfile.mkdtemp(prefix="selfextend-bench-server-"))
 
 
 def gguf_tokenizer(gguf: Path):
@@ -89,10 +92,31 @@ def gguf_tokenizer(gguf: Path):
 
 
 def free_port() -> int:
-    """A TCP port free on loopback now."""
+    """A TCP port free on loopback now (another process may take it before a server binds it: see
+    :func:`start_on_a_free_port`)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+BIND_FAILED = ("address already in use", "bind")  # what a server that lost its port says, lower case
+
+
+def start_on_a_free_port(
+    name: str, setup: ServerSetup, log: Path, env: dict | None = None, attempts: int = 3
+) -> tuple[subprocess.Popen, str]:
+    """Server ``name`` started on a port free a moment before (:func:`start`), again on another one if it
+    exits saying it could not bind (the port taken between the pick and its bind), up to ``attempts``
+    times: (the process, its base URL)."""
+    for attempt in range(attempts):
+        port = free_port()
+        base = f"http://127.0.0.1:{port}"
+        try:
+            return start(command(name, setup, port), base, log, env), base
+        except RuntimeError as e:
+            if attempt == attempts - 1 or not any(word in str(e).lower() for word in BIND_FAILED):
+                raise
+    raise AssertionError("unreachable")
 
 
 def command(name: str, setup: ServerSetup, port: int) -> list[str]:
@@ -149,14 +173,14 @@ def stop(proc: subprocess.Popen) -> int:
 
 def measure(name: str, setup: ServerSetup, tokenizer, round_: int) -> list[dict]:
     """One server's records for one round: the load phase and (with ``setup.turns``) the trimmed chat."""
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
     weights = setup.weights if name == "selfextend" else "gguf"
     settings = {"case": "server", "server": name, "round": round_, "model": setup.gguf.name}
     settings.update(parallel=setup.parallel, ctx_per_slot=setup.ctx, threads=setup.threads)
     settings.update(cache_reuse=setup.cache_reuse, cache_type=setup.cache_type, weights=weights)
-    log = setup.logs / f"selfextend-bench-server.{name}.log"
-    proc = start(command(name, setup, port), base, log)
+    assert setup.logs is not None  # made by __post_init__
+    log = setup.logs / f"{name}.round{round_}.log"
+    env = setup.llama_env if name == "llama-server" else None
+    proc, base = start_on_a_free_port(name, setup, log, env)
     try:
         run_phase(base, 1, 1, max_tokens=8)  # warm-up, not recorded
         load = run_phase(base, setup.clients, setup.requests, setup.max_tokens, full=True, same_history=True)

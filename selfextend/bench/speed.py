@@ -39,7 +39,10 @@ def bytes_per_token(model: nn.Module, cache: ContextShiftCache, fill: int) -> in
     table = model.get_input_embeddings()
     embed = getattr(table, "weight", None)
     embed = table.blocks if embed is None else embed  # a GGUF table held as blocks: rows of bytes
-    weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    # by address: a tied table and head may be two tensors over the same bytes (a K-quant head kept as
+    # stored rows, on a CPU whose interleaved form is not faster)
+    held = {t.data_ptr(): t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers())}
+    weights = sum(held.values())
     head = model.get_output_embeddings()
     head_rows = getattr(head, "weight", None)
     head_rows = getattr(head, "blocks", None) if head_rows is None else head_rows  # a GGUF head's blocks
