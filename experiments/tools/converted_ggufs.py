@@ -31,24 +31,21 @@ from safetensors.torch import save_file
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "experiments" / "quality"))
+sys.path.insert(0, str(ROOT / "tests"))
+from conftest import COMMON  # noqa: E402
 from gguf_rope_check import convert  # noqa: E402
 
 VOCAB = 128
 TRAINED = 32
 TOKENS = 48  # past the trained window, so the scaled RoPE variants use their long factors
 ROWS = list(range(3, TOKENS, 4))  # the positions whose logits are stored
+# the suite's tiny shape (tests/conftest.py's COMMON), narrower, with the converter's small vocabulary
 SMALL = dict(
+    COMMON,
     vocab_size=VOCAB,
     hidden_size=32,
     intermediate_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
     max_position_embeddings=TRAINED,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
-    initializer_range=0.15,
     tie_word_embeddings=False,
 )
 GEMMA = dict(head_dim=8, query_pre_attn_scalar=8, sliding_window=8, tie_word_embeddings=True)
