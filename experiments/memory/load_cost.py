@@ -2,8 +2,10 @@
 
 Each model and weight form is loaded twice, each time in a fresh process: "cold" into an empty
 cache folder (conversion included) and "warm" from what the cold load left there. Peak RSS is
-the process's resident high-water mark (VmHWM) after the load, so it includes the ~0.4-0.5 GB
-that importing torch and transformers takes (reported apart as ``rss_imports_mb``). The
+the process's resident high-water mark (VmHWM) after the load, so it includes the ~0.3-0.5 GB
+that importing torch and transformers takes (reported apart as ``rss_imports_mb``); ``peak_anon_mb``
+leaves out the file-backed pages resident after the load (shared libraries), whose count follows the
+page cache more than the load: a fresh install's hot files added ~80 MB to a cold load's peak. The
 run-form size is the bytes of every parameter and buffer of the loaded model (shared storage
 counted once). Load time is given as wall time and as the process's CPU time (user + system,
 all threads), which other work on a shared machine disturbs less. Each run also greedy-decodes a
@@ -54,7 +56,7 @@ def worker(model: str, form: str) -> None:
     start, cpu_start = time.perf_counter(), time.process_time()
     lm, tokenizer = load_with_self_extend(model, dtype, "cpu", None, None, weights)
     seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
-    peak = _vm("VmHWM")
+    peak, file_backed = _vm("VmHWM"), _vm("RssFile")  # RssFile: mapped library and file pages resident
     seen: set[int] = set()
     run_bytes = 0
     for t in [*lm.parameters(), *lm.buffers()]:
@@ -70,6 +72,9 @@ def worker(model: str, form: str) -> None:
         "load_s": round(seconds, 2),
         "load_cpu_s": round(cpu_seconds, 2),
         "peak_rss_mb": round(peak / 1024, 1),
+        # the peak less the file-backed pages (torch's libraries, mostly): how many of those are resident
+        # depends on the page cache (a fresh install's files are hot), not on the load
+        "peak_anon_mb": round((peak - file_backed) / 1024, 1),
         "rss_imports_mb": round(rss_imports / 1024, 1),
         "run_form_mb": round(run_bytes / 2**20, 1),
         "tokens": tokens,
