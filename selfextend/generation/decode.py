@@ -138,6 +138,18 @@ def _query_rotation(
     return known[key]
 
 
+def _positions(caches: Sequence[ContextShiftCache]) -> list[int]:
+    """Each row's position: its cache's next one, and for a cache that several rows share (a speculative
+    check of drafted tokens) the next ones in row order."""
+    seen: dict[int, int] = {}
+    pos = []
+    for cache in caches:
+        before = seen.get(id(cache), 0)
+        pos.append(cache.n_past + before)
+        seen[id(cache)] = before + 1
+    return pos
+
+
 class _Batch(NamedTuple):
     """What :meth:`DecodeStep.rows` knows of its rows for one token: their caches and positions, the native
     kernels that read each cache (None: torch attention), each row's rotation by kind of layer, and the
@@ -248,14 +260,15 @@ class DecodeStep:
     @torch.no_grad()
     def rows(self, tokens: Sequence[int], caches: Sequence[ContextShiftCache]) -> torch.Tensor:
         """Logits (M, vocab): row ``j`` the next token's after ``tokens[j]``, written at ``caches[j].n_past``
-        (each cache with room for it).
+        (each cache with room for it); rows that share a cache are its next tokens in order, each attending
+        the ones before it (several drafted tokens checked in one pass).
 
         The sequences share each product (M rows: the weights are read once for all); norms, rotation and
         attention run per row over that sequence's own cells (its positions, Self-Extend grouping and sliding
         layers). Every per-row operation is the one a lone token takes, so where the products are batch-
         invariant (the native GGUF block products) a row's logits are bit for bit those of stepping it alone.
         """
-        pos = [cache.n_past for cache in caches]
+        pos = _positions(caches)
         ids = torch.tensor(tokens, device=self.device)
         x = self.embed_rows(ids)  # (M, hidden): a copy, added to in place
         x = x * self.embed_scale.to(x.dtype) if self.embed_scale is not None else x

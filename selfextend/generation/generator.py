@@ -6,6 +6,7 @@ the loop is ours: make room, forward, pick a token, stream its text.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -19,9 +20,11 @@ from selfextend.generation.decode import decode_step_for
 from selfextend.generation.grammar import Grammar, GrammarMask, NoTokenLeft
 from selfextend.generation.graphed import graphed_decode_for
 from selfextend.generation.sampling import SamplingParams, any_left, sample
+from selfextend.generation.speculative import speculates, speculative_decode
 from selfextend.hf.facts import cache_kwargs
 from selfextend.kv.cache import ContextShiftCache
 
+log = logging.getLogger(__name__)
 PREFILL_CHUNK = 512  # prompt pieces in run(): as llama.cpp's default micro-batch; also the progress step
 
 
@@ -54,6 +57,16 @@ class GenerationStats:
         )
 
 
+_SAID: set[str] = set()
+
+
+def _said_once(message: str) -> None:
+    """Log ``message`` once per process (a setting that cannot apply, said where it is ignored)."""
+    if message not in _SAID:
+        _SAID.add(message)
+        log.warning(message)
+
+
 @dataclass
 class Generator:
     """Prefill and decode through a :class:`ContextShiftCache`; tracks which tokens the cache holds."""
@@ -67,11 +80,13 @@ class Generator:
     direct_decode: bool = True  # single tokens through a DecodeStep where it serves the model
     compile: bool = False  # single tokens through the compiled step (generation.compiled) where it serves
     grammar: Grammar | None = None  # the response format every token drawn must keep (None: any text)
+    lookup: int = 0  # drafts checked per pass by prompt lookup, greedy (generation.speculative); 0: off
 
     def __post_init__(self) -> None:
         if not isinstance(self.cache, ContextShiftCache):
             raise ValidationError("cache", f"must be a ContextShiftCache, got {type(self.cache).__name__}")
         self.sampling.validate()
+        self.lookup = check_int(self.lookup, "lookup", 0)
         self.seed = check_seed(self.seed)
         self.rng = torch.Generator(device="cpu")
         if self.seed is not None:
@@ -183,6 +198,12 @@ class Generator:
         once ``stop()`` is true. Any other negative count is refused (it would otherwise run forever).
         """
         max_new_tokens = check_int(max_new_tokens, "max_new_tokens", -1)
+        if self.lookup > 0:
+            why = speculates(self)
+            if why is None:
+                yield from speculative_decode(self, logits, max_new_tokens, eos_token_ids, stop, self.lookup)
+                return
+            _said_once(f"prompt lookup off ({why}): each token decoded alone")
         produced = 0
         while (max_new_tokens < 0 or produced < max_new_tokens) and not (stop is not None and stop()):
             token = self.next_token(logits)

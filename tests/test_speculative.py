@@ -1,0 +1,141 @@
+"""Speculative greedy decoding by prompt lookup (generation/speculative.py): drafted tokens checked in one
+pass give plain greedy decoding's tokens exactly, through context shifts and with Self-Extend, and leave
+the cache as plain decoding leaves it; drafts that repeat the context are accepted."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_models import write_tiny_gguf
+
+from selfextend.generation.generator import Generator, run
+from selfextend.generation.sampling import SamplingParams
+from selfextend.generation.speculative import lookup_draft
+from selfextend.hf.patch import apply_self_extend, remove_self_extend
+from selfextend.kv.cache import ContextShiftCache
+from selfextend.models import load_model
+from selfextend.native.quant import quant_kernels
+
+pytestmark = pytest.mark.skipif(quant_kernels() is None, reason="no C compiler here to build the kernels")
+REPEATED = [5, 9, 11, 13, 17, 19, 23] * 4  # a prompt a lookup drafts from
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> torch.nn.Module:
+    """A tiny Q8_0 GGUF as blocks (the batch-invariant products the check needs)."""
+    path = write_tiny_gguf(
+        tmp_path_factory.mktemp("spec") / "t.gguf", hidden=256, heads=4, kv_heads=2, quant="Q8_0"
+    )
+    return load_model(str(path), weights="gguf")[0]
+
+
+def test_the_lookup_drafts_what_followed_the_tail() -> None:
+    assert lookup_draft([1, 2, 3, 4, 9, 2, 3], 2) == [4, 9]  # "2 3" seen before, then 4 9
+    assert lookup_draft([1, 2, 3, 4, 9, 2, 3], 5) == [4, 9, 2, 3]
+    assert lookup_draft([7, 8, 9], 3) == []  # nothing repeats
+    assert lookup_draft([1, 2, 1], 0) == [] and lookup_draft([1], 4) == []
+
+
+def _greedy(model, lookup: int, n_ctx: int, tokens: int, prompt: list[int], **kw):
+    gen = Generator(
+        model, ContextShiftCache(model, n_ctx, n_keep=4), SamplingParams(temperature=0), lookup=lookup
+    )
+    out = [t for t, _ in run(gen, prompt, tokens, **kw)]
+    return out, gen
+
+
+@pytest.mark.parametrize("self_extend", [False, True], ids=["plain", "self-extend"])
+def test_speculative_greedy_is_plain_greedy_through_shifts(model, self_extend: bool) -> None:
+    if self_extend:
+        apply_self_extend(model, 2, 8)
+    try:
+        for n_ctx, tokens in ((48, 120), (200, 60)):  # 48 cells: several shifts
+            plain, g1 = _greedy(model, 0, n_ctx, tokens, REPEATED)
+            fast, g2 = _greedy(model, 6, n_ctx, tokens, REPEATED)
+            assert fast == plain
+            assert g2.cache.shifts == g1.cache.shifts and (n_ctx > 100 or g1.cache.shifts >= 2)
+            assert g2.tokens == g1.tokens and g2.cache.n_past == g1.cache.n_past
+            assert torch.equal(g2.last_logits, g1.last_logits)  # the cache left as plain decoding leaves it
+    finally:
+        remove_self_extend(model)
+
+
+def test_drafts_are_accepted_and_passes_saved(model) -> None:
+    """A model that repeats its context (greedy decoding of a tiny random model falls into a loop) takes
+    drafts: fewer passes of the step than tokens."""
+    passes = []
+    gen = Generator(model, ContextShiftCache(model, 400), SamplingParams(temperature=0), lookup=8)
+    rows = gen.step.rows
+    gen.step.rows = lambda tokens, caches: passes.append(len(tokens)) or rows(tokens, caches)
+    out = [t for t, _ in run(gen, REPEATED, 100)]
+    plain, _ = _greedy(model, 0, 400, 100, REPEATED)
+    assert out == plain
+    assert len(passes) < 100 and max(passes) > 1
+
+
+def test_it_stops_where_the_consumer_stops(model) -> None:
+    """A consumer that takes 10 tokens leaves the cache holding the prompt and 9 of them, as plain."""
+    for lookup in (0, 6):
+        gen = Generator(model, ContextShiftCache(model, 200), SamplingParams(temperature=0), lookup=lookup)
+        it = gen.decode(gen.feed(REPEATED), -1)
+        got = [next(it) for _ in range(10)]
+        it.close()
+        assert gen.cache.n_past == len(REPEATED) + 9 and gen.tokens[len(REPEATED) :] == got[:9]
+
+
+def test_sampling_and_other_weights_decode_alone(model, caplog) -> None:
+    """Sampling (the check here is greedy) decodes without drafts, said once; a negative count is refused."""
+    gen = Generator(model, ContextShiftCache(model, 200), SamplingParams(temperature=0.8), seed=1, lookup=4)
+    plain = Generator(model, ContextShiftCache(model, 200), SamplingParams(temperature=0.8), seed=1)
+    assert [t for t, _ in run(gen, REPEATED, 20)] == [t for t, _ in run(plain, REPEATED, 20)]
+    with pytest.raises(ValueError, match="lookup"):
+        Generator(model, ContextShiftCache(model, 200), lookup=-1)
+
+
+@pytest.mark.parametrize("self_extend", [False, True], ids=["plain", "self-extend"])
+def test_rejected_drafts_leave_no_cell(model, monkeypatch: pytest.MonkeyPatch, self_extend: bool) -> None:
+    """Drafts greedy decoding never picks (every other one wrong): their cells are dropped, so the output,
+    the shifts and the cache are plain decoding's."""
+    import selfextend.generation.speculative as speculative
+
+    real = speculative.lookup_draft
+    calls = []
+
+    def wrong(tokens, n, ngram=speculative.NGRAM):
+        calls.append(n)
+        got = real(tokens, n, ngram) or [3] * n
+        return [t if i % 2 == 0 else 4 + t % 50 for i, t in enumerate(got)]
+
+    monkeypatch.setattr(speculative, "lookup_draft", wrong)
+    if self_extend:
+        apply_self_extend(model, 2, 8)
+    try:
+        plain, g1 = _greedy(model, 0, 48, 80, REPEATED)
+        fast, g2 = _greedy(model, 5, 48, 80, REPEATED)
+    finally:
+        remove_self_extend(model)
+    assert fast == plain and len(calls) > 10 and g1.cache.shifts >= 2
+    assert g2.cache.shifts == g1.cache.shifts and g2.tokens == g1.tokens
+    assert torch.equal(g2.last_logits, g1.last_logits)
+
+
+@pytest.mark.real
+def test_the_default_model_copies_text_exactly_and_faster() -> None:
+    """The default model asked to repeat a paragraph: speculative greedy output is plain greedy's token for
+    token, in fewer passes than tokens."""
+    from selfextend.generation.text import build_prompt
+
+    model, tok = load_model("smollm2-135m", weights="gguf")  # the CLI's default on the CPU
+    text = (
+        "The lighthouse keeper climbed the stairs each evening, lit the lamp, and wrote the weather in "
+        "his log: wind from the west, rain by midnight, a ship's lights far out past the reef."
+    )
+    ids, _ = build_prompt(tok, f"Repeat this text exactly:\n\n{text}")
+    plain, _ = _greedy(model, 0, 512, 48, ids)
+    gen = Generator(model, ContextShiftCache(model, 512, n_keep=4), SamplingParams(temperature=0), lookup=8)
+    passes = []
+    rows = gen.step.rows
+    gen.step.rows = lambda tokens, caches: passes.append(len(tokens)) or rows(tokens, caches)
+    fast = [t for t, _ in run(gen, ids, 48)]
+    assert fast == plain
+    assert len(passes) < 40, passes
