@@ -60,6 +60,7 @@ def chat(
     keep: int | None,
     compile_step: bool | None,
     cache_type: str | None,
+    lookup: int,
     max_new_tokens: int,
     ignore_eos: bool,
     stop: tuple[str, ...],
@@ -147,6 +148,7 @@ def chat(
         compile=compile_step,
         cache_dtype=cache_dtype,
         model_name=model_id(model),
+        lookup=lookup,
     )
     if session_file and Path(session_file).exists():
         session.load(session_file)

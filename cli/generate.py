@@ -50,6 +50,7 @@ def generate(
     keep: int | None,
     compile_step: bool | None,
     cache_type: str | None,
+    lookup: int,
     max_new_tokens: int,
     ignore_eos: bool,
     stop: tuple[str, ...],
@@ -92,7 +93,7 @@ def generate(
     check_keep(n_keep, ctx)
     compile_step, cache_dtype = decode_settings(lm, compile_step, cache_type)
     cache = ContextShiftCache(lm, n_ctx=ctx, n_keep=n_keep, dtype=cache_dtype)
-    gen = Generator(lm, cache, sampling, seed, compile=compile_step)
+    gen = Generator(lm, cache, sampling, seed, compile=compile_step, lookup=lookup)
     reused, reused_logits = 0, None
     if prompt_cache:
         from pathlib import Path

@@ -222,7 +222,18 @@ def cache_type_option(f: Callable) -> Callable:
 
 
 def decode_options(f: Callable) -> Callable:
-    """--compile/--no-compile, --cache-type: how single tokens are decoded and the KV cache's element type."""
+    """--compile/--no-compile, --cache-type, --lookup: how single tokens are decoded, the KV cache's element
+    type, and drafted tokens checked per pass."""
+    f = click.option(
+        "--lookup",
+        type=COUNT,
+        default=0,
+        show_default=True,
+        help="Speculative decoding by prompt lookup: up to this many tokens drafted from the context (what "
+        "followed the last few tokens before) and checked in one pass; greedy output identical to without "
+        "(--temperature 0, GGUF blocks on the CPU; elsewhere each token alone). Pays where text repeats: "
+        "copies, edits, summaries quoting their source.",
+    )(f)
     f = cache_type_option(f)
     f = click.option(
         "--compile/--no-compile",

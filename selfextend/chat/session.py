@@ -82,6 +82,7 @@ class ChatSession:
         compile: bool = False,
         cache_dtype: torch.dtype | None = None,
         model_name: str | None = None,
+        lookup: int = 0,
     ) -> None:
         self.model, self.tokenizer, self.n_ctx = model, tokenizer, n_ctx
         self.sampling = sampling or SamplingParams()
@@ -96,6 +97,7 @@ class ChatSession:
             cache_dtype,
         )  # decode path and KV element type (model's: None)
         self.model_name = model_name
+        self.lookup = lookup  # drafted tokens checked per pass (generation.speculative)
         self.stop_requested = False
         self.start(system)
 
@@ -122,7 +124,9 @@ class ChatSession:
         self.exchanges: list[Exchange] = []
         self.ledger = TurnLedger(self.exchanges, self.on_shift)
         self.cache.discard_policy = self.ledger.discard
-        self.gen = Generator(self.model, self.cache, self.sampling, self.seed, compile=self.compile)
+        self.gen = Generator(
+            self.model, self.cache, self.sampling, self.seed, compile=self.compile, lookup=self.lookup
+        )
         self.closed = True  # the last reply's closing markers are in the cache (or there is no reply)
 
     @property

@@ -253,5 +253,6 @@ def run(
     for token in generator.decode(logits, max_new_tokens, eos_token_ids):
         stats.tokens += 1
         stats.seconds = time.perf_counter() - t0
-        stats.shifts, stats.n_past = generator.cache.shifts, generator.cache.n_past
+        # the cells of the tokens so far (a speculative check may hold drafts not yet kept past them)
+        stats.shifts, stats.n_past = generator.cache.shifts, len(generator.tokens)
         yield token, stats

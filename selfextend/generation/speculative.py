@@ -76,11 +76,12 @@ def speculative_decode(
     token = gen.next_token(logits)
     produced += 1
     yield token
+    k = lookup  # drafts asked for: halved after a check that kept none, doubled after one that kept all
     while token not in eos_token_ids:
         if not more():  # as plain decoding: the last token written once the consumer asks past it
             gen.write([token])
             return
-        room = lookup if max_new_tokens < 0 else min(lookup, max_new_tokens - produced)
+        room = k if max_new_tokens < 0 else min(k, max_new_tokens - produced)
         # drafts only into the cells left before the next shift: shifts come where plain decoding's do
         drafts = lookup_draft([*gen.tokens, token], min(room, gen.cache.free() - 1))
         seq = [token, *drafts]
@@ -100,3 +101,5 @@ def speculative_decode(
         finally:  # the drafts' cells past what was kept (the last token yielded is written next, if at all)
             if base + kept < gen.cache.n_past:
                 gen.rewind(base + kept)
+        if drafts:  # a check costs its rows' attention and activations: fewer drafts where few are kept
+            k = max(1, k // 2) if kept == 1 else min(lookup, 2 * k) if kept > len(drafts) else k
