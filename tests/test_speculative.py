@@ -139,3 +139,31 @@ def test_the_default_model_copies_text_exactly_and_faster() -> None:
     fast = [t for t, _ in run(gen, ids, 48)]
     assert fast == plain
     assert len(passes) < 40, passes
+
+
+@pytest.mark.real
+def test_chat_replies_are_the_same_with_lookup() -> None:
+    """A greedy chat through context shifts gives the same replies with --lookup as without."""
+    from selfextend.chat.session import ChatSession
+
+    model, tok = load_model("smollm2-135m", weights="gguf")
+    turns = [
+        "Repeat after me: the sea is wide and the sea is deep.",
+        "Say it again, twice.",
+        "Once more.",
+        "And again.",
+    ]
+    replies = []
+    for lookup in (0, 8):
+        chat = ChatSession(
+            model,
+            tok,
+            96,  # a shift at the fourth turn
+            system="You are terse.",
+            sampling=SamplingParams(temperature=0),
+            lookup=lookup,
+            max_new_tokens=60,
+        )
+        replies.append(["".join(chat.reply(t)) for t in turns])
+        shifts = chat.cache.shifts
+    assert replies[0] == replies[1] and shifts >= 1
