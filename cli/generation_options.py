@@ -222,18 +222,7 @@ def cache_type_option(f: Callable) -> Callable:
 
 
 def decode_options(f: Callable) -> Callable:
-    """--compile/--no-compile, --cache-type, --lookup: how single tokens are decoded, the KV cache's element
-    type, and drafted tokens checked per pass."""
-    f = click.option(
-        "--lookup",
-        type=COUNT,
-        default=0,
-        show_default=True,
-        help="Speculative decoding by prompt lookup: up to this many tokens drafted from the context (what "
-        "followed the last few tokens before) and checked in one pass; greedy output identical to without "
-        "(--temperature 0, GGUF blocks on the CPU; elsewhere each token alone). Pays where text repeats: "
-        "copies, edits, summaries quoting their source.",
-    )(f)
+    """--compile/--no-compile, --cache-type: how single tokens are decoded and the KV cache's element type."""
     f = cache_type_option(f)
     f = click.option(
         "--compile/--no-compile",
@@ -244,6 +233,20 @@ def decode_options(f: Callable) -> Callable:
         "with a warning if compiling fails.",
     )(f)
     return f
+
+
+def lookup_option(f: Callable) -> Callable:
+    """--lookup: drafted tokens checked per pass (generate and chat)."""
+    return click.option(
+        "--lookup",
+        type=COUNT,
+        default=0,
+        show_default=True,
+        help="Speculative decoding by prompt lookup: up to this many tokens drafted from the context (what "
+        "followed the last few tokens before) and checked in one pass; greedy output identical to without "
+        "(--temperature 0, GGUF blocks on the CPU; elsewhere each token alone). Pays where text repeats: "
+        "copies, edits, summaries quoting their source.",
+    )(f)
 
 
 def generation_options(default_weights: str) -> Callable[[Callable], Callable]:
@@ -259,6 +262,7 @@ def generation_options(default_weights: str) -> Callable[[Callable], Callable]:
                 system_options,
                 cache_options,
                 decode_options,
+                lookup_option,
                 length_options,
                 sampling_options,
                 output_options,

@@ -17,12 +17,30 @@ model; it pays where text repeats (code edits, copies, summaries quoting their s
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from selfextend.generation.generator import Generator
+from selfextend.generation.decode import DecodeStep
+from selfextend.generation.sampling import SamplingParams
+from selfextend.kv.cache import ContextShiftCache
+
+
+class Generator(Protocol):
+    """What speculative decoding uses of a :class:`~selfextend.generation.generator.Generator` (which
+    imports this module: a protocol, not an import back)."""
+
+    tokens: list[int]
+    cache: ContextShiftCache
+    step: DecodeStep | None
+    sampling: SamplingParams
+    grammar: object | None
+
+    def next_token(self, logits: torch.Tensor) -> int: ...
+    def make_room(self, n: int) -> None: ...
+    def written(self, ids: list[int], logits: torch.Tensor) -> None: ...
+    def rewind(self, n_past: int) -> None: ...
+
 
 NGRAM = 3  # the longest tail looked up (then shorter ones), as transformers' default max_matching_ngram_size
 SEARCH = 4096  # tokens searched back from the end (the lookup is Python: bounded per token)
