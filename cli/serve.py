@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from selfextend.cli.generation_options import cache_type_option, sampling_options
+from selfextend.cli.generation_options import cache_type_option, lookup_option, sampling_options
 from selfextend.cli.options import (
     COUNT,
     POSITIVE,
@@ -89,6 +89,7 @@ if TYPE_CHECKING:
     help="Seconds SIGTERM waits for requests in flight before it cancels them.",
 )
 @cache_type_option
+@lookup_option
 @sampling_options
 def serve(
     model: str,
@@ -110,6 +111,7 @@ def serve(
     slot_save_path: str | None,
     drain_timeout: int,
     cache_type: str | None,
+    lookup: int,
     sampling: SamplingParams,
     seed: int | None,
 ) -> None:
@@ -153,6 +155,7 @@ def serve(
         prefill_chunk=prefill_chunk,
         cache_dtype=cache_dtype,
         cache_ram=cache_ram * 2**20,
+        lookup=lookup,
     )
     settings = Settings(
         model_name=model,

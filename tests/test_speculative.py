@@ -167,3 +167,56 @@ def test_chat_replies_are_the_same_with_lookup() -> None:
         replies.append(["".join(chat.reply(t)) for t in turns])
         shifts = chat.cache.shifts
     assert replies[0] == replies[1] and shifts >= 1
+
+
+def _replies(engine, prompts: list[list[int]], max_tokens: int, stops=(), ignore_eos=False) -> list[str]:
+    """The greedy replies of ``prompts`` submitted at once (the slots decode together)."""
+    import threading
+
+    from selfextend.server.jobs import Job
+
+    events = [[] for _ in prompts]
+    done = [threading.Event() for _ in prompts]
+
+    def emit_to(i):
+        def emit(event):
+            events[i].append(event)
+            if event["type"] in ("done", "error"):
+                done[i].set()
+
+        return emit
+
+    for i, p in enumerate(prompts):
+        greedy = SamplingParams(temperature=0)
+        engine.submit(Job(list(p), 0, greedy, max_tokens, emit_to(i), stops=stops, ignore_eos=ignore_eos))
+    assert all(d.wait(300) for d in done)
+    assert all(e[-1]["type"] == "done" for e in events), events
+    return ["".join(x["text"] for x in e if x["type"] == "text") for e in events]
+
+
+@pytest.mark.real
+def test_two_server_slots_reply_the_same_with_lookup() -> None:
+    """Two slots decoding together, each drafting by lookup, through a context shift: their greedy replies
+    (and a stop string's cut) are those of the server without drafts, and the next requests on the same
+    slots, reusing their caches, too."""
+    from selfextend.generation.text import build_prompt
+    from selfextend.server.engine import Engine
+
+    model, tok = load_model("smollm2-135m", weights="gguf")
+    texts = [
+        "Repeat this text exactly: the keeper lit the lamp and wrote the weather in his log.",
+        "Copy this list twice: red, green, blue, yellow, purple, orange.",
+    ]
+    prompts = [build_prompt(tok, t)[0] for t in texts]
+    got = []
+    for lookup in (0, 8):
+        engine = Engine(model, tok, 96, parallel=2, lookup=lookup)
+        engine.start()
+        try:
+            first = _replies(engine, prompts, 80, ignore_eos=True)  # past the 96 cells: a shift
+            cut = _replies(engine, prompts, 60, stops=("lamp", "blue"))
+            got.append((first, cut, [s.gen.cache.shifts for s in engine.slots]))
+        finally:
+            engine.stop()
+    assert got[0] == got[1]
+    assert any(n >= 1 for n in got[0][2])  # a shift on the way

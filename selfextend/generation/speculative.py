@@ -121,3 +121,33 @@ def speculative_decode(
                 gen.rewind(base + kept)
         if drafts:  # a check costs its rows' attention and activations: fewer drafts where few are kept
             k = max(1, k // 2) if kept == 1 else min(lookup, 2 * k) if kept > len(drafts) else k
+
+
+def draft_and_check(pairs: Sequence[tuple[Generator, int, int]]) -> list[tuple[list[int], int]]:
+    """Several sequences' next tokens in one pass of their shared decode step (a server's slots): for each
+    ``(generator, its last token, drawn but not written; a draft budget)``, the token and up to ``budget``
+    drafts written and checked, the drafts greedy decoding agrees with kept (the rest truncated). Returns per
+    generator ``(its greedy tokens in order: the kept drafts, then the next token, drawn and not written;
+    the cache position where the token went)``. Each generator must pass :func:`speculates`."""
+    seqs, bases = [], []
+    for gen, token, budget in pairs:
+        drafts = lookup_draft([*gen.tokens, token], min(budget, gen.cache.free() - 1))
+        seqs.append([token, *drafts])
+        gen.make_room(len(seqs[-1]))  # a shift only where one token would not fit: plain decoding's
+        bases.append(gen.cache.n_past)
+    caches = [gen.cache for (gen, _, _), seq in zip(pairs, seqs, strict=True) for _ in seq]
+    rows = pairs[0][0].step.rows([t for seq in seqs for t in seq], caches)  # (sum of 1 + k, vocab)
+    out, at = [], 0
+    for (gen, _, _), seq, base in zip(pairs, seqs, bases, strict=True):
+        kept, tokens = 1, []
+        while True:
+            gen.written([seq[kept - 1]], rows[at + kept - 1])
+            tokens.append(gen.next_token(rows[at + kept - 1]))
+            if kept == len(seq) or tokens[-1] != seq[kept]:
+                break
+            kept += 1
+        if base + kept < gen.cache.n_past:
+            gen.rewind(base + kept)
+        out.append((tokens, base))
+        at += len(seq)
+    return out

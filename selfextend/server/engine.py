@@ -34,6 +34,7 @@ from selfextend.generation.batched import BatchedDecode
 from selfextend.generation.decode import decode_step_for
 from selfextend.generation.generator import PREFILL_CHUNK, run
 from selfextend.generation.grammar import NoTokenLeft
+from selfextend.generation.speculative import draft_and_check, speculates
 from selfextend.generation.text import StopMatcher, TextStream, eos_token_ids
 from selfextend.models.blocks import set_chunk_engine
 from selfextend.models.heap import release_free_memory
@@ -64,8 +65,10 @@ class Engine:
         prefill_chunk: int = PREFILL_CHUNK,
         cache_dtype: torch.dtype | None = None,
         cache_ram: int = 0,
+        lookup: int = 0,
     ) -> None:
-        self.model, self.tokenizer, self.n_ctx = model, tokenizer, n_ctx
+        """``lookup``: tokens drafted per greedy slot and turn by prompt lookup (generation.speculative)."""
+        self.model, self.tokenizer, self.n_ctx, self.lookup = model, tokenizer, n_ctx, lookup
         # the ids a prompt may hold: the tokenizer's, and never past the rows the embedding table stores
         table = model.get_input_embeddings()
         self.vocab = min(len(tokenizer), getattr(table, "num_embeddings", len(tokenizer)))
@@ -299,7 +302,14 @@ class Engine:
             self._drop(r, e)
 
     def _decode(self, rs: list[Running]) -> None:
-        """Write each job's last token (one forward for all where the model allows) and sample the next."""
+        """Write each job's last token (one forward for all where the model allows) and sample the next;
+        greedy slots with ``lookup`` write drafts beside it and take the ones greedy decoding agrees with."""
+        drafted = [r for r in rs if self.lookup and speculates(r.slot.gen) is None]
+        if drafted:
+            self._decode_drafted(drafted)
+            rs = [r for r in rs if r not in drafted]
+            if not rs:
+                return
         try:
             logits = self.batched([(r.slot.gen, r.generated[-1]) for r in rs])
         except Exception as e:  # a failure inside the model: these jobs end, the server goes on
@@ -313,6 +323,24 @@ class Engine:
                 self._end(r, "stop" if e.accepting else "length", written=True)
             except Exception as e:  # no token to sample (NaN or inf logits): this job ends, the others go on
                 self._drop(r, e)
+
+    def _decode_drafted(self, rs: list[Running]) -> None:
+        """The greedy slots' tokens and their drafts checked in one pass; each kept draft streamed as a token
+        of its own. A job that ends inside its run leaves its cache at what it wrote (a plain step's)."""
+        room = [min(self.lookup, r.job.max_tokens - len(r.generated) - 1) for r in rs]
+        try:
+            done = draft_and_check([(r.slot.gen, r.generated[-1], n) for r, n in zip(rs, room, strict=True)])
+        except Exception as e:  # a failure inside the model: these jobs end, the server goes on
+            for r in rs:
+                self._drop(r, e)
+            return
+        for r, (tokens, base) in zip(rs, done, strict=True):
+            for j, token in enumerate(tokens):
+                self._accept(r, token)
+                if r not in self.running:
+                    if r.slot.gen.cache.n_past > base + j + 1:
+                        r.slot.gen.rewind(base + j + 1)
+                    break
 
     def _accept(self, r: Running, token: int) -> None:
         """Stream ``token``'s text; end the job on EOS, a stop string or its token limit."""
