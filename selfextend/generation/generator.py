@@ -19,8 +19,8 @@ from selfextend.generation.compiled import fast_decode_for
 from selfextend.generation.decode import decode_step_for
 from selfextend.generation.grammar import Grammar, GrammarMask, NoTokenLeft
 from selfextend.generation.graphed import graphed_decode_for
-from selfextend.generation.sampling import SamplingParams, any_left, sample
-from selfextend.generation.speculative import speculates, speculative_decode
+from selfextend.generation.sampling import SamplingParams, any_left, distribution, sample
+from selfextend.generation.speculative import Drafter, speculates, speculative_decode
 from selfextend.hf.facts import cache_kwargs
 from selfextend.kv.cache import ContextShiftCache
 
@@ -80,7 +80,8 @@ class Generator:
     direct_decode: bool = True  # single tokens through a DecodeStep where it serves the model
     compile: bool = False  # single tokens through the compiled step (generation.compiled) where it serves
     grammar: Grammar | None = None  # the response format every token drawn must keep (None: any text)
-    lookup: int = 0  # drafts checked per pass by prompt lookup, greedy (generation.speculative); 0: off
+    lookup: int = 0  # drafts checked per pass by prompt lookup (generation.speculative); 0: off
+    draft: Drafter | None = None  # drafts from a smaller model instead (generation.draft), its own count
 
     def __post_init__(self) -> None:
         if not isinstance(self.cache, ContextShiftCache):
@@ -169,19 +170,35 @@ class Generator:
                 progress(len(piece))
         return logits
 
-    def next_token(self, logits: torch.Tensor) -> int:
-        """The next token after ``logits`` (vocab,) under :attr:`sampling`, among those :attr:`grammar`
-        allows (masked before every other step of the chain) and then taken by it; :class:`NoTokenLeft`
-        where the logit bias bans every token the grammar allows."""
+    def _allowed(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(``logits`` with what :attr:`grammar` bans masked, the tokens the penalties look at);
+        :class:`NoTokenLeft` where the logit bias bans every token the grammar allows."""
         recent = torch.tensor(self.sampling.recent(self.tokens), dtype=torch.long, device=logits.device)
         if self.grammar is not None:
             logits = GrammarMask(self.grammar)(recent.view(1, -1), logits.view(1, -1))[0]
             if not any_left(logits, self.sampling, recent):
                 raise NoTokenLeft(self.grammar.accepting())
+        return logits, recent
+
+    def next_token(self, logits: torch.Tensor) -> int:
+        """The next token after ``logits`` (vocab,) under :attr:`sampling`, among those :attr:`grammar`
+        allows (masked before every other step of the chain) and then taken by it; :class:`NoTokenLeft`
+        where the logit bias bans every token the grammar allows."""
+        logits, recent = self._allowed(logits)
         token = sample(logits, self.sampling, recent, self.rng)
+        self.take(token)
+        return token
+
+    def probabilities(self, logits: torch.Tensor) -> torch.Tensor:
+        """The distribution :meth:`next_token` draws from after ``logits`` (vocab,), on the CPU in float32:
+        what speculative sampling's accept/reject rule reads."""
+        logits, recent = self._allowed(logits)
+        return distribution(logits.cpu(), self.sampling, recent.cpu())
+
+    def take(self, token: int) -> None:
+        """``token`` chosen: :attr:`grammar` moves past it."""
         if self.grammar is not None:
             self.grammar.consume(token)
-        return token
 
     def decode(
         self,
@@ -198,12 +215,13 @@ class Generator:
         once ``stop()`` is true. Any other negative count is refused (it would otherwise run forever).
         """
         max_new_tokens = check_int(max_new_tokens, "max_new_tokens", -1)
-        if self.lookup > 0:
+        most = self.lookup if self.draft is None else self.draft.most
+        if most > 0:
             why = speculates(self)
             if why is None:
-                yield from speculative_decode(self, logits, max_new_tokens, eos_token_ids, stop, self.lookup)
+                yield from speculative_decode(self, logits, max_new_tokens, eos_token_ids, stop, most)
                 return
-            _said_once(f"prompt lookup off ({why}): each token decoded alone")
+            _said_once(f"speculative decoding off ({why}): each token decoded alone")
         produced = 0
         while (max_new_tokens < 0 or produced < max_new_tokens) and not (stop is not None and stop()):
             token = self.next_token(logits)

@@ -1,5 +1,5 @@
-"""Speculative greedy decoding by prompt lookup: drafted tokens checked in one pass of the decode step, the
-output plain greedy decoding's token for token.
+"""Speculative decoding: drafted tokens checked in one pass of the decode step, greedy output plain greedy
+decoding's token for token, sampled output drawn from plain sampling's distribution.
 
 A decode step reads every weight once however many rows it multiplies (on a memory-bound CPU, k + 1 rows
 cost about one weight read), and the GGUF block products are batch-invariant: a row's result does not
@@ -10,8 +10,19 @@ kept are truncated away; drafts fill only the cells left before the next context
 where plain decoding's do.
 
 Drafts come from the context itself (prompt lookup, transformers' ``prompt_lookup_num_tokens``, llama.cpp's
-n-gram drafts): the tokens that followed the latest earlier occurrence of the last few tokens. No second
-model; it pays where text repeats (code edits, copies, summaries quoting their source).
+n-gram drafts: the tokens that followed the latest earlier occurrence of the last few tokens; no second
+model, it pays where text repeats) or from a smaller model of the same vocabulary (a :class:`Drafter`,
+:class:`~selfextend.generation.draft.DraftModel`).
+
+Sampling keeps its distribution by the accept/reject rule of Leviathan et al. (2023) and Chen et al.
+(2023): a draft ``x`` drawn from ``q`` is kept with probability ``min(1, p(x) / q(x))``, where ``p`` is the
+distribution plain sampling draws from at that position (penalties, logit bias, response format, top-k,
+top-p, min-p and temperature applied, :meth:`Generator.probabilities`); at the first draft refused, the
+token is drawn from ``max(0, p - q)`` renormalized, and past the last draft from ``p``. A prompt-lookup
+draft has ``q`` all on ``x``. The random stream: one uniform number from the generator's seeded CPU
+generator per draft looked at, one draw per token from a residual or after the last draft (through
+:func:`~selfextend.generation.sampling.sample`), so a seed repeats a run, but the tokens differ from a
+plain run's with the same seed (the distribution is the same; a chi-square test holds it so).
 """
 
 from __future__ import annotations
@@ -26,6 +37,19 @@ from selfextend.generation.sampling import SamplingParams
 from selfextend.kv.cache import ContextShiftCache
 
 
+class Drafter(Protocol):
+    """Where drafts come from other than the context: ``propose(context, n, cache)`` returns up to ``n``
+    tokens to follow ``context`` (the target's cached tokens, then its last token drawn), and their draft
+    distributions (n, vocab) or None where each draft's ``q`` is all on it (greedy drafts); ``cache`` is
+    the target's (its shifts are mirrored). ``most``: the drafts asked for per pass."""
+
+    most: int
+
+    def propose(
+        self, context: Sequence[int], n: int, cache: ContextShiftCache
+    ) -> tuple[list[int], torch.Tensor | None]: ...
+
+
 class Generator(Protocol):
     """What speculative decoding uses of a :class:`~selfextend.generation.generator.Generator` (which
     imports this module: a protocol, not an import back)."""
@@ -34,9 +58,12 @@ class Generator(Protocol):
     cache: ContextShiftCache
     step: DecodeStep | None
     sampling: SamplingParams
-    grammar: object | None
+    rng: torch.Generator
+    draft: Drafter | None
 
     def next_token(self, logits: torch.Tensor) -> int: ...
+    def probabilities(self, logits: torch.Tensor) -> torch.Tensor: ...
+    def take(self, token: int) -> None: ...
     def make_room(self, n: int) -> None: ...
     def written(self, ids: list[int], logits: torch.Tensor) -> None: ...
     def rewind(self, n_past: int) -> None: ...
@@ -61,16 +88,46 @@ def lookup_draft(tokens: Sequence[int], n: int, ngram: int = NGRAM) -> list[int]
 
 
 def speculates(gen: Generator) -> str | None:
-    """Why ``gen`` cannot decode speculatively with plain greedy decoding's exact output, or None: it needs
-    greedy settings without a response format, and a direct decode step whose products are batch-invariant
-    (every layer a GGUF block layer in one native call)."""
-    if gen.sampling.temperature != 0:
-        return "sampling (speculative decoding here is greedy)"
-    if gen.grammar is not None:
-        return "a response format"
+    """Why ``gen`` cannot decode speculatively with plain decoding's exact tokens (greedy) or distribution
+    (sampling), or None: it needs a direct decode step whose products are batch-invariant (every layer a
+    GGUF block layer in one native call)."""
     if gen.step is None or not gen.step.supported() or gen.step.native_layers is None:
         return "no batch-invariant decode step (GGUF block weights, --weights gguf, on the CPU)"
     return None
+
+
+def drafts_for(gen: Generator, token: int, n: int) -> tuple[list[int], torch.Tensor | None]:
+    """Up to ``n`` drafts to follow ``gen``'s cached tokens and ``token`` (drawn, not written), from its
+    :class:`Drafter` or else by prompt lookup, with their draft distributions (None: each all on its draft);
+    none where ``n < 1``."""
+    if n < 1:
+        return [], None
+    context = [*gen.tokens, token]
+    if gen.draft is not None:
+        return gen.draft.propose(context, n, gen.cache)
+    return lookup_draft(context, n), None
+
+
+def choose(gen: Generator, logits: torch.Tensor, draft: int | None, q: torch.Tensor | None) -> int:
+    """The token after ``logits`` (vocab,) where ``draft`` was proposed from ``q`` (vocab,) (None: all on
+    ``draft``): greedy, the plain next token (the draft kept where they agree); sampled, the draft kept with
+    probability ``min(1, p(draft) / q(draft))``, else a draw from ``max(0, p - q)`` renormalized, so the
+    token is distributed as plain sampling's. Without a draft, the plain next token."""
+    if draft is None or gen.sampling.temperature == 0:
+        return gen.next_token(logits)
+    p = gen.probabilities(logits)  # (vocab,)
+    p_x, q_x = float(p[draft]), 1.0 if q is None else float(q[draft])
+    if float(torch.rand((), generator=gen.rng)) * q_x < p_x:
+        gen.take(draft)
+        return draft
+    if q is None:
+        residual = p.clone()
+        residual[draft] = 0
+    else:
+        residual = (p - q.to(p.dtype)).clamp_min_(0)
+    token = int(torch.multinomial(residual, 1, generator=gen.rng))  # sum > 0: p(draft) < q(draft) here
+    gen.take(token)
+    return token
 
 
 def speculative_decode(
@@ -79,11 +136,11 @@ def speculative_decode(
     max_new_tokens: int,
     eos_token_ids: Sequence[int],
     stop: Callable[[], bool] | None,
-    lookup: int,
+    most: int,
 ) -> Iterator[int]:
-    """:meth:`Generator.decode`'s tokens and cache, greedy, with up to ``lookup`` drafted tokens checked per
-    pass: each yielded token is written when the next is asked for, an end token is yielded last and not
-    written, and a consumer that stops early leaves its last token out of the cache, as there."""
+    """:meth:`Generator.decode`'s tokens and cache with up to ``most`` drafted tokens checked per pass: each
+    yielded token is written when the next is asked for, an end token is yielded last and not written, and
+    a consumer that stops early leaves its last token out of the cache, as there."""
     produced = 0
 
     def more() -> bool:
@@ -94,56 +151,64 @@ def speculative_decode(
     token = gen.next_token(logits)
     produced += 1
     yield token
-    k = lookup  # drafts asked for: halved after a check that kept none, doubled after one that kept all
+    k = most  # drafts asked for: halved after a check that kept none, doubled after one that kept all
     while token not in eos_token_ids:
         if not more():  # as plain decoding: the last token written once the consumer asks past it
             gen.write([token])
             return
         room = k if max_new_tokens < 0 else min(k, max_new_tokens - produced)
         # drafts only into the cells left before the next shift: shifts come where plain decoding's do
-        drafts = lookup_draft([*gen.tokens, token], min(room, gen.cache.free() - 1))
+        drafts, q = drafts_for(gen, token, min(room, gen.cache.free() - 1))
         seq = [token, *drafts]
         gen.make_room(len(seq))
         base = gen.cache.n_past
         rows = gen.step.rows(seq, [gen.cache] * len(seq))  # (1 + k, vocab): after each of seq
-        kept = 1  # cells of seq that stay: the token, then each draft greedy decoding also picks
+        kept = 1  # cells of seq that stay: the token, then each draft the rule keeps
         try:
             while True:
                 gen.written([seq[kept - 1]], rows[kept - 1])
-                token = gen.next_token(rows[kept - 1])
+                ahead = kept <= len(drafts)
+                token = choose(gen, rows[kept - 1], drafts[kept - 1] if ahead else None, _row(q, kept - 1))
                 produced += 1
                 yield token
-                if kept > len(drafts) or token != drafts[kept - 1] or token in eos_token_ids or not more():
+                if not ahead or token != drafts[kept - 1] or token in eos_token_ids or not more():
                     break
                 kept += 1
         finally:  # the drafts' cells past what was kept (the last token yielded is written next, if at all)
             if base + kept < gen.cache.n_past:
                 gen.rewind(base + kept)
         if drafts:  # a check costs its rows' attention and activations: fewer drafts where few are kept
-            k = max(1, k // 2) if kept == 1 else min(lookup, 2 * k) if kept > len(drafts) else k
+            k = max(1, k // 2) if kept == 1 else min(most, 2 * k) if kept > len(drafts) else k
+
+
+def _row(q: torch.Tensor | None, i: int) -> torch.Tensor | None:
+    """Draft ``i``'s distribution, or None where every draft's is all on it."""
+    return None if q is None or i >= len(q) else q[i]
 
 
 def draft_and_check(pairs: Sequence[tuple[Generator, int, int]]) -> list[tuple[list[int], int]]:
     """Several sequences' next tokens in one pass of their shared decode step (a server's slots): for each
     ``(generator, its last token, drawn but not written; a draft budget)``, the token and up to ``budget``
-    drafts written and checked, the drafts greedy decoding agrees with kept (the rest truncated). Returns per
-    generator ``(its greedy tokens in order: the kept drafts, then the next token, drawn and not written;
-    the cache position where the token went)``. Each generator must pass :func:`speculates`."""
-    seqs, bases = [], []
+    drafts written and checked, the drafts the rule keeps kept (the rest truncated). Returns per generator
+    ``(its tokens in order: the kept drafts, then the next token, drawn and not written; the cache position
+    where the token went)``. Each generator must pass :func:`speculates`."""
+    seqs, qs, bases = [], [], []
     for gen, token, budget in pairs:
-        drafts = lookup_draft([*gen.tokens, token], min(budget, gen.cache.free() - 1))
+        drafts, q = drafts_for(gen, token, min(budget, gen.cache.free() - 1))
         seqs.append([token, *drafts])
+        qs.append(q)
         gen.make_room(len(seqs[-1]))  # a shift only where one token would not fit: plain decoding's
         bases.append(gen.cache.n_past)
     caches = [gen.cache for (gen, _, _), seq in zip(pairs, seqs, strict=True) for _ in seq]
     rows = pairs[0][0].step.rows([t for seq in seqs for t in seq], caches)  # (sum of 1 + k, vocab)
     out, at = [], 0
-    for (gen, _, _), seq, base in zip(pairs, seqs, bases, strict=True):
+    for (gen, _, _), seq, q, base in zip(pairs, seqs, qs, bases, strict=True):
         kept, tokens = 1, []
         while True:
             gen.written([seq[kept - 1]], rows[at + kept - 1])
-            tokens.append(gen.next_token(rows[at + kept - 1]))
-            if kept == len(seq) or tokens[-1] != seq[kept]:
+            draft = seq[kept] if kept < len(seq) else None
+            tokens.append(choose(gen, rows[at + kept - 1], draft, _row(q, kept - 1)))
+            if draft is None or tokens[-1] != draft:
                 break
             kept += 1
         if base + kept < gen.cache.n_past:

@@ -1,0 +1,105 @@
+"""Drafts from a smaller model of the target's vocabulary (speculative decoding's draft model).
+
+The draft model keeps a context-shift cache of its own, as large as the target's and keeping as many
+tokens, held in step with the target's: before each proposal its cells are made the target's context
+(the target's shifts mirrored, then the tokens that differ rewound and the new ones written), and it
+writes its own drafts after them (rewound at the next proposal where the target kept fewer). So a draft
+costs the draft model one token's step, not a prefill, except after a reply the target took elsewhere.
+
+Why ours: transformers' assisted generation (``assistant_model``) runs on its growing ``DynamicCache``,
+which our context shift and cells do not fit; llama.cpp's is C++. The rule that keeps the output
+plain decoding's lives in :mod:`selfextend.generation.speculative`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from selfextend.core.validate import check_int
+from selfextend.generation.generator import Generator
+from selfextend.generation.sampling import SamplingParams
+from selfextend.kv.cache import ContextShiftCache
+
+DRAFT_MAX = 16  # drafts asked for per pass by default: llama.cpp's --draft-max
+
+
+def vocabulary_problem(target: object, draft: object) -> str | None:
+    """Why the draft tokenizer cannot draft for the target's, or None: the same token for every id (the
+    vocabularies compared entry by entry, as ids to strings) and the same special tokens. A draft's ids are
+    read as the target's, so any entry that differs would make drafts of other text (always refused,
+    never a wrong output: the check keeps the output the target's, a mismatch only wastes passes)."""
+    target_vocab, draft_vocab = target.get_vocab(), draft.get_vocab()
+    if target_vocab != draft_vocab:
+        only = len(set(target_vocab.items()) ^ set(draft_vocab.items()))
+        return (
+            f"the draft model's vocabulary differs from the target's ({len(draft_vocab)} against "
+            f"{len(target_vocab)} entries, {only} not shared)"
+        )
+    for name in ("bos_token_id", "eos_token_id"):
+        if getattr(target, name, None) != getattr(draft, name, None):
+            return f"the draft model's {name} differs from the target's"
+    return None
+
+
+class DraftModel:
+    """A :class:`~selfextend.generation.speculative.Drafter` from ``model``: ``most`` drafts per pass, drawn
+    under ``sampling`` (greedy: its argmax), its random stream seeded by ``seed``."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        most: int = DRAFT_MAX,
+        sampling: SamplingParams | None = None,
+        seed: int | None = None,
+        cache_dtype: torch.dtype | None = None,
+    ) -> None:
+        self.model, self.most = model, check_int(most, "draft tokens per pass", 1)
+        self.sampling, self.seed, self.cache_dtype = sampling or SamplingParams(), seed, cache_dtype
+        self.gen: Generator | None = None
+        self._target: ContextShiftCache | None = None
+        self._discarded = 0  # the target's discarded cells the draft cache has mirrored
+
+    def _follow(self, target: ContextShiftCache) -> Generator:
+        """The draft's generator with the target's shifts since the last proposal made in its cache too."""
+        if self.gen is None or self._target is not target:
+            cache = ContextShiftCache(self.model, target.n_ctx, target.n_keep, dtype=self.cache_dtype)
+            self.gen = Generator(self.model, cache, self.sampling, self.seed)
+            self._target, self._discarded = target, target.discarded
+        gen, dropped = self.gen, target.discarded - self._discarded
+        self._discarded = target.discarded
+        if dropped and 0 < dropped <= gen.cache.n_past - gen.cache.n_keep:
+            gen.cache.shift(dropped)  # the target dropped these cells: the same ones, after the kept ones
+            keep = gen.cache.n_keep
+            gen.tokens = gen.tokens[:keep] + gen.tokens[keep + dropped :]
+        return gen
+
+    def propose(
+        self, context: Sequence[int], n: int, cache: ContextShiftCache
+    ) -> tuple[list[int], torch.Tensor | None]:
+        """Up to ``n`` tokens to follow ``context`` (the target's cached tokens and its last token drawn, in
+        ``cache``), and the distributions they were drawn from (n, vocab), None when greedy."""
+        gen = self._follow(cache)
+        same = 0
+        for a, b in zip(gen.tokens, context, strict=False):
+            if a != b:
+                break
+            same += 1
+        same = min(same, len(context) - 1)  # the last token is written here for its logits
+        if same < len(gen.tokens):
+            gen.rewind(same)
+        logits = gen.feed(context[same:])
+        n = min(n, gen.cache.free())
+        drafts, qs = [], []
+        for i in range(n):
+            if i:
+                logits = gen.write([drafts[-1]])
+            if self.sampling.temperature == 0:
+                drafts.append(gen.next_token(logits))
+                continue
+            qs.append(gen.probabilities(logits))
+            drafts.append(int(torch.multinomial(qs[-1], 1, generator=gen.rng)))
+            gen.take(drafts[-1])
+        return drafts, torch.stack(qs) if qs else None
