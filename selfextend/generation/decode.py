@@ -310,7 +310,12 @@ class DecodeStep:
         by = _query_rotation(batch.grouped, pos, p, self.head_dim)
         first = cells.visible_from(pos, self.windows[i])
         k = cells.keys[..., first:end, :]  # (1, Hkv, cells, D)
-        k_g = grouped_decode_keys(k, pos, p.group_size, p.window, p.inv_freq, cells.cells(end), p.rotations)
+        # the cells the rows before j of this cache claimed are written in the call, after this: not ready
+        start = min(q for q, c in zip(batch.pos, batch.caches, strict=True) if c is batch.caches[j])
+        ready = end - (pos - start)
+        k_g = grouped_decode_keys(
+            k, pos, p.group_size, p.window, p.inv_freq, cells.cells(end, ready), p.rotations
+        )
         if k_g is None:
             return None
         k_g = k_g.to(k.dtype)

@@ -19,6 +19,8 @@ transformers' own attention functions, which mask by slot, see the layout they e
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
@@ -285,17 +287,24 @@ class ContextShiftLayer(CellLayer):
         return start
 
     def _grouped(
-        self, group_size: int, inv_freq: torch.Tensor, n: int, rotations: RotationTable | None
+        self,
+        group_size: int,
+        inv_freq: torch.Tensor,
+        n: int,
+        rotations: RotationTable | None,
+        ready: int | None = None,
     ) -> torch.Tensor:
         first = self.next_pos - self.n_used if self.gapless else None
-        return self.grouped.get(
-            self.keys, self.positions, group_size, inv_freq, n, rotations, first, self.n_used
-        )
+        ready = self.n_used if ready is None else ready
+        return self.grouped.get(self.keys, self.positions, group_size, inv_freq, n, rotations, first, ready)
 
-    def cells(self, end: int) -> KeyCells:
-        """The :class:`KeyCells` of slots [0, end) (the gapless case when the cells are)."""
+    def cells(self, end: int, ready: int | None = None) -> KeyCells:
+        """The :class:`KeyCells` of slots [0, end) (the gapless case when the cells are); ``ready``: slots
+        ``[0, ready)`` hold written keys (default: every claimed one; a decode step that claims several rows'
+        cells before it writes them says fewer)."""
         first = self.next_pos - self.n_used if self.gapless else None
-        return KeyCells(self.positions[:end], first, self._grouped)
+        grouped = self._grouped if ready is None else partial(self._grouped, ready=ready)
+        return KeyCells(self.positions[:end], first, grouped)
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
