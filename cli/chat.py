@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from selfextend.cli.generation_options import generation_options
+from selfextend.cli.generation_options import Speculation, generation_options
 from selfextend.core.validate import first_line, plural
 
 if TYPE_CHECKING:
@@ -60,7 +60,7 @@ def chat(
     keep: int | None,
     compile_step: bool | None,
     cache_type: str | None,
-    lookup: int,
+    speculation: Speculation,
     max_new_tokens: int,
     ignore_eos: bool,
     stop: tuple[str, ...],
@@ -148,7 +148,8 @@ def chat(
         compile=compile_step,
         cache_dtype=cache_dtype,
         model_name=model_id(model),
-        lookup=lookup,
+        lookup=speculation.lookup,
+        draft=speculation.drafter(tokenizer, dtype, device, group_size, window, weights, cache_dtype),
     )
     if session_file and Path(session_file).exists():
         session.load(session_file)

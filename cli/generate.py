@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from selfextend.cli.generation_options import generation_options
+from selfextend.cli.generation_options import Speculation, generation_options
 from selfextend.cli.options import device_map_option
 
 if TYPE_CHECKING:
@@ -50,7 +50,7 @@ def generate(
     keep: int | None,
     compile_step: bool | None,
     cache_type: str | None,
-    lookup: int,
+    speculation: Speculation,
     max_new_tokens: int,
     ignore_eos: bool,
     stop: tuple[str, ...],
@@ -93,7 +93,8 @@ def generate(
     check_keep(n_keep, ctx)
     compile_step, cache_dtype = decode_settings(lm, compile_step, cache_type)
     cache = ContextShiftCache(lm, n_ctx=ctx, n_keep=n_keep, dtype=cache_dtype)
-    gen = Generator(lm, cache, sampling, seed, compile=compile_step, lookup=lookup)
+    draft = speculation.drafter(tokenizer, dtype, device, group_size, window, weights, cache_dtype)
+    gen = Generator(lm, cache, sampling, seed, compile=compile_step, lookup=speculation.lookup, draft=draft)
     reused, reused_logits = 0, None
     if prompt_cache:
         from pathlib import Path

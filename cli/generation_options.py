@@ -3,6 +3,7 @@ sampling, output, decoding."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 
@@ -235,18 +236,81 @@ def decode_options(f: Callable) -> Callable:
     return f
 
 
-def lookup_option(f: Callable) -> Callable:
-    """--lookup: drafted tokens checked per pass (generate and chat)."""
-    return click.option(
-        "--lookup",
-        type=COUNT,
-        default=0,
-        show_default=True,
-        help="Speculative decoding by prompt lookup: up to this many tokens drafted from the context (what "
-        "followed the last few tokens before) and checked in one pass; greedy output identical to without "
-        "(--temperature 0, GGUF blocks on the CPU; elsewhere each token alone). Pays where text repeats: "
-        "copies, edits, summaries quoting their source.",
-    )(f)
+@dataclasses.dataclass
+class Speculation:
+    """The speculative-decoding flags: ``lookup`` drafts per pass by prompt lookup, or a draft model's file
+    or name with ``draft_max`` drafts per pass (neither: off)."""
+
+    lookup: int = 0
+    draft_model: str | None = None
+    draft_max: int = 16
+
+    def drafter(
+        self,
+        tokenizer,
+        dtype: str,
+        device: str,
+        group_size: int | None,
+        window: int | None,
+        weights: str,
+        cache_dtype,
+    ):
+        """The :class:`~selfextend.generation.draft.DraftModel` for the model of ``tokenizer`` (loaded as that
+        model is, with its Self-Extend settings), or None without ``--draft-model``; a usage error where the
+        draft's vocabulary is not the model's."""
+        if self.draft_model is None:
+            return None
+        from selfextend.cli.options import load_with_self_extend
+        from selfextend.generation.draft import DraftModel, vocabulary_problem
+
+        draft, draft_tokenizer = load_with_self_extend(
+            self.draft_model, dtype, device, group_size, window, weights
+        )
+        problem = vocabulary_problem(tokenizer, draft_tokenizer)
+        if problem is not None:
+            raise click.UsageError(f"--draft-model {self.draft_model}: {problem}")
+        return DraftModel(draft, self.draft_max, cache_dtype=cache_dtype)
+
+
+def speculative_options(f: Callable) -> Callable:
+    """--lookup, --draft-model, --draft-max: received as one ``speculation: Speculation``."""
+
+    @functools.wraps(f)
+    def wrapper(*args, lookup, draft_model, draft_max, **kwargs):
+        if lookup and draft_model:
+            raise click.UsageError("choose one source of drafts: --lookup N or --draft-model FILE")
+        return f(*args, speculation=Speculation(lookup, draft_model, draft_max), **kwargs)
+
+    for decorator in reversed(
+        [
+            click.option(
+                "--lookup",
+                type=COUNT,
+                default=0,
+                show_default=True,
+                help="Speculative decoding by prompt lookup: up to this many tokens drafted from the context "
+                "(what followed the last few tokens before) and checked in one pass; greedy output identical "
+                "to without, sampled output from the same distribution (GGUF blocks on the CPU; elsewhere "
+                "each token alone). Pays where text repeats: copies, edits, summaries quoting their source.",
+            ),
+            click.option(
+                "--draft-model",
+                metavar="MODEL",
+                help="Speculative decoding with drafts from this smaller model (a .gguf file or a name, "
+                "loaded as the model is, with its Self-Extend settings); its vocabulary must be the model's. "
+                "Greedy output identical to without, sampled output from the same distribution.",
+            ),
+            click.option(
+                "--draft-max",
+                type=click.IntRange(1),
+                default=16,
+                show_default=True,
+                help="Tokens the draft model drafts per pass at most (fewer after passes that keep none).",
+            ),
+        ]
+    ):
+        wrapper = decorator(wrapper)
+    return wrapper
 
 
 def generation_options(default_weights: str) -> Callable[[Callable], Callable]:
@@ -262,7 +326,7 @@ def generation_options(default_weights: str) -> Callable[[Callable], Callable]:
                 system_options,
                 cache_options,
                 decode_options,
-                lookup_option,
+                speculative_options,
                 length_options,
                 sampling_options,
                 output_options,

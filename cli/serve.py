@@ -12,7 +12,12 @@ from typing import TYPE_CHECKING
 
 import click
 
-from selfextend.cli.generation_options import cache_type_option, lookup_option, sampling_options
+from selfextend.cli.generation_options import (
+    Speculation,
+    cache_type_option,
+    sampling_options,
+    speculative_options,
+)
 from selfextend.cli.options import (
     COUNT,
     POSITIVE,
@@ -89,7 +94,7 @@ if TYPE_CHECKING:
     help="Seconds SIGTERM waits for requests in flight before it cancels them.",
 )
 @cache_type_option
-@lookup_option
+@speculative_options
 @sampling_options
 def serve(
     model: str,
@@ -111,7 +116,7 @@ def serve(
     slot_save_path: str | None,
     drain_timeout: int,
     cache_type: str | None,
-    lookup: int,
+    speculation: Speculation,
     sampling: SamplingParams,
     seed: int | None,
 ) -> None:
@@ -155,7 +160,8 @@ def serve(
         prefill_chunk=prefill_chunk,
         cache_dtype=cache_dtype,
         cache_ram=cache_ram * 2**20,
-        lookup=lookup,
+        lookup=speculation.lookup,
+        draft=speculation.drafter(tokenizer, dtype, device, group_size, window, weights, cache_dtype),
     )
     settings = Settings(
         model_name=model,

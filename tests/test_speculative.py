@@ -4,6 +4,8 @@ the cache as plain decoding leaves it; drafts that repeat the context are accept
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from test_models import write_tiny_gguf
@@ -88,8 +90,11 @@ def small(tmp_path_factory: pytest.TempPathFactory) -> torch.nn.Module:
 class Wrong(DraftModel):
     """A draft model whose every third draft is another token (two tiny random models agree too well)."""
 
-    def propose(self, context, n, cache):
-        drafts, q = super().propose(context, n, cache)
+    proposed = 0  # drafts proposed by every instance (a server slot's is a copy)
+
+    def propose(self, context, n, cache, sampling):
+        drafts, q = super().propose(context, n, cache, sampling)
+        Wrong.proposed += len(drafts)
         return [t if (len(context) + i) % 3 else 4 + t % 50 for i, t in enumerate(drafts)], q
 
 
@@ -206,9 +211,23 @@ def test_the_default_model_copies_text_exactly_and_faster() -> None:
     assert len(passes) < 40, passes
 
 
+@pytest.fixture(scope="module")
+def default_draft() -> Wrong:
+    """The default model's float form drafting for its GGUF blocks (the same vocabulary; every third draft
+    made wrong, so refusals are taken too)."""
+    return Wrong(load_model("smollm2-135m", weights="float")[0], 6)
+
+
+def _source(name: str, request: pytest.FixtureRequest) -> dict:
+    """The keyword arguments of a draft source: prompt lookup, or the default model's draft."""
+    Wrong.proposed = 0
+    return {"lookup": 8} if name == "lookup" else {"draft": request.getfixturevalue("default_draft")}
+
+
 @pytest.mark.real
-def test_chat_replies_are_the_same_with_lookup() -> None:
-    """A greedy chat through context shifts gives the same replies with --lookup as without."""
+@pytest.mark.parametrize("source", ["lookup", "draft model"])
+def test_chat_replies_are_the_same_with_drafts(source: str, request: pytest.FixtureRequest) -> None:
+    """A greedy chat through context shifts gives the same replies with drafts as without."""
     from selfextend.chat.session import ChatSession
 
     model, tok = load_model("smollm2-135m", weights="gguf")
@@ -219,19 +238,20 @@ def test_chat_replies_are_the_same_with_lookup() -> None:
         "And again.",
     ]
     replies = []
-    for lookup in (0, 8):
+    for kw in ({}, _source(source, request)):
         chat = ChatSession(
             model,
             tok,
             96,  # a shift at the fourth turn
             system="You are terse.",
             sampling=SamplingParams(temperature=0),
-            lookup=lookup,
             max_new_tokens=60,
+            **kw,
         )
         replies.append(["".join(chat.reply(t)) for t in turns])
         shifts = chat.cache.shifts
     assert replies[0] == replies[1] and shifts >= 1
+    assert source == "lookup" or Wrong.proposed > 50
 
 
 def _replies(engine, prompts: list[list[int]], max_tokens: int, stops=(), ignore_eos=False) -> list[str]:
@@ -260,8 +280,9 @@ def _replies(engine, prompts: list[list[int]], max_tokens: int, stops=(), ignore
 
 
 @pytest.mark.real
-def test_two_server_slots_reply_the_same_with_lookup() -> None:
-    """Two slots decoding together, each drafting by lookup, through a context shift: their greedy replies
+@pytest.mark.parametrize("source", ["lookup", "draft model"])
+def test_two_server_slots_reply_the_same_with_drafts(source: str, request: pytest.FixtureRequest) -> None:
+    """Two slots decoding together, each drafting, through a context shift: their greedy replies
     (and a stop string's cut) are those of the server without drafts, and the next requests on the same
     slots, reusing their caches, too."""
     from selfextend.generation.text import build_prompt
@@ -274,8 +295,8 @@ def test_two_server_slots_reply_the_same_with_lookup() -> None:
     ]
     prompts = [build_prompt(tok, t)[0] for t in texts]
     got = []
-    for lookup in (0, 8):
-        engine = Engine(model, tok, 96, parallel=2, lookup=lookup)
+    for kw in ({}, _source(source, request)):
+        engine = Engine(model, tok, 96, parallel=2, **kw)
         engine.start()
         try:
             first = _replies(engine, prompts, 80, ignore_eos=True)  # past the 96 cells: a shift
@@ -285,3 +306,35 @@ def test_two_server_slots_reply_the_same_with_lookup() -> None:
             engine.stop()
     assert got[0] == got[1]
     assert any(n >= 1 for n in got[0][2])  # a shift on the way
+    assert source == "lookup" or Wrong.proposed > 50
+
+
+def test_generate_with_a_draft_model_prints_plain_greedy_text(tmp_path, cache) -> None:
+    """``generate --draft-model`` (two tiny GGUFs of one vocabulary) prints what plain greedy decoding
+    prints; a draft of another vocabulary, or two sources of drafts, is refused in one line."""
+    from click.testing import CliRunner
+
+    from selfextend.cli.main import main
+
+    target = write_tiny_gguf(tmp_path / "t.gguf", hidden=256, heads=4, kv_heads=2, quant="Q8_0")
+    draft = write_tiny_gguf(tmp_path / "d.gguf", layers=1, hidden=64, heads=2, kv_heads=1, quant="Q8_0")
+    other = write_tiny_gguf(tmp_path / "o.gguf", quant="Q8_0", extra_tokens=8)
+
+    def generate(*extra):
+        args = ["generate", "-m", target, "--weights", "gguf", "-p", "the the the", "-n", "100"]
+        args += ["--temperature", "0", "--ctx", "48", "--ignore-eos", *extra]
+        return CliRunner().invoke(main, [str(a) for a in args])
+
+    plain, drafted = generate(), generate("--draft-model", draft, "--draft-max", "4")
+    assert plain.exit_code == 0 and drafted.exit_code == 0, drafted.stderr
+    assert drafted.stdout == plain.stdout
+    assert int(re.search(r"(\d+) context shifts", drafted.stderr).group(1)) >= 2
+    kept, tried = map(int, re.search(r"drafts kept (\d+)/(\d+)", drafted.stderr).groups())
+    assert 0 < kept <= tried and "drafts kept" not in plain.stderr
+    for extra, says in (
+        (("--draft-model", other), "the draft model's vocabulary differs from the target's (270 against 262"),
+        (("--draft-model", draft, "--lookup", "4"), "choose one source of drafts"),
+    ):
+        r = generate(*extra)
+        errors = [line for line in r.stderr.splitlines() if line.startswith("error")]
+        assert r.exit_code == 2 and len(errors) == 1 and says in errors[0], r.stderr

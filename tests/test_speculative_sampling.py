@@ -114,11 +114,7 @@ def test_plain_sampling_follows_the_exact_distribution(models, truth) -> None:
 @pytest.mark.parametrize("source", ["lookup", "draft model"])
 def test_speculative_sampling_keeps_the_distribution(models, truth, monkeypatch, source: str) -> None:
     seen = _watched(monkeypatch)
-    kw = (
-        {"lookup": 2}
-        if source == "lookup"
-        else {"draft": DraftModel(models[1], 2, SamplingParams(**SAMPLING))}
-    )
+    kw = {"lookup": 2} if source == "lookup" else {"draft": DraftModel(models[1], 2)}
     counts = sampled(*_generator(models[0], **kw))
     kept = sum(d == t for d, t in seen)
     assert len(seen) > RUNS and kept > 0.1 * len(seen) and len(seen) - kept > 0.05 * len(seen)  # both ways
@@ -141,8 +137,6 @@ def test_keeping_every_draft_fails_the_test(models, truth, monkeypatch) -> None:
 def test_a_seed_repeats_a_speculative_run(models) -> None:
     runs = []
     for _ in range(2):
-        gen, logits = _generator(
-            models[0], draft=DraftModel(models[1], 3, SamplingParams(**SAMPLING), seed=5)
-        )
+        gen, logits = _generator(models[0], draft=DraftModel(models[1], 3, seed=5))
         runs.append(list(gen.decode(logits, 20)))
     assert runs[0] == runs[1]

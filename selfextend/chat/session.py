@@ -32,6 +32,7 @@ from selfextend.chat.turns import Exchange, ShiftReport, TurnLedger
 from selfextend.core.validate import first_line
 from selfextend.generation.generator import PREFILL_CHUNK, Generator
 from selfextend.generation.sampling import SamplingParams
+from selfextend.generation.speculative import Drafter
 from selfextend.generation.text import StopMatcher, TextStream, eos_token_ids
 from selfextend.kv import promptcache
 from selfextend.kv.cache import ContextShiftCache
@@ -83,6 +84,7 @@ class ChatSession:
         cache_dtype: torch.dtype | None = None,
         model_name: str | None = None,
         lookup: int = 0,
+        draft: Drafter | None = None,
     ) -> None:
         self.model, self.tokenizer, self.n_ctx = model, tokenizer, n_ctx
         self.sampling = sampling or SamplingParams()
@@ -98,6 +100,7 @@ class ChatSession:
         )  # decode path and KV element type (model's: None)
         self.model_name = model_name
         self.lookup = lookup  # drafted tokens checked per pass (generation.speculative)
+        self.draft = draft  # or drafts from a draft model (generation.draft)
         self.stop_requested = False
         self.start(system)
 
@@ -125,7 +128,13 @@ class ChatSession:
         self.ledger = TurnLedger(self.exchanges, self.on_shift)
         self.cache.discard_policy = self.ledger.discard
         self.gen = Generator(
-            self.model, self.cache, self.sampling, self.seed, compile=self.compile, lookup=self.lookup
+            self.model,
+            self.cache,
+            self.sampling,
+            self.seed,
+            compile=self.compile,
+            lookup=self.lookup,
+            draft=self.draft,
         )
         self.closed = True  # the last reply's closing markers are in the cache (or there is no reply)
 

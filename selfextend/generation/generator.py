@@ -41,6 +41,8 @@ class GenerationStats:
     n_past: int = 0
     n_ctx: int = 0
     stop_reason: str = ""
+    drafted: int = 0  # tokens drafted and checked (speculative decoding)
+    kept: int = 0  # of them, those kept
 
     @property
     def tokens_per_second(self) -> float:
@@ -53,6 +55,7 @@ class GenerationStats:
             f"prompt {plural(self.prompt_tokens, 'token')} in {self.prompt_seconds:.1f} s"
             + (f" ({self.reused_tokens} from the prompt cache)" if self.reused_tokens else "")
             + f", {plural(self.shifts, 'context shift')}, cache {self.n_past}/{self.n_ctx}"
+            + (f", drafts kept {self.kept}/{self.drafted}" if self.drafted else "")
             + (f", stopped: {self.stop_reason}" if self.stop_reason else "")
         )
 
@@ -82,6 +85,8 @@ class Generator:
     grammar: Grammar | None = None  # the response format every token drawn must keep (None: any text)
     lookup: int = 0  # drafts checked per pass by prompt lookup (generation.speculative); 0: off
     draft: Drafter | None = None  # drafts from a smaller model instead (generation.draft), its own count
+    drafted: int = 0  # tokens drafted and checked so far (speculative decoding)
+    kept: int = 0  # of them, those kept
 
     def __post_init__(self) -> None:
         if not isinstance(self.cache, ContextShiftCache):
@@ -268,9 +273,11 @@ def run(
     generator.last_logits = logits
     stats.prompt_seconds = time.perf_counter() - t0
     t0 = time.perf_counter()
+    drafted, kept = generator.drafted, generator.kept
     for token in generator.decode(logits, max_new_tokens, eos_token_ids):
         stats.tokens += 1
         stats.seconds = time.perf_counter() - t0
         # the cells of the tokens so far (a speculative check may hold drafts not yet kept past them)
         stats.shifts, stats.n_past = generator.cache.shifts, len(generator.tokens)
+        stats.drafted, stats.kept = generator.drafted - drafted, generator.kept - kept
         yield token, stats

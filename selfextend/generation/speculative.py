@@ -38,15 +38,16 @@ from selfextend.kv.cache import ContextShiftCache
 
 
 class Drafter(Protocol):
-    """Where drafts come from other than the context: ``propose(context, n, cache)`` returns up to ``n``
-    tokens to follow ``context`` (the target's cached tokens, then its last token drawn), and their draft
-    distributions (n, vocab) or None where each draft's ``q`` is all on it (greedy drafts); ``cache`` is
-    the target's (its shifts are mirrored). ``most``: the drafts asked for per pass."""
+    """Where drafts come from other than the context: ``propose(context, n, cache, sampling)`` returns up to
+    ``n`` tokens to follow ``context`` (the target's cached tokens, then its last token drawn), and their
+    draft distributions (n, vocab) or None where each draft's ``q`` is all on it (greedy drafts); ``cache``
+    is the target's (its shifts are mirrored), ``sampling`` its settings. ``most``: the drafts asked for per
+    pass."""
 
     most: int
 
     def propose(
-        self, context: Sequence[int], n: int, cache: ContextShiftCache
+        self, context: Sequence[int], n: int, cache: ContextShiftCache, sampling: SamplingParams
     ) -> tuple[list[int], torch.Tensor | None]: ...
 
 
@@ -60,6 +61,8 @@ class Generator(Protocol):
     sampling: SamplingParams
     rng: torch.Generator
     draft: Drafter | None
+    drafted: int  # tokens drafted and checked so far
+    kept: int  # of them, those kept
 
     def next_token(self, logits: torch.Tensor) -> int: ...
     def probabilities(self, logits: torch.Tensor) -> torch.Tensor: ...
@@ -104,7 +107,7 @@ def drafts_for(gen: Generator, token: int, n: int) -> tuple[list[int], torch.Ten
         return [], None
     context = [*gen.tokens, token]
     if gen.draft is not None:
-        return gen.draft.propose(context, n, gen.cache)
+        return gen.draft.propose(context, n, gen.cache, gen.sampling)
     return lookup_draft(context, n), None
 
 
@@ -164,17 +167,20 @@ def speculative_decode(
         base = gen.cache.n_past
         rows = gen.step.rows(seq, [gen.cache] * len(seq))  # (1 + k, vocab): after each of seq
         kept = 1  # cells of seq that stay: the token, then each draft the rule keeps
+        took = 0  # drafts the rule kept (the last one's cell written next, if at all)
         try:
             while True:
                 gen.written([seq[kept - 1]], rows[kept - 1])
                 ahead = kept <= len(drafts)
                 token = choose(gen, rows[kept - 1], drafts[kept - 1] if ahead else None, _row(q, kept - 1))
+                took += ahead and token == drafts[kept - 1]
                 produced += 1
                 yield token
                 if not ahead or token != drafts[kept - 1] or token in eos_token_ids or not more():
                     break
                 kept += 1
         finally:  # the drafts' cells past what was kept (the last token yielded is written next, if at all)
+            gen.drafted, gen.kept = gen.drafted + len(drafts), gen.kept + took
             if base + kept < gen.cache.n_past:
                 gen.rewind(base + kept)
         if drafts:  # a check costs its rows' attention and activations: fewer drafts where few are kept
@@ -211,6 +217,7 @@ def draft_and_check(pairs: Sequence[tuple[Generator, int, int]]) -> list[tuple[l
             if draft is None or tokens[-1] != draft:
                 break
             kept += 1
+        gen.drafted, gen.kept = gen.drafted + len(seq) - 1, gen.kept + min(kept, len(seq) - 1)
         if base + kept < gen.cache.n_past:
             gen.rewind(base + kept)
         out.append((tokens, base))

@@ -32,6 +32,7 @@ from torch import nn
 
 from selfextend.generation.batched import BatchedDecode
 from selfextend.generation.decode import decode_step_for
+from selfextend.generation.draft import DraftModel
 from selfextend.generation.generator import PREFILL_CHUNK, run
 from selfextend.generation.grammar import NoTokenLeft
 from selfextend.generation.speculative import draft_and_check, speculates
@@ -66,9 +67,12 @@ class Engine:
         cache_dtype: torch.dtype | None = None,
         cache_ram: int = 0,
         lookup: int = 0,
+        draft: DraftModel | None = None,
     ) -> None:
-        """``lookup``: tokens drafted per greedy slot and turn by prompt lookup (generation.speculative)."""
+        """``lookup``: tokens drafted per slot and turn by prompt lookup (generation.speculative); ``draft``:
+        or by a draft model (each slot drafting from its own cache of it)."""
         self.model, self.tokenizer, self.n_ctx, self.lookup = model, tokenizer, n_ctx, lookup
+        self.most = lookup if draft is None else draft.most  # drafts per slot and pass at most
         # the ids a prompt may hold: the tokenizer's, and never past the rows the embedding table stores
         table = model.get_input_embeddings()
         self.vocab = min(len(tokenizer), getattr(table, "num_embeddings", len(tokenizer)))
@@ -76,7 +80,10 @@ class Engine:
         self.cache_reuse, self.max_queue, self.prefill_chunk = cache_reuse, max_queue, prefill_chunk
         self.eos = eos_token_ids(model, tokenizer)
         step = decode_step_for(model)
-        self.slots = [Slot(i, model, n_ctx, step, cache_dtype) for i in range(parallel)]
+        self.slots = [
+            Slot(i, model, n_ctx, step, cache_dtype, None if draft is None else draft.for_another())
+            for i in range(parallel)
+        ]
         self.batched = BatchedDecode(model)
         self.metrics = Metrics()
         self.store = PromptStore(cache_ram) if cache_ram > 0 else None
@@ -304,7 +311,7 @@ class Engine:
     def _decode(self, rs: list[Running]) -> None:
         """Write each job's last token (one forward for all where the model allows) and sample the next;
         greedy slots with ``lookup`` write drafts beside it and take the ones greedy decoding agrees with."""
-        drafted = [r for r in rs if self.lookup and speculates(r.slot.gen) is None]
+        drafted = [r for r in rs if self.most and speculates(r.slot.gen) is None]
         if drafted:
             self._decode_drafted(drafted)
             rs = [r for r in rs if r not in drafted]
@@ -327,7 +334,7 @@ class Engine:
     def _decode_drafted(self, rs: list[Running]) -> None:
         """The greedy slots' tokens and their drafts checked in one pass; each kept draft streamed as a token
         of its own. A job that ends inside its run leaves its cache at what it wrote (a plain step's)."""
-        room = [min(self.lookup, r.job.max_tokens - len(r.generated) - 1) for r in rs]
+        room = [min(self.most, r.job.max_tokens - len(r.generated) - 1) for r in rs]
         try:
             done = draft_and_check([(r.slot.gen, r.generated[-1], n) for r, n in zip(rs, room, strict=True)])
         except Exception as e:  # a failure inside the model: these jobs end, the server goes on

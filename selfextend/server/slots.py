@@ -23,6 +23,7 @@ from torch import nn
 from selfextend.generation.decode import DecodeStep
 from selfextend.generation.generator import Generator
 from selfextend.generation.settings import CACHE_DTYPES
+from selfextend.generation.speculative import Drafter
 from selfextend.generation.text import common_prefix
 from selfextend.kv.cache import ContextShiftCache
 from selfextend.kv.sliding import SlidingShiftLayer
@@ -102,6 +103,7 @@ class Slot:
     n_ctx: int
     step: DecodeStep | None = None  # one decode step shared by all slots (it fuses the int8 weights once)
     cache_dtype: torch.dtype | None = None  # the cells' element type (None: the model's)
+    draft: Drafter | None = None  # the slot's own draft model state (generation.draft), None: lookup or none
     gen: Generator | None = None
     history: list[int] = field(default_factory=list)
     last_used: float = 0.0
@@ -109,7 +111,7 @@ class Slot:
 
     def _build(self, n_keep: int) -> Generator:
         cache = ContextShiftCache(self.model, n_ctx=self.n_ctx, n_keep=n_keep, dtype=self.cache_dtype)
-        gen = Generator(self.model, cache, direct_decode=False)
+        gen = Generator(self.model, cache, direct_decode=False, draft=self.draft)
         gen.step = self.step
         self.history = []
         return gen
