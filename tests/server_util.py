@@ -82,17 +82,32 @@ def side_by_side(engine, calls: Sequence[Callable[[], None]], timeout: float = 9
 
 @contextmanager
 def serving(
-    model, tokenizer, n_ctx=128, parallel=1, cache_reuse=4, prefill_chunk=512, cache_ram=0, **settings
+    model,
+    tokenizer,
+    n_ctx=128,
+    parallel=1,
+    cache_reuse=4,
+    prefill_chunk=512,
+    cache_ram=0,
+    lookup=0,
+    **settings,
 ) -> Iterator[tuple]:
     """(base URL, engine) of a server in a thread of this process; stopped at the end. ``cache_ram``:
-    bytes of the prompt store (0: none)."""
+    bytes of the prompt store (0: none); ``lookup``: drafts per pass by prompt lookup."""
     import uvicorn
 
     from selfextend.server.app import Settings, create_app
     from selfextend.server.engine import Engine
 
     engine = Engine(
-        model, tokenizer, n_ctx, parallel, cache_reuse, prefill_chunk=prefill_chunk, cache_ram=cache_ram
+        model,
+        tokenizer,
+        n_ctx,
+        parallel,
+        cache_reuse,
+        prefill_chunk=prefill_chunk,
+        cache_ram=cache_ram,
+        lookup=lookup,
     )
     app = create_app(engine, Settings(**{"model_name": "tiny", **settings}))
     port = free_port()

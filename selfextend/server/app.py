@@ -205,6 +205,7 @@ async def _answer(engine: Engine, settings: Settings, ready: Prepared, raw: Requ
         slot_id=request.id_slot,
         cache_prompt=request.cache_prompt,
         ignore_eos=request.ignore_eos,
+        draft_max=request.speculative_n_max,
         grammar=ready.grammar,
     )
     try:
@@ -308,6 +309,7 @@ class Shape:
     @staticmethod
     def stats(event: dict[str, Any]) -> dict[str, Any]:
         keys = ("slot", "cached_tokens", "moved_tokens", "shifts", "ttft_s", "tokens_per_second")
+        keys += ("draft_n", "draft_n_accepted")
         return {k: event[k] for k in keys}
 
     def whole(self, text: str, event: dict[str, Any]) -> dict[str, Any]:

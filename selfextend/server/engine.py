@@ -244,7 +244,16 @@ class Engine:
             return
         stops = StopMatcher(job.stops)
         r = Running(
-            job, slot, reuse, reuse.tokens, None, TextStream(self.tokenizer), stops, gen.cache.shifts, started
+            job,
+            slot,
+            reuse,
+            reuse.tokens,
+            None,
+            TextStream(self.tokenizer),
+            stops,
+            gen.cache.shifts,
+            started,
+            (gen.drafted, gen.kept),
         )
         self.running.append(r)
         job.emit({"type": "start", "slot": slot.id, "reused": reuse.tokens})
@@ -311,7 +320,7 @@ class Engine:
     def _decode(self, rs: list[Running]) -> None:
         """Write each job's last token (one forward for all where the model allows) and sample the next;
         greedy slots with ``lookup`` write drafts beside it and take the ones greedy decoding agrees with."""
-        drafted = [r for r in rs if self.most and speculates(r.slot.gen) is None]
+        drafted = [r for r in rs if self._most(r.job) and speculates(r.slot.gen) is None]
         if drafted:
             self._decode_drafted(drafted)
             rs = [r for r in rs if r not in drafted]
@@ -331,10 +340,14 @@ class Engine:
             except Exception as e:  # no token to sample (NaN or inf logits): this job ends, the others go on
                 self._drop(r, e)
 
+    def _most(self, job: Job) -> int:
+        """Drafts ``job`` takes per pass at most: the server's, or fewer where the request says so."""
+        return self.most if job.draft_max is None else min(self.most, job.draft_max)
+
     def _decode_drafted(self, rs: list[Running]) -> None:
         """The greedy slots' tokens and their drafts checked in one pass; each kept draft streamed as a token
         of its own. A job that ends inside its run leaves its cache at what it wrote (a plain step's)."""
-        room = [min(self.most, r.job.max_tokens - len(r.generated) - 1) for r in rs]
+        room = [min(self._most(r.job), r.job.max_tokens - len(r.generated) - 1) for r in rs]
         try:
             done = draft_and_check([(r.slot.gen, r.generated[-1], n) for r, n in zip(rs, room, strict=True)])
         except Exception as e:  # a failure inside the model: these jobs end, the server goes on
@@ -391,6 +404,8 @@ class Engine:
             "cached_tokens": min(r.reuse.tokens, len(job.prompt) - 1),  # the last one is always run
             "moved_tokens": r.reuse.moved,
             "shifts": slot.gen.cache.shifts - r.shifts_before,
+            "draft_n": slot.gen.drafted - r.drafts_before[0],  # llama-server's names: drafts checked
+            "draft_n_accepted": slot.gen.kept - r.drafts_before[1],  # and kept
             "ttft_s": (r.first_token or now) - r.started,
             "tokens_per_second": (len(r.generated) - 1) / decode_s if decode_s > 0 else 0.0,
             "slot": slot.id,

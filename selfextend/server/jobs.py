@@ -33,6 +33,7 @@ class Job:
     cache_prompt: bool = True  # False: recompute the whole prompt
     ignore_eos: bool = False  # True: an end-of-sequence token is text like any other, up to max_tokens
     grammar: Grammar | None = None  # the response format (JSON schema) the reply follows
+    draft_max: int | None = None  # drafts checked per pass at most (None: the server's; 0: none)
     cancelled: threading.Event = field(default_factory=threading.Event)
 
 
@@ -50,6 +51,7 @@ class Running:
     stops: StopMatcher
     shifts_before: int
     started: float
+    drafts_before: tuple[int, int] = (0, 0)  # the slot's drafted and kept counts when the job started
     generated: list[int] = field(default_factory=list)
     first_token: float | None = None
     stats: GenerationStats | None = None

@@ -25,7 +25,7 @@ Finite = Annotated[float, Field(allow_inf_nan=False)]
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="allow")
+    model_config = ConfigDict(strict=True, extra="allow", populate_by_name=True)
 
 
 class StreamOptions(Strict):
@@ -89,6 +89,8 @@ class Sampling(Strict):
     stream_options: StreamOptions | None = None
     id_slot: int | None = Field(None, ge=0)
     cache_prompt: bool = True  # llama.cpp's: False recomputes the whole prompt
+    # llama.cpp's: drafts checked per pass at most (0: none), within the server's --lookup / --draft-max
+    speculative_n_max: int | None = Field(None, ge=0, alias="speculative.n_max")
     ignore_eos: bool = False  # llama.cpp's: True writes past end-of-sequence tokens, to max_tokens
     logit_bias: dict[str, Bias] | list[list[Any]] | None = None  # id or text -> bias, or [id or text, bias]
     response_format: ResponseFormat | None = None
