@@ -393,22 +393,6 @@ class Engine:
         release_free_memory()  # prompts of every size leave freed heap pages resident in glibc's arenas
         if reason == "cancelled":
             return
-        now = time.perf_counter()
-        ended_by_eos = reason == "stop" and bool(r.generated) and r.generated[-1] in self.eos
-        completion = len(r.generated) - ended_by_eos
-        decode_s = now - r.first_token if r.first_token else 0.0
-        done = {
-            "finish_reason": reason,
-            "prompt_tokens": len(job.prompt),
-            "completion_tokens": completion,
-            "cached_tokens": min(r.reuse.tokens, len(job.prompt) - 1),  # the last one is always run
-            "moved_tokens": r.reuse.moved,
-            "shifts": slot.gen.cache.shifts - r.shifts_before,
-            "draft_n": slot.gen.drafted - r.drafts_before[0],  # llama-server's names: drafts checked
-            "draft_n_accepted": slot.gen.kept - r.drafts_before[1],  # and kept
-            "ttft_s": (r.first_token or now) - r.started,
-            "tokens_per_second": (len(r.generated) - 1) / decode_s if decode_s > 0 else 0.0,
-            "slot": slot.id,
-        }
+        done = r.report(reason, reason == "stop" and bool(r.generated) and r.generated[-1] in self.eos)
         self.metrics.record(done)
         job.emit({"type": "done", **done})

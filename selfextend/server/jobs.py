@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,3 +56,22 @@ class Running:
     generated: list[int] = field(default_factory=list)
     first_token: float | None = None
     stats: GenerationStats | None = None
+
+    def report(self, reason: str, ended_by_eos: bool) -> dict[str, Any]:
+        """What the job's ``done`` event says: why it ended, token counts, reuse, shifts, drafts, times."""
+        now = time.perf_counter()
+        gen, prompt = self.slot.gen, self.job.prompt
+        decode_s = now - self.first_token if self.first_token else 0.0
+        return {
+            "finish_reason": reason,
+            "prompt_tokens": len(prompt),
+            "completion_tokens": len(self.generated) - ended_by_eos,
+            "cached_tokens": min(self.reuse.tokens, len(prompt) - 1),  # the last one is always run
+            "moved_tokens": self.reuse.moved,
+            "shifts": gen.cache.shifts - self.shifts_before,
+            "draft_n": gen.drafted - self.drafts_before[0],  # llama-server's names: drafts checked
+            "draft_n_accepted": gen.kept - self.drafts_before[1],  # and kept
+            "ttft_s": (self.first_token or now) - self.started,
+            "tokens_per_second": (len(self.generated) - 1) / decode_s if decode_s > 0 else 0.0,
+            "slot": self.slot.id,
+        }
