@@ -13,18 +13,9 @@ import gguf_write
 import numpy as np
 import pytest
 import torch
+import transformers as tf
 from conftest import COMMON, TRAINED, make_model
 from test_decode import decoded_against_original
-from transformers import (
-    LlamaConfig,
-    LlamaForCausalLM,
-    Phi3Config,
-    Phi3ForCausalLM,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-    Qwen3Config,
-    Qwen3ForCausalLM,
-)
 
 import selfextend
 from selfextend.core.rope import find_rotary_embedding
@@ -44,7 +35,9 @@ def _phi3_longrope() -> torch.nn.Module:
         "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 8.0, 10.0, 12.0],
         "original_max_position_embeddings": TRAINED,
     }
-    return Phi3ForCausalLM(Phi3Config(**{**COMMON, "max_position_embeddings": LONG}, rope_parameters=rope))
+    return tf.Phi3ForCausalLM(
+        tf.Phi3Config(**{**COMMON, "max_position_embeddings": LONG}, rope_parameters=rope)
+    )
 
 
 def _qwen2_yarn() -> torch.nn.Module:
@@ -54,7 +47,9 @@ def _qwen2_yarn() -> torch.nn.Module:
         "factor": 4.0,
         "original_max_position_embeddings": TRAINED,
     }
-    return Qwen2ForCausalLM(Qwen2Config(**{**COMMON, "max_position_embeddings": LONG}, rope_parameters=rope))
+    return tf.Qwen2ForCausalLM(
+        tf.Qwen2Config(**{**COMMON, "max_position_embeddings": LONG}, rope_parameters=rope)
+    )
 
 
 def _llama3_real_shape() -> torch.nn.Module:
@@ -67,10 +62,10 @@ def _llama3_real_shape() -> torch.nn.Module:
         "high_freq_factor": 4.0,
         "original_max_position_embeddings": 8192,
     }
-    config = LlamaConfig(
+    config = tf.LlamaConfig(
         **{**COMMON, "max_position_embeddings": 131072, "num_attention_heads": 2}, rope_parameters=rope
     )
-    return LlamaForCausalLM(config)
+    return tf.LlamaForCausalLM(config)
 
 
 def _plain_twin(model: torch.nn.Module) -> torch.nn.Module:
@@ -80,7 +75,7 @@ def _plain_twin(model: torch.nn.Module) -> torch.nn.Module:
         "rope_type": "default",
         "rope_theta": config["rope_parameters"]["rope_theta"],
     }
-    plain = LlamaForCausalLM(LlamaConfig.from_dict(config)).eval()
+    plain = tf.LlamaForCausalLM(tf.LlamaConfig.from_dict(config)).eval()
     plain.load_state_dict(model.state_dict())
     return plain
 
@@ -93,7 +88,7 @@ VARIANTS = {
     "qwen2-yarn": _qwen2_yarn,
     "phi3-partial": lambda: make_model("phi3"),
     "phi3-longrope": _phi3_longrope,
-    "qwen3-head64": lambda: Qwen3ForCausalLM(Qwen3Config(**COMMON, head_dim=64)),
+    "qwen3-head64": lambda: tf.Qwen3ForCausalLM(tf.Qwen3Config(**COMMON, head_dim=64)),
 }
 IDS = torch.randint(3, 97, (1, 90), generator=torch.Generator().manual_seed(5))  # past TRAINED (64)
 
@@ -168,7 +163,7 @@ def test_llama3_parameters_are_recovered_from_the_divisors():
     """Llama 3.1's and 3.2's divisors (as the converter writes them) give their parameters back; divisors
     that are not llama3's give None."""
     for factor in (8.0, 32.0):
-        config = LlamaConfig(
+        config = tf.LlamaConfig(
             hidden_size=2048,
             num_attention_heads=32,
             rope_parameters={
@@ -189,16 +184,16 @@ def test_llama3_parameters_are_recovered_from_the_divisors():
 def test_other_divisors_divide_each_frequency():
     """A ``rope_freqs`` not of llama3's form: each inverse frequency divided by its divisor (llama.cpp's)."""
     divisors = np.linspace(1.0, 3.0, 8, dtype=np.float32)
-    config = LlamaConfig(**COMMON)
+    config = tf.LlamaConfig(**COMMON)
     apply_gguf_rope(config, GGUFRope({"rope.freq_base": 10000.0}, {"rope_freqs.weight": divisors}))
-    loaded = LlamaForCausalLM(config).model.rotary_emb.inv_freq
+    loaded = tf.LlamaForCausalLM(config).model.rotary_emb.inv_freq
     want = 1.0 / (torch.from_numpy(divisors) * 10000.0 ** (torch.arange(0, 16, 2).float() / 16))
     assert torch.allclose(loaded, want, rtol=1e-6, atol=0)
 
 
 def test_yarn_attention_factor_as_llama_cpp():
     """YaRN's attention factor: 0.1 ln(factor) + 1, times the file's rope.scaling.attn_factor."""
-    config = Qwen2Config(**COMMON)
+    config = tf.Qwen2Config(**COMMON)
     keys = {
         "rope.scaling.type": "yarn",
         "rope.scaling.factor": 4.0,
@@ -211,6 +206,6 @@ def test_yarn_attention_factor_as_llama_cpp():
 
 
 def test_value_heads_of_another_size_are_refused():
-    config = Qwen3Config(**COMMON)
+    config = tf.Qwen3Config(**COMMON)
     with pytest.raises(ModelError, match="value heads of 32 values and key heads of 16"):
         apply_gguf_rope(config, GGUFRope({"attention.key_length": 16, "attention.value_length": 32}))

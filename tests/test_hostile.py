@@ -47,6 +47,7 @@ from selfextend.kv.promptcache import load as load_prompt_cache
 from selfextend.models import ModelError, check_gguf, load_config, load_model, resolve_model
 from selfextend.server import slotfiles
 from selfextend.server.engine import Engine, Job, Stopped
+from selfextend.server.jobs import Reply
 from selfextend.server.slots import Slot
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -705,19 +706,11 @@ def test_nan_logits_end_one_stream_while_another_finishes(tiny):
 
 def _ask(engine: Engine, prompt: list[int], max_tokens: int = 8) -> tuple[str, dict]:
     """(text, last event) of one greedy job on ``engine``."""
-    events: list[dict] = []
-    done = threading.Event()
-
-    def emit(event: dict) -> None:
-        events.append(event)
-        if event["type"] in ("done", "error"):
-            done.set()
-
+    reply = Reply()
     assert engine.submit(
-        Job(list(prompt), 0, SamplingParams(temperature=0), max_tokens, emit, ignore_eos=True)
+        Job(list(prompt), 0, SamplingParams(temperature=0), max_tokens, reply.emit, ignore_eos=True)
     )
-    assert done.wait(120)
-    return "".join(e["text"] for e in events if e["type"] == "text"), events[-1]
+    return reply.wait(120)
 
 
 @contextlib.contextmanager

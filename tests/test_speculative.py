@@ -256,27 +256,15 @@ def test_chat_replies_are_the_same_with_drafts(source: str, request: pytest.Fixt
 
 def _replies(engine, prompts: list[list[int]], max_tokens: int, stops=(), ignore_eos=False) -> list[str]:
     """The greedy replies of ``prompts`` submitted at once (the slots decode together)."""
-    import threading
+    from selfextend.server.jobs import Job, Reply
 
-    from selfextend.server.jobs import Job
-
-    events = [[] for _ in prompts]
-    done = [threading.Event() for _ in prompts]
-
-    def emit_to(i):
-        def emit(event):
-            events[i].append(event)
-            if event["type"] in ("done", "error"):
-                done[i].set()
-
-        return emit
-
-    for i, p in enumerate(prompts):
+    replies = [Reply() for _ in prompts]
+    for reply, p in zip(replies, prompts, strict=True):
         greedy = SamplingParams(temperature=0)
-        engine.submit(Job(list(p), 0, greedy, max_tokens, emit_to(i), stops=stops, ignore_eos=ignore_eos))
-    assert all(d.wait(300) for d in done)
-    assert all(e[-1]["type"] == "done" for e in events), events
-    return ["".join(x["text"] for x in e if x["type"] == "text") for e in events]
+        engine.submit(Job(list(p), 0, greedy, max_tokens, reply.emit, stops=stops, ignore_eos=ignore_eos))
+    got = [reply.wait(300) for reply in replies]
+    assert all(last["type"] == "done" for _, last in got), got
+    return [text for text, _ in got]
 
 
 @pytest.mark.real

@@ -27,17 +27,7 @@ from pathlib import Path
 from unittest import mock
 
 import torch
-from transformers import (
-    AutoTokenizer,
-    LlamaConfig,
-    LlamaForCausalLM,
-    Phi3Config,
-    Phi3ForCausalLM,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-    Qwen3Config,
-    Qwen3ForCausalLM,
-)
+import transformers as tf
 
 HERE = Path(__file__).resolve().parent
 SMALL = dict(
@@ -57,19 +47,19 @@ def variants(vocab: int) -> dict[str, Callable[[], torch.nn.Module]]:
     """name -> a freshly seeded random model (built lazily by the caller, one at a time)."""
     base = dict(SMALL, vocab_size=vocab, initializer_range=0.15)
     return {
-        "llama": lambda: LlamaForCausalLM(LlamaConfig(**base, max_position_embeddings=2048)),
-        "llama3 (Llama 3.2 scaling)": lambda: LlamaForCausalLM(
-            LlamaConfig(**base, head_dim=64, max_position_embeddings=131072, rope_parameters=LLAMA32)
+        "llama": lambda: tf.LlamaForCausalLM(tf.LlamaConfig(**base, max_position_embeddings=2048)),
+        "llama3 (Llama 3.2 scaling)": lambda: tf.LlamaForCausalLM(
+            tf.LlamaConfig(**base, head_dim=64, max_position_embeddings=131072, rope_parameters=LLAMA32)
         ),
-        "linear x4": lambda: LlamaForCausalLM(
-            LlamaConfig(
+        "linear x4": lambda: tf.LlamaForCausalLM(
+            tf.LlamaConfig(
                 **base,
                 max_position_embeddings=1024,
                 rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
             )
         ),
-        "qwen2 yarn (Qwen2.5 128k)": lambda: Qwen2ForCausalLM(
-            Qwen2Config(
+        "qwen2 yarn (Qwen2.5 128k)": lambda: tf.Qwen2ForCausalLM(
+            tf.Qwen2Config(
                 **base,
                 max_position_embeddings=131072,
                 rope_parameters={
@@ -80,8 +70,8 @@ def variants(vocab: int) -> dict[str, Callable[[], torch.nn.Module]]:
                 },
             )
         ),
-        "phi3 longrope": lambda: Phi3ForCausalLM(
-            Phi3Config(
+        "phi3 longrope": lambda: tf.Phi3ForCausalLM(
+            tf.Phi3Config(
                 **base,
                 max_position_embeddings=4096,
                 rope_parameters={
@@ -93,15 +83,15 @@ def variants(vocab: int) -> dict[str, Callable[[], torch.nn.Module]]:
                 },
             )
         ),
-        "phi3 partial rotary 0.5": lambda: Phi3ForCausalLM(
-            Phi3Config(
+        "phi3 partial rotary 0.5": lambda: tf.Phi3ForCausalLM(
+            tf.Phi3Config(
                 **base,
                 max_position_embeddings=2048,
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
             )
         ),
-        "qwen3 head size 64": lambda: Qwen3ForCausalLM(
-            Qwen3Config(**base, head_dim=64, max_position_embeddings=2048)
+        "qwen3 head size 64": lambda: tf.Qwen3ForCausalLM(
+            tf.Qwen3Config(**base, head_dim=64, max_position_embeddings=2048)
         ),
     }
 
@@ -203,7 +193,7 @@ def main() -> None:
     from selfextend.evaluation.corpus import default_books
     from selfextend.models import ensure_converted, resolve_model
 
-    tokenizer = AutoTokenizer.from_pretrained(ensure_converted(resolve_model("smollm2-135m")))
+    tokenizer = tf.AutoTokenizer.from_pretrained(ensure_converted(resolve_model("smollm2-135m")))
     text = next(iter(default_books().values()))
     ids = torch.tensor([tokenizer(text[: 8 * args.tokens]).input_ids[: args.tokens]])
     rows = []

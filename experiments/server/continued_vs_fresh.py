@@ -11,13 +11,13 @@ the largest difference of the last logits (docs/serve.md cites it).
 from __future__ import annotations
 
 import argparse
-import threading
 
 import torch
 
 from selfextend.generation.sampling import SamplingParams
 from selfextend.models import load_model
 from selfextend.server.engine import Engine, Job
+from selfextend.server.jobs import Reply
 
 QUESTIONS = [
     "Name three colours of the sea.",
@@ -29,20 +29,13 @@ QUESTIONS = [
 
 def ask(engine: Engine, ids: list[int], slot: int, cache: bool, max_tokens: int) -> tuple[str, dict]:
     """(text, done event) of one greedy job on ``slot``."""
-    events: list[dict] = []
-    done = threading.Event()
-
-    def emit(event: dict) -> None:
-        events.append(event)
-        if event["type"] in ("done", "error"):
-            done.set()
-
-    job = Job(list(ids), 0, SamplingParams(temperature=0), max_tokens, emit, slot_id=slot, cache_prompt=cache)
-    engine.submit(job)
-    done.wait(600)
-    if events[-1]["type"] != "done":
-        raise RuntimeError(events[-1])
-    return "".join(e["text"] for e in events if e["type"] == "text"), events[-1]
+    reply = Reply()
+    sampling = SamplingParams(temperature=0)
+    engine.submit(Job(list(ids), 0, sampling, max_tokens, reply.emit, slot_id=slot, cache_prompt=cache))
+    text, last = reply.wait(600)
+    if last["type"] != "done":
+        raise RuntimeError(last)
+    return text, last
 
 
 def main() -> None:

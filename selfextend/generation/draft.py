@@ -24,6 +24,7 @@ from selfextend.generation.sampling import SamplingParams
 from selfextend.kv.cache import ContextShiftCache
 
 DRAFT_MAX = 16  # drafts asked for per pass by default: llama.cpp's --draft-max
+FEW = 32  # tokens written to the draft's cache in one pass of its decode step, at most
 
 
 def vocabulary_problem(target: object, draft: object) -> str | None:
@@ -80,6 +81,19 @@ class DraftModel:
             gen.tokens = gen.tokens[:keep] + gen.tokens[keep + dropped :]
         return gen
 
+    @staticmethod
+    def _write(gen: Generator, ids: Sequence[int]) -> torch.Tensor:
+        """Write ``ids`` into the draft's cache, the last one's logits: a few (the target's new token and
+        the drafts it kept) in one pass of the decode step where it takes several rows, as the target checks
+        them; a prompt through the model's forward."""
+        step = gen.step
+        if 1 < len(ids) <= FEW and step is not None and step.supported() and step.native_layers is not None:
+            gen.make_room(len(ids))
+            logits = step.rows(list(ids), [gen.cache] * len(ids))[-1]
+            gen.written(list(ids), logits)
+            return logits
+        return gen.feed(ids)
+
     def propose(
         self, context: Sequence[int], n: int, cache: ContextShiftCache, sampling: SamplingParams
     ) -> tuple[list[int], torch.Tensor | None]:
@@ -96,7 +110,7 @@ class DraftModel:
         same = min(same, len(context) - 1)  # the last token is written here for its logits
         if same < len(gen.tokens):
             gen.rewind(same)
-        logits = gen.feed(context[same:])
+        logits = self._write(gen, context[same:])
         n = min(n, gen.cache.free())
         drafts, qs = [], []
         for i in range(n):

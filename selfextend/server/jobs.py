@@ -75,3 +75,23 @@ class Running:
             "tokens_per_second": (len(self.generated) - 1) / decode_s if decode_s > 0 else 0.0,
             "slot": self.slot.id,
         }
+
+
+class Reply:
+    """A job's events gathered for a caller that waits for the whole reply (tests, experiments): pass
+    :meth:`emit` as the job's ``emit``, then :meth:`wait`."""
+
+    def __init__(self) -> None:
+        self.events: list[dict[str, Any]] = []
+        self.done = threading.Event()
+
+    def emit(self, event: dict[str, Any]) -> None:
+        self.events.append(event)
+        if event["type"] in ("done", "error"):
+            self.done.set()
+
+    def wait(self, timeout: float) -> tuple[str, dict[str, Any]]:
+        """(the reply's text, its last event: ``done`` or ``error``); TimeoutError past ``timeout`` s."""
+        if not self.done.wait(timeout):
+            raise TimeoutError(f"no reply in {timeout} s")
+        return "".join(e["text"] for e in self.events if e["type"] == "text"), self.events[-1]
