@@ -348,3 +348,28 @@ def test_a_request_sets_its_drafts_over_http() -> None:
     ours, theirs = drafted.model_extra["selfextend"], alone.model_extra["selfextend"]
     assert drafted.choices[0].message.content == alone.choices[0].message.content
     assert 0 < ours["draft_n_accepted"] <= ours["draft_n"] and theirs["draft_n"] == 0
+
+
+@pytest.mark.real
+def test_a_response_format_holds_with_drafts() -> None:
+    """A JSON schema's mask applies to drafted tokens as to any: greedy output with lookup is plain's, and
+    drafts were kept (the default model)."""
+    from selfextend.generation.grammar import Grammar
+    from selfextend.generation.text import build_prompt, eos_token_ids
+
+    model, tok = load_model("smollm2-135m", weights="gguf")
+    tags = {"type": "array", "items": {"type": "string"}}
+    schema = {
+        "type": "object",
+        "properties": {"tags": tags},
+        "required": ["tags"],
+        "additionalProperties": False,
+    }
+    ids, _ = build_prompt(tok, "Tom the cat as JSON with tags cute, fluffy, cute, fluffy, cute, fluffy.")
+    outs = []
+    for lookup in (0, 8):
+        gen = Generator(model, ContextShiftCache(model, 256), SamplingParams(temperature=0), lookup=lookup)
+        gen.grammar = Grammar(tok, schema, eos_token_ids(model, tok))
+        outs.append([t for t, _ in run(gen, ids, 60)])
+    assert outs[0] == outs[1] and gen.kept > 10
+    assert tok.decode(outs[0]).replace(" ", "").startswith('{"tags":["')  # what the schema allows
