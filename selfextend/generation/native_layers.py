@@ -7,8 +7,9 @@ idle through it. Where every projection of every layer is a GGUF block layer (:m
 and every norm a known RMSNorm, the same kernels run from one C loop in the same order, so the logits are
 those of the Python loop bit for bit (tests hold it so). The rows' cells are claimed in Python first (the
 cache's bookkeeping) and handed over as a table of addresses, slots and rotations per layer and row;
-with Self-Extend, each layer's grouped keys are found in Python first (the cells keep them, a few new ones
-rotated per token) and scored in the call.
+with Self-Extend, each layer's grouped keys are the buffer its cells keep rotated (up to 64 keys ahead of
+the query, so a token usually finds them with no torch call), handed over with the count to read and
+scored in the call.
 """
 
 from __future__ import annotations
