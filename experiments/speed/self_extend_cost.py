@@ -4,8 +4,9 @@ The model (SmolLM2 by default, as ``generate`` loads it; ``--model`` also takes 
 the direct step over a cache of ``--ctx`` cells (bf16 by default, as ``generate``'s) holding ``--fill``
 prompt tokens, ``--tokens`` tokens per timing, rewound to the prompt after each; every round times plain
 attention, then the same cells under Self-Extend ``-g``/``-w`` (the keys more than W back read at grouped
-positions: 376 of them at the defaults), and prints the ratio of that round. The CPU's name and the load
-average are printed with the rounds: the ratio is what to compare across machines and loads.
+positions: 376 of them at the defaults), and prints the ratio of that round, of the mean times and of the
+tokens' median times (what to read on a shared machine). The CPU's name and the load average are printed
+with the rounds: the ratio is what to compare across machines and loads.
 
     python experiments/speed/self_extend_cost.py [--model gemma3-270m] [--rounds 4]
     python experiments/speed/self_extend_cost.py --model qwen2.5-1.5b-Q4_K_M.gguf -w 256 --fill 1024 \\
@@ -17,11 +18,15 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import statistics
+import time
+from collections.abc import Callable
 from pathlib import Path
 
-from decode_paths import FILL, filled, load, milliseconds, step_fn
+from decode_paths import FILL, filled, load, step_fn
 
 from selfextend import self_extend
+from selfextend.generation.generator import Generator
 
 
 def cpu_name() -> str:
@@ -32,6 +37,22 @@ def cpu_name() -> str:
             if line.startswith("model name"):
                 return line.split(":", 1)[1].strip()
     return platform.processor() or "unknown CPU"
+
+
+def milliseconds(fn: Callable[[Generator], object], gen: Generator, n: int, fill: int) -> tuple[float, float]:
+    """(mean, median) milliseconds per token of ``n`` tokens through ``fn`` after 5 untimed ones, from
+    ``fill`` cached tokens (rewound to them before and after); the median is the one to read on a shared
+    machine, where a token the scheduler preempted weighs on the mean alone."""
+    for _ in range(5):
+        fn(gen)
+    gen.rewind(fill)
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn(gen)
+        times.append(time.perf_counter() - t0)
+    gen.rewind(fill)
+    return statistics.mean(times) * 1000, statistics.median(times) * 1000
 
 
 def load_average() -> str:
@@ -64,20 +85,25 @@ def main() -> None:
         f"cells, G={args.group_size} W={args.window} ({grouped_keys} keys grouped at the first token)",
         flush=True,
     )
-    ratios = []
+    ratios: dict[str, list[float]] = {"mean": [], "median": []}
     for r in range(args.rounds):
         plain = milliseconds(fn, gen, args.tokens, args.fill)
         with self_extend(model, group_size=args.group_size, window=args.window):
             grouped = milliseconds(fn, gen, args.tokens, args.fill)
-        ratios.append(grouped / plain)
+        for k, (a, b) in zip(ratios, zip(plain, grouped, strict=True), strict=True):
+            ratios[k].append(b / a)
         print(
-            f"round {r}: plain {plain:.2f} ms, Self-Extend {grouped:.2f} ms per token, {ratios[-1]:.3f}x "
-            f"(load average {load_average()})",
+            f"round {r}: plain {plain[0]:.2f} ms, Self-Extend {grouped[0]:.2f} ms per token, "
+            f"{ratios['mean'][-1]:.3f}x (per-token medians {plain[1]:.2f}, {grouped[1]:.2f} ms: "
+            f"{ratios['median'][-1]:.3f}x; load average {load_average()})",
             flush=True,
         )
-    ratios.sort()
-    median = ratios[len(ratios) // 2]
-    print(f"Self-Extend / plain: median {median:.3f}x, range {ratios[0]:.3f}-{ratios[-1]:.3f}x")
+    for k, values in ratios.items():
+        values.sort()
+        print(
+            f"Self-Extend / plain ({k}s): median {values[len(values) // 2]:.3f}x, "
+            f"range {values[0]:.3f}-{values[-1]:.3f}x"
+        )
 
 
 if __name__ == "__main__":
