@@ -142,3 +142,32 @@ def test_grouped_keys_rotate_ahead_of_the_query() -> None:
     grouped.invalidate(30)  # a write at slot 30: rotated again from there, never past the written slots
     grouped.get(keys, positions, 4, inv_freq, 40, ready=50)
     assert grouped.valid == 50
+
+
+def test_grouped_keys_known_at_once_only_where_current() -> None:
+    """A decode step asks each layer for its grouped keys without a torch call (grouped_now): the layer's
+    own buffer and how many keys the query scores at grouped positions, only where the buffer holds them
+    rotated for these settings; None where a rotation or a search over the positions is due."""
+    from selfextend.core.decode_query import grouped_keys
+    from selfextend.kv.layers import ContextShiftLayer
+
+    gen = torch.Generator().manual_seed(0)
+    layer = ContextShiftLayer(
+        torch.randn(1, 2, 64, 16, generator=gen), torch.randn(1, 2, 64, 16, generator=gen)
+    )
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, 16, 2).float() / 16)
+    layer.claim(40)  # positions 0..39; the query at 40 scores 33 keys (distance >= 8) at grouped positions
+    assert layer.grouped_now(40, 4, 8, inv_freq) is None  # none rotated yet
+    layer.cells(40).grouped(4, inv_freq, 33, None)  # what the decode step's slower path asks for
+    buffer, n_g = layer.grouped_now(40, 4, 8, inv_freq)
+    assert n_g == 33 and buffer is layer.grouped.buf
+    want = grouped_keys(layer.keys[..., :33, :], layer.positions[:33], 4, inv_freq)
+    assert torch.equal(buffer[..., :33, :], want)
+    assert layer.grouped_now(7, 4, 8, inv_freq) == (None, 0)  # every key a neighbor
+    assert layer.grouped_now(40, 2, 8, inv_freq) is None  # another group size
+    assert layer.grouped_now(40, 4, 8, inv_freq * 2) is None  # other frequencies
+    layer.grouped.invalidate(20)  # a write at slot 20
+    assert layer.grouped_now(40, 4, 8, inv_freq) is None
+    assert layer.grouped_now(27, 4, 8, inv_freq)[1] == 20  # still held below it
+    layer.remove(5, 6)  # a gap: the positions must be searched
+    assert layer.first_position is None and layer.grouped_now(40, 4, 8, inv_freq) is None

@@ -78,22 +78,25 @@ def load(name: str, threads: int, self_extend: bool) -> torch.nn.Module:
     return model
 
 
-def filled(model: torch.nn.Module, cache_type: str) -> Generator:
-    """A generator over 4,096 cells of ``cache_type`` holding FILL prompt tokens (the same every time)."""
-    gen = Generator(model, ContextShiftCache(model, n_ctx=4096, n_keep=4, dtype=CACHE_DTYPES[cache_type]))
-    gen.feed(torch.randint(100, 40000, (FILL,), generator=torch.Generator().manual_seed(0)).tolist())
+def filled(model: torch.nn.Module, cache_type: str, fill: int = FILL, n_ctx: int = 4096) -> Generator:
+    """A generator over ``n_ctx`` cells of ``cache_type`` holding ``fill`` prompt tokens (the same every
+    time)."""
+    gen = Generator(model, ContextShiftCache(model, n_ctx=n_ctx, n_keep=4, dtype=CACHE_DTYPES[cache_type]))
+    gen.feed(torch.randint(100, 40000, (fill,), generator=torch.Generator().manual_seed(0)).tolist())
     return gen
 
 
-def milliseconds(fn: Callable[[Generator], object], gen: Generator, n: int = 100) -> float:
+def milliseconds(fn: Callable[[Generator], object], gen: Generator, n: int = 100, fill: int = FILL) -> float:
+    """Milliseconds per token of ``n`` tokens through ``fn`` after 5 untimed ones, from ``fill`` cached
+    tokens (rewound to them before and after)."""
     for _ in range(5):
         fn(gen)
-    gen.rewind(FILL)
+    gen.rewind(fill)
     t0 = time.perf_counter()
     for _ in range(n):
         fn(gen)
     elapsed = time.perf_counter() - t0
-    gen.rewind(FILL)
+    gen.rewind(fill)
     return elapsed / n * 1000
 
 

@@ -41,6 +41,15 @@ def grouped_prefix(
     return grouped_keys(k[..., :n, :], cells.positions[..., :n], group_size, inv_freq)
 
 
+def grouped_count(pos: int, window: int, lk: int, first: int | None, positions: torch.Tensor) -> int:
+    """How many of ``lk`` keys a decode step's query at ``pos`` scores at grouped positions: the first ones,
+    at distance >= W. ``first``: the first key's position when they are gapless (then integer arithmetic
+    alone, what a decode step takes per layer), else None and their increasing ``positions`` are searched."""
+    if first is not None:  # keys at positions <= pos - W are the first ones
+        return min(max(pos - window - first + 1, 0), lk)
+    return int(torch.searchsorted(positions, pos - window, right=True))
+
+
 def grouped_decode_keys(
     k: torch.Tensor,
     pos: int,
@@ -54,11 +63,7 @@ def grouped_decode_keys(
     """The keys a decode step's query at ``pos`` scores at grouped positions: the first ones of ``k``
     (B, Hkv, Lk, D) at ``cells``, those at distance >= W, (B, Hkv, n_grouped, D) in ``dtype`` (default
     ``k``'s); None when every key is a neighbor or G is 1 (plain attention then)."""
-    lk = k.shape[2]
-    if cells.first is not None:  # keys at positions <= pos - W are the first ones
-        n_grouped = min(max(pos - window - cells.first + 1, 0), lk)
-    else:
-        n_grouped = int(torch.searchsorted(cells.positions, pos - window, right=True))
+    n_grouped = grouped_count(pos, window, k.shape[2], cells.first, cells.positions)
     if n_grouped == 0 or group_size == 1:
         return None
     return grouped_prefix(k, cells, n_grouped, group_size, inv_freq, rotations, dtype)

@@ -298,16 +298,21 @@ class DecodeStep:
 
     def _grouped_keys(
         self, batch: _Batch, extend: list[SelfExtendParams | None], i: int, j: int, cells: CellLayer
-    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] | None:
+    ) -> tuple[torch.Tensor, int, tuple[torch.Tensor, torch.Tensor]] | None:
         """Row ``j``'s grouped keys at layer ``i`` (Self-Extend settings ``extend[i]``, a full layer's
-        ``cells`` before the token's cell is claimed) in the cells' type with contiguous rows, and the query's
-        grouped rotation, as :meth:`_attend_row` hands them to the attention kernel; None where it scores
-        none. The token's own cell is at distance 0 < W: never a grouped one."""
+        ``cells`` before the token's cell is claimed) as :meth:`_attend_row` hands them to the attention
+        kernel: ``(keys, n_g, rotation)``, the first ``n_g`` rows per KV head of ``keys`` (1, Hkv, >= n_g, D)
+        in the cells' type with contiguous rows, and the query's grouped rotation; None where it scores none.
+        The token's own cell is at distance 0 < W: never a grouped one. Usually the cells' own buffer, known
+        at once (:meth:`~selfextend.kv.layers.CellLayer.grouped_now`: no torch call on a token's path)."""
         p = extend[i]
         if p is None:
             return None
         pos, end = batch.pos[j], cells.n_used
         by = _query_rotation(batch.grouped, pos, p, self.head_dim)
+        held = cells.grouped_now(pos, p.group_size, p.window, p.inv_freq) if self.windows[i] is None else None
+        if held is not None:
+            return None if held[0] is None else (*held, by)
         first = cells.visible_from(pos, self.windows[i])
         k = cells.keys[..., first:end, :]  # (1, Hkv, cells, D)
         # the cells the rows before j of this cache claimed are written in the call, after this: not ready
@@ -319,7 +324,9 @@ class DecodeStep:
         if k_g is None:
             return None
         k_g = k_g.to(k.dtype)
-        return k_g if k_g.stride(-1) == 1 and k_g.stride(-2) == self.head_dim else k_g.contiguous(), by
+        if k_g.stride(-1) != 1 or k_g.stride(-2) != self.head_dim:
+            k_g = k_g.contiguous()
+        return k_g, k_g.shape[2], by
 
     @staticmethod
     def _self_extend(layer: nn.Module) -> SelfExtendParams | None:

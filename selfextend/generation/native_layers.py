@@ -7,8 +7,9 @@ idle through it. Where every projection of every layer is a GGUF block layer (:m
 and every norm a known RMSNorm, the same kernels run from one C loop in the same order, so the logits are
 those of the Python loop bit for bit (tests hold it so). The rows' cells are claimed in Python first (the
 cache's bookkeeping) and handed over as a table of addresses, slots and rotations per layer and row;
-with Self-Extend, each layer's grouped keys are found in Python first (the cells keep them, a few new ones
-rotated per token) and scored in the call.
+with Self-Extend, each layer's grouped keys are the buffer its cells keep rotated (up to 64 keys ahead of
+the query, so a token usually finds them with no torch call), handed over with the count to read and
+scored in the call.
 """
 
 from __future__ import annotations
@@ -31,9 +32,10 @@ from selfextend.native.quant import QuantKernels
 MAX_PARTS = 3  # runs of one type in a fused projection (decode.c's MAX_PARTS)
 FIELDS = CELL_FIELDS  # int64 values per layer and row in the cells table (decode.c's R_FIELDS)
 NO_GROUPED = (0,) * 6  # a row's last six fields where no key is grouped
-# (i, j, cells) -> row j's grouped keys at layer i before its token's cell is claimed, (1, Hkv, n_g, D) in the
-# cells' type with contiguous rows, and the query's grouped (cos, sin); None where it scores none
-Grouped = Callable[[int, int, CellLayer], tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] | None]
+# (i, j, cells) -> row j's grouped keys at layer i before its token's cell is claimed: (keys, n_g, (cos,
+# sin)), the first n_g rows of each KV head of keys (1, Hkv, >= n_g, D) in the cells' type with contiguous
+# rows, and the query's grouped rotation; None where it scores none
+Grouped = Callable[[int, int, CellLayer], tuple[torch.Tensor, int, tuple[torch.Tensor, torch.Tensor]] | None]
 _ptr, _long, _f32 = ctypes.c_void_p, ctypes.c_long, ctypes.c_float
 
 
@@ -135,6 +137,7 @@ class NativeLayers:
         h, hkv, d = self.dims[1:4]
         # each row's rotation by kind as the table holds it: (cos address, sin address, size)
         factors = [{k: _rotation(c, s, d) for k, (c, s) in r.items()} for r in rotations]
+        by: dict[int, tuple[torch.Tensor, tuple[int, int, int]]] = {}  # grouped rotations seen, by id(cos)
         cell_dtype = caches[0].layers[0].keys.dtype
         for i, (kind, window) in enumerate(zip(self.kinds, self.windows, strict=True)):
             for j, cache in enumerate(caches):
@@ -155,17 +158,24 @@ class NativeLayers:
                 if found is None:
                     table += NO_GROUPED
                     continue
-                k_g, (gcos, gsin) = found
+                k_g, n_g, (gcos, gsin) = found
                 held.append(k_g)
-                n_g = k_g.shape[2]
-                if k_g.shape[:2] != (1, hkv) or k_g.shape[-1] != d or n_g > keys.shape[2]:
-                    raise ValueError(f"decode_layers takes grouped keys (1, {hkv}, n, {d}), not {k_g.shape}")
+                if (
+                    k_g.shape[:2] != (1, hkv)
+                    or k_g.shape[-1] != d
+                    or not 0 < n_g <= min(k_g.shape[2], keys.shape[2])
+                ):
+                    raise ValueError(
+                        f"decode_layers takes {n_g} grouped keys of (1, {hkv}, n, {d}), not {k_g.shape}"
+                    )
                 table += (
                     address(k_g, cell_dtype, hkv * n_g * d, "the grouped keys", rows=d),
                     n_g,
                     k_g.stride(1),
                 )
-                table += _rotation(gcos, gsin, d)
+                if id(gcos) not in by:  # one rotation serves every layer of its settings
+                    by[id(gcos)] = gcos, _rotation(gcos, gsin, d)
+                table += by[id(gcos)][1]
         # (layers, rows, FIELDS); through array: torch.tensor reads a list of ints at ~0.1 us each
         buffer = array.array("q", table)  # referenced until the call returns
         cells_table = torch.frombuffer(buffer, dtype=torch.int64).view(len(self.kinds), len(caches), FIELDS)

@@ -35,6 +35,24 @@ class GroupedKeys:
         """Forget the grouped keys of slots from ``slot`` on (their cells were written, removed or moved)."""
         self.valid = min(self.valid, slot)
 
+    def _fits(self, keys: torch.Tensor) -> bool:
+        """Whether ``buf`` is the grouped counterpart of ``keys``: their shape, type and device."""
+        buf = self.buf
+        return buf is not None and (buf.shape, buf.dtype, buf.device) == (keys.shape, keys.dtype, keys.device)
+
+    def _same(self, group_size: int, inv_freq: torch.Tensor) -> bool:
+        """Whether the slots held are for this group size and these very inverse frequencies, unchanged."""
+        s = self.settings
+        return s is not None and s[1] is inv_freq and s[0] == group_size and s[2] == inv_freq._version
+
+    def held(
+        self, keys: torch.Tensor, n: int, group_size: int, inv_freq: torch.Tensor
+    ) -> torch.Tensor | None:
+        """``buf`` (B, Hkv, capacity, D) when its slots [0, n) are current for ``keys`` and these settings
+        (what :meth:`get` reads back without rotating anything), else None: a decode step's check per layer,
+        a few attribute reads where :meth:`get` is a dozen torch calls."""
+        return self.buf if n <= self.valid and self._same(group_size, inv_freq) and self._fits(keys) else None
+
     def get(
         self,
         keys: torch.Tensor,
@@ -52,11 +70,10 @@ class GroupedKeys:
         hold written keys (then up to :data:`AHEAD` of them past ``n`` are rotated too)."""
         buf = self.buf
         dtype = keys.dtype  # rotated in float32, rounded to the cache's type: no float32 copy of every key
-        fits = buf is not None and (buf.shape, buf.dtype, buf.device) == (keys.shape, dtype, keys.device)
+        fits = self._fits(keys)
         if not fits:
             self.buf = buf = torch.empty_like(keys, dtype=dtype)
-        same = self.settings is not None and self.settings[1] is inv_freq
-        if not fits or not same or self.settings[::2] != (group_size, inv_freq._version):
+        if not fits or not self._same(group_size, inv_freq):
             self.valid, self.settings = 0, (group_size, inv_freq, inv_freq._version)
         a = self.valid
         b = n if ready is None or n <= a else max(n, min(n + AHEAD, ready))

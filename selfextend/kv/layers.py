@@ -25,6 +25,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from selfextend.core.cells import KeyCells, tag_cells
+from selfextend.core.decode_query import grouped_count
 from selfextend.core.rope import RotationTable, rotate
 from selfextend.kv.grouped import GroupedKeys
 
@@ -179,6 +180,29 @@ class CellLayer(CacheLayerMixin):
         else:
             self._host[slot] = pos
 
+    @property
+    def first_position(self) -> int | None:
+        """The position of slot 0 where slot ``s`` holds position ``first_position + s`` (a gapless full
+        layer), else None."""
+        return None
+
+    def grouped_now(
+        self, pos: int, group_size: int, window: int, inv_freq: torch.Tensor
+    ) -> tuple[torch.Tensor | None, int] | None:
+        """What a decode query at ``pos`` over every cell scores at Self-Extend's grouped positions (window
+        ``window``), where it is known at once: ``(buffer, n_g)``, ``n_g`` keys held current in
+        :attr:`grouped`'s buffer (B, Hkv, capacity, D), or ``(None, 0)`` for none; None where finding them
+        takes :func:`~selfextend.core.decode_query.grouped_decode_keys` (a gap, keys to rotate). A decode
+        step asks per layer: integer arithmetic and attribute reads, where that is a dozen torch calls."""
+        start = self.first_position
+        if start is None:
+            return None
+        n_g = grouped_count(pos, window, self.n_used, start, self.positions)
+        if n_g == 0:
+            return None, 0
+        buffer = self.grouped.held(self.keys, n_g, group_size, inv_freq)
+        return None if buffer is None else (buffer, n_g)
+
     def _free(self, n: int) -> int:
         """The first of ``n`` free slots after the cells in use (a sliding layer makes room first)."""
         return self.n_used
@@ -280,6 +304,10 @@ class ContextShiftLayer(CellLayer):
         self.gapless = self.n_used == 0 or (
             int(pos[-1]) == self.next_pos - 1 and int(pos[-1] - pos[0]) == self.n_used - 1
         )
+
+    @property
+    def first_position(self) -> int | None:
+        return self.next_pos - self.n_used if self.gapless else None
 
     def claim(self, n: int = 1) -> int:
         start = super().claim(n)
