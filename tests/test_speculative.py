@@ -373,3 +373,29 @@ def test_a_response_format_holds_with_drafts() -> None:
         outs.append([t for t, _ in run(gen, ids, 60)])
     assert outs[0] == outs[1] and gen.kept > 10
     assert tok.decode(outs[0]).replace(" ", "").startswith('{"tags":["')  # what the schema allows
+
+
+def test_more_rows_of_a_cache_than_the_window_are_exact(model) -> None:
+    """Seven rows of one cache with Self-Extend's W = 4: the rows past W would group cells the one native
+    call writes, so the step takes them row by row; the logits and cells are those of seven lone steps, and
+    lookup drafts at most W - 1 tokens a pass."""
+    apply_self_extend(model, 2, 4)
+    try:
+        gens = [
+            Generator(model, ContextShiftCache(model, 64), SamplingParams(temperature=0)) for _ in range(2)
+        ]
+        for gen in gens:
+            gen.feed(REPEATED)
+        seq = [5, 9, 11, 13, 17, 19, 23]
+        together = gens[0].step.rows(seq, [gens[0].cache] * len(seq))
+        alone = torch.stack([gens[1].step(t, gens[1].cache) for t in seq])
+        assert torch.equal(together, alone)
+        gens[0].tokens += seq
+        gens[1].tokens += seq
+        assert_same_cells(gens[0], gens[1])
+        assert gens[0].step.most_rows() == 4
+        fast, _ = _greedy(model, 8, 64, 30, REPEATED)
+        plain, _ = _greedy(model, 0, 64, 30, REPEATED)
+        assert fast == plain
+    finally:
+        remove_self_extend(model)

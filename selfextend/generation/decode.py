@@ -150,6 +150,14 @@ def _positions(caches: Sequence[ContextShiftCache]) -> list[int]:
     return pos
 
 
+def _rows_of_a_cache(caches: Sequence[ContextShiftCache]) -> int:
+    """The most rows that share one cache."""
+    counts: dict[int, int] = {}
+    for cache in caches:
+        counts[id(cache)] = counts.get(id(cache), 0) + 1
+    return max(counts.values())
+
+
 class _Batch(NamedTuple):
     """What :meth:`DecodeStep.rows` knows of its rows for one token: their caches and positions, the native
     kernels that read each cache (None: torch attention), each row's rotation by kind of layer, and the
@@ -280,7 +288,8 @@ class DecodeStep:
             self.native_layers is not None
             and None not in batch.kernels
             and len({c.layers[0].keys.dtype for c in caches}) == 1
-        ):
+            and _rows_of_a_cache(caches) <= min((p.window for p in extend if p is not None), default=len(pos))
+        ):  # a cache's row past W of its rows would group cells the call writes: the loop, row by row
             grouped = partial(self._grouped_keys, batch, extend) if extend.count(None) < len(extend) else None
             self.native_layers(x, caches, pos, flat, grouped)
         else:
@@ -327,6 +336,13 @@ class DecodeStep:
         if k_g.stride(-1) != 1 or k_g.stride(-2) != self.head_dim:
             k_g = k_g.contiguous()
         return k_g, k_g.shape[2], by
+
+    def most_rows(self) -> int:
+        """The most rows one cache takes in one native call: Self-Extend's smallest neighbour window W (a
+        row W past the first would group a cell the call writes; :meth:`rows` runs more row by row)."""
+        self_extend = self.model.config._attn_implementation == IMPLEMENTATION
+        windows = [p.window for p in map(self._self_extend, self.layers) if p is not None and self_extend]
+        return min(windows, default=1 << 30)
 
     @staticmethod
     def _self_extend(layer: nn.Module) -> SelfExtendParams | None:

@@ -103,6 +103,7 @@ def drafts_for(gen: Generator, token: int, n: int) -> tuple[list[int], torch.Ten
     """Up to ``n`` drafts to follow ``gen``'s cached tokens and ``token`` (drawn, not written), from its
     :class:`Drafter` or else by prompt lookup, with their draft distributions (None: each all on its draft);
     none where ``n < 1``."""
+    n = min(n, gen.step.most_rows() - 1)  # the rows the one-call step checks together
     if n < 1:
         return [], None
     context = [*gen.tokens, token]
