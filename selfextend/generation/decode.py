@@ -24,7 +24,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from functools import partial
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -32,11 +31,11 @@ from torch import nn
 
 from selfextend.core.cells import cells_of
 from selfextend.core.decode_query import grouped_decode_keys, self_extend_decode
-from selfextend.core.positions import grouped_query_positions
 from selfextend.core.rope import Rotation
 from selfextend.generation.native_layers import native_layers
 from selfextend.generation.products import LayerPlan, direct, each, each_add, norm_of, product_of
 from selfextend.generation.rotary import PositionRotations, rope_by_kind, rotations_at
+from selfextend.generation.step_rows import RowBatch, query_rotation, row_positions, rows_of_a_cache
 from selfextend.hf.facts import layer_kinds, sliding_windows
 from selfextend.hf.patch import IMPLEMENTATION, SelfExtendParams
 from selfextend.kv.cache import ContextShiftCache
@@ -120,54 +119,6 @@ def decode_step_for(model: nn.Module) -> DecodeStep | None:
         _NOTED.add(reason)
         log.info("direct decode step not used (%s): tokens run through the model's forward, slower", reason)
     return None
-
-
-def _query_rotation(
-    known: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]], pos: int, p: SelfExtendParams, d: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, sin) (rot_dim,) of the rotation that takes a query at ``pos`` to its grouped position under
-    ``p``, computed (and checked for the native ``rope_write`` of head size ``d``) once per token for the
-    layers sharing ``p``'s settings (``known``)."""
-    delta = grouped_query_positions(pos, p.group_size, p.window) - pos
-    key = (delta, id(p.inv_freq))
-    if key not in known:
-        r = Rotation.of(torch.tensor([delta], device=p.inv_freq.device), p.inv_freq)
-        known[key] = r.cos.reshape(-1).contiguous(), r.sin.reshape(-1).contiguous()
-        if not rotation_fits(known[key], d):
-            raise ValueError(f"Self-Extend's rotation of {r.cos.shape[-1]} dims does not fit heads of {d}")
-    return known[key]
-
-
-def _positions(caches: Sequence[ContextShiftCache]) -> list[int]:
-    """Each row's position: its cache's next one, and for a cache that several rows share (a speculative
-    check of drafted tokens) the next ones in row order."""
-    seen: dict[int, int] = {}
-    pos = []
-    for cache in caches:
-        before = seen.get(id(cache), 0)
-        pos.append(cache.n_past + before)
-        seen[id(cache)] = before + 1
-    return pos
-
-
-def _rows_of_a_cache(caches: Sequence[ContextShiftCache]) -> int:
-    """The most rows that share one cache."""
-    counts: dict[int, int] = {}
-    for cache in caches:
-        counts[id(cache)] = counts.get(id(cache), 0) + 1
-    return max(counts.values())
-
-
-class _Batch(NamedTuple):
-    """What :meth:`DecodeStep.rows` knows of its rows for one token: their caches and positions, the native
-    kernels that read each cache (None: torch attention), each row's rotation by kind of layer, and the
-    Self-Extend query rotations computed so far (shared by the layers)."""
-
-    caches: Sequence[ContextShiftCache]
-    pos: list[int]
-    kernels: list[NativeKernels | None]
-    flat: list[dict[str, tuple[torch.Tensor, torch.Tensor]]]  # row j's (cos, sin) (rot_dim,) by kind
-    grouped: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]
 
 
 class DecodeStep:
@@ -276,19 +227,19 @@ class DecodeStep:
         layers). Every per-row operation is the one a lone token takes, so where the products are batch-
         invariant (the native GGUF block products) a row's logits are bit for bit those of stepping it alone.
         """
-        pos = _positions(caches)
+        pos = row_positions(caches)
         ids = torch.tensor(tokens, device=self.device)
         x = self.embed_rows(ids)  # (M, hidden): a copy, added to in place
         x = x * self.embed_scale.to(x.dtype) if self.embed_scale is not None else x
         flat = self.rope(x[:, None], pos)  # each row's rotation by kind, as decode.c reads it
-        batch = _Batch(caches, pos, [self._kernel(c) for c in caches], flat, {})
+        batch = RowBatch(caches, pos, [self._kernel(c) for c in caches], flat, {})
         self_extend = self.model.config._attn_implementation == IMPLEMENTATION
         extend = [self._self_extend(layer) if self_extend else None for layer in self.layers]
         if (
             self.native_layers is not None
             and None not in batch.kernels
             and len({c.layers[0].keys.dtype for c in caches}) == 1
-            and _rows_of_a_cache(caches) <= min((p.window for p in extend if p is not None), default=len(pos))
+            and rows_of_a_cache(caches) <= min((p.window for p in extend if p is not None), default=len(pos))
         ):  # a cache's row past W of its rows would group cells the call writes: the loop, row by row
             grouped = partial(self._grouped_keys, batch, extend) if extend.count(None) < len(extend) else None
             self.native_layers(x, caches, pos, flat, grouped)
@@ -306,7 +257,7 @@ class DecodeStep:
         return logits
 
     def _grouped_keys(
-        self, batch: _Batch, extend: list[SelfExtendParams | None], i: int, j: int, cells: CellLayer
+        self, batch: RowBatch, extend: list[SelfExtendParams | None], i: int, j: int, cells: CellLayer
     ) -> tuple[torch.Tensor, int, tuple[torch.Tensor, torch.Tensor]] | None:
         """Row ``j``'s grouped keys at layer ``i`` (Self-Extend settings ``extend[i]``, a full layer's
         ``cells`` before the token's cell is claimed) as :meth:`_attend_row` hands them to the attention
@@ -318,7 +269,7 @@ class DecodeStep:
         if p is None:
             return None
         pos, end = batch.pos[j], cells.n_used
-        by = _query_rotation(batch.grouped, pos, p, self.head_dim)
+        by = query_rotation(batch.grouped, pos, p, self.head_dim)
         held = cells.grouped_now(pos, p.group_size, p.window, p.inv_freq) if self.windows[i] is None else None
         if held is not None:
             return None if held[0] is None else (*held, by)
@@ -351,7 +302,7 @@ class DecodeStep:
         return p if isinstance(p, SelfExtendParams) and p.group_size > 1 else None
 
     def _attend_row(
-        self, batch: _Batch, j: int, i: int, qkv: torch.Tensor, p: SelfExtendParams | None
+        self, batch: RowBatch, j: int, i: int, qkv: torch.Tensor, p: SelfExtendParams | None
     ) -> torch.Tensor:
         """Row ``j``'s query, key and value ``qkv`` (1, (H + 2 Hkv) * D) at layer ``i``: the key and value
         written into its cells, the attention over them (1, H * D)."""
@@ -368,7 +319,7 @@ class DecodeStep:
             return self._attend(attn, qkv.to(self.dtype), rot, cells, pos, p, window).reshape(1, -1)
         slot = cells.claim()
         first = cells.visible_from(pos, window)
-        by = None if p is None else _query_rotation(batch.grouped, pos, p, self.head_dim)
+        by = None if p is None else query_rotation(batch.grouped, pos, p, self.head_dim)
         q, q_g = kernel.rope_write(
             qkv.float(),
             self.heads[:2],
