@@ -213,3 +213,17 @@ def test_the_read_bandwidth_probe() -> None:
     assert 0.5 < probe(64, 2) < 2000
     with pytest.raises(ValueError, match="at least 1 MiB"):
         probe(0, 1)
+
+
+def test_cpu_model_names_the_cpu(tmp_path, monkeypatch):
+    """lscpu's "Model name" (from /proc/cpuinfo) is printed beside speeds; never empty, never raising."""
+    from pathlib import Path
+
+    from selfextend.bench import speed
+
+    assert speed.cpu_model()
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nmodel name\t: AMD EPYC 9B14\nflags\t\t: avx2\n")
+    real = Path.read_text
+    monkeypatch.setattr(Path, "read_text", lambda p, *a, **k: real(info if str(p) == "/proc/cpuinfo" else p))
+    assert speed.cpu_model() == "AMD EPYC 9B14"

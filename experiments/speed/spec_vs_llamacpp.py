@@ -47,7 +47,17 @@ from pathlib import Path
 
 import psutil
 
-from selfextend.bench.servers import ServerSetup, command, find_llama_server, free_port, start, stop
+from selfextend.bench.servers import (
+    ServerSetup,
+    command,
+    find_llama_server,
+    free_port,
+    gguf_tokenizer,
+    start,
+    stop,
+)
+from selfextend.bench.speed import bandwidth_around, cpu_model
+from selfextend.generation.text import build_prompt
 from selfextend.models.sources import resolve_model
 
 HERE = Path(__file__).resolve().parent
@@ -86,14 +96,6 @@ PROMPTS = {
     f"code:\n\n```python\n{CODE}```",
 }
 SUMMARY = re.compile(r"(\d+) tokens? in [\d.]+ s \(([\d.]+) tokens/s\), prompt (\d+) token")
-
-
-def cpu_name() -> str:
-    """The CPU's model name as lscpu prints it."""
-    for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
-        if line.startswith("Model name:"):
-            return line.split(":", 1)[1].strip()
-    return "unknown"
 
 
 def others_share(run: Callable[[], dict[str, dict]]) -> dict[str, dict]:
@@ -169,6 +171,12 @@ def theirs(setup: ServerSetup, prompts: dict[str, list[int]], extra: list[str], 
     return out
 
 
+def knows_draft_model() -> bool:
+    """Whether this checkout's ``selfextend generate`` takes ``--draft-model`` (being added in parallel)."""
+    cmd = [sys.executable, "-m", "selfextend", "generate", "--help"]
+    return "--draft-model" in subprocess.run(cmd, capture_output=True, text=True).stdout
+
+
 def variants(args: argparse.Namespace, gguf: Path) -> list[tuple[str, str, list[str]]]:
     """(variant, side, its extra flags), ours and llama.cpp's alternating as the rounds run them."""
     out = [("ours", "ours", []), ("llama", "llama", [])]
@@ -177,8 +185,11 @@ def variants(args: argparse.Namespace, gguf: Path) -> list[tuple[str, str, list[
         size_n, size_m = ngram.split(",")
         flags = ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", size_n]
         out.append((f"llama+ngram{size_n},{size_m}", "llama", [*flags, "--spec-ngram-simple-size-m", size_m]))
-    if args.draft:
+    if args.draft and knows_draft_model():
         out.append(("ours+draft", "ours", ["--draft-model", str(args.draft), *shlex.split(args.draft_args)]))
+    elif args.draft:
+        print("our generate has no --draft-model yet: llama-server's draft run alone", flush=True)
+    if args.draft:
         flags = ["--spec-type", "draft-simple", "--model-draft", str(args.draft)]
         out.append(("llama+draft", "llama", [*flags, "--spec-draft-n-max", str(args.draft_max)]))
     return out
@@ -244,7 +255,7 @@ def report(round_: int, prompt: str, by: dict[str, dict], common: dict) -> dict:
     }
     for v in llama_names[1:]:
         row["ratios"][f"{v}/llama"] = ratio(by[v]["tok_s"], by["llama"]["tok_s"])
-    if "ours+draft" in by:
+    if "ours+draft" in by and "llama+draft" in by:
         row["ratios"]["ours+draft/llama+draft"] = ratio(by["ours+draft"]["tok_s"], by["llama+draft"]["tok_s"])
         row["ratios"]["ours+draft/ours"] = ratio(by["ours+draft"]["tok_s"], by["ours"]["tok_s"])
     rates = ", ".join(f"{v} {r:.1f}" for v, r in row["tok_s"].items())
@@ -292,25 +303,24 @@ def main() -> None:
         parser.error(f"not a GGUF: {args.model}")
     llama_server = find_llama_server(args.llama_server)
 
-    from selfextend.bench.servers import gguf_tokenizer
-    from selfextend.generation.text import build_prompt
-
     tokenizer = gguf_tokenizer(gguf)
     ids = {name: build_prompt(tokenizer, text)[0] for name, text in PROMPTS.items()}  # as generate builds it
     setup = ServerSetup(gguf, llama_server, parallel=1, ctx=args.ctx, threads=args.threads, cache_reuse=0)
     setup.logs = Path(tempfile.mkdtemp(prefix="spec-vs-llamacpp-"))
-    common = {"cpu": cpu_name(), "model": gguf.name, "draft": args.draft and args.draft.name}
+    common = {"cpu": cpu_model(), "model": gguf.name, "draft": args.draft and args.draft.name}
     common.update(threads=args.threads, ctx=args.ctx, new_tokens=args.tokens, lookup=args.lookup)
     common.update(ngram=args.ngram, draft_max=args.draft_max, llama_server=str(llama_server))
     print(f"CPU: {common['cpu']}; model {gguf.name}; draft {common['draft']}; logs {setup.logs}", flush=True)
     ours(gguf, "Hi", [], args)  # warm-up: native kernels built, the converted model cached
     args.out.parent.mkdir(parents=True, exist_ok=True)
     for round_ in range(args.rounds):
-        t0 = time.perf_counter()
-        got = one_round(round_, gguf, ids, setup, args)
+        t0, around = time.perf_counter(), {}
+        with bandwidth_around(around):  # the memory's read rate just before and after the round, GB/s
+            got = one_round(round_, gguf, ids, setup, args)
+        print(f"round {round_}: read bandwidth {around['read_bandwidth_gbs']} GB/s", flush=True)
         for prompt in PROMPTS:
             row = report(round_, prompt, {v: got[v][prompt] for v in got}, common)
-            row["round_seconds"] = round(time.perf_counter() - t0, 1)
+            row.update(around, round_seconds=round(time.perf_counter() - t0, 1))
             with args.out.open("a") as f:
                 f.write(json.dumps(row) + "\n")
 

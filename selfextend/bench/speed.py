@@ -68,6 +68,20 @@ def read_bandwidth_gbs(mib: int = 512, repeats: int = 5) -> float:
     return x.numel() * 4 / best / 1e9
 
 
+def cpu_model() -> str:
+    """The CPU's model name, as ``lscpu`` prints it (Linux's /proc/cpuinfo), or the platform's processor
+    string elsewhere: printed beside a speed, since machines here differ (AVX2 EPYC, AVX-512 Xeon)."""
+    import platform
+
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
 @contextmanager
 def bandwidth_around(record: dict) -> Iterator[None]:
     """``record["read_bandwidth_gbs"]``: [lowest, highest] of the read bandwidth just before and just after

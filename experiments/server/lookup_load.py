@@ -1,0 +1,165 @@
+"""``selfextend serve --parallel 2`` under a lookup-friendly load, with and without ``--lookup N``, rounds
+interleaved: aggregate completion tokens/s per round, their ratio, and every reply checked the same.
+
+Why: ``serve --lookup`` drafts for each greedy slot and checks all slots' tokens and drafts in one pass of
+the batched step; what that gains when several clients at once ask to copy or edit text (the case lookup is
+for) is measured here, on a real loopback socket, against the same server without it. Each of
+``--clients`` concurrent clients sends ``--requests`` greedy chat requests one after another (``max_tokens``
+each, end of sequence ignored so both servers write the same number of tokens): a passage of Sherlock
+Holmes (the default corpus) to copy with a name changed, or a piece of the standard library's ``textwrap``
+source to return with an edit. A greedy reply does not depend on the slot, the batch it was decoded in or
+the drafts (batch-invariant ``--weights gguf`` products), so every request's reply must be the same text
+with and without lookup, in every round: checked and printed. With ``--draft FILE`` a third server runs
+with ``--draft-model FILE`` (the option ``serve`` gets for speculative decoding with a draft model).
+
+    python experiments/server/lookup_load.py [--rounds 2] [--clients 4] [--requests 3] [--max-tokens 96]
+
+Appends one JSON line per round to ``--out`` (default
+``experiments/server/results/lookup_load.jsonl``), with the CPU model and the load average.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import psutil
+
+from selfextend.bench.clients import stream_chat, summary
+from selfextend.bench.servers import free_port, start, stop
+from selfextend.bench.speed import cpu_model
+from selfextend.evaluation.corpus import default_books
+
+HERE = Path(__file__).resolve().parent
+
+
+def tasks(clients: int, requests: int) -> list[list[str]]:
+    """Each client's user messages: copy a passage with a name changed, or return code with an edit,
+    alternating, every one on a different piece of text."""
+    book = default_books()["sherlock-holmes"]
+    code = inspect.getsource(textwrap).splitlines()
+    out = []
+    for c in range(clients):
+        mine = []
+        for r in range(requests):
+            k = c * requests + r
+            if k % 2 == 0:
+                passage = " ".join(book[20_000 + 700 * k : 20_000 + 700 * k + 600].split())
+                mine.append(
+                    f"Copy this passage exactly, but write 'Poirot' instead of 'Holmes':\n\n{passage}"
+                )
+            else:
+                piece = "\n".join(code[100 + 20 * k : 100 + 20 * k + 18])
+                mine.append(
+                    f"Return this Python code unchanged, with one comment line added on top:\n\n{piece}"
+                )
+        out.append(mine)
+    return out
+
+
+def client(base: str, messages: list[str], max_tokens: int) -> list[dict]:
+    """One client's greedy requests, one after another."""
+    out = []
+    for text in messages:
+        r = stream_chat(base, [{"role": "user", "content": text}], max_tokens, 0, {"ignore_eos": True})
+        out.append(r)
+    return out
+
+
+def serve_load(extra: list[str], work: list[list[str]], args: argparse.Namespace, log: Path) -> dict:
+    """One server with ``extra`` flags under the whole load: :func:`~selfextend.bench.clients.summary` of
+    it, with every reply's text by (client, request)."""
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "selfextend", "serve", "--port", str(port), "-m", args.model]
+    cmd += ["--parallel", str(args.parallel), "--ctx", str(args.ctx), "--threads", str(args.threads)]
+    cmd += ["--weights", "gguf", "--temperature", "0", *extra]
+    proc = start(cmd, base, log)
+    try:
+        client(base, ["Say hi."], 4)  # warm-up, not recorded
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(len(work)) as pool:
+            replies = list(pool.map(lambda m: client(base, m, args.max_tokens), work))
+        seconds = time.perf_counter() - t0
+    finally:
+        stop(proc)
+    out = summary([r for mine in replies for r in mine], seconds)
+    out["texts"] = [[r.get("text") for r in mine] for mine in replies]
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("-m", "--model", default="smollm2-135m", help="a GGUF file or an alias naming one")
+    parser.add_argument("--draft", type=Path, help="also a server with --draft-model FILE")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--lookup", type=int, default=8)
+    parser.add_argument("--parallel", type=int, default=2, help="the server's slots")
+    parser.add_argument("--ctx", type=int, default=1024, help="cells per slot")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--clients", type=int, default=4, help="concurrent clients")
+    parser.add_argument("--requests", type=int, default=3, help="requests per client")
+    parser.add_argument("--max-tokens", type=int, default=96, help="tokens per reply")
+    parser.add_argument("--out", type=Path, default=HERE / "results" / "lookup_load.jsonl")
+    args = parser.parse_args()
+    if min(args.rounds, args.lookup, args.parallel, args.ctx, args.threads) < 1:
+        parser.error("--rounds, --lookup, --parallel, --ctx and --threads must be at least 1")
+    if min(args.clients, args.requests, args.max_tokens) < 1:
+        parser.error("--clients, --requests and --max-tokens must be at least 1")
+    if args.draft and not args.draft.is_file():
+        parser.error(f"no such draft file: {args.draft}")
+    if args.draft:
+        helps = subprocess.run([sys.executable, "-m", "selfextend", "serve", "--help"], capture_output=True)
+        if b"--draft-model" not in helps.stdout:
+            parser.error("this checkout's selfextend serve has no --draft-model yet")
+    runs = {"plain": [], f"lookup{args.lookup}": ["--lookup", str(args.lookup)]}
+    if args.draft:
+        runs["draft"] = ["--draft-model", str(args.draft)]
+    work = tasks(args.clients, args.requests)
+    logs = Path(tempfile.mkdtemp(prefix="lookup-load-"))
+    common = {"cpu": cpu_model(), "model": args.model, "draft": args.draft and args.draft.name}
+    common.update(parallel=args.parallel, ctx=args.ctx, threads=args.threads, lookup=args.lookup)
+    common.update(clients=args.clients, requests=args.requests, max_tokens=args.max_tokens)
+    print(f"CPU: {common['cpu']}; {args.clients} clients x {args.requests} requests; logs {logs}", flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    first_texts = None  # every reply of the first run: each later run must give the same
+    for round_ in range(args.rounds):
+        got = {}
+        for name in list(runs)[::-1] if round_ % 2 else list(runs):
+            got[name] = serve_load(runs[name], work, args, logs / f"{name}.round{round_}.log")
+        first_texts = first_texts or got["plain"]["texts"]
+        row = {**common, "round": round_, "load_average_1m": round(psutil.getloadavg()[0], 2)}
+        row["aggregate_tokens_per_second"] = {k: v["aggregate_tokens_per_second"] for k, v in got.items()}
+        row["completion_tokens"] = {k: v["completion_tokens"] for k, v in got.items()}
+        row["ok"] = {k: v["ok"] for k, v in got.items()}
+        row["ttft_p50_s"] = {k: v["ttft_p50_s"] for k, v in got.items()}
+        rate = row["aggregate_tokens_per_second"]
+        row["ratio"] = {k: round(rate[k] / rate["plain"], 3) for k in rate if k != "plain"}
+        row["identical"] = {k: v["texts"] == first_texts for k, v in got.items()}
+        differ = [
+            (c, r)
+            for k, v in got.items()
+            for c, mine in enumerate(v["texts"])
+            for r, text in enumerate(mine)
+            if text != first_texts[c][r]
+        ]
+        row["differing_replies"] = sorted(set(differ))
+        print(
+            f"round {round_}: aggregate tok/s {rate}, over plain {row['ratio']}; every reply the same as the "
+            f"first plain run's: {row['identical']}; load {row['load_average_1m']}",
+            flush=True,
+        )
+        with args.out.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    main()
