@@ -54,12 +54,13 @@ def tasks(clients: int, requests: int) -> list[list[str]]:
             if k % 2 == 0:
                 passage = " ".join(book[20_000 + 700 * k : 20_000 + 700 * k + 600].split())
                 mine.append(
-                    f"Copy this passage exactly, but write 'Poirot' instead of 'Holmes':\n\n{passage}"
+                    "Repeat this text exactly, word for word, but write 'Poirot' instead of 'Holmes':\n\n"
+                    + passage
                 )
             else:
                 piece = "\n".join(code[100 + 20 * k : 100 + 20 * k + 18])
                 mine.append(
-                    f"Return this Python code unchanged, with one comment line added on top:\n\n{piece}"
+                    f"Repeat this Python code exactly, with one comment line added on top:\n\n{piece}"
                 )
         out.append(mine)
     return out

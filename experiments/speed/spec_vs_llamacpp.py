@@ -20,7 +20,7 @@ shared two-core machine that, not the code, can decide a ratio.
 
 Two lookup-friendly prompts: a paragraph to copy with one change, and code to return with one edit.
 
-    python experiments/speed/spec_vs_llamacpp.py [--model smollm2-135m] [--rounds 2] [--tokens 160]
+    python experiments/speed/spec_vs_llamacpp.py [--model smollm2-135m] [--rounds 2] [--tokens 96]
     python experiments/speed/make_draft_pair.py     # then, with the paths it prints:
     python experiments/speed/spec_vs_llamacpp.py \\
         --model /work/dev-models/SmolLM2-135M-Instruct.Q4_1.F16.gguf \\
@@ -89,11 +89,11 @@ def cheapest(prices):
             best = price
     return best
 '''
-PROMPTS = {
-    "copy-with-change": "Copy this text exactly, but write 'Baker Street' instead of 'Mill Street':\n\n"
-    + STORY,
-    "edit-code": f"Rename the function `total` to `total_with_tax` in this Python code and return the whole "
-    f"code:\n\n```python\n{CODE}```",
+PROMPTS = {  # worded as the default model copies them (it returns 98 and 84 tokens before its end token)
+    "copy-with-change": "Repeat this text exactly, word for word, but write 'Baker Street' instead of "
+    "'Mill Street':\n\n" + STORY,
+    "edit-code": "Repeat this Python code exactly, with the function `total` renamed to `total_with_tax`:"
+    "\n\n```python\n" + CODE + "```",
 }
 SUMMARY = re.compile(r"(\d+) tokens? in [\d.]+ s \(([\d.]+) tokens/s\), prompt (\d+) token")
 
@@ -198,14 +198,14 @@ def variants(args: argparse.Namespace, gguf: Path) -> list[tuple[str, str, list[
 def one_round(
     round_: int, gguf: Path, ids: dict[str, list[int]], setup: ServerSetup, args: argparse.Namespace
 ) -> dict[str, dict[str, dict]]:
-    """Every variant on every prompt, in the order of :func:`variants` (reversed in odd rounds):
+    """Every variant on every prompt, run in the order of :func:`variants` (reversed in odd rounds):
     variant -> prompt -> row."""
     got: dict[str, dict[str, dict]] = {}
     runs = variants(args, gguf)
     for name, side, extra in runs[::-1] if round_ % 2 else runs:
         log = setup.logs / f"{name.replace(',', '_')}.round{round_}.log"  # type: ignore[operator]
         got[name] = others_share(lambda s=side, x=extra, f=log: run_variant(s, x, f, gguf, ids, setup, args))
-    return got
+    return {name: got[name] for name, _, _ in runs}  # in the order of variants(), whichever ran first
 
 
 def run_variant(
@@ -278,9 +278,7 @@ def main() -> None:
     parser.add_argument("--draft-max", type=int, default=8, help="llama-server's --spec-draft-n-max")
     parser.add_argument("--llama-server", type=Path, default=LLAMA_SERVER if LLAMA_SERVER.is_file() else None)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument(
-        "--tokens", type=int, default=160, help="new tokens per run (end of sequence ignored)"
-    )
+    parser.add_argument("--tokens", type=int, default=96, help="new tokens per run (end of sequence ignored)")
     parser.add_argument("--ctx", type=int, default=1024, help="cache cells, both sides")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--lookup", type=int, default=8, help="our --lookup N")
