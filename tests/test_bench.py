@@ -227,3 +227,29 @@ def test_cpu_model_names_the_cpu(tmp_path, monkeypatch):
     real = Path.read_text
     monkeypatch.setattr(Path, "read_text", lambda p, *a, **k: real(info if str(p) == "/proc/cpuinfo" else p))
     assert speed.cpu_model() == "AMD EPYC 9B14"
+
+
+def test_wait_for_quiet_waits_for_a_quiet_second(monkeypatch):
+    """It returns at the first second the machine is quiet enough, or at the timeout with what it saw."""
+    import psutil
+
+    from selfextend.bench import speed
+
+    seen = iter([90.0, 70.0, 10.0, 5.0])
+    monkeypatch.setattr(psutil, "cpu_percent", lambda interval: next(seen))
+    assert speed.wait_for_quiet(0.2, 60) == 0.1
+    monkeypatch.setattr(psutil, "cpu_percent", lambda interval: 80.0)
+    assert speed.wait_for_quiet(0.2, 0) == 0.8
+
+
+def test_others_cpu_leaves_out_this_process_and_its_children():
+    """The share is of other processes' time: a child's busy second is not counted as another tenant's."""
+    import subprocess
+    import sys
+
+    from selfextend.bench import speed
+
+    record: dict = {}
+    with speed.others_cpu(record):
+        subprocess.run([sys.executable, "-c", "sum(range(2 * 10**7))"], check=True)
+    assert 0.0 <= record["others_cpu"] <= 1.0

@@ -35,7 +35,7 @@ import psutil
 
 from selfextend.bench.clients import stream_chat, summary
 from selfextend.bench.servers import free_port, start, stop
-from selfextend.bench.speed import cpu_model
+from selfextend.bench.speed import cpu_model, others_cpu, wait_for_quiet
 from selfextend.evaluation.corpus import default_books
 
 HERE = Path(__file__).resolve().parent
@@ -109,6 +109,8 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=4, help="concurrent clients")
     parser.add_argument("--requests", type=int, default=3, help="requests per client")
     parser.add_argument("--max-tokens", type=int, default=96, help="tokens per reply")
+    parser.add_argument("--quiet", type=float, default=0.25, help="wait for the CPU to be busy at most this")
+    parser.add_argument("--quiet-wait", type=float, default=120, help="...for at most this many seconds")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "lookup_load.jsonl")
     args = parser.parse_args()
     if min(args.rounds, args.lookup, args.parallel, args.ctx, args.threads) < 1:
@@ -135,13 +137,18 @@ def main() -> None:
     for round_ in range(args.rounds):
         got = {}
         for name in list(runs)[::-1] if round_ % 2 else list(runs):
-            got[name] = serve_load(runs[name], work, args, logs / f"{name}.round{round_}.log")
+            seen = {"busy_before": round(wait_for_quiet(args.quiet, args.quiet_wait), 3)}  # others' tests
+            with others_cpu(seen):
+                got[name] = serve_load(runs[name], work, args, logs / f"{name}.round{round_}.log")
+            got[name].update(seen)
         first_texts = first_texts or got["plain"]["texts"]
         row = {**common, "round": round_, "load_average_1m": round(psutil.getloadavg()[0], 2)}
         row["aggregate_tokens_per_second"] = {k: v["aggregate_tokens_per_second"] for k, v in got.items()}
         row["completion_tokens"] = {k: v["completion_tokens"] for k, v in got.items()}
         row["ok"] = {k: v["ok"] for k, v in got.items()}
         row["ttft_p50_s"] = {k: v["ttft_p50_s"] for k, v in got.items()}
+        row["busy_before"] = {k: v["busy_before"] for k, v in got.items()}
+        row["others_cpu"] = {k: v["others_cpu"] for k, v in got.items()}
         rate = row["aggregate_tokens_per_second"]
         row["ratio"] = {k: round(rate[k] / rate["plain"], 3) for k in rate if k != "plain"}
         row["identical"] = {k: v["texts"] == first_texts for k, v in got.items()}
@@ -155,7 +162,8 @@ def main() -> None:
         row["differing_replies"] = sorted(set(differ))
         print(
             f"round {round_}: aggregate tok/s {rate}, over plain {row['ratio']}; every reply the same as the "
-            f"first plain run's: {row['identical']}; load {row['load_average_1m']}",
+            f"first plain run's: {row['identical']}; others' CPU share {row['others_cpu']}, "
+            f"load {row['load_average_1m']}",
             flush=True,
         )
         with args.out.open("a") as f:

@@ -15,8 +15,9 @@ plain decode's; ``--temperature 0 --ignore-eos``), its summary line's decode tok
 prompt. Both: ``--threads`` threads, one slot of ``--ctx`` cells, f16 KV cells, ``--tokens`` new tokens. Our
 text with and without lookup (and the draft model) must be identical, and is checked every round;
 llama.cpp's is compared to its own plain run (its products are not batch-invariant, so a near tie may
-flip). Each variant's row also says what share of the machine's CPU other processes took meanwhile: on a
-shared two-core machine that, not the code, can decide a ratio.
+flip). On a shared machine the other tenants, not the code, can decide a ratio: each run waits (up to
+``--quiet-wait`` seconds) for a second in which the CPU is busy at most ``--quiet``, and its row says
+what share of the machine's CPU other processes took while it ran (``others_cpu``).
 
 Two lookup-friendly prompts: a paragraph to copy with one change, and code to return with one edit.
 
@@ -36,13 +37,11 @@ import argparse
 import http.client
 import json
 import re
-import resource
 import shlex
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -56,7 +55,7 @@ from selfextend.bench.servers import (
     start,
     stop,
 )
-from selfextend.bench.speed import bandwidth_around, cpu_model
+from selfextend.bench.speed import bandwidth_around, cpu_model, others_cpu, wait_for_quiet
 from selfextend.generation.text import build_prompt
 from selfextend.models.sources import resolve_model
 
@@ -96,22 +95,6 @@ PROMPTS = {  # worded as the default model copies them (it returns 98 and 84 tok
     "\n\n```python\n" + CODE + "```",
 }
 SUMMARY = re.compile(r"(\d+) tokens? in [\d.]+ s \(([\d.]+) tokens/s\), prompt (\d+) token")
-
-
-def others_share(run: Callable[[], dict[str, dict]]) -> dict[str, dict]:
-    """``run()``'s rows, each given ``others_cpu``: the share of the machine's CPU time that processes other
-    than this script's children took meanwhile (0.5 on two cores: one core taken). Timings on a shared
-    machine are read with it: llama.cpp's spinning threads slow down several-fold when a core is taken."""
-    before, kids = psutil.cpu_times(), resource.getrusage(resource.RUSAGE_CHILDREN)
-    rows = run()
-    after, kids_after = psutil.cpu_times(), resource.getrusage(resource.RUSAGE_CHILDREN)
-    total = sum(after) - sum(before)
-    busy = total - (after.idle - before.idle) - (after.iowait - before.iowait)
-    ours = kids_after.ru_utime + kids_after.ru_stime - kids.ru_utime - kids.ru_stime
-    share = round(max(0.0, busy - ours) / total, 3) if total > 0 else None
-    for row in rows.values():
-        row["others_cpu"] = share
-    return rows
 
 
 def ours(gguf: Path, prompt: str, extra: list[str], args: argparse.Namespace) -> dict:
@@ -204,7 +187,11 @@ def one_round(
     runs = variants(args, gguf)
     for name, side, extra in runs[::-1] if round_ % 2 else runs:
         log = setup.logs / f"{name.replace(',', '_')}.round{round_}.log"  # type: ignore[operator]
-        got[name] = others_share(lambda s=side, x=extra, f=log: run_variant(s, x, f, gguf, ids, setup, args))
+        seen = {"busy_before": round(wait_for_quiet(args.quiet, args.quiet_wait), 3)}
+        with others_cpu(seen):
+            got[name] = run_variant(side, extra, log, gguf, ids, setup, args)
+        for row in got[name].values():
+            row.update(seen)
     return {name: got[name] for name, _, _ in runs}  # in the order of variants(), whichever ran first
 
 
@@ -237,6 +224,7 @@ def report(round_: int, prompt: str, by: dict[str, dict], common: dict) -> dict:
     row["tokens"] = {v: by[v]["tokens"] for v in by}
     row["prompt_tokens"] = {v: by[v]["prompt_tokens"] for v in by}
     row["others_cpu"] = {v: by[v]["others_cpu"] for v in by}
+    row["busy_before"] = {v: by[v]["busy_before"] for v in by}
     row["drafted_accepted"] = {
         v: [by[v]["drafted"], by[v]["accepted"]] for v in llama_names if by[v]["drafted"]
     }
@@ -287,6 +275,13 @@ def main() -> None:
         action="append",
         help="llama-server ngram-simple SIZE_N,SIZE_M (repeatable; default 12,48 3,8)",
     )
+    parser.add_argument(
+        "--quiet",
+        type=float,
+        default=0.25,
+        help="before each run, wait for the CPU to be busy at most this share",
+    )
+    parser.add_argument("--quiet-wait", type=float, default=120, help="...for at most this many seconds")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "spec_vs_llamacpp.jsonl")
     args = parser.parse_args()
     args.ngram = args.ngram or ["12,48", "3,8"]

@@ -82,6 +82,42 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+def wait_for_quiet(limit: float, timeout: float) -> float:
+    """Wait until the machine's CPU is busy at most ``limit`` (a share of all cores, over one second) or
+    ``timeout`` seconds have passed; the last share seen. On a machine others run tests on, a timed run
+    started while they hold a core measures them (llama.cpp's spinning threads slow down several-fold)."""
+    import psutil
+
+    deadline = time.monotonic() + timeout
+    while True:
+        busy = psutil.cpu_percent(interval=1.0) / 100
+        if busy <= limit or time.monotonic() >= deadline:
+            return busy
+
+
+def _own_cpu_seconds() -> float:
+    """CPU seconds this process and its children (those waited for) have used."""
+    import resource
+
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+@contextmanager
+def others_cpu(record: dict) -> Iterator[None]:
+    """``record["others_cpu"]``: the share of the machine's CPU time that processes other than this one and
+    the children it waited for took during the block (0.5 on two cores: one core taken all along), to read a
+    timing on a shared machine by."""
+    import psutil
+
+    before, own = psutil.cpu_times(), _own_cpu_seconds()
+    yield
+    after, own = psutil.cpu_times(), _own_cpu_seconds() - own
+    total = sum(after) - sum(before)
+    busy = total - (after.idle - before.idle) - (after.iowait - before.iowait)
+    record["others_cpu"] = round(max(0.0, busy - own) / total, 3) if total > 0 else None
+
+
 @contextmanager
 def bandwidth_around(record: dict) -> Iterator[None]:
     """``record["read_bandwidth_gbs"]``: [lowest, highest] of the read bandwidth just before and just after
