@@ -142,12 +142,15 @@ def theirs(setup: ServerSetup, prompts: dict[str, list[int]], extra: list[str], 
         completion(base, [1, 2, 3], 4)  # warm-up, not recorded
         out = {}
         for name, ids in prompts.items():
-            data = completion(base, ids, n)
+            seen: dict = {}
+            with others_cpu(seen, (proc.pid,)):
+                data = completion(base, ids, n)
             t = data["timings"]
             row = {"text": data["content"], "tokens": t["predicted_n"], "tok_s": t["predicted_per_second"]}
             row.update(prompt_tokens=t["prompt_n"], drafted=t.get("draft_n", 0))
             row["accepted"] = t.get("draft_n_accepted", 0)
             row["acceptance"] = round(row["accepted"] / row["drafted"], 3) if row["drafted"] else None
+            row.update(seen)
             out[name] = row
     finally:
         stop(proc)
@@ -187,11 +190,10 @@ def one_round(
     runs = variants(args, gguf)
     for name, side, extra in runs[::-1] if round_ % 2 else runs:
         log = setup.logs / f"{name.replace(',', '_')}.round{round_}.log"  # type: ignore[operator]
-        seen = {"busy_before": round(wait_for_quiet(args.quiet, args.quiet_wait), 3)}
-        with others_cpu(seen):
-            got[name] = run_variant(side, extra, log, gguf, ids, setup, args)
+        busy = round(wait_for_quiet(args.quiet, args.quiet_wait), 3)
+        got[name] = run_variant(side, extra, log, gguf, ids, setup, args)
         for row in got[name].values():
-            row.update(seen)
+            row["busy_before"] = busy
     return {name: got[name] for name, _, _ in runs}  # in the order of variants(), whichever ran first
 
 
@@ -206,7 +208,12 @@ def run_variant(
 ) -> dict[str, dict]:
     """One variant's rows by prompt: ours (one generate run a prompt) or llama-server's (one server)."""
     if side == "ours":
-        return {p: ours(gguf, text, extra, args) for p, text in PROMPTS.items()}
+        rows = {}
+        for p, text in PROMPTS.items():
+            seen: dict = {}
+            with others_cpu(seen):
+                rows[p] = {**ours(gguf, text, extra, args), **seen}
+        return rows
     return theirs(setup, ids, extra, args.tokens, log)
 
 

@@ -104,18 +104,22 @@ def _own_cpu_seconds() -> float:
 
 
 @contextmanager
-def others_cpu(record: dict) -> Iterator[None]:
-    """``record["others_cpu"]``: the share of the machine's CPU time that processes other than this one and
-    the children it waited for took during the block (0.5 on two cores: one core taken all along), to read a
-    timing on a shared machine by."""
+def others_cpu(record: dict, pids: tuple[int, ...] = ()) -> Iterator[None]:
+    """``record["others_cpu"]``: the share of the machine's CPU time that processes other than this one,
+    the children it waited for and ``pids`` (running children, such as a server) took during the block (0.5
+    on two cores: one core taken all along), to read a timing on a shared machine by."""
     import psutil
 
-    before, own = psutil.cpu_times(), _own_cpu_seconds()
+    def own() -> float:
+        times = [psutil.Process(pid).cpu_times() for pid in pids]
+        return _own_cpu_seconds() + sum(t.user + t.system for t in times)
+
+    before, mine = psutil.cpu_times(), own()
     yield
-    after, own = psutil.cpu_times(), _own_cpu_seconds() - own
+    after, mine = psutil.cpu_times(), own() - mine
     total = sum(after) - sum(before)
     busy = total - (after.idle - before.idle) - (after.iowait - before.iowait)
-    record["others_cpu"] = round(max(0.0, busy - own) / total, 3) if total > 0 else None
+    record["others_cpu"] = round(max(0.0, busy - mine) / total, 3) if total > 0 else None
 
 
 @contextmanager
