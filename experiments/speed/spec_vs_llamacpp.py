@@ -212,7 +212,8 @@ def run_variant(
         for p, text in PROMPTS.items():
             seen: dict = {}
             with others_cpu(seen):
-                rows[p] = {**ours(gguf, text, extra, args), **seen}
+                rows[p] = ours(gguf, text, extra, args)
+            rows[p].update(seen)  # known once the block has ended
         return rows
     return theirs(setup, ids, extra, args.tokens, log)
 
