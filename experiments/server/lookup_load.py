@@ -110,7 +110,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=3, help="requests per client")
     parser.add_argument("--max-tokens", type=int, default=96, help="tokens per reply")
     parser.add_argument("--quiet", type=float, default=0.25, help="wait for the CPU to be busy at most this")
-    parser.add_argument("--quiet-wait", type=float, default=120, help="...for at most this many seconds")
+    parser.add_argument("--quiet-wait", type=float, default=30, help="...for at most this many seconds")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "lookup_load.jsonl")
     args = parser.parse_args()
     if min(args.rounds, args.lookup, args.parallel, args.ctx, args.threads) < 1:

@@ -289,7 +289,7 @@ def main() -> None:
         default=0.25,
         help="before each run, wait for the CPU to be busy at most this share",
     )
-    parser.add_argument("--quiet-wait", type=float, default=120, help="...for at most this many seconds")
+    parser.add_argument("--quiet-wait", type=float, default=30, help="...for at most this many seconds")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "spec_vs_llamacpp.jsonl")
     args = parser.parse_args()
     args.ngram = args.ngram or ["12,48", "3,8"]
