@@ -5,9 +5,9 @@ Why: ``serve --lookup`` drafts for each greedy slot and checks all slots' tokens
 the batched step; what that gains when several clients at once ask to copy or edit text (the case lookup is
 for) is measured here, on a real loopback socket, against the same server without it. Each of
 ``--clients`` concurrent clients sends ``--requests`` greedy chat requests one after another (``max_tokens``
-each, end of sequence ignored so both servers write the same number of tokens): a passage of Sherlock
-Holmes (the default corpus) to copy with a name changed, or a piece of the standard library's ``textwrap``
-source to return with an edit. A greedy reply does not depend on the slot, the batch it was decoded in or
+each, end of sequence ignored so both servers write the same number of tokens): a paragraph of Sherlock
+Holmes (the default corpus) to repeat with a name changed, or a function of the standard library's
+``textwrap`` to repeat renamed. A greedy reply does not depend on the slot, the batch it was decoded in or
 the drafts (batch-invariant ``--weights gguf`` products), so every request's reply must be the same text
 with and without lookup, in every round: checked and printed. With ``--draft FILE`` a third server runs
 with ``--draft-model FILE`` (the option ``serve`` gets for speculative decoding with a draft model).
@@ -42,25 +42,29 @@ HERE = Path(__file__).resolve().parent
 
 
 def tasks(clients: int, requests: int) -> list[list[str]]:
-    """Each client's user messages: copy a passage with a name changed, or return code with an edit,
-    alternating, every one on a different piece of text."""
-    book = default_books()["sherlock-holmes"]
-    code = inspect.getsource(textwrap).splitlines()
+    """Each client's user messages, alternating: a paragraph of Sherlock Holmes (300-600 characters, naming
+    Holmes) to repeat with his name changed, or a function (or method) of the standard library's
+    ``textwrap`` to repeat renamed; every request a different text. Worded as the default model copies
+    (asked to copy "exactly", it answers with the copy; asked to return or edit, it writes its own)."""
+    paragraphs = [" ".join(p.split()) for p in default_books()["sherlock-holmes"].split("\n\n")]
+    paragraphs = [p for p in paragraphs if 300 <= len(p) <= 600 and "Holmes" in p]
+    functions = [*vars(textwrap).values(), *vars(textwrap.TextWrapper).values()]
+    functions = [f for f in functions if inspect.isfunction(f) and len(inspect.getsource(f)) < 1200]
     out = []
     for c in range(clients):
         mine = []
         for r in range(requests):
             k = c * requests + r
             if k % 2 == 0:
-                passage = " ".join(book[20_000 + 700 * k : 20_000 + 700 * k + 600].split())
                 mine.append(
                     "Repeat this text exactly, word for word, but write 'Poirot' instead of 'Holmes':\n\n"
-                    + passage
+                    + paragraphs[k // 2 % len(paragraphs)]
                 )
             else:
-                piece = "\n".join(code[100 + 20 * k : 100 + 20 * k + 18])
+                f = functions[k // 2 % len(functions)]
                 mine.append(
-                    f"Repeat this Python code exactly, with one comment line added on top:\n\n{piece}"
+                    f"Repeat this Python code exactly, with the function `{f.__name__}` renamed to "
+                    f"`{f.__name__}_v2`:\n\n```python\n{inspect.getsource(f)}```"
                 )
         out.append(mine)
     return out
@@ -160,6 +164,8 @@ def main() -> None:
             if text != first_texts[c][r]
         ]
         row["differing_replies"] = sorted(set(differ))
+        if round_ == 0:
+            row["replies"] = first_texts  # what the model wrote, to see how much of it was a copy
         print(
             f"round {round_}: aggregate tok/s {rate}, over plain {row['ratio']}; every reply the same as the "
             f"first plain run's: {row['identical']}; others' CPU share {row['others_cpu']}, "
