@@ -5,10 +5,11 @@ No real pair of different sizes sharing a vocabulary can be installed here (no h
 SmolLM2-135M-Instruct and Gemma 3 270M, have different vocabularies), so the pair is one model at two
 precisions: target = the shipped weights written as F16 (or Q8_0) by llama.cpp's ``llama-quantize
 --allow-requantize``, draft = the shipped Q4_1 (Gemma: Q4_K_M) file. The F16 target reads ~3x the bytes
-per token of its draft (SmolLM2: 270 MB against 95 MB), as a bigger target would, and since its values are
-the draft's own dequantized, the two disagree only where the activations' rounding does (the draft's
-products round them to 8-bit blocks, an F16 target's take float32): a high-acceptance pair, the best case of
-a draft model. Q8_0 rounds the dequantized values again, a little further from the draft.
+per token of its draft (SmolLM2: 271 MB against 98 MB; Gemma 3: 543 MB against 253 MB), as a bigger target
+would, and since its values are the draft's own dequantized, the two disagree only where the activations'
+rounding does (the draft's products round them to 8-bit blocks, an F16 target's take float32): a
+high-acceptance pair (llama-server kept 95-99% of its drafts), the best case of a draft model. Q8_0
+rounds the dequantized values again, a little further from the draft.
 
     python experiments/speed/make_draft_pair.py [--out /work/dev-models] [--type F16] [--gemma]
 
