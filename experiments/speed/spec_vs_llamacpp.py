@@ -7,7 +7,7 @@ flips every round): our plain decode and llama-server's plain one; ours with ``-
 with ``--spec-type ngram-simple`` (each ``--ngram SIZE_N,SIZE_M`` given: the lookup n-gram's and the
 drafted m-gram's lengths; 12,48 are llama.cpp's defaults); with ``--draft FILE`` (a draft GGUF sharing the
 model's vocabulary; ``make_draft_pair.py`` makes one), ours with ``--draft-model FILE`` and llama-server with
-``--model-draft FILE --spec-draft-n-max N``.
+``--model-draft FILE --spec-draft-n-max N`` (ours: ``--draft-max N``).
 
 Ours is ``selfextend generate`` (``--weights gguf``: batch-invariant block products, so lookup's tokens are
 plain decode's; ``--temperature 0 --ignore-eos``), its summary line's decode tokens/s; llama-server's is its
@@ -172,7 +172,8 @@ def variants(args: argparse.Namespace, gguf: Path) -> list[tuple[str, str, list[
         flags = ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", size_n]
         out.append((f"llama+ngram{size_n},{size_m}", "llama", [*flags, "--spec-ngram-simple-size-m", size_m]))
     if args.draft and knows_draft_model():
-        out.append(("ours+draft", "ours", ["--draft-model", str(args.draft), *shlex.split(args.draft_args)]))
+        flags = ["--draft-model", str(args.draft), "--draft-max", str(args.draft_max)]
+        out.append(("ours+draft", "ours", [*flags, *shlex.split(args.draft_args)]))
     elif args.draft:
         print("our generate has no --draft-model yet: llama-server's draft run alone", flush=True)
     if args.draft:
@@ -257,9 +258,7 @@ def report(round_: int, prompt: str, by: dict[str, dict], common: dict) -> dict:
     rates = ", ".join(f"{v} {r:.1f}" for v, r in row["tok_s"].items())
     counts = ", ".join(f"{v} {d}/{a} ({a / d:.0%})" for v, (d, a) in row["drafted_accepted"].items())
     print(f"round {round_}, {prompt}: tok/s {rates}", flush=True)
-    print(
-        f"  llama drafted/accepted: {counts or 'none'}; ours identical with lookup: {row['ours_identical']}"
-    )
+    print(f"  llama drafted/accepted: {counts or 'none'}; ours the same text: {row['ours_identical']}")
     print(f"  others' CPU share meanwhile: {row['others_cpu']}")
     print(f"  ratios: {json.dumps(row['ratios'])}")
     print(f"  llama's text the same as its plain run's: {row['llama_identical_to_its_plain']}")
@@ -271,7 +270,12 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m", help="a GGUF file or an alias naming one")
     parser.add_argument("--draft", type=Path, help="a draft GGUF sharing the model's vocabulary")
     parser.add_argument("--draft-args", default="", help="more flags for our generate with --draft-model")
-    parser.add_argument("--draft-max", type=int, default=8, help="llama-server's --spec-draft-n-max")
+    parser.add_argument(
+        "--draft-max",
+        type=int,
+        default=8,
+        help="drafts per pass at most: our --draft-max, llama's --spec-draft-n-max",
+    )
     parser.add_argument("--llama-server", type=Path, default=LLAMA_SERVER if LLAMA_SERVER.is_file() else None)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=96, help="new tokens per run (end of sequence ignored)")
