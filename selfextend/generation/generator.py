@@ -87,6 +87,7 @@ class Generator:
     draft: Drafter | None = None  # drafts from a smaller model instead (generation.draft), its own count
     drafted: int = 0  # tokens drafted and checked so far (speculative decoding)
     kept: int = 0  # of them, those kept
+    asking: int = 0  # drafts the next check of a server's slot asks for (generation.speculative.adapt)
 
     def __post_init__(self) -> None:
         if not isinstance(self.cache, ContextShiftCache):

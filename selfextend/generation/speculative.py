@@ -63,6 +63,7 @@ class Generator(Protocol):
     draft: Drafter | None
     drafted: int  # tokens drafted and checked so far
     kept: int  # of them, those kept
+    asking: int  # drafts to ask for in the next check (draft_and_check's; 0: its budget)
 
     def next_token(self, logits: torch.Tensor) -> int: ...
     def probabilities(self, logits: torch.Tensor) -> torch.Tensor: ...
@@ -184,8 +185,16 @@ def speculative_decode(
             gen.drafted, gen.kept = gen.drafted + len(drafts), gen.kept + took
             if base + kept < gen.cache.n_past:
                 gen.rewind(base + kept)
-        if drafts:  # a check costs its rows' attention and activations: fewer drafts where few are kept
-            k = max(1, k // 2) if kept == 1 else min(most, 2 * k) if kept > len(drafts) else k
+        k = adapt(k, len(drafts), took, most)
+
+
+def adapt(k: int, drafted: int, took: int, most: int) -> int:
+    """The drafts to ask for next, after asking ``k`` and checking ``drafted`` of which ``took`` were kept:
+    halved after a check that kept none, doubled (up to ``most``) after one that kept all. A check costs its
+    rows' attention and activations, and a context that stopped repeating keeps few."""
+    if not drafted:
+        return k
+    return max(1, k // 2) if took == 0 else min(most, 2 * k) if took == drafted else k
 
 
 def _row(q: torch.Tensor | None, i: int) -> torch.Tensor | None:
@@ -196,12 +205,14 @@ def _row(q: torch.Tensor | None, i: int) -> torch.Tensor | None:
 def draft_and_check(pairs: Sequence[tuple[Generator, int, int]]) -> list[tuple[list[int], int]]:
     """Several sequences' next tokens in one pass of their shared decode step (a server's slots): for each
     ``(generator, its last token, drawn but not written; a draft budget)``, the token and up to ``budget``
-    drafts written and checked, the drafts the rule keeps kept (the rest truncated). Returns per generator
+    drafts written and checked (fewer where the generator's last checks kept few: :func:`adapt`), the drafts
+    the rule keeps kept (the rest truncated). Returns per generator
     ``(its tokens in order: the kept drafts, then the next token, drawn and not written; the cache position
     where the token went)``. Each generator must pass :func:`speculates`."""
     seqs, qs, bases = [], [], []
     for gen, token, budget in pairs:
-        drafts, q = drafts_for(gen, token, min(budget, gen.cache.free() - 1))
+        gen.asking = gen.asking or budget
+        drafts, q = drafts_for(gen, token, min(budget, gen.asking, gen.cache.free() - 1))
         seqs.append([token, *drafts])
         qs.append(q)
         gen.make_room(len(seqs[-1]))  # a shift only where one token would not fit: plain decoding's
@@ -209,7 +220,7 @@ def draft_and_check(pairs: Sequence[tuple[Generator, int, int]]) -> list[tuple[l
     caches = [gen.cache for (gen, _, _), seq in zip(pairs, seqs, strict=True) for _ in seq]
     rows = pairs[0][0].step.rows([t for seq in seqs for t in seq], caches)  # (sum of 1 + k, vocab)
     out, at = [], 0
-    for (gen, _, _), seq, q, base in zip(pairs, seqs, qs, bases, strict=True):
+    for (gen, _, budget), seq, q, base in zip(pairs, seqs, qs, bases, strict=True):
         kept, tokens = 1, []
         while True:
             gen.written([seq[kept - 1]], rows[at + kept - 1])
@@ -218,7 +229,8 @@ def draft_and_check(pairs: Sequence[tuple[Generator, int, int]]) -> list[tuple[l
             if draft is None or tokens[-1] != draft:
                 break
             kept += 1
-        gen.drafted, gen.kept = gen.drafted + len(seq) - 1, gen.kept + min(kept, len(seq) - 1)
+        gen.drafted, gen.kept = gen.drafted + len(seq) - 1, gen.kept + kept - 1
+        gen.asking = adapt(gen.asking, len(seq) - 1, kept - 1, max(budget, gen.asking))
         if base + kept < gen.cache.n_past:
             gen.rewind(base + kept)
         out.append((tokens, base))
