@@ -41,8 +41,9 @@ from selfextend.evaluation.corpus import default_books
 HERE = Path(__file__).resolve().parent
 
 
-def tasks(clients: int, requests: int) -> list[list[str]]:
-    """Each client's user messages, alternating: a paragraph of Sherlock Holmes (300-600 characters, naming
+def tasks(clients: int, requests: int, kinds: str = "both") -> list[list[str]]:
+    """Each client's user messages, alternating (``kinds`` "both"; "copy" or "code": that kind alone): a
+    paragraph of Sherlock Holmes (300-600 characters, naming
     Holmes) to repeat with his name changed, or a function (or method) of the standard library's
     ``textwrap`` to repeat renamed; every request a different text. Worded as the default model copies
     (asked to copy "exactly", it answers with the copy; asked to return or edit, it writes its own)."""
@@ -55,13 +56,14 @@ def tasks(clients: int, requests: int) -> list[list[str]]:
         mine = []
         for r in range(requests):
             k = c * requests + r
-            if k % 2 == 0:
+            i = k // 2 if kinds == "both" else k  # each request its own text
+            if kinds == "copy" or (kinds == "both" and k % 2 == 0):
                 mine.append(
                     "Repeat this text exactly, word for word, but write 'Poirot' instead of 'Holmes':\n\n"
-                    + paragraphs[k // 2 % len(paragraphs)]
+                    + paragraphs[i % len(paragraphs)]
                 )
             else:
-                f = functions[k // 2 % len(functions)]
+                f = functions[i % len(functions)]
                 mine.append(
                     f"Repeat this Python code exactly, with the function `{f.__name__}` renamed to "
                     f"`{f.__name__}_v2`:\n\n```python\n{inspect.getsource(f)}```"
@@ -113,6 +115,9 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=4, help="concurrent clients")
     parser.add_argument("--requests", type=int, default=3, help="requests per client")
     parser.add_argument("--max-tokens", type=int, default=96, help="tokens per reply")
+    parser.add_argument(
+        "--kinds", choices=["both", "copy", "code"], default="both", help="the requests' kinds"
+    )
     parser.add_argument("--quiet", type=float, default=0.25, help="wait for the CPU to be busy at most this")
     parser.add_argument("--quiet-wait", type=float, default=30, help="...for at most this many seconds")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "lookup_load.jsonl")
@@ -130,7 +135,7 @@ def main() -> None:
     runs = {"plain": [], f"lookup{args.lookup}": ["--lookup", str(args.lookup)]}
     if args.draft:
         runs["draft"] = ["--draft-model", str(args.draft)]
-    work = tasks(args.clients, args.requests)
+    work = tasks(args.clients, args.requests, args.kinds)
     logs = Path(tempfile.mkdtemp(prefix="lookup-load-"))
     common = {"cpu": cpu_model(), "model": args.model, "draft": args.draft and args.draft.name}
     common.update(parallel=args.parallel, ctx=args.ctx, threads=args.threads, lookup=args.lookup)
