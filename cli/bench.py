@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from selfextend.cli.bench_server import run_server_case, server_options
-from selfextend.cli.generation_options import decode_options
+from selfextend.cli.generation_options import Speculation, decode_options, speculative_options
 from selfextend.cli.options import (
     COUNT,
     POSITIVE,
@@ -67,7 +67,9 @@ from selfextend.core.validate import plural
     "generate (int8 and, for a GGUF, int4 and gguf weights, each plain and with Self-Extend, against "
     "llama.cpp when llama-cpp-python is installed), first-token (seconds to the first token of a --lengths "
     "prompt, int8, int4 and gguf with Self-Extend against llama.cpp; not default), server (selfextend serve "
-    "against llama.cpp's llama-server under the same load, then a chat trimmed from the front; not default).",
+    "against llama.cpp's llama-server under the same load, then a chat trimmed from the front; not default), "
+    "speculative (greedy decoding of a paragraph to repeat: plain against --lookup N, 8 unless given, or "
+    "--draft-model: tok/s, drafts kept, tokens per pass, identical tokens; not default).",
 )
 @click.option(
     "--forms",
@@ -77,6 +79,7 @@ from selfextend.core.validate import plural
     "gguf,int4 where int8 is slow to load on a large model.",
 )
 @server_options
+@speculative_options
 @click.option(
     "-o", "--out", type=click.Path(dir_okay=False), help="Also write every run and the summary as JSON Lines."
 )
@@ -104,6 +107,7 @@ def bench(
     requests: int,
     reply_tokens: int,
     turns: int,
+    speculation: Speculation,
     out: str | None,
 ) -> None:
     """Time and memory of Self-Extend against plain SDPA attention and the full-matrix reference.
@@ -119,7 +123,7 @@ def bench(
     conversations, then a chat trimmed from the front (cache reuse); ours over theirs per round.
     """
     wanted = {c.strip() for c in cases.split(",") if c.strip()}
-    unknown = wanted - {"prefill", "decode", "endless", "generate", "first-token", "server"}
+    unknown = wanted - {"prefill", "decode", "endless", "generate", "first-token", "server", "speculative"}
     if unknown:
         raise click.BadParameter(f"unknown case {', '.join(sorted(unknown))}", param_hint="--cases")
     if "server" in wanted:  # subprocesses, before this process holds a model
@@ -163,7 +167,7 @@ def bench(
         endless_tokens=endless_tokens,
         endless_keep=min(4, ctx - 2),
     )
-    lm, _ = load_with_self_extend(model, dtype, device, None, None, weights)
+    lm, tokenizer = load_with_self_extend(model, dtype, device, None, None, weights)
     cfg.compile, cache_dtype = decode_settings(lm, compile_step, cache_type)
     cfg.cache_type = cache_type
     from selfextend.core.positions import validate
@@ -218,10 +222,17 @@ def bench(
         if "first-token" in wanted:
             for r in bench_first_token(loaded, cfg, gguf, torch.get_num_threads()):
                 record(r)
+    if "speculative" in wanted and endless_tokens > 0:
+        from selfextend.bench.speculative import bench_speculative
+
+        draft = speculation.drafter(tokenizer, dtype, device, None, None, weights, cache_dtype)
+        lookup = speculation.lookup or (0 if draft is not None else 8)
+        for r in bench_speculative(lm, tokenizer, cfg, lookup, draft):
+            record(r)
     readings = [r["read_bandwidth_gbs"] for r in runs if "read_bandwidth_gbs" in r]  # [before, after] each
     bandwidth = [min(lo for lo, _ in readings), max(hi for _, hi in readings)] if readings else None
     weights_said = ", ".join(
-        [f"{weights} weights"] * bool(wanted & {"prefill", "decode", "endless"})
+        [f"{weights} weights"] * bool(wanted & {"prefill", "decode", "endless", "speculative"})
         + ["generate: weights per variant"] * bool(wanted & {"generate", "first-token"})
     )
     click.echo(
@@ -242,6 +253,7 @@ def bench(
         "shift": ("ms_per_shift", "ms/shift"),
         "generate": ("tokens_per_s", "tok/s"),
         "first-token": ("seconds", "s"),
+        "speculative": ("tokens_per_s", "tok/s"),
     }
     summary = summarize(runs)
     for row in summary:
@@ -289,6 +301,15 @@ def bench(
         "generate: to llama.cpp); spread: (max - min) / median over the rounds; MB/tok: bytes a decode "
         "step reads at least (weights and the K/V cells at the average fill); GB/s: MB/tok x tok/s"
     )
+    for row in summary:
+        if row["case"] == "speculative" and row["variant"] != "plain":
+            mine = [r for r in runs if r["case"] == "speculative" and r["variant"] == row["variant"]]
+            same = all(r["identical"] for r in mine)
+            click.echo(
+                f"speculative {row['variant']}: {row['acceptance']:.0%} of the drafts kept, "
+                f"{row['tokens_per_pass']:.2f} tokens per pass of the step, tokens "
+                + ("identical to plain's in every round" if same else "NOT plain's in some round")
+            )
     for row in summary:
         if len(row.get("round_ratios", ())) > 1:  # rounds interleaved: each its own ratio
             rounds = ", ".join(f"{x:.2f}x" for x in row["round_ratios"])

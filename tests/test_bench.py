@@ -253,3 +253,41 @@ def test_others_cpu_leaves_out_this_process_and_its_children():
     with speed.others_cpu(record):
         subprocess.run([sys.executable, "-c", "sum(range(2 * 10**7))"], check=True)
     assert 0.0 <= record["others_cpu"] <= 1.0
+
+
+def test_bench_speculative_case(tmp_path):
+    """``--cases speculative`` on a tiny GGUF: plain and lookup rows per round, the lookup's tokens plain's,
+    its acceptance and tokens per pass recorded and said."""
+    import json
+
+    from test_models import write_tiny_gguf
+
+    gguf = write_tiny_gguf(tmp_path / "t.gguf", hidden=256, heads=4, kv_heads=2, quant="Q8_0")
+    out = tmp_path / "spec.jsonl"
+    args = [
+        "bench",
+        "-m",
+        gguf,
+        "--weights",
+        "gguf",
+        "--cases",
+        "speculative",
+        "--endless-tokens",
+        "40",
+        "-w",
+        "64",
+    ]
+    r = CliRunner().invoke(main, [str(a) for a in [*args, "--repeats", "2", "--lookup", "4", "-o", out]])
+    assert r.exit_code == 0, r.stderr
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    runs = [x for x in rows if not x.get("summary")]
+    assert sorted((x["variant"], x["repeat"]) for x in runs) == [
+        ("lookup 4", 0),
+        ("lookup 4", 1),
+        ("plain", 0),
+        ("plain", 1),
+    ]
+    assert all(x["identical"] for x in runs)
+    drafted = [x for x in runs if x["variant"] == "lookup 4"]
+    assert all(x["drafted"] > 0 and x["tokens_per_pass"] >= 1 for x in drafted)
+    assert "speculative lookup 4:" in r.stdout and "identical to plain's in every round" in r.stdout

@@ -261,7 +261,8 @@ def bench_endless(model: nn.Module, cfg: BenchConfig, rss: Callable[[], float]) 
 
 def summarize(records: list[dict]) -> list[dict]:
     """Medians per (case, variant, length), with each variant's ratio to plain at the same length (generate
-    and first-token: to llama.cpp, of the medians and per round, ``round_ratios``)."""
+    and first-token: to llama.cpp, of the medians and per round, ``round_ratios``; speculative: with the
+    drafts' acceptance and the tokens a pass wrote)."""
     groups: dict[tuple, list[dict]] = {}
     for r in records:
         groups.setdefault((r["case"], r["variant"], r["length"]), []).append(r)
@@ -273,12 +274,16 @@ def summarize(records: list[dict]) -> list[dict]:
         "shift": "ms_per_shift",
         "generate": "tokens_per_s",
         "first-token": "seconds",
+        "speculative": "tokens_per_s",
     }
     for (case, name, length), rs in sorted(groups.items()):
         row = {"case": case, "variant": name, "length": length, "runs": len(rs)}
         if "weights" in rs[0]:  # a variant's own weights (generate, first-token)
             row["weights"] = rs[0]["weights"]
-        for key in ("seconds", "peak_mib", "ms_per_token", "tokens_per_s", "ms_per_shift", "mb_per_token"):
+        for key in (
+            *("seconds", "peak_mib", "ms_per_token", "tokens_per_s", "ms_per_shift", "mb_per_token"),
+            *("acceptance", "tokens_per_pass"),
+        ):
             values = [r[key] for r in rs if key in r]
             if values:
                 row[key] = statistics.median(values)
@@ -290,7 +295,7 @@ def summarize(records: list[dict]) -> list[dict]:
         rows.append(row)
     for row in rows:
         key = metric[row["case"]]
-        if row["case"] in ("prefill", "decode"):
+        if row["case"] in ("prefill", "decode", "speculative"):
             base = next(
                 (
                     b
