@@ -21,6 +21,7 @@ from torch import nn
 from selfextend.core.validate import check_int
 from selfextend.generation.generator import Generator
 from selfextend.generation.sampling import SamplingParams
+from selfextend.generation.text import common_prefix
 from selfextend.kv.cache import ContextShiftCache
 
 DRAFT_MAX = 16  # drafts asked for per pass by default: llama.cpp's --draft-max
@@ -102,12 +103,7 @@ class DraftModel:
         greedy."""
         gen = self._follow(cache)
         gen.sampling = sampling
-        same = 0
-        for a, b in zip(gen.tokens, context, strict=False):
-            if a != b:
-                break
-            same += 1
-        same = min(same, len(context) - 1)  # the last token is written here for its logits
+        same = min(common_prefix(gen.tokens, context), len(context) - 1)  # the last: written for logits
         if same < len(gen.tokens):
             gen.rewind(same)
         logits = self._write(gen, context[same:])
