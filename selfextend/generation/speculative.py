@@ -130,7 +130,9 @@ def choose(gen: Generator, logits: torch.Tensor, draft: int | None, q: torch.Ten
         residual[draft] = 0
     else:
         residual = (p - q.to(p.dtype)).clamp_min_(0)
-    token = int(torch.multinomial(residual, 1, generator=gen.rng))  # sum > 0: p(draft) < q(draft) here
+    if not float(residual.sum()) > 0:  # p and q equal but for rounding: nothing left to draw but the draft
+        residual = torch.nn.functional.one_hot(torch.tensor(draft), p.numel()).to(p.dtype)
+    token = int(torch.multinomial(residual, 1, generator=gen.rng))
     gen.take(token)
     return token
 
