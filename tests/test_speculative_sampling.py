@@ -140,3 +140,10 @@ def test_a_seed_repeats_a_speculative_run(models) -> None:
         gen, logits = _generator(models[0], draft=DraftModel(models[1], 3, seed=5))
         runs.append(list(gen.decode(logits, 20)))
     assert runs[0] == runs[1]
+
+
+def test_broken_logits_are_refused_with_drafts(models) -> None:
+    """NaN logits fail the draw with a ValueError as plain sampling's do, drafts or not."""
+    gen, logits = _generator(models[0], lookup=2)
+    with pytest.raises(ValueError, match="cannot sample"):
+        speculative.choose(gen, torch.full_like(logits, float("nan")), CYCLE[0], None)

@@ -121,6 +121,8 @@ def choose(gen: Generator, logits: torch.Tensor, draft: int | None, q: torch.Ten
     if draft is None or gen.sampling.temperature == 0:
         return gen.next_token(logits)
     p = gen.probabilities(logits)  # (vocab,)
+    if not bool(torch.isfinite(p).all()):
+        raise ValueError("cannot sample: the model's probabilities are not numbers (its output is broken)")
     p_x, q_x = float(p[draft]), 1.0 if q is None else float(q[draft])
     if float(torch.rand((), generator=gen.rng)) * q_x < p_x:
         gen.take(draft)
