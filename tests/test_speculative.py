@@ -92,8 +92,8 @@ class Wrong(DraftModel):
 
     proposed = 0  # drafts proposed by every instance (a server slot's is a copy)
 
-    def propose(self, context, n, cache, sampling):
-        drafts, q = super().propose(context, n, cache, sampling)
+    def propose(self, context, n, cache, sampling, rng):
+        drafts, q = super().propose(context, n, cache, sampling, rng)
         Wrong.proposed += len(drafts)
         return [t if (len(context) + i) % 3 else 4 + t % 50 for i, t in enumerate(drafts)], q
 

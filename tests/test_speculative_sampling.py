@@ -135,11 +135,14 @@ def test_keeping_every_draft_fails_the_test(models, truth, monkeypatch) -> None:
 
 
 def test_a_seed_repeats_a_speculative_run(models) -> None:
+    """The target's seed alone repeats a run with a draft model (its drafts are drawn from the same stream);
+    another seed gives another run."""
     runs = []
-    for _ in range(2):
-        gen, logits = _generator(models[0], draft=DraftModel(models[1], 3, seed=5))
+    for seed in (0, 0, 1):
+        gen, logits = _generator(models[0], draft=DraftModel(models[1], 3))
+        gen.rng.manual_seed(seed)
         runs.append(list(gen.decode(logits, 20)))
-    assert runs[0] == runs[1]
+    assert runs[0] == runs[1] != runs[2]
 
 
 def test_broken_logits_are_refused_with_drafts(models) -> None:

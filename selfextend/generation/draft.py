@@ -48,31 +48,30 @@ def vocabulary_problem(target: object, draft: object) -> str | None:
 
 class DraftModel:
     """A :class:`~selfextend.generation.speculative.Drafter` from ``model``: ``most`` drafts per pass, drawn
-    under the target's sampling settings (greedy: the draft's argmax), its random stream seeded by ``seed``;
-    ``cache_dtype``: its cells' type (None: the model's)."""
+    under the target's sampling settings (greedy: the draft's argmax) from the target's random stream (one
+    seed repeats a run); ``cache_dtype``: its cells' type (None: the model's)."""
 
     def __init__(
         self,
         model: nn.Module,
         most: int = DRAFT_MAX,
-        seed: int | None = None,
         cache_dtype: torch.dtype | None = None,
     ) -> None:
         self.model, self.most = model, check_int(most, "draft tokens per pass", 1)
-        self.seed, self.cache_dtype = seed, cache_dtype
+        self.cache_dtype = cache_dtype
         self.gen: Generator | None = None
         self._target: ContextShiftCache | None = None
         self._discarded = 0  # the target's discarded cells the draft cache has mirrored
 
     def for_another(self) -> DraftModel:
         """A drafter of the same model and settings with a cache of its own (one per server slot)."""
-        return type(self)(self.model, self.most, self.seed, self.cache_dtype)
+        return type(self)(self.model, self.most, self.cache_dtype)
 
     def _follow(self, target: ContextShiftCache) -> Generator:
         """The draft's generator with the target's shifts since the last proposal made in its cache too."""
         if self.gen is None or self._target is not target:
             cache = ContextShiftCache(self.model, target.n_ctx, target.n_keep, dtype=self.cache_dtype)
-            self.gen = Generator(self.model, cache, seed=self.seed)
+            self.gen = Generator(self.model, cache)
             self._target, self._discarded = target, target.discarded
         gen, dropped = self.gen, target.discarded - self._discarded
         self._discarded = target.discarded
@@ -96,11 +95,16 @@ class DraftModel:
         return gen.feed(ids)
 
     def propose(
-        self, context: Sequence[int], n: int, cache: ContextShiftCache, sampling: SamplingParams
+        self,
+        context: Sequence[int],
+        n: int,
+        cache: ContextShiftCache,
+        sampling: SamplingParams,
+        rng: torch.Generator,
     ) -> tuple[list[int], torch.Tensor | None]:
         """Up to ``n`` tokens to follow ``context`` (the target's cached tokens and its last token drawn, in
-        ``cache``) under ``sampling``, and the distributions they were drawn from (n, vocab), None when
-        greedy."""
+        ``cache``) under ``sampling``, drawn with ``rng`` (the target's), and the distributions they were
+        drawn from (n, vocab), None when greedy."""
         gen = self._follow(cache)
         gen.sampling = sampling
         same = min(common_prefix(gen.tokens, context), len(context) - 1)  # the last: written for logits
@@ -116,6 +120,6 @@ class DraftModel:
                 drafts.append(gen.next_token(logits))
                 continue
             qs.append(gen.probabilities(logits))
-            drafts.append(int(torch.multinomial(qs[-1], 1, generator=gen.rng)))
+            drafts.append(int(torch.multinomial(qs[-1], 1, generator=rng)))
             gen.take(drafts[-1])
         return drafts, torch.stack(qs) if qs else None

@@ -19,10 +19,10 @@ Sampling keeps its distribution by the accept/reject rule of Leviathan et al. (2
 distribution plain sampling draws from at that position (penalties, logit bias, response format, top-k,
 top-p, min-p and temperature applied, :meth:`Generator.probabilities`); at the first draft refused, the
 token is drawn from ``max(0, p - q)`` renormalized, and past the last draft from ``p``. A prompt-lookup
-draft has ``q`` all on ``x``. The random stream: one uniform number from the generator's seeded CPU
-generator per draft looked at, one draw per token from a residual or after the last draft (through
-:func:`~selfextend.generation.sampling.sample`), so a seed repeats a run, but the tokens differ from a
-plain run's with the same seed (the distribution is the same; a chi-square test holds it so).
+draft has ``q`` all on ``x``. The random stream, the generator's seeded CPU generator: a draft model's
+draws, one uniform number per draft looked at, one draw per token from a residual or after the last draft
+(through :func:`~selfextend.generation.sampling.sample`), so a seed repeats a run, but the tokens differ
+from a plain run's with the same seed (the distribution is the same; a chi-square test holds it so).
 """
 
 from __future__ import annotations
@@ -38,16 +38,21 @@ from selfextend.kv.cache import ContextShiftCache
 
 
 class Drafter(Protocol):
-    """Where drafts come from other than the context: ``propose(context, n, cache, sampling)`` returns up to
-    ``n`` tokens to follow ``context`` (the target's cached tokens, then its last token drawn), and their
+    """Where drafts come from other than the context: ``propose(context, n, cache, sampling, rng)`` returns up
+    to ``n`` tokens to follow ``context`` (the target's cached tokens, then its last token drawn), and their
     draft distributions (n, vocab) or None where each draft's ``q`` is all on it (greedy drafts); ``cache``
-    is the target's (its shifts are mirrored), ``sampling`` its settings. ``most``: the drafts asked for per
-    pass."""
+    is the target's (its shifts are mirrored), ``sampling`` its settings and ``rng`` its random stream.
+    ``most``: the drafts asked for per pass."""
 
     most: int
 
     def propose(
-        self, context: Sequence[int], n: int, cache: ContextShiftCache, sampling: SamplingParams
+        self,
+        context: Sequence[int],
+        n: int,
+        cache: ContextShiftCache,
+        sampling: SamplingParams,
+        rng: torch.Generator,
     ) -> tuple[list[int], torch.Tensor | None]: ...
 
 
@@ -109,7 +114,7 @@ def drafts_for(gen: Generator, token: int, n: int) -> tuple[list[int], torch.Ten
         return [], None
     context = [*gen.tokens, token]
     if gen.draft is not None:
-        return gen.draft.propose(context, n, gen.cache, gen.sampling)
+        return gen.draft.propose(context, n, gen.cache, gen.sampling, gen.rng)
     return lookup_draft(context, n), None
 
 

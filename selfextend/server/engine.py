@@ -71,7 +71,7 @@ class Engine:
     ) -> None:
         """``lookup``: tokens drafted per slot and turn by prompt lookup (generation.speculative); ``draft``:
         or by a draft model (each slot drafting from its own cache of it)."""
-        self.model, self.tokenizer, self.n_ctx, self.lookup = model, tokenizer, n_ctx, lookup
+        self.model, self.tokenizer, self.n_ctx = model, tokenizer, n_ctx
         self.most = lookup if draft is None else draft.most  # drafts per slot and pass at most
         # the ids a prompt may hold: the tokenizer's, and never past the rows the embedding table stores
         table = model.get_input_embeddings()
@@ -319,7 +319,8 @@ class Engine:
 
     def _decode(self, rs: list[Running]) -> None:
         """Write each job's last token (one forward for all where the model allows) and sample the next;
-        greedy slots with ``lookup`` write drafts beside it and take the ones greedy decoding agrees with."""
+        with drafts (``lookup`` or a draft model), a job's drafts are written beside it and the ones the rule
+        keeps (greedy: those greedy decoding agrees with) taken."""
         drafted = [r for r in rs if self._most(r.job) and speculates(r.slot.gen) is None]
         if drafted:
             self._decode_drafted(drafted)
@@ -345,7 +346,7 @@ class Engine:
         return self.most if job.draft_max is None else min(self.most, job.draft_max)
 
     def _decode_drafted(self, rs: list[Running]) -> None:
-        """The greedy slots' tokens and their drafts checked in one pass; each kept draft streamed as a token
+        """The slots' tokens and their drafts checked in one pass; each kept draft streamed as a token
         of its own. A job that ends inside its run leaves its cache at what it wrote (a plain step's)."""
         room = [min(self._most(r.job), r.job.max_tokens - len(r.generated) - 1) for r in rs]
         try:
