@@ -157,10 +157,10 @@ PATHS = [False, True]
 
 
 def columns_of(kind: int) -> int:
-    """Values a row in the tests: 3 blocks of 256, 13 of 32, or 419 values (F16, BF16: not a multiple of
-    the 8 float lanes, a tail)."""
+    """Values a row in the tests: 3 blocks of 256, 13 of 32, or 427 values (F16, BF16: 26 steps of the 16
+    float lanes, a step of 8 into lanes 0-7 and a tail of 3)."""
     if base_kind(kind) in FLOAT_ROWS:
-        return 419
+        return 427
     return 256 * 3 if per_block(base_kind(kind)) == 256 else 32 * 13
 
 
@@ -233,17 +233,21 @@ def test_product_is_the_same_math_and_close_to_float(kernels: QuantKernels, kind
 
 @pytest.mark.parametrize("kind", KINDS, ids=NAMES)
 def test_rows_do_not_depend_on_the_batch(kernels: QuantKernels, kind: int) -> None:
-    """Every row of a 512-row call (tiles of 4), of a 7-row one (a tile and a tail of 3) and of a 2-row one
-    (a short tile, as a batched step of two slots) equals that row alone, bit for bit, in float32 and
-    rounded to bfloat16."""
+    """Every row of a 512-row call (tiles of 4), of a 13-row one (a speculative check: the weight rows read
+    once for 3 tiles and a row), of a 7-row one (a tile and a tail of 3) and of a 2-row one (a short tile,
+    as a batched step of two slots) equals that row alone, bit for bit, in float32 and rounded to
+    bfloat16."""
     columns = columns_of(kind)
     blocks, _ = kernel_blocks(kind, N_OUT, seed=1)
     x = torch.randn(512, columns, generator=torch.Generator().manual_seed(3))
     many = kernels(x, blocks, kind)
     tail, pair = kernels(x[:7], blocks, kind), kernels(x[:2], blocks, kind)
+    check = kernels(x[:13], blocks, kind)
     for i in range(512):
         one = kernels(x[i : i + 1], blocks, kind)
         assert torch.equal(many[i : i + 1], one), i
+        if i < 13:
+            assert torch.equal(check[i : i + 1], one), i
         if i < 7:
             assert torch.equal(tail[i : i + 1], one), i
         if i < 2:

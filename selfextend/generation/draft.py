@@ -81,6 +81,21 @@ class DraftModel:
             gen.tokens = gen.tokens[:keep] + gen.tokens[keep + dropped :]
         return gen
 
+    def prepare(self, context: Sequence[int], cache: ContextShiftCache) -> None:
+        """Write ``context`` (the target's cached tokens, in ``cache``) into the draft's cache now: a prompt
+        the target just read is read by the draft with it (its time the prompt's, as llama.cpp's speculative
+        runs read it), not at the first proposal after it."""
+        if context:
+            self._catch_up(self._follow(cache), context)
+
+    def _catch_up(self, gen: Generator, context: Sequence[int]) -> torch.Tensor:
+        """The draft's cache made to hold ``context``: its tokens past what it shares with it rewound, the
+        rest written (the last one always, for its logits, which are returned)."""
+        same = min(common_prefix(gen.tokens, context), len(context) - 1)
+        if same < len(gen.tokens):
+            gen.rewind(same)
+        return self._write(gen, context[same:])
+
     @staticmethod
     def _write(gen: Generator, ids: Sequence[int]) -> torch.Tensor:
         """Write ``ids`` into the draft's cache, the last one's logits: a few (the target's new token and
@@ -107,10 +122,7 @@ class DraftModel:
         drawn from (n, vocab), None when greedy."""
         gen = self._follow(cache)
         gen.sampling = sampling
-        same = min(common_prefix(gen.tokens, context), len(context) - 1)  # the last: written for logits
-        if same < len(gen.tokens):
-            gen.rewind(same)
-        logits = self._write(gen, context[same:])
+        logits = self._catch_up(gen, context)
         n = min(n, gen.cache.free())
         drafts, qs = [], []
         for i in range(n):

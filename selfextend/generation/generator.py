@@ -163,7 +163,7 @@ class Generator:
         """Write ``ids`` into the cache and return the last token's logits.
 
         Pieces are at most ``chunk`` tokens, by default the largest write one shift always makes room for;
-        ``progress`` is called with each piece's length once it is written.
+        ``progress`` is called with each piece's length once it is written. A draft model reads them too.
         """
         if not ids:
             raise ValueError("nothing to feed: empty prompt")
@@ -174,6 +174,8 @@ class Generator:
             logits = self.write(piece)
             if progress is not None:
                 progress(len(piece))
+        if self.draft is not None:
+            self.draft.prepare(self.tokens, self.cache)
         return logits
 
     def _allowed(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -42,9 +42,12 @@ class Drafter(Protocol):
     to ``n`` tokens to follow ``context`` (the target's cached tokens, then its last token drawn), and their
     draft distributions (n, vocab) or None where each draft's ``q`` is all on it (greedy drafts); ``cache``
     is the target's (its shifts are mirrored), ``sampling`` its settings and ``rng`` its random stream.
-    ``most``: the drafts asked for per pass."""
+    ``most``: the drafts asked for per pass. ``prepare(context, cache)``: the target has just read a prompt
+    (``context``, its cached tokens): a drafter that reads the context itself reads it now."""
 
     most: int
+
+    def prepare(self, context: Sequence[int], cache: ContextShiftCache) -> None: ...
 
     def propose(
         self,

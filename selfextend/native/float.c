@@ -2,10 +2,13 @@
  * against float32 activation rows (ACT_F32): the product is the float product of the file's own values,
  * with no int8 rounding of the activations, so an F16 or BF16 file keeps its precision (int8 activation
  * blocks would add their half-step error on top of weights stored to 11 or 8 bits).
- * Each row's product sums in 8 float32 lanes (values k = l mod 8 in lane l, one fused multiply-add each),
- * then adds the lanes in a fixed order (quant.h's hsum8) and the tail of n mod 8 values one after another:
- * the same float operations on the vector path (AVX2 with F16C) and the portable one, so the two agree bit
- * for bit, and every tile shape repeats them, so a row's result does not depend on the batch. */
+ * Each row's product sums in 16 float32 lanes (values k = l mod 16 in lane l, one fused multiply-add each;
+ * a last 8 values past the sixteens into lanes 0-7), then adds lanes l and l + 8, those 8 in a fixed order
+ * (quant.h's hsum8) and the tail of n mod 8 values one after another: the same float operations on the vector
+ * path (AVX2 with F16C) and the portable one, so the two agree bit for bit, and every tile shape repeats
+ * them, so a row's result does not depend on the batch. Two chains of additions a row, not one: a lone
+ * row's loop waits on the adder's latency with one (8.3 GMAC/s, 16.6 GB/s of weights, on a 2-core Xeon with
+ * 24 GB/s to read; experiments/speed/row_products.py --kinds 1), and a tile of 4 rows with 4. */
 #include "quant.h"
 
 /* Value k of a weight row of `type` as float32 (exact: both widen without rounding). */
@@ -17,21 +20,28 @@ INLINE float value_f(int type, const uint8_t *w, long k) {
     return f;
 }
 
-/* hsum8's order: lanes l and l + 4, then those pairs 0 + 2 and 1 + 3, then the two. */
-INLINE float sum8(const float *lane) {
-    float a0 = lane[0] + lane[4], a1 = lane[1] + lane[5], a2 = lane[2] + lane[6], a3 = lane[3] + lane[7];
+/* The 16 lanes' sum: lanes l and l + 8, then hsum8's order (l and l + 4, those pairs 0 + 2 and 1 + 3, then
+ * the two). */
+INLINE float sum16(const float *lane) {
+    float h[8];
+    for (int l = 0; l < 8; l++) h[l] = lane[l] + lane[l + 8];
+    float a0 = h[0] + h[4], a1 = h[1] + h[5], a2 = h[2] + h[6], a3 = h[3] + h[7];
     return (a0 + a2) + (a1 + a3);
 }
 
 /* One weight row of n values times one float32 activation row: the portable path. */
 static float dot_f(int type, const uint8_t *w, const void *xv, long n) {
     const float *x = (const float *)xv;
-    float lane[8] = {0}, tail = 0.0f;
+    float lane[16] = {0}, tail = 0.0f;
     long k = 0;
-    for (; k + 8 <= n; k += 8)
+    for (; k + 16 <= n; k += 16)
+        for (int l = 0; l < 16; l++) lane[l] = fmaf(value_f(type, w, k + l), x[k + l], lane[l]);
+    if (k + 8 <= n) {
         for (int l = 0; l < 8; l++) lane[l] = fmaf(value_f(type, w, k + l), x[k + l], lane[l]);
+        k += 8;
+    }
     for (; k < n; k++) tail = fmaf(value_f(type, w, k), x[k], tail);
-    return sum8(lane) + tail;
+    return sum16(lane) + tail;
 }
 
 #ifdef HAVE_AVX2
@@ -42,38 +52,36 @@ INLINE __m256 load8(int type, const uint8_t *p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
-/* WR weight rows (row_bytes apart) times R activation rows x[r] into out[wr * TILE + r], `type`, WR and R
- * constants at every call: each 8 weight values loaded once for the R rows, each 8 activations once for
- * the WR weight rows. */
-INLINE void rows_f(int type, const uint8_t *w, long row_bytes, int WR, const void *const *xv, long n, int R,
-                   float *out) {
-    __m256 acc[WR_TILE][TILE];
-    for (int k = 0; k < WR; k++)
-        for (int r = 0; r < R; r++) acc[k][r] = _mm256_setzero_ps();
+/* One weight row times R activation rows x[r] into out[r], `type` and R constants at every call: each 16
+ * weight values loaded once for the R rows (lanes 0-7 in lo, 8-15 in hi). */
+INLINE void rows_f(int type, const uint8_t *w, const void *const *xv, long n, int R, float *out) {
+    __m256 lo[TILE], hi[TILE];
+    for (int r = 0; r < R; r++) lo[r] = hi[r] = _mm256_setzero_ps();
     long j = 0;
-    for (; j + 8 <= n; j += 8) {
-        __m256 wv[WR_TILE];
-        for (int k = 0; k < WR; k++) {
-            const uint8_t *p = w + k * row_bytes + 2 * j;
-            if (R < TILE && (j & 31) == 0) prefetch_ahead(p, 64);
-            wv[k] = load8(type, p);
-        }
+    for (; j + 16 <= n; j += 16) {
+        if ((j & 31) == 0) prefetch_ahead(w + 2 * j, 64);
+        const __m256 w0 = load8(type, w + 2 * j), w1 = load8(type, w + 2 * j + 16);
         for (int r = 0; r < R; r++) {
-            __m256 xs = _mm256_loadu_ps((const float *)xv[r] + j);
-            for (int k = 0; k < WR; k++) acc[k][r] = _mm256_fmadd_ps(wv[k], xs, acc[k][r]);
+            const float *x = (const float *)xv[r] + j;
+            lo[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x), lo[r]);
+            hi[r] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + 8), hi[r]);
         }
     }
-    for (int k = 0; k < WR; k++)
-        for (int r = 0; r < R; r++) {
-            const float *x = (const float *)xv[r];
-            float tail = 0.0f;
-            for (long t = j; t < n; t++) tail = fmaf(value_f(type, w + k * row_bytes, t), x[t], tail);
-            out[k * TILE + r] = hsum8(acc[k][r]) + tail;
-        }
+    if (j + 8 <= n) {
+        const __m256 w0 = load8(type, w + 2 * j);
+        for (int r = 0; r < R; r++) lo[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps((const float *)xv[r] + j), lo[r]);
+        j += 8;
+    }
+    for (int r = 0; r < R; r++) {
+        const float *x = (const float *)xv[r];
+        float tail = 0.0f;
+        for (long t = j; t < n; t++) tail = fmaf(value_f(type, w, t), x[t], tail);
+        out[r] = hsum8(_mm256_add_ps(lo[r], hi[r])) + tail;
+    }
 }
 
-#define CALLF16(WR, R) rows_f(F16_W, w, rb, WR, x, nb, R, out)
-#define CALLBF16(WR, R) rows_f(BF16_W, w, rb, WR, x, nb, R, out)
+#define CALLF16(WR, R) for (int k = 0; k < WR; k++) rows_f(F16_W, w + k * rb, x, nb, R, out + k * TILE)
+#define CALLBF16(WR, R) for (int k = 0; k < WR; k++) rows_f(BF16_W, w + k * rb, x, nb, R, out + k * TILE)
 SHAPES(rf16, CALLF16)
 SHAPES(rbf16, CALLBF16)
 #endif
