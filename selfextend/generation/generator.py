@@ -20,7 +20,7 @@ from selfextend.generation.decode import decode_step_for
 from selfextend.generation.grammar import Grammar, GrammarMask, NoTokenLeft
 from selfextend.generation.graphed import graphed_decode_for
 from selfextend.generation.sampling import SamplingParams, any_left, distribution, sample
-from selfextend.generation.speculative import Drafter, speculates, speculative_decode
+from selfextend.generation.speculative import Drafter, DraftOdds, speculates, speculative_decode
 from selfextend.hf.facts import cache_kwargs
 from selfextend.kv.cache import ContextShiftCache
 
@@ -87,7 +87,7 @@ class Generator:
     draft: Drafter | None = None  # drafts from a smaller model instead (generation.draft), its own count
     drafted: int = 0  # tokens drafted and checked so far (speculative decoding)
     kept: int = 0  # of them, those kept
-    asking: int = 0  # drafts the next check of a server's slot asks for (generation.speculative.adapt)
+    odds: DraftOdds = field(default_factory=DraftOdds)  # how many drafts the next check is worth
 
     def __post_init__(self) -> None:
         if not isinstance(self.cache, ContextShiftCache):

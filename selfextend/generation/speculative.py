@@ -27,7 +27,9 @@ from a plain run's with the same seed (the distribution is the same; a chi-squar
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -71,7 +73,7 @@ class Generator(Protocol):
     draft: Drafter | None
     drafted: int  # tokens drafted and checked so far
     kept: int  # of them, those kept
-    asking: int  # drafts to ask for in the next check (draft_and_check's; 0: its budget)
+    odds: DraftOdds  # how many drafts the next check is worth
 
     def next_token(self, logits: torch.Tensor) -> int: ...
     def probabilities(self, logits: torch.Tensor) -> torch.Tensor: ...
@@ -168,11 +170,11 @@ def speculative_decode(
     token = gen.next_token(logits)
     produced += 1
     yield token
-    k = most  # drafts asked for: halved after a check that kept none, doubled after one that kept all
     while token not in eos_token_ids:
         if not more():  # as plain decoding: the last token written once the consumer asks past it
             gen.write([token])
             return
+        k = gen.odds.worth(most)
         room = k if max_new_tokens < 0 else min(k, max_new_tokens - produced)
         # drafts only into the cells left before the next shift: shifts come where plain decoding's do
         drafts, q = drafts_for(gen, token, min(room, gen.cache.free() - 1))
@@ -195,18 +197,42 @@ def speculative_decode(
                 kept += 1
         finally:  # the drafts' cells past what was kept (the last token yielded is written next, if at all)
             gen.drafted, gen.kept = gen.drafted + len(drafts), gen.kept + took
+            gen.odds.seen(len(drafts), took)
             if base + kept < gen.cache.n_past:
                 gen.rewind(base + kept)
-        k = adapt(k, len(drafts), took, most)
 
 
-def adapt(k: int, drafted: int, took: int, most: int) -> int:
-    """The drafts to ask for next, after asking ``k`` and checking ``drafted`` of which ``took`` were kept:
-    halved after a check that kept none, doubled (up to ``most``) after one that kept all. A check costs its
-    rows' attention and activations, and a context that stopped repeating keeps few."""
-    if not drafted:
-        return k
-    return max(1, k // 2) if took == 0 else min(most, 2 * k) if took == drafted else k
+ROW_COST = 0.2  # a drafted row's cost in lone-token steps (2-core Xeon: 1.6-2 ms a row of the 135M Q4_1 past
+# 4 rows against a step of 8.7 ms; 12 ms of the 1.5B Q4_K_M's 60)
+MEMORY = 0.75  # the weight of what earlier checks saw against the latest's in the odds a draft is kept
+
+
+@dataclass
+class DraftOdds:
+    """How many drafts are worth checking next, from the drafts checks kept so far.
+
+    ``kept`` and ``refused`` count the drafts kept and the first refusals, decayed by :data:`MEMORY` a check
+    (so a text that stops repeating is seen soon); ``alpha = (kept + 1/2) / (kept + refused + 1)`` (a prior of
+    one draft half kept) estimates the chance a draft is kept once the one before it was, so draft ``i`` is
+    kept with chance ``alpha ** i``. It is worth its row while that exceeds what the row costs
+    (:data:`ROW_COST` of a step) in the step's own tokens, one for each sequence checked beside it. Where
+    not even one draft is worth it, none is asked for and the counts decay toward the prior, so drafting is
+    tried again some checks later. Starts as after four drafts kept (as many as ``most`` asked for)."""
+
+    kept: float = 4.0
+    refused: float = 0.0
+
+    def seen(self, drafted: int, took: int) -> None:
+        """A check of ``drafted`` drafts kept ``took`` (the rest refused from the first not kept on)."""
+        self.kept = MEMORY * self.kept + took
+        self.refused = MEMORY * self.refused + (took < drafted)
+
+    def worth(self, most: int, sequences: int = 1) -> int:
+        """The drafts worth asking for, at most ``most``, in a step over ``sequences`` sequences."""
+        alpha, bar = (self.kept + 0.5) / (self.kept + self.refused + 1.0), ROW_COST * sequences
+        if alpha <= bar or most < 1:
+            return 0
+        return min(most, max(1, int(math.log(bar) / math.log(alpha))))
 
 
 def _row(q: torch.Tensor | None, i: int) -> torch.Tensor | None:
@@ -217,14 +243,13 @@ def _row(q: torch.Tensor | None, i: int) -> torch.Tensor | None:
 def draft_and_check(pairs: Sequence[tuple[Generator, int, int]]) -> list[tuple[list[int], int]]:
     """Several sequences' next tokens in one pass of their shared decode step (a server's slots): for each
     ``(generator, its last token, drawn but not written; a draft budget)``, the token and up to ``budget``
-    drafts written and checked (fewer where the generator's last checks kept few: :func:`adapt`), the drafts
+    drafts written and checked (fewer where its checks kept few: :class:`DraftOdds`), the drafts
     the rule keeps kept (the rest truncated). Returns per generator
     ``(its tokens in order: the kept drafts, then the next token, drawn and not written; the cache position
     where the token went)``. Each generator must pass :func:`speculates`."""
     seqs, qs, bases = [], [], []
     for gen, token, budget in pairs:
-        gen.asking = gen.asking or budget
-        drafts, q = drafts_for(gen, token, min(budget, gen.asking, gen.cache.free() - 1))
+        drafts, q = drafts_for(gen, token, min(gen.odds.worth(budget, len(pairs)), gen.cache.free() - 1))
         seqs.append([token, *drafts])
         qs.append(q)
         gen.make_room(len(seqs[-1]))  # a shift only where one token would not fit: plain decoding's
@@ -232,7 +257,7 @@ def draft_and_check(pairs: Sequence[tuple[Generator, int, int]]) -> list[tuple[l
     caches = [gen.cache for (gen, _, _), seq in zip(pairs, seqs, strict=True) for _ in seq]
     rows = pairs[0][0].step.rows([t for seq in seqs for t in seq], caches)  # (sum of 1 + k, vocab)
     out, at = [], 0
-    for (gen, _, budget), seq, q, base in zip(pairs, seqs, qs, bases, strict=True):
+    for (gen, _, _), seq, q, base in zip(pairs, seqs, qs, bases, strict=True):
         kept, tokens = 1, []
         while True:
             gen.written([seq[kept - 1]], rows[at + kept - 1])
@@ -242,7 +267,7 @@ def draft_and_check(pairs: Sequence[tuple[Generator, int, int]]) -> list[tuple[l
                 break
             kept += 1
         gen.drafted, gen.kept = gen.drafted + len(seq) - 1, gen.kept + kept - 1
-        gen.asking = adapt(gen.asking, len(seq) - 1, kept - 1, max(budget, gen.asking))
+        gen.odds.seen(len(seq) - 1, kept - 1)
         if base + kept < gen.cache.n_past:
             gen.rewind(base + kept)
         out.append((tokens, base))

@@ -103,6 +103,11 @@ class CellLayer(CacheLayerMixin):
         if len(hits):
             first = int(hits[0])
             self._pack(first, first + torch.nonzero(~gone[first:]).squeeze(1))
+        self._removed(p0, p1)
+        self._recheck()
+
+    def _removed(self, p0: int, p1: int) -> None:
+        """The positions ``[p0, p1)`` removed: no longer among those that may be lost."""
         lo, hi = self.lost
         if p0 <= lo and hi < p1:  # every lost position is removed too (or nothing was lost)
             self.lost = NOTHING
@@ -110,7 +115,6 @@ class CellLayer(CacheLayerMixin):
             self.lost = (lo, p0 - 1)
         elif p0 <= lo < p1 <= hi:
             self.lost = (p1, hi)
-        self._recheck()
 
     def collides(self, p0: int, p1: int, delta: int) -> bool:
         """Whether :meth:`move` would give two cells one position."""
@@ -298,6 +302,19 @@ class ContextShiftLayer(CellLayer):
         pos = self.positions[: self.n_used]
         if self.n_used > 1 and not bool((pos[1:] > pos[:-1]).all()):
             self._pack(0, torch.argsort(pos))
+
+    def truncate(self, n_past: int) -> None:
+        """Forget every cell from position ``n_past`` on: where the cells are gapless, the last ones, dropped
+        without a search of the positions (a speculative check's refused drafts, every layer at every check:
+        ~60 us a layer the search's way)."""
+        first = self.first_position
+        if first is None or not first <= n_past < self.next_pos:
+            super().truncate(n_past)
+            return
+        self.n_used -= self.next_pos - n_past  # the rest stay gapless, up to the new next position
+        self.grouped.invalidate(self.n_used)
+        self._removed(n_past, self.next_pos)
+        self.next_pos = n_past
 
     def _recheck(self) -> None:
         pos = self.positions[: self.n_used]
