@@ -171,3 +171,31 @@ def test_grouped_keys_known_at_once_only_where_current() -> None:
     assert layer.grouped_now(27, 4, 8, inv_freq)[1] == 20  # still held below it
     layer.remove(5, 6)  # a gap: the positions must be searched
     assert layer.first_position is None and layer.grouped_now(40, 4, 8, inv_freq) is None
+
+
+@pytest.mark.parametrize("start", [0, 5], ids=["from-0", "after-a-shift"])
+def test_truncating_a_gapless_tail_is_the_searched_removal(start: int) -> None:
+    """A gapless full layer drops its last cells without searching the positions (a speculative check's
+    refused drafts): the same cells, positions, lost range, gaplessness and grouped keys held as the search
+    over the positions leaves; a cut before its first cell or with a gap takes the search."""
+    from selfextend.kv.layers import CellLayer, ContextShiftLayer
+
+    def layer() -> ContextShiftLayer:
+        gen = torch.Generator().manual_seed(1)
+        out = ContextShiftLayer(torch.randn(1, 2, 32, 8, generator=gen), torch.randn(1, 2, 32, 8, generator=gen))
+        out.claim(20)
+        if start:
+            out.remove(0, start)  # cells start..19 left: still gapless, the first at start
+        return out
+
+    def state(x: ContextShiftLayer) -> tuple:
+        return x.n_used, x.next_pos, x.lost, x.gapless, x.grouped.valid, x.positions[: x.n_used].tolist()
+
+    for n_past in (max(0, start - 3), start, start + 3, 19, 20):
+        fast, searched = layer(), layer()
+        fast.truncate(n_past)
+        CellLayer.truncate(searched, n_past)
+        assert state(fast) == state(searched), n_past
+        assert torch.equal(fast.keys[..., : fast.n_used, :], searched.keys[..., : searched.n_used, :])
+        fast.claim(2), searched.claim(2)
+        assert state(fast) == state(searched), n_past

@@ -14,7 +14,7 @@ from selfextend.generation import generator, speculative
 from selfextend.generation.draft import DraftModel
 from selfextend.generation.generator import Generator, run
 from selfextend.generation.sampling import SamplingParams
-from selfextend.generation.speculative import lookup_draft
+from selfextend.generation.speculative import DraftOdds, lookup_draft
 from selfextend.hf.patch import apply_self_extend, remove_self_extend
 from selfextend.kv.cache import ContextShiftCache
 from selfextend.models import load_model
@@ -399,3 +399,21 @@ def test_more_rows_of_a_cache_than_the_window_are_exact(model) -> None:
         assert fast == plain
     finally:
         remove_self_extend(model)
+
+
+def test_draft_odds_ask_for_the_drafts_that_pay() -> None:
+    """A fresh count asks for the most drafts; checks that keep none bring it to none; steps without a
+    check bring it back to trying; the odds of a step over two sequences ask for fewer than over one."""
+    odds = DraftOdds()
+    assert odds.worth(8) == 8
+    for _ in range(10):
+        odds.seen(max(1, odds.worth(8)), 0)
+    assert odds.worth(8) == 0
+    waited = 0
+    while odds.worth(8) == 0 and waited < 50:
+        odds.seen(0, 0)
+        waited += 1
+    assert 1 <= waited <= 10 and odds.worth(8) >= 1
+    some = DraftOdds(kept=3.0, refused=1.0)  # 0.7 a draft
+    assert some.worth(8) > some.worth(8, sequences=2) >= 1
+    assert some.worth(2) == 2 and DraftOdds().worth(0) == 0
