@@ -182,7 +182,9 @@ def test_truncating_a_gapless_tail_is_the_searched_removal(start: int) -> None:
 
     def layer() -> ContextShiftLayer:
         gen = torch.Generator().manual_seed(1)
-        out = ContextShiftLayer(torch.randn(1, 2, 32, 8, generator=gen), torch.randn(1, 2, 32, 8, generator=gen))
+        out = ContextShiftLayer(
+            torch.randn(1, 2, 32, 8, generator=gen), torch.randn(1, 2, 32, 8, generator=gen)
+        )
         out.claim(20)
         if start:
             out.remove(0, start)  # cells start..19 left: still gapless, the first at start

@@ -417,3 +417,42 @@ def test_draft_odds_ask_for_the_drafts_that_pay() -> None:
     some = DraftOdds(kept=3.0, refused=1.0)  # 0.7 a draft
     assert some.worth(8) > some.worth(8, sequences=2) >= 1
     assert some.worth(2) == 2 and DraftOdds().worth(0) == 0
+
+
+@pytest.mark.real
+def test_a_request_without_drafts_leaves_the_draft_model_idle(default_draft) -> None:
+    """On a server with a draft model, a request with ``speculative.n_max: 0`` is decoded without it: the
+    draft model reads none of its prompt; the next request that drafts catches its cache up and gets the
+    reply of a server without drafts."""
+    from selfextend.generation.text import build_prompt
+    from selfextend.server.engine import Engine
+    from selfextend.server.jobs import Job, Reply
+
+    model, tok = load_model("smollm2-135m", weights="gguf")
+    prompt = build_prompt(tok, "Repeat this text exactly: the keeper lit the lamp and wrote the weather.")[0]
+
+    def ask(engine: Engine, draft_max: int | None) -> str:
+        reply = Reply()
+        engine.submit(
+            Job(list(prompt), 0, SamplingParams(temperature=0), 30, reply.emit, draft_max=draft_max)
+        )
+        text, last = reply.wait(300)
+        assert last["type"] == "done", last
+        return text
+
+    plain = Engine(model, tok, 256, parallel=1)
+    plain.start()
+    try:
+        want = ask(plain, None)
+    finally:
+        plain.stop()
+    engine = Engine(model, tok, 256, parallel=1, draft=default_draft)
+    engine.start()
+    try:
+        drafts = engine.slots[0].draft
+        assert ask(engine, 0) == want
+        assert drafts.gen is None and engine.slots[0].gen.drafted == 0  # never asked to read or draft
+        assert ask(engine, None) == want
+        assert drafts.gen is not None and engine.slots[0].gen.drafted > 0
+    finally:
+        engine.stop()

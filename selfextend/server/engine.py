@@ -235,6 +235,7 @@ class Engine:
             reuse = slot.prepare(job.prompt, job.n_keep, self.cache_reuse, job.cache_prompt)
             gen = slot.gen
             gen.sampling, gen.grammar = job.sampling, job.grammar
+            gen.draft = slot.draft if self._most(job) else None  # no drafts asked: the draft model idle
             if job.seed is None:
                 gen.rng.seed()
             else:
