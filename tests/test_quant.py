@@ -370,3 +370,18 @@ def test_layers_take_the_chunk_engine_from_enough_rows(monkeypatch: pytest.Monke
     monkeypatch.setenv(quant.ENGINE_ENV, "fp8")
     with pytest.raises(ValueError, match="name auto, int8 or bf16"):
         quant.chunk_engine()
+
+
+def test_amx_tiles_are_used_where_the_cpu_and_os_have_them() -> None:
+    """On a CPU with AMX int8 (and Linux 5.16 or later, which grants the tiles' state) the library takes the
+    tiles' path for several rows of the 32-value interleaved forms (amx.c; the batch tests above then check it
+    bit for bit against one row's loop); elsewhere it says it cannot."""
+    import os
+    from pathlib import Path
+
+    cpuinfo = Path("/proc/cpuinfo")
+    has = cpuinfo.is_file() and "amx_int8" in cpuinfo.read_text()
+    release = tuple(int(p) for p in os.uname().release.split(".")[:2] if p.isdigit())
+    if not has or release < (5, 16):
+        pytest.skip("no AMX int8 here")
+    assert KERNELS.amx

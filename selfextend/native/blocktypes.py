@@ -85,10 +85,10 @@ def c_name(t: BlockType) -> str:
 
 def c_sources() -> tuple[Path, ...]:
     """The quant library's C files: the products' driver (``quant.c``), each family's loops (the K-quants'
-    interleaved forms' vector loops in ``kquant_x8.c`` of their own) and the row lookups in the interleaved
-    forms (``rows.c``)."""
+    interleaved forms' vector loops in ``kquant_x8.c`` of their own, the 32-value ones' AMX tiles in
+    ``amx.c``) and the row lookups in the interleaved forms (``rows.c``)."""
     families = (HERE / f"{family}.c" for family in FAMILIES)
-    return (HERE / "quant.c", *families, HERE / "kquant_x8.c", HERE / "rows.c")
+    return (HERE / "quant.c", *families, HERE / "kquant_x8.c", HERE / "amx.c", HERE / "rows.c")
 
 
 def c_header(types: tuple[BlockType, ...] = BLOCK_TYPES) -> str:

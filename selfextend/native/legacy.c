@@ -192,8 +192,12 @@ SHAPES(rq80, CALLQ80)
 /* quant_mm for the 8-row interleaved forms: groups of 8 weight rows per task, quantized rows xq. */
 static void mm_x8(int type, const uint8_t *w, long n_out, long nb, const char *xq, long m, void *y, int y_type,
                   int portable) {
-    long groups = n_out / 8, group_bytes = nb * block_bytes(type) * 8, xrow = nb * (long)sizeof(xq32);
-    long tasks = tasks_of(groups, group_bytes, m), per = (groups + tasks - 1) / tasks;
+    long groups = n_out / 8, group_bytes = nb * block_bytes(type) * 8, xrow = nb * (long)sizeof(xq32), first = 0;
+    if (!portable && m >= AMX_ROWS && groups >= 2 && !amx_x8(type, w, groups / 2, group_bytes, nb, xq, xrow, m, y,
+                                                             y_type, n_out))
+        first = groups / 2 * 2; /* pairs of groups through the AMX tiles (amx.c); an odd last group below */
+    if (first == groups) return;
+    long tasks = tasks_of(groups - first, group_bytes, m), per = (groups - first + tasks - 1) / tasks;
     void (*one)(const uint8_t *, const void *const *, long, float *) = NULL, (*tile)(const uint8_t *, const void *const *, long, float *) = NULL;
 #ifdef HAVE_AVX2
     if (!portable) {
@@ -203,12 +207,12 @@ static void mm_x8(int type, const uint8_t *w, long n_out, long nb, const char *x
 #endif
 #pragma omp parallel for schedule(static)
     for (long t = 0; t < tasks; t++) {
-        long g_end = (t + 1) * per < groups ? (t + 1) * per : groups;
+        long g_end = first + (t + 1) * per < groups ? first + (t + 1) * per : groups;
         for (long i = 0; i < m; i += TILE) {
             int R = m - i < TILE ? (int)(m - i) : TILE;
             const void *xs[TILE];
             for (int r = 0; r < TILE; r++) xs[r] = xq + (i + (r < R ? r : R - 1)) * xrow; /* a short tile: its last row again */
-            for (long g = t * per; g < g_end; g++) {
+            for (long g = first + t * per; g < g_end; g++) {
                 const uint8_t *wg = w + g * group_bytes;
                 float out[8 * TILE];
                 if (one == NULL)

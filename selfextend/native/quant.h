@@ -148,5 +148,12 @@ typedef struct {
 #define SET_SHAPES(L, name) \
     (L)->few[1] = name##_1x1, (L)->few[2] = name##_1x2, (L)->few[3] = name##_1x3, (L)->f1t = name##_1xt, (L)->fwt = name##_wxt
 
+/* amx.c: from AMX_ROWS activation rows on, the 32-value interleaved forms' groups two at a time through the
+ * AMX int8 tiles where this build and the OS allow them (amx_x8 returns 1 where not, nothing written). */
+enum { AMX_ROWS = 4 };
+int amx_ready(void);
+int amx_x8(int type, const uint8_t *w, long pairs, long group_bytes, long nb, const char *xq, long xrow, long m,
+           void *y, int y_type, long n_out);
+
 #include "blocktypes.h"
 #endif

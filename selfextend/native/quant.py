@@ -74,6 +74,9 @@ class QuantKernels:
         self._rows = None if rows is None else bind(rows, [i32, ptr, long, long, ptr, long, long, ptr], i32)
         self._rows_x8 = None if x8 is None else bind(x8, [i32, ptr, long, long, ptr, long, long, ptr], i32)
         interleaves = getattr(lib, "quant_interleaves", None)  # and this
+        ready = getattr(lib, "amx_ready", None)  # and this
+        # whether several rows of the 32-value interleaved forms go through AMX int8 tiles here (amx.c)
+        self.amx = ready is not None and not portable and bind(ready, [], i32)() == 1
         self._interleaves = None if interleaves is None else bind(interleaves, [i32], i32)
         self.address = ctypes.cast(
             self._mm, ctypes.c_void_p
