@@ -256,47 +256,64 @@ INLINE void chunk(const float *q0, const float *qg0, float scale, const void *k,
     }
 }
 
-/* Returns 0, 1 when a size is out of range or 2 when there is no scratch space (nothing written then). */
-int decode_attention(const float *q, const float *qg, const void *k, const void *kg, const void *v, long n,
-                     long ng, long hkv, long r, long d, long k_stride, long kg_stride, long v_stride, int type,
-                     float scale, long n_chunks, float *out) {
-    if (r < 1 || r > MAX_R || n < 1 || n_chunks < 1 || d % 16 != 0 || d > 8 * MAX_V8) return 1;
-    long n8 = d / 8, width = type == F32 ? 4 : 2, len = (n + n_chunks - 1) / n_chunks, tasks = hkv * n_chunks;
-    float *m = malloc(sizeof(float) * tasks * r * 2), *s = malloc(sizeof(float) * tasks * r * len);
-    float *acc = malloc(sizeof(float) * tasks * r * d);
-    if (m == NULL || s == NULL || acc == NULL) {
-        free(m);
-        free(s);
-        free(acc);
-        return 2;
+/* One row's attention: its query (and grouped query), cells, sizes and output, and the scratch its tasks
+ * (one per KV head and chunk of cells) write their partial softmax results to before the merge. */
+typedef struct {
+    const float *q, *qg;
+    const void *k, *kg, *v;
+    long n, ng, k_stride, kg_stride, v_stride, n_chunks, len;
+    float *out, *m, *l, *s, *acc;
+} att_row;
+
+/* Scratch for a row's tasks; 0, or 2 where there is none. */
+static int att_alloc(att_row *a, long hkv, long r, long d) {
+    long tasks = hkv * a->n_chunks;
+    a->len = (a->n + a->n_chunks - 1) / a->n_chunks;
+    a->m = malloc(sizeof(float) * tasks * r * 2), a->s = malloc(sizeof(float) * tasks * r * a->len);
+    a->acc = malloc(sizeof(float) * tasks * r * d);
+    a->l = a->m == NULL ? NULL : a->m + tasks * r;
+    return a->m == NULL || a->s == NULL || a->acc == NULL ? 2 : 0;
+}
+
+static void att_free(att_row *a) {
+    free(a->m);
+    free(a->s);
+    free(a->acc);
+    a->m = a->s = a->acc = NULL;
+}
+
+/* Task t of a row: KV head t / n_chunks over its chunk t % n_chunks of cells. */
+static void att_task(const att_row *a, long t, long r, long d, int type, float scale) {
+    long n8 = d / 8, width = type == F32 ? 4 : 2, len = a->len, n = a->n, ng = a->ng;
+    long g = t / a->n_chunks, c0 = (t % a->n_chunks) * len, c1 = c0 + len < n ? c0 + len : n;
+    float *m = a->m, *l = a->l;
+    if (c0 >= c1) {
+        for (long h = 0; h < r; h++) m[t * r + h] = -INFINITY, l[t * r + h] = 0.0f;
+        return;
     }
-    float *l = m + tasks * r;
-#pragma omp parallel for schedule(static)
-    for (long t = 0; t < tasks; t++) {
-        long g = t / n_chunks, c0 = (t % n_chunks) * len, c1 = c0 + len < n ? c0 + len : n;
-        if (c0 >= c1) {
-            for (long h = 0; h < r; h++) m[t * r + h] = -INFINITY, l[t * r + h] = 0.0f;
-            continue;
-        }
-        const float *qt = q + g * r * d, *qgt = ng > 0 ? qg + g * r * d : NULL;
-        const char *kt = (const char *)k + g * k_stride * width, *vt = (const char *)v + g * v_stride * width;
-        const char *kgt = (const char *)kg + g * kg_stride * width;
-        float *mt = m + t * r, *lt = l + t * r, *st = s + t * r * len;
-        float *at = acc + t * r * d;
+    const float *qt = a->q + g * r * d, *qgt = ng > 0 ? a->qg + g * r * d : NULL;
+    const char *kt = (const char *)a->k + g * a->k_stride * width, *vt = (const char *)a->v + g * a->v_stride * width;
+    const char *kgt = (const char *)a->kg + g * a->kg_stride * width;
+    float *mt = m + t * r, *lt = l + t * r, *st = a->s + t * r * len, *at = a->acc + t * r * d;
 #define CHUNK(N8, TYPE) chunk(qt, qgt, scale, kt, kgt, vt, c0, c1, ng, r, N8, TYPE, mt, lt, at, st)
-        if (n8 == 8 && type == F32) CHUNK(8, F32);
-        else if (n8 == 8 && type == BF16) CHUNK(8, BF16);
-        else if (n8 == 8 && type == F16) CHUNK(8, F16);
-        else if (n8 == 16 && type == F32) CHUNK(16, F32);
-        else if (n8 == 16 && type == BF16) CHUNK(16, BF16);
-        else if (n8 == 16 && type == F16) CHUNK(16, F16);
-        else if (n8 == 32 && type == BF16) CHUNK(32, BF16);
-        else CHUNK(n8, type);
+    if (n8 == 8 && type == F32) CHUNK(8, F32);
+    else if (n8 == 8 && type == BF16) CHUNK(8, BF16);
+    else if (n8 == 8 && type == F16) CHUNK(8, F16);
+    else if (n8 == 16 && type == F32) CHUNK(16, F32);
+    else if (n8 == 16 && type == BF16) CHUNK(16, BF16);
+    else if (n8 == 16 && type == F16) CHUNK(16, F16);
+    else if (n8 == 32 && type == BF16) CHUNK(32, BF16);
+    else CHUNK(n8, type);
 #undef CHUNK
-    }
+}
+
+/* A row's chunks merged into its output, in chunk order. */
+static void att_merge(const att_row *a, long hkv, long r, long d) {
+    const float *m = a->m, *l = a->l, *acc = a->acc;
+    long n_chunks = a->n_chunks;
     for (long g = 0; g < hkv; g++) {
         for (long h = 0; h < r; h++) {
-            float mx = -INFINITY, sum = 0.0f, *o = out + (g * r + h) * d;
+            float mx = -INFINITY, sum = 0.0f, *o = a->out + (g * r + h) * d;
             for (long c = 0; c < n_chunks; c++) {
                 float mc = m[(g * n_chunks + c) * r + h];
                 mx = mc > mx ? mc : mx;
@@ -305,17 +322,57 @@ int decode_attention(const float *q, const float *qg, const void *k, const void 
             for (long c = 0; c < n_chunks; c++) {
                 long at = (g * n_chunks + c) * r + h;
                 if (l[at] == 0.0f) continue;
-                float w = expf(m[at] - mx), *a = acc + at * d;
+                float w = expf(m[at] - mx);
+                const float *p = acc + at * d;
                 sum += w * l[at];
-                for (long i = 0; i < d; i++) o[i] += w * a[i];
+                for (long i = 0; i < d; i++) o[i] += w * p[i];
             }
             for (long i = 0; i < d; i++) o[i] /= sum;
         }
     }
-    free(m);
-    free(s);
-    free(acc);
+}
+
+/* The attention of `rows` rows at once: every row's tasks in one parallel loop (a speculative check's or a
+ * batched step's rows, each over its own cells), each task and each row's merge as a lone row computes them,
+ * so a row's output does not depend on the rows beside it. Returns 0, 1 when a size is out of range or 2
+ * when there is no scratch space (nothing written then). */
+static int attention_rows(att_row *a, long rows, long hkv, long r, long d, int type, float scale) {
+    if (r < 1 || r > MAX_R || d % 16 != 0 || d > 8 * MAX_V8) return 1;
+    long total = 0, failed = 0;
+    for (long j = 0; j < rows; j++) {
+        if (a[j].n < 1 || a[j].n_chunks < 1) return 1;
+        total += hkv * a[j].n_chunks;
+    }
+    long *first = malloc(sizeof(long) * (rows + 1));
+    for (long j = 0; j < rows; j++) a[j].m = a[j].s = a[j].acc = NULL;
+    for (long j = 0; j < rows && first != NULL && !failed; j++) failed = att_alloc(a + j, hkv, r, d);
+    if (first == NULL || failed) {
+        for (long j = 0; j < rows; j++) att_free(a + j);
+        free(first);
+        return 2;
+    }
+    first[0] = 0;
+    for (long j = 0; j < rows; j++) first[j + 1] = first[j] + hkv * a[j].n_chunks;
+#pragma omp parallel for schedule(static)
+    for (long t = 0; t < total; t++) {
+        long j = 0;
+        while (first[j + 1] <= t) j++;
+        att_task(a + j, t - first[j], r, d, type, scale);
+    }
+    for (long j = 0; j < rows; j++) {
+        att_merge(a + j, hkv, r, d);
+        att_free(a + j);
+    }
+    free(first);
     return 0;
+}
+
+/* Returns 0, 1 when a size is out of range or 2 when there is no scratch space (nothing written then). */
+int decode_attention(const float *q, const float *qg, const void *k, const void *kg, const void *v, long n,
+                     long ng, long hkv, long r, long d, long k_stride, long kg_stride, long v_stride, int type,
+                     float scale, long n_chunks, float *out) {
+    att_row a = {q, qg, k, kg, v, n, ng, k_stride, kg_stride, v_stride, n_chunks, 0, out, NULL, NULL, NULL, NULL};
+    return attention_rows(&a, 1, hkv, r, d, type, scale);
 }
 
 static inline float from_bf16(uint16_t h) {
@@ -562,9 +619,10 @@ int decode_layers(const layer_plan *plans, long n_layers, const layer_dims *dm, 
     wide = wide > hd ? wide : hd;
     uint16_t *xn = malloc(sizeof(uint16_t) * m * hd), *big = malloc(sizeof(uint16_t) * m * wide);
     uint16_t *tmp = malloc(sizeof(uint16_t) * m * wide), *act = malloc(sizeof(uint16_t) * m * inter);
-    float *qkvf = malloc(sizeof(float) * nq), *q = malloc(sizeof(float) * h * d), *qg = malloc(sizeof(float) * h * d);
-    float *att = malloc(sizeof(float) * m * h * d);
-    if (!xn || !big || !tmp || !act || !qkvf || !q || !qg || !att) rc = 1;
+    float *qkvf = malloc(sizeof(float) * nq), *q = malloc(sizeof(float) * m * h * d);
+    float *qg = malloc(sizeof(float) * m * h * d), *att = malloc(sizeof(float) * m * h * d);
+    att_row *rows_att = malloc(sizeof(att_row) * m); /* each row's attention, all run in one parallel loop */
+    if (!xn || !big || !tmp || !act || !qkvf || !q || !qg || !att || !rows_att) rc = 1;
     for (long l = 0; l < n_layers && rc == 0; l++) {
         const layer_plan *p = plans + l;
         for (long r = 0; r < m; r++) rms_norm_bf16(x + r * hd, p->norm, hd, p->norm_eps, xn + r * hd);
@@ -572,25 +630,28 @@ int decode_layers(const layer_plan *plans, long n_layers, const layer_dims *dm, 
             rc = 1;
             break;
         }
-        for (long r = 0; r < m && rc == 0; r++) {
+        /* each row's query and cell first (a row's cell is written before the later rows of its cache read
+         * it; its attention reads the cells up to its own only), then every row's attention at once */
+        for (long r = 0; r < m; r++) {
             const int64_t *c = rows + (l * m + r) * R_FIELDS;
             const float *cos = (const float *)(intptr_t)c[R_COS], *sin = (const float *)(intptr_t)c[R_SIN];
             char *keys = (char *)(intptr_t)c[R_KEYS], *values = (char *)(intptr_t)c[R_VALUES];
             const float *gcos = (const float *)(intptr_t)c[R_GCOS], *gsin = (const float *)(intptr_t)c[R_GSIN];
             long first = c[R_FIRST], n = c[R_SLOT] + 1 - first, ng = c[R_NG];
-            const void *kg = ng > 0 ? (const void *)(intptr_t)c[R_KG] : q;
+            float *qr = q + r * h * d, *qgr = qg + r * h * d;
             for (long i = 0; i < nq; i++) qkvf[i] = from_bf16(big[r * nq + i]);
             if (p->qkv_bias != NULL) /* float32(bf16 product) + bias: products.py's blocks_product */
                 for (long i = 0; i < nq; i++) qkvf[i] += p->qkv_bias[i];
             rope_write(qkvf, h, hkv, d, c[R_ROT], cos, sin, keys, values, c[R_K_STRIDE], c[R_V_STRIDE], c[R_SLOT],
-                       (int)dm->cell_type, q, ng > 0 ? gcos : cos, ng > 0 ? gsin : sin, ng > 0 ? c[R_GROT] : c[R_ROT],
-                       ng > 0 ? qg : NULL, p->qn, p->kn, p->head_eps);
-            int failed = decode_attention(q, ng > 0 ? qg : q, keys + first * d * width, kg, values + first * d * width,
-                                          n, ng, hkv, h / hkv, d, c[R_K_STRIDE], ng > 0 ? c[R_KG_STRIDE] : 0,
-                                          c[R_V_STRIDE], (int)dm->cell_type, p->scale, chunks_of(hkv, n, dm->threads),
-                                          att + r * h * d);
-            rc = failed == 2 ? 1 : failed ? 2 : 0;
+                       (int)dm->cell_type, qr, ng > 0 ? gcos : cos, ng > 0 ? gsin : sin, ng > 0 ? c[R_GROT] : c[R_ROT],
+                       ng > 0 ? qgr : NULL, p->qn, p->kn, p->head_eps);
+            rows_att[r] = (att_row){qr, ng > 0 ? qgr : qr, keys + first * d * width, ng > 0 ? (const void *)(intptr_t)c[R_KG] : qr,
+                                    values + first * d * width, n, ng, c[R_K_STRIDE], ng > 0 ? c[R_KG_STRIDE] : 0,
+                                    c[R_V_STRIDE], chunks_of(hkv, n, dm->threads), 0, att + r * h * d,
+                                    NULL, NULL, NULL, NULL};
         }
+        int failed = attention_rows(rows_att, m, hkv, h / hkv, d, (int)dm->cell_type, p->scale);
+        rc = failed == 2 ? 1 : failed ? 2 : 0;
         if (rc || mm((int)p->o.type, p->o.w, hd, h * d, att, F32, m, big, BF16, portable)) {
             rc = rc ? rc : 1;
             break;
@@ -623,6 +684,7 @@ int decode_layers(const layer_plan *plans, long n_layers, const layer_dims *dm, 
     free(qkvf);
     free(q);
     free(qg);
+    free(rows_att);
     free(att);
     return rc;
 }
