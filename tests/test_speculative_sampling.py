@@ -111,14 +111,21 @@ def test_plain_sampling_follows_the_exact_distribution(models, truth) -> None:
     assert p_value(sampled(*_generator(models[0])), truth) > 1e-3
 
 
-@pytest.mark.parametrize("source", ["lookup", "draft model"])
+@pytest.mark.parametrize("source", ["lookup", "draft model", "partial draft vocabulary"])
 def test_speculative_sampling_keeps_the_distribution(models, truth, monkeypatch, source: str) -> None:
+    """Also where the draft's distribution leaves out tokens the target draws: a draft head scoring ids
+    [0, 8) alone (the context's ids not added), so of the cycle it can draft 5 only (and drafts others the
+    target never draws)."""
     seen = _watched(monkeypatch)
     kw = {"lookup": 2} if source == "lookup" else {"draft": DraftModel(models[1], 2)}
+    if source == "partial draft vocabulary":
+        kw["draft"] = DraftModel(models[1], 2, vocab=8)
+        monkeypatch.setattr(kw["draft"].part, "hold", lambda context: None)
     counts = sampled(*_generator(models[0], **kw))
     kept = sum(d == t for d, t in seen)
     assert len(seen) > RUNS and kept > 0.1 * len(seen) and len(seen) - kept > 0.05 * len(seen)  # both ways
     assert p_value(counts, truth) > 1e-3
+    assert source != "partial draft vocabulary" or {d for d, t in seen if d == t} == {CYCLE[0]}
 
 
 def test_keeping_every_draft_fails_the_test(models, truth, monkeypatch) -> None:

@@ -7,7 +7,8 @@ flips every round): our plain decode and llama-server's plain one; ours with ``-
 with ``--spec-type ngram-simple`` (each ``--ngram SIZE_N,SIZE_M`` given: the lookup n-gram's and the
 drafted m-gram's lengths; 12,48 are llama.cpp's defaults); with ``--draft FILE`` (a draft GGUF sharing the
 model's vocabulary; ``make_draft_pair.py`` makes one), ours with ``--draft-model FILE`` and llama-server with
-``--model-draft FILE --spec-draft-n-max N`` (ours: ``--draft-max N``).
+``--model-draft FILE --spec-draft-n-max N`` (ours: ``--draft-max N``); each ``--draft-vocab N`` adds ours with
+the draft's output layer scoring the first N ids and the context's (llama.cpp has no such option).
 
 Ours is ``selfextend generate`` (``--weights gguf``: batch-invariant block products, so lookup's tokens are
 plain decode's; ``--temperature 0 --ignore-eos``), its summary line's decode tokens/s; llama-server's is its
@@ -157,12 +158,6 @@ def theirs(setup: ServerSetup, prompts: dict[str, list[int]], extra: list[str], 
     return out
 
 
-def knows_draft_model() -> bool:
-    """Whether this checkout's ``selfextend generate`` takes ``--draft-model`` (being added in parallel)."""
-    cmd = [sys.executable, "-m", "selfextend", "generate", "--help"]
-    return "--draft-model" in subprocess.run(cmd, capture_output=True, text=True).stdout
-
-
 def variants(args: argparse.Namespace, gguf: Path) -> list[tuple[str, str, list[str]]]:
     """(variant, side, its extra flags), ours and llama.cpp's alternating as the rounds run them."""
     out = [("ours", "ours", []), ("llama", "llama", [])]
@@ -171,12 +166,11 @@ def variants(args: argparse.Namespace, gguf: Path) -> list[tuple[str, str, list[
         size_n, size_m = ngram.split(",")
         flags = ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", size_n]
         out.append((f"llama+ngram{size_n},{size_m}", "llama", [*flags, "--spec-ngram-simple-size-m", size_m]))
-    if args.draft and knows_draft_model():
+    if args.draft:
         flags = ["--draft-model", str(args.draft), "--draft-max", str(args.draft_max)]
         out.append(("ours+draft", "ours", [*flags, *shlex.split(args.draft_args)]))
-    elif args.draft:
-        print("our generate has no --draft-model yet: llama-server's draft run alone", flush=True)
-    if args.draft:
+        for n in args.draft_vocab:
+            out.append((f"ours+draft+vocab{n}", "ours", [*flags, "--draft-vocab", str(n)]))
         flags = ["--spec-type", "draft-simple", "--model-draft", str(args.draft)]
         out.append(("llama+draft", "llama", [*flags, "--spec-draft-n-max", str(args.draft_max)]))
     return out
@@ -252,9 +246,9 @@ def report(round_: int, prompt: str, by: dict[str, dict], common: dict) -> dict:
     }
     for v in llama_names[1:]:
         row["ratios"][f"{v}/llama"] = ratio(by[v]["tok_s"], by["llama"]["tok_s"])
-    if "ours+draft" in by and "llama+draft" in by:
-        row["ratios"]["ours+draft/llama+draft"] = ratio(by["ours+draft"]["tok_s"], by["llama+draft"]["tok_s"])
-        row["ratios"]["ours+draft/ours"] = ratio(by["ours+draft"]["tok_s"], by["ours"]["tok_s"])
+    for v in (v for v in ours_names if v.startswith("ours+draft") and "llama+draft" in by):
+        row["ratios"][f"{v}/llama+draft"] = ratio(by[v]["tok_s"], by["llama+draft"]["tok_s"])
+        row["ratios"][f"{v}/ours"] = ratio(by[v]["tok_s"], by["ours"]["tok_s"])
     rates = ", ".join(f"{v} {r:.1f}" for v, r in row["tok_s"].items())
     counts = ", ".join(f"{v} {d}/{a} ({a / d:.0%})" for v, (d, a) in row["drafted_accepted"].items())
     print(f"round {round_}, {prompt}: tok/s {rates}", flush=True)
@@ -270,6 +264,13 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m", help="a GGUF file or an alias naming one")
     parser.add_argument("--draft", type=Path, help="a draft GGUF sharing the model's vocabulary")
     parser.add_argument("--draft-args", default="", help="more flags for our generate with --draft-model")
+    parser.add_argument(
+        "--draft-vocab",
+        type=int,
+        nargs="*",
+        default=[],
+        help="also ours with --draft-model and --draft-vocab N, for each N given (a variant each)",
+    )
     parser.add_argument(
         "--draft-max",
         type=int,

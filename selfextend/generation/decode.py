@@ -126,7 +126,9 @@ class DecodeStep:
 
     The cache must have room for it (``cache.make_room(1)`` first). Works with the model's
     attention implementation at call time: ``sdpa`` or ``selfextend``; :meth:`supported` says
-    whether the current one is served.
+    whether the current one is served. :attr:`head_product` is the output layer's product, x (M, hidden)
+    -> (M, vocab): a draft model's may score part of the vocabulary
+    (:mod:`~selfextend.generation.draft_vocab`).
     """
 
     def __init__(self, model: nn.Module, native: bool = True) -> None:

@@ -13,12 +13,14 @@ plain decoding's lives in :mod:`selfextend.generation.speculative`.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import torch
 from torch import nn
 
 from selfextend.core.validate import check_int
+from selfextend.generation.draft_vocab import PartialHead
 from selfextend.generation.generator import Generator
 from selfextend.generation.sampling import SamplingParams
 from selfextend.generation.text import common_prefix
@@ -26,6 +28,8 @@ from selfextend.kv.cache import ContextShiftCache
 
 DRAFT_MAX = 16  # drafts asked for per pass by default: llama.cpp's --draft-max
 FEW = 32  # tokens written to the draft's cache in one pass of its decode step, at most
+log = logging.getLogger(__name__)
+_SAID: set[str] = set()  # warnings already given in this process
 
 
 def vocabulary_problem(target: object, draft: object) -> str | None:
@@ -49,23 +53,29 @@ def vocabulary_problem(target: object, draft: object) -> str | None:
 class DraftModel:
     """A :class:`~selfextend.generation.speculative.Drafter` from ``model``: ``most`` drafts per pass, drawn
     under the target's sampling settings (greedy: the draft's argmax) from the target's random stream (one
-    seed repeats a run); ``cache_dtype``: its cells' type (None: the model's)."""
+    seed repeats a run); ``cache_dtype``: its cells' type (None: the model's). ``vocab``: the draft's output
+    layer scores only the first ``vocab`` ids and the context's (:class:`PartialHead`; None: every id), in
+    its direct decode step (said once where the model has none); ValueError for a head it cannot slice."""
 
     def __init__(
         self,
         model: nn.Module,
         most: int = DRAFT_MAX,
         cache_dtype: torch.dtype | None = None,
+        vocab: int | PartialHead | None = None,
     ) -> None:
         self.model, self.most = model, check_int(most, "draft tokens per pass", 1)
         self.cache_dtype = cache_dtype
+        self.part = (
+            vocab if vocab is None or isinstance(vocab, PartialHead) else PartialHead(model.lm_head, vocab)
+        )
         self.gen: Generator | None = None
         self._target: ContextShiftCache | None = None
         self._discarded = 0  # the target's discarded cells the draft cache has mirrored
 
     def for_another(self) -> DraftModel:
         """A drafter of the same model and settings with a cache of its own (one per server slot)."""
-        return type(self)(self.model, self.most, self.cache_dtype)
+        return type(self)(self.model, self.most, self.cache_dtype, self.part)  # one partial head for all
 
     def _follow(self, target: ContextShiftCache) -> Generator:
         """The draft's generator with the target's shifts since the last proposal made in its cache too."""
@@ -73,6 +83,8 @@ class DraftModel:
             cache = ContextShiftCache(self.model, target.n_ctx, target.n_keep, dtype=self.cache_dtype)
             self.gen = Generator(self.model, cache)
             self._target, self._discarded = target, target.discarded
+            if self.part is not None:
+                self._score_part(self.gen)
         gen, dropped = self.gen, target.discarded - self._discarded
         self._discarded = target.discarded
         if dropped and 0 < dropped <= gen.cache.n_past - gen.cache.n_keep:
@@ -80,6 +92,17 @@ class DraftModel:
             keep = gen.cache.n_keep
             gen.tokens = gen.tokens[:keep] + gen.tokens[keep + dropped :]
         return gen
+
+    def _score_part(self, gen: Generator) -> None:
+        """The draft's decode step scoring the partial head's ids (tokens through another path: all)."""
+        if gen.step is None or gen.fast is not None:
+            if "part" not in _SAID:
+                _SAID.add("part")
+                log.warning(
+                    "the draft vocabulary is not used: the draft model has no direct decode step here"
+                )
+            return
+        gen.step.head_product = self.part
 
     def prepare(self, context: Sequence[int], cache: ContextShiftCache) -> None:
         """Write ``context`` (the target's cached tokens, in ``cache``) into the draft's cache now: a prompt
@@ -92,6 +115,8 @@ class DraftModel:
         """The draft's cache made to hold ``context``: its tokens past what it shares with it rewound, the
         rest written (the last one always, for its logits, which are returned)."""
         same = min(common_prefix(gen.tokens, context), len(context) - 1)
+        if self.part is not None:
+            self.part.hold(context)
         if same < len(gen.tokens):
             gen.rewind(same)
         return self._write(gen, context[same:])
