@@ -10,7 +10,12 @@ Holmes (the default corpus) to repeat with a name changed, or a function of the 
 ``textwrap`` to repeat renamed. A greedy reply does not depend on the slot, the batch it was decoded in or
 the drafts (batch-invariant ``--weights gguf`` products), so every request's reply must be the same text
 with and without lookup, in every round: checked and printed. With ``--draft FILE`` a third server runs
-with ``--draft-model FILE`` (the option ``serve`` gets for speculative decoding with a draft model).
+with ``--draft-model FILE`` (the option ``serve`` gets for speculative decoding with a draft model), and
+each ``--draft-vocab N`` one more with ``--draft-vocab N``. With ``--llama-server PATH`` llama.cpp's server
+takes the same load in the same rounds, plain and with ``--spec-type ngram-simple`` (3-grams, ``--lookup``
+drafts; with ``--draft``, ``--model-draft`` too): the same slots, cells per slot and threads, f16 cells on
+both sides (``--cache-type f16`` for ours). Its replies are compared with its own plain run's only (its
+products are not batch-invariant).
 
     python experiments/server/lookup_load.py [--rounds 2] [--clients 4] [--requests 3] [--max-tokens 96]
 
@@ -23,7 +28,6 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
-import subprocess
 import sys
 import tempfile
 import textwrap
@@ -37,6 +41,7 @@ from selfextend.bench.clients import stream_chat, summary
 from selfextend.bench.servers import free_port, start, stop
 from selfextend.bench.speed import cpu_model, others_cpu, wait_for_quiet
 from selfextend.evaluation.corpus import default_books
+from selfextend.models.sources import resolve_model
 
 HERE = Path(__file__).resolve().parent
 
@@ -81,15 +86,27 @@ def client(base: str, messages: list[str], max_tokens: int) -> list[dict]:
     return out
 
 
-def serve_load(extra: list[str], work: list[list[str]], args: argparse.Namespace, log: Path) -> dict:
-    """One server with ``extra`` flags under the whole load: :func:`~selfextend.bench.clients.summary` of
-    it, with every reply's text by (client, request)."""
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
+def server_command(name: str, extra: list[str], port: int, args: argparse.Namespace) -> list[str]:
+    """The command line of run ``name`` (``llama...``: llama-server; else ours) with ``extra`` flags."""
+    if name.startswith("llama"):
+        cmd = [str(args.llama_server), "-m", str(args.gguf), "--host", "127.0.0.1", "--port", str(port)]
+        cmd += ["-np", str(args.parallel), "-c", str(args.parallel * args.ctx), "--no-kv-unified"]
+        cmd += ["-t", str(args.threads), "-tb", str(args.threads), "-ctk", "f16", "-ctv", "f16", "--no-webui"]
+        return [*cmd, *extra]
     cmd = [sys.executable, "-m", "selfextend", "serve", "--port", str(port), "-m", args.model]
     cmd += ["--parallel", str(args.parallel), "--ctx", str(args.ctx), "--threads", str(args.threads)]
-    cmd += ["--weights", "gguf", "--temperature", "0", *extra]
-    proc = start(cmd, base, log)
+    cmd += ["--weights", "gguf", "--temperature", "0"]
+    return cmd + (["--cache-type", "f16"] if args.llama_server else []) + extra
+
+
+def serve_load(
+    name: str, extra: list[str], work: list[list[str]], args: argparse.Namespace, log: Path
+) -> dict:
+    """Run ``name``'s server with ``extra`` flags under the whole load: the load's
+    :func:`~selfextend.bench.clients.summary`, with every reply's text by (client, request)."""
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    proc = start(server_command(name, extra, port, args), base, log)
     try:
         client(base, ["Say hi."], 4)  # warm-up, not recorded
         t0 = time.perf_counter()
@@ -107,6 +124,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("-m", "--model", default="smollm2-135m", help="a GGUF file or an alias naming one")
     parser.add_argument("--draft", type=Path, help="also a server with --draft-model FILE")
+    parser.add_argument(
+        "--draft-vocab", type=int, nargs="*", default=[], help="with --draft: also one with --draft-vocab N"
+    )
+    parser.add_argument("--llama-server", type=Path, help="also llama.cpp's server (this binary) on the load")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--lookup", type=int, default=8)
     parser.add_argument("--parallel", type=int, default=2, help="the server's slots")
@@ -128,16 +149,24 @@ def main() -> None:
         parser.error("--clients, --requests and --max-tokens must be at least 1")
     if args.draft and not args.draft.is_file():
         parser.error(f"no such draft file: {args.draft}")
-    if args.draft:
-        helps = subprocess.run([sys.executable, "-m", "selfextend", "serve", "--help"], capture_output=True)
-        if b"--draft-model" not in helps.stdout:
-            parser.error("this checkout's selfextend serve has no --draft-model yet")
+    if args.llama_server and not args.llama_server.is_file():
+        parser.error(f"no such llama-server: {args.llama_server}")
+    args.gguf = resolve_model(args.model).gguf_path
     runs = {"plain": [], f"lookup{args.lookup}": ["--lookup", str(args.lookup)]}
     if args.draft:
         runs["draft"] = ["--draft-model", str(args.draft)]
+        for n in args.draft_vocab:
+            runs[f"draft+vocab{n}"] = ["--draft-model", str(args.draft), "--draft-vocab", str(n)]
+    if args.llama_server:
+        runs["llama"] = []
+        ngram = ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "3"]
+        runs["llama+ngram3"] = [*ngram, "--spec-ngram-simple-size-m", str(args.lookup)]
+        if args.draft:
+            runs["llama+draft"] = ["--spec-type", "draft-simple", "--model-draft", str(args.draft)]
     work = tasks(args.clients, args.requests, args.kinds)
     logs = Path(tempfile.mkdtemp(prefix="lookup-load-"))
     common = {"cpu": cpu_model(), "model": args.model, "draft": args.draft and args.draft.name}
+    common["llama_server"] = args.llama_server and str(args.llama_server)
     common.update(parallel=args.parallel, ctx=args.ctx, threads=args.threads, lookup=args.lookup)
     common.update(clients=args.clients, requests=args.requests, max_tokens=args.max_tokens)
     print(f"CPU: {common['cpu']}; {args.clients} clients x {args.requests} requests; logs {logs}", flush=True)
@@ -148,7 +177,7 @@ def main() -> None:
         for name in list(runs)[::-1] if round_ % 2 else list(runs):
             seen = {"busy_before": round(wait_for_quiet(args.quiet, args.quiet_wait), 3)}  # others' tests
             with others_cpu(seen):
-                got[name] = serve_load(runs[name], work, args, logs / f"{name}.round{round_}.log")
+                got[name] = serve_load(name, runs[name], work, args, logs / f"{name}.round{round_}.log")
             got[name].update(seen)
         first_texts = first_texts or got["plain"]["texts"]
         row = {**common, "round": round_, "load_average_1m": round(psutil.getloadavg()[0], 2)}
@@ -160,10 +189,16 @@ def main() -> None:
         row["others_cpu"] = {k: v["others_cpu"] for k, v in got.items()}
         rate = row["aggregate_tokens_per_second"]
         row["ratio"] = {k: round(rate[k] / rate["plain"], 3) for k in rate if k != "plain"}
-        row["identical"] = {k: v["texts"] == first_texts for k, v in got.items()}
+        for k in (k for k in rate if k.startswith("llama")):  # ours over llama-server's best, as a ratio
+            row["ratio"][f"lookup{args.lookup}/{k}"] = round(rate[f"lookup{args.lookup}"] / rate[k], 3)
+        llama_texts = got["llama"]["texts"] if "llama" in got else None
+        row["identical"] = {
+            k: v["texts"] == (llama_texts if k.startswith("llama") else first_texts) for k, v in got.items()
+        }
         differ = [
             (c, r)
             for k, v in got.items()
+            if not k.startswith("llama")
             for c, mine in enumerate(v["texts"])
             for r, text in enumerate(mine)
             if text != first_texts[c][r]
