@@ -69,10 +69,11 @@ def _programs(device: torch.device) -> int:
 
 
 def default_config(n_cells: int, n_kv: int, n_rep: int, head_dim: int, device: torch.device) -> DecodeConfig:
-    """Tiles of about 16k float32 products (a program's registers for ``n_rep`` query rows), and runs of
-    cells long enough to fill the device once (at least 4 tiles, so a program's setup is paid back)."""
+    """Tiles of about 8k float32 products (a program's registers for ``n_rep`` query rows; a guess, not yet
+    timed: experiments/gpu/check_fused_decode.py times others), and runs of cells long enough to fill the
+    device once (at least 4 tiles, so a program's setup is paid back)."""
     block_r, block_d = _pow2(n_rep), max(16, _pow2(head_dim))
-    block_n = max(16, min(64, 16384 // (block_r * block_d)))
+    block_n = max(16, min(64, 8192 // (block_r * block_d)))
     per_head = -(-n_cells * n_kv // _programs(device))  # cells a program takes to fill the device once
     split = -(-max(per_head, 4 * block_n) // block_n) * block_n
     return DecodeConfig(block_n, split, 4)
