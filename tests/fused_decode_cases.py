@@ -4,7 +4,8 @@ interpreter; then the static step of generation/graphed.py with the kernels take
 Run by tests/test_fused_decode.py in a subprocess with ``TRITON_INTERPRET=1`` (it must be set before
 triton is imported, and the suite's worker has imported it already): prints one JSON line per case, the
 largest difference from ``attend`` with the kernels refused and the tolerance, then the calls that went
-through ``attend``'s dispatch, then the static step's largest logit difference over a few tokens.
+through ``attend``'s dispatch, then the static step's largest logit difference over a few tokens (a Llama,
+a Gemma 3).
 """
 
 from __future__ import annotations
@@ -101,18 +102,19 @@ def run(case: tuple) -> dict[str, object]:
     return {"case": case[0], "dtype": str(case[5]), "error": error, "tol": TOL}
 
 
-def static_step() -> dict[str, object]:
+def static_step(family: str) -> dict[str, object]:
     """Tokens through GraphedDecode's static step (eager, every cell of a 24-cell cache, the kernels taken)
-    against the direct step, a tiny Llama with Self-Extend G=2 W=4, through a context shift."""
+    against the direct step, a tiny model with Self-Extend G=2 W=4, through a context shift (Gemma 3: a
+    sliding layer of 8 too)."""
     sys.path.insert(0, str(Path(__file__).parent))
-    from conftest import make_model
+    from conftest import make_model, tiny_gemma3
 
     from selfextend.generation.generator import Generator
     from selfextend.generation.graphed import GraphedDecode
     from selfextend.hf.patch import apply_self_extend
     from selfextend.kv.cache import ContextShiftCache
 
-    model = make_model("llama")
+    model = tiny_gemma3(["sliding_attention", "full_attention"], 8) if family == "gemma3" else make_model()
     apply_self_extend(model, group_size=2, window=4)
     logits = []
     for graphed in (False, True):
@@ -126,7 +128,8 @@ def static_step() -> dict[str, object]:
             steps.append(out)
         logits.append((torch.stack(steps), gen.cache.shifts))
     (want, shifts), (got, _) = logits
-    return {"static_step": ((got - want).abs().max() / want.abs().max()).item(), "shifts": shifts}
+    error = ((got - want).abs().max() / want.abs().max()).item()
+    return {"static_step": family, "error": error, "shifts": shifts}
 
 
 def main() -> None:
@@ -142,8 +145,9 @@ def main() -> None:
     for case in CASES:
         print(json.dumps(run(case)), flush=True)
     print(json.dumps({"dispatched": len(calls)}), flush=True)
-    calls.clear()
-    print(json.dumps({**static_step(), "kernel_calls": len(calls)}), flush=True)
+    for family in ("llama", "gemma3"):
+        calls.clear()
+        print(json.dumps({**static_step(family), "kernel_calls": len(calls)}), flush=True)
 
 
 if __name__ == "__main__":

@@ -105,7 +105,7 @@ def decode_partials_kernel(
     acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
     lo = s * split
     for start in range(lo, tl.minimum(lo + split, n_cells), BLOCK_N):
-        cells = start + offs_n  # (BLOCK_N,) slots
+        cells = (start + offs_n).to(tl.int64)  # (BLOCK_N,) slots (int64: offsets past 2**31 elements)
         in_range = cells < n_cells
         at = tl.load(cell_ptr + cells * s_cell, mask=in_range, other=0)  # (BLOCK_N,) int64 positions
         distance = p - at
