@@ -8,7 +8,8 @@
 3. **8b** (a Llama-3.1-8B shape, random bf16 weights): prefill plain against Self-Extend at 16k-64k (128k
    with ``--long``) with peak memory; our engine's decode ms/token at 8k and 32k cells, plain and
    Self-Extend.
-4. **kernel**: the fused Self-Extend prefill kernel's check, where it exists.
+4. **kernel**: the fused Triton kernels' own checks (Self-Extend prefill, decode attention) where they
+   exist: speed against the paths they replace, tiles, errors (skipped in a dry run: they need CUDA).
 
     bash experiments/gpu/prepare.sh          # here, once: wheels and the tiny model into .gpu/
     # on the GPU machine (the device tool: carry [".gpu"]):
@@ -79,25 +80,30 @@ def main() -> int:
 
         eight_b(report, gpu, args.long, device)
     if "kernel" in sections:
-        kernel_check()
+        kernel_check(device)
     report("done", seconds=round(time.perf_counter() - t0, 1), failed=FAILED)
     out = Path(os.environ.get("OUT") or ".") / "gpu_check.jsonl"
     out.write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
     return 1 if FAILED else 0
 
 
-def kernel_check() -> None:
-    """The fused prefill kernel's own script, where this checkout has it."""
+def kernel_check(device: str) -> None:
+    """The fused kernels' own scripts (prefill, decode), those this checkout has; none in a dry run. Each
+    runs with its own defaults (``sys.argv`` holds check.py's flags, which its parser would refuse)."""
     import runpy
 
-    script = Path(__file__).with_name("check_fused_prefill.py")
-    if not script.exists():
-        report("kernel", note="no fused kernel script in this checkout")
-        return
-    try:
-        runpy.run_path(str(script), run_name="__main__")
-    except SystemExit as e:
-        report("kernel", ok=not e.code, exit=e.code)
+    for kernel in ("prefill", "decode"):
+        script = Path(__file__).with_name(f"check_fused_{kernel}.py")
+        if device != "cuda" or not script.exists():
+            report(f"kernel {kernel}", note="skipped (a dry run, or no script in this checkout)")
+            continue
+        argv, sys.argv = sys.argv, [str(script)]
+        try:
+            runpy.run_path(str(script), run_name="__main__")
+        except SystemExit as e:
+            report(f"kernel {kernel}", ok=not e.code, exit=e.code)
+        finally:
+            sys.argv = argv
 
 
 if __name__ == "__main__":

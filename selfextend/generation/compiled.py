@@ -32,6 +32,7 @@ import torch
 from torch import nn
 from torch.fx.experimental import _config as fx_config
 
+from selfextend.core.fused_decode import fused_decode_applies, fused_decode_attention
 from selfextend.core.positions import grouped_key_positions, grouped_query_positions, is_neighbor
 from selfextend.core.rope import Rotation
 from selfextend.generation.cells import Cells, StepCells
@@ -76,6 +77,11 @@ class GroupedRotations:
         queries = Rotation.of(grouped_query_positions(at, g, w) - at, inv_freq)
         return cls(keys, queries, w)
 
+    def query_at(self, pos: torch.Tensor) -> Rotation:
+        """The rotation (1, 1, 1, rot_dim) turning the query at ``pos`` (1,) into one at its grouped
+        position (indexed on the device: nothing read on the host)."""
+        return Rotation(self.queries.cos[:, :, pos], self.queries.sin[:, :, pos])
+
 
 def attend(
     q: torch.Tensor,
@@ -88,7 +94,15 @@ def attend(
     grouped: GroupedRotations | None,
 ) -> torch.Tensor:
     """One query row over a layer's cells: q (1, H, 1, D) at ``pos`` (1,), k and v (1, Hkv, n, D) at
-    ``positions`` (n,) -> (1, 1, H * D) in float32. One softmax over neighbor and grouped scores."""
+    ``positions`` (n,) -> (1, 1, H * D) in float32. One softmax over neighbor and grouped scores. On CUDA
+    (or under Triton's interpreter) with triton installed, the fused kernels of
+    :mod:`~selfextend.core.fused_decode` compute the same, reading each cell once."""
+    if fused_decode_applies(q, k, v):
+        if grouped is None:
+            return fused_decode_attention(q, k, v, positions, pos, scale, window)
+        q_g = grouped.query_at(pos).apply(q.float())  # (1, H, 1, D) float32
+        keys, w = grouped.keys, grouped.window
+        return fused_decode_attention(q, k, v, positions, pos, scale, window, q_g, keys, w)
     b, hkv, _, d = k.shape
     qf = q.float().reshape(b, hkv, -1, d)  # (B, Hkv, H / Hkv, D): the heads sharing a KV head as rows
     kf = k.float()
@@ -99,10 +113,10 @@ def attend(
     if window is not None:
         visible = visible & (distance < window)
     if grouped is not None:
-        rk, rq = grouped.keys, grouped.queries
+        rk = grouped.keys
         at = positions.clamp(max=rk.cos.shape[2] - 1)  # a cell not in use (past every query) is masked below
         k_g = Rotation(rk.cos[:, :, at], rk.sin[:, :, at]).apply(kf)  # (B, Hkv, n, D)
-        q_g = Rotation(rq.cos[:, :, pos], rq.sin[:, :, pos]).apply(qf)
+        q_g = grouped.query_at(pos).apply(qf)
         scores = torch.where(is_neighbor(distance, grouped.window), scores, _row_scores(q_g, k_g, fused))
     scores = (scores * scale).masked_fill(~visible, float("-inf"))
     probs = torch.softmax(scores, dim=-1)

@@ -1,0 +1,182 @@
+"""The fused decode attention kernels on a GPU: one query token over one layer's cells, against the decode
+step's tensor ops (``attend`` with the kernels refused) and SDPA's plain decode. For whoever has a CUDA GPU.
+
+One layer of the Llama-3.1-8B shape (32 query / 8 KV heads, head 128, bfloat16 cells), plain and
+Self-Extend G=32 W=2048 (issue 48's setting), at 8k and 32k cells, and 8k cells in use of 32k (the rest at
+UNREACHED, as the CUDA-graph step leaves them). Each path is captured as a CUDA graph (as the decode step
+is) and replayed; rounds interleaved, the median of each, in ms and in GB/s of the cells' keys and values
+in use:
+
+- ``fused``: ``attend`` as the step calls it (the grouped query rotated, then the kernels);
+- ``attend``: ``attend`` with the kernels refused (the tensor ops before them);
+- ``sdpa``: ``scaled_dot_product_attention(enable_gqa=True)`` over the cells in use, no mask (plain decode's
+  floor; the same for both settings).
+
+Then the kernels' tiles timed at 32k cells with Self-Extend, the fastest named (to make it the default in
+``fused_decode.default_config``), and the fused path's largest difference from ``attend``'s tensor ops.
+Under a minute on an H200; says it skips and exits 0 where there is no CUDA GPU or no triton.
+
+    PYTHONPATH=. python experiments/gpu/check_fused_decode.py [--rounds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+
+import selfextend.generation.compiled as compiled
+from selfextend.core.fused_decode import DecodeConfig, default_config, fused_decode_attention
+from selfextend.generation.compiled import GroupedRotations, attend
+from selfextend.generation.graphed import UNREACHED
+
+H, HKV, D, GROUP, WINDOW = 32, 8, 128, 32, 2048
+DEVICE = "cuda"
+SETTINGS = [(8192, 8192), (32768, 32768), (32768, 8192)]  # (cells, cells in use)
+CONFIGS = [
+    DecodeConfig(16, 256, 4),
+    DecodeConfig(16, 512, 4),
+    DecodeConfig(32, 512, 4),
+    DecodeConfig(32, 512, 8),
+    DecodeConfig(64, 1024, 8),
+    DecodeConfig(16, 1024, 2),
+]
+
+
+def graphed(fn: Callable[[], object]) -> Callable[[], object]:
+    """``fn`` captured as a CUDA graph (after a warm-up run), or ``fn`` itself where capture fails."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            fn()
+    except RuntimeError as e:
+        print(f"  not captured, timed eagerly: {str(e).splitlines()[0][:100]}")
+        return fn
+    return graph.replay
+
+
+def ms(fn: Callable[[], object], reps: int = 50) -> float:
+    """Milliseconds per call of ``fn`` (CUDA events around ``reps`` calls)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def tensor_ops(*args: object) -> torch.Tensor:
+    """``attend`` with the kernels refused: the tensor ops."""
+    applies = compiled.fused_decode_applies
+    compiled.fused_decode_applies = lambda *a: False
+    try:
+        return attend(*args)
+    finally:
+        compiled.fused_decode_applies = applies
+
+
+def problem(cells: int, used: int, self_extend: bool, inv_freq: torch.Tensor) -> tuple:
+    """``attend``'s arguments for one layer: random bf16 cells, the query at the last cell in use."""
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    q = torch.randn(1, H, 1, D, device=DEVICE, generator=gen).bfloat16()
+    k, v = (torch.randn(1, HKV, cells, D, device=DEVICE, generator=gen).bfloat16() for _ in range(2))
+    positions = torch.arange(cells, device=DEVICE)
+    positions[used:] = UNREACHED
+    pos = torch.tensor([used - 1], device=DEVICE)
+    params = SimpleNamespace(group_size=GROUP, window=WINDOW, inv_freq=inv_freq)
+    grouped = GroupedRotations.build(cells, params) if self_extend else None
+    return q, k, v, positions, pos, D**-0.5, None, grouped
+
+
+def tiles(args: tuple, gb: float, rounds: int) -> None:
+    """Time the kernels alone with each of CONFIGS and name the fastest."""
+    q, k, v, positions, pos, scale, _, grouped = args
+    q_g = grouped.query_at(pos).apply(q.float())
+    found = {}
+    for cfg in CONFIGS:
+
+        def run(cfg: DecodeConfig = cfg) -> torch.Tensor:
+            extra = (q_g, grouped.keys, grouped.window)
+            return fused_decode_attention(q, k, v, positions, pos, scale, None, *extra, config=cfg)
+
+        try:
+            fn = graphed(run)
+            found[cfg] = min(ms(fn) for _ in range(rounds))
+        except Exception as e:  # a tile the GPU's registers or shared memory cannot hold
+            print(f"  tiles {tuple(cfg)}: refused ({str(e).splitlines()[0][:100]})")
+    for cfg, t in found.items():
+        print(f"  tiles {tuple(cfg)} (block_n, split, warps): {t:.3f} ms, {gb / t:.0f} GB/s")
+    best = min(found, key=found.__getitem__)
+    default = default_config(k.shape[2], HKV, H // HKV, D, q.device)
+    print(f"  fastest tiles {tuple(best)}; default {tuple(default)}")
+
+
+def one_setting(cells: int, used: int, self_extend: bool, inv_freq: torch.Tensor, rounds: int) -> None:
+    """Each path's speed for one setting, rounds interleaved; the fused path's error; tiles at 32k SE."""
+    args = problem(cells, used, self_extend, inv_freq)
+    q, k, v = args[:3]
+    k_used, v_used = k[:, :, :used], v[:, :, :used]
+    gb = 2 * k_used.numel() * k.element_size() / 1e6  # MB of keys and values in use: MB / ms = GB/s
+    paths: dict[str, Callable[[], object]] = {
+        "fused": lambda: attend(*args),
+        "attend": lambda: tensor_ops(*args),
+        "sdpa": lambda: F.scaled_dot_product_attention(q, k_used, v_used, scale=D**-0.5, enable_gqa=True),
+    }
+    replay = {name: graphed(fn) for name, fn in paths.items()}
+    times: dict[str, list[float]] = {name: [] for name in paths}
+    for _ in range(rounds):
+        for name, fn in replay.items():
+            times[name].append(ms(fn))
+    med = {name: statistics.median(t) for name, t in times.items()}
+    kind = f"SE G={GROUP} W={WINDOW}" if self_extend else "plain"
+    print(
+        f"{cells:>6} cells ({used} in use), {kind}: "
+        + ", ".join(f"{n} {t:.3f} ms ({gb / t:.0f} GB/s)" for n, t in med.items())
+    )
+    want = tensor_ops(*args)
+    diff = (attend(*args) - want).abs().max()
+    print(f"  fused vs tensor ops: max abs {diff:.2e} (the output's largest {want.abs().max():.2f})")
+    if self_extend and cells == used == 32768:
+        tiles(args, gb, rounds)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("check_fused_decode: no CUDA GPU here, skipped")
+        return 0
+    if importlib.util.find_spec("triton") is None:
+        print("check_fused_decode: triton is not installed, skipped")
+        return 0
+    import triton
+
+    t0 = time.perf_counter()
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
+    print(f"one layer's decode attention: {H} q / {HKV} kv heads, head {D}, bfloat16 cells")
+    inv_freq = 1.0 / (500000.0 ** (torch.arange(0, D, 2, device=DEVICE).float() / D))
+    with torch.no_grad():
+        for cells, used in SETTINGS:
+            for self_extend in (False, True):
+                one_setting(cells, used, self_extend, inv_freq, args.rounds)
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    print(f"peak GPU memory {peak:.1f} GiB, {time.perf_counter() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,141 @@
+"""One query token's attention over a layer's cells in two Triton kernels (split-K), where it can run.
+
+The decode step's attention in plain tensor ops (``generation.compiled.attend``) makes float32 copies of
+the keys, of both kinds of scores (plain and, with Self-Extend, grouped: every key rotated by its
+position's row of a table) and of the probabilities, and reads the cells several times; the step captured
+as a CUDA graph runs it over every cell of the buffers, those not in use too. On an 8B shape at 32k cells
+that is estimated at 8 ms a token plain and 13 ms with Self-Extend on an H200 (issue 48), most of a 7 ms
+budget. :mod:`~selfextend.core.fused_decode_kernel` reads each cell in use once (positions first: tiles
+with no visible cell are skipped, so cells not in use cost their positions only) in programs over (KV
+head, run of cells), all query heads of a KV head together, then merges the runs by log-sum-exp. Every
+size comes from tensor shapes and the query's position is read on the device, so the step stays
+capturable; the math is ``attend``'s, in float32 (the grouped query rotated by the same :class:`Rotation`
+outside, the keys' table rows read by the kernel).
+
+triton is optional: nothing here imports it until a kernel runs, and :func:`fused_decode_applies` says
+no where it is missing. With ``TRITON_INTERPRET=1`` set before triton is imported, the kernels also run
+on CPU tensors (Triton's interpreter: slow, for tests). Not yet run on a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from functools import lru_cache
+from typing import NamedTuple
+
+import torch
+
+from selfextend.core.fused_prefill import DTYPES, MAX_HEAD_DIM, interpreting, triton_available
+from selfextend.core.rope import Rotation
+
+
+class DecodeConfig(NamedTuple):
+    """The kernel's tiling: cells per tile, cells per program (a multiple of the tile), warps a program."""
+
+    block_n: int
+    split: int
+    num_warps: int
+
+
+def fused_decode_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether :func:`fused_decode_attention` takes this step: CUDA tensors (or CPU ones under the
+    interpreter), dtypes and a head size it takes, triton installed, and not inside ``torch.compile``
+    (whose graph fuses ``attend``'s own tensor ops)."""
+    if torch.compiler.is_compiling():  # first: nothing below is traced
+        return False
+    device = q.device.type
+    on_device = device == "cuda" or (device == "cpu" and interpreting())
+    return (
+        on_device
+        and k.device == q.device
+        and v.device == q.device
+        and all(x.dtype in DTYPES for x in (q, k, v))
+        and q.shape[-1] <= MAX_HEAD_DIM
+        and triton_available()
+    )
+
+
+def _pow2(n: int) -> int:
+    """The smallest power of two >= n (tile sizes must be powers of two)."""
+    return 1 << max(0, n - 1).bit_length()
+
+
+@lru_cache(maxsize=8)
+def _programs(device: torch.device) -> int:
+    """How many programs fill the device: four per multiprocessor on CUDA, a few under the interpreter."""
+    if device.type == "cuda":
+        return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def default_config(n_cells: int, n_kv: int, n_rep: int, head_dim: int, device: torch.device) -> DecodeConfig:
+    """Tiles of about 8k float32 products (a program's registers for ``n_rep`` query rows; a guess, not yet
+    timed: experiments/gpu/check_fused_decode.py times others), and runs of cells long enough to fill the
+    device once (at least 4 tiles, so a program's setup is paid back)."""
+    block_r, block_d = _pow2(n_rep), max(16, _pow2(head_dim))
+    block_n = max(16, min(64, 8192 // (block_r * block_d)))
+    per_head = -(-n_cells * n_kv // _programs(device))  # cells a program takes to fill the device once
+    split = -(-max(per_head, 4 * block_n) // block_n) * block_n
+    return DecodeConfig(block_n, split, 4)
+
+
+def fused_decode_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    pos: torch.Tensor,
+    scale: float,
+    window: int | None,
+    q_g: torch.Tensor | None = None,
+    keys: Rotation | None = None,
+    group_window: int = 0,
+    config: DecodeConfig | None = None,
+) -> torch.Tensor:
+    """``attend`` in two kernels: q (1, H, 1, D) at ``pos`` (1,) over k and v (1, Hkv, n, D) (any strides;
+    query head ``h`` reads KV head ``h // (H / Hkv)``) at ``positions`` (n,) -> (1, 1, H * D) float32.
+
+    A cell at ``j`` is visible iff ``0 <= pos - j`` (``< window`` on a sliding layer). With Self-Extend,
+    ``q_g`` (1, H, 1, D) float32 is the query at its grouped position and ``keys`` the table (1, 1, N,
+    rot_dim) turning a key cached at ``j`` into one at ``j // G`` (rows past N - 1 clamped, as ``attend``
+    does): cells at distance >= ``group_window`` score ``q_g`` against their rotated key.
+    """
+    from selfextend.core.fused_decode_kernel import decode_merge_kernel, decode_partials_kernel
+
+    _, h, _, d = q.shape
+    hkv, n = k.shape[1], k.shape[2]
+    if h % hkv or v.shape[1:3] != (hkv, n) or positions.shape != (n,):
+        raise ValueError(f"fused decode: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    n_rep = h // hkv
+    cfg = config or default_config(n, hkv, n_rep, d, q.device)
+    grouped = q_g is not None and keys is not None
+    if grouped:
+        cos, sin = keys.cos, keys.sin
+    else:  # unread (GROUPED off): any tensors of the right rank do
+        q_g, cos, sin = q, q[0, :, 0], q[0, :, 0]
+    n_splits = max(1, -(-n // cfg.split))
+    acc = torch.empty(h, n_splits, d, device=q.device, dtype=torch.float32)
+    m = torch.empty(h, n_splits, device=q.device, dtype=torch.float32)
+    l_sum = torch.empty_like(m)
+    out = torch.empty(1, 1, h * d, device=q.device, dtype=torch.float32)
+    block_d = max(16, _pow2(d))
+    with torch.cuda.device(q.device) if q.device.type == "cuda" else contextlib.nullcontext():
+        decode_partials_kernel[(hkv, n_splits)](
+            q, q_g, k, v, pos, positions, cos, sin, acc, m, l_sum,
+            q.stride(1), q.stride(3), q_g.stride(1), q_g.stride(3),
+            k.stride(1), k.stride(2), k.stride(3), v.stride(1), v.stride(2), v.stride(3),
+            positions.stride(0), cos.stride(-2), cos.stride(-1), sin.stride(-2), sin.stride(-1),
+            n, n_rep, n_splits, cfg.split, window or 0, group_window, cos.shape[-2], float(scale),
+            SLIDING=window is not None,
+            GROUPED=grouped,
+            HEAD_DIM=d,
+            ROT_DIM=cos.shape[-1] if grouped else d,
+            BLOCK_R=_pow2(n_rep),
+            BLOCK_N=cfg.block_n,
+            BLOCK_D=block_d,
+            num_warps=cfg.num_warps,
+        )  # fmt: skip
+        decode_merge_kernel[(h,)](
+            acc, m, l_sum, out, n_splits, HEAD_DIM=d, BLOCK_S=min(16, _pow2(n_splits)), BLOCK_D=block_d
+        )
+    return out
