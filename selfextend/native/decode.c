@@ -21,6 +21,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 enum { F32 = 0, BF16 = 1, F16 = 2 };
 enum { MAX_R = 16, MAX_V8 = 32, TILE = 2, HEADS = 6 }; /* query rows, 8-float vectors per row; a value tile */
@@ -55,7 +58,11 @@ INLINE v8 load8(const void *base, long i, int type) {
         memcpy(&x, &bits, sizeof x);
         return x;
     }
+#if defined(__F16C__) /* gcc turns the vector conversion below into 8 scalar ones where AVX512-FP16 is on */
+    return (v8)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)base + i)));
+#else
     return __builtin_convertvector(*(const h8 *)((const _Float16 *)base + i), v8);
+#endif
 }
 
 /* The cache line of a cell row's element `i` on its way in (ahead of its use: the pass over a block of cells
