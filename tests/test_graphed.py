@@ -11,6 +11,9 @@ from conftest import make_model, tiny_gemma3
 from device_guard import DeviceGuard
 
 import selfextend.generation.decode as decode_module
+from selfextend.generation.backends import decode_backends
+from selfextend.generation.compiled import FastDecode
+from selfextend.generation.decode import DecodeStep
 from selfextend.generation.generator import Generator
 from selfextend.generation.graphed import GraphedDecode, graphed_decode_for
 from selfextend.hf.patch import apply_self_extend
@@ -78,3 +81,21 @@ def test_it_is_the_gpu_path_only() -> None:
     model = make_model("llama")
     assert graphed_decode_for(model) is None
     assert Generator(model, ContextShiftCache(model, 40)).fast is None
+
+
+def test_one_gate_picks_the_steps(monkeypatch) -> None:
+    """decode_backends: the direct step for rows; for single tokens the compiled step where asked, else the
+    captured one (asked for a model it would take on a GPU: here, a stand-in for the CUDA check), else none;
+    nothing with direct decoding off."""
+    import selfextend.generation.backends as backends
+
+    model = make_model("llama")
+    rows, single = decode_backends(model)
+    assert isinstance(rows, DecodeStep) and single is None  # the CPU: no graph
+    monkeypatch.setattr(backends, "graphed_decode_for", lambda m: GraphedDecode(m, capture=False))
+    assert isinstance(decode_backends(model).single, GraphedDecode)
+    compiled = decode_backends(model, compile=True).single
+    assert isinstance(compiled, FastDecode) and not isinstance(compiled, GraphedDecode)
+    assert decode_backends(model, direct=False) == (None, None)
+    gen = Generator(model, ContextShiftCache(model, 40))
+    assert isinstance(gen.step, DecodeStep) and isinstance(gen.fast, GraphedDecode)

@@ -15,10 +15,8 @@ import torch
 from torch import nn
 
 from selfextend.core.validate import ValidationError, check_int, check_seed, plural
-from selfextend.generation.compiled import fast_decode_for
-from selfextend.generation.decode import decode_step_for
+from selfextend.generation.backends import decode_backends
 from selfextend.generation.grammar import Grammar, GrammarMask, NoTokenLeft
-from selfextend.generation.graphed import graphed_decode_for
 from selfextend.generation.sampling import SamplingParams, any_left, distribution, sample
 from selfextend.generation.speculative import Drafter, DraftOdds, speculates, speculative_decode
 from selfextend.hf.facts import cache_kwargs
@@ -102,10 +100,8 @@ class Generator:
             self.rng.seed()
         self.device = next(self.model.parameters()).device
         single = self.cache.layers[0].keys.shape[0] == 1
-        self.step = decode_step_for(self.model) if self.direct_decode and single else None
-        self.fast = fast_decode_for(self.model) if single and self.compile else None  # compiled where asked
-        if self.fast is None and single and self.direct_decode:  # on a GPU: the step captured as a graph
-            self.fast = graphed_decode_for(self.model)
+        direct, compile = self.direct_decode and single, self.compile and single
+        self.step, self.fast = decode_backends(self.model, direct, compile)
 
     def make_room(self, n: int) -> None:
         """Shift the cache if ``n`` more tokens do not fit, forgetting the tokens it discards."""

@@ -30,8 +30,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from selfextend.generation.backends import decode_backends
 from selfextend.generation.batched import BatchedDecode
-from selfextend.generation.decode import decode_step_for
 from selfextend.generation.draft import DraftModel
 from selfextend.generation.generator import PREFILL_CHUNK, run
 from selfextend.generation.grammar import NoTokenLeft
@@ -79,7 +79,7 @@ class Engine:
         set_chunk_engine(model, default="int8")
         self.cache_reuse, self.max_queue, self.prefill_chunk = cache_reuse, max_queue, prefill_chunk
         self.eos = eos_token_ids(model, tokenizer)
-        step = decode_step_for(model)
+        step = decode_backends(model).rows  # one for all slots; their batches go through it or BatchedDecode
         self.slots = [
             Slot(i, model, n_ctx, step, cache_dtype, None if draft is None else draft.for_another())
             for i in range(parallel)
