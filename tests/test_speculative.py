@@ -299,7 +299,8 @@ def test_two_server_slots_reply_the_same_with_drafts(source: str, request: pytes
 
 def test_generate_with_a_draft_model_prints_plain_greedy_text(tmp_path, cache) -> None:
     """``generate --draft-model`` (two tiny GGUFs of one vocabulary) prints what plain greedy decoding
-    prints; a draft of another vocabulary, or two sources of drafts, is refused in one line."""
+    prints, and so with its draft scoring part of the vocabulary; a draft of another vocabulary, two sources
+    of drafts, or a draft vocabulary without a draft model or of no ids, is refused in one line."""
     from click.testing import CliRunner
 
     from selfextend.cli.main import main
@@ -316,12 +317,22 @@ def test_generate_with_a_draft_model_prints_plain_greedy_text(tmp_path, cache) -
     plain, drafted = generate(), generate("--draft-model", draft, "--draft-max", "4")
     assert plain.exit_code == 0 and drafted.exit_code == 0, drafted.stderr
     assert drafted.stdout == plain.stdout
+    part = generate("--draft-model", draft, "--draft-max", "4", "--draft-vocab", "64")  # 64 of 262 ids
+    assert part.exit_code == 0 and part.stdout == plain.stdout, part.stderr
     assert int(re.search(r"(\d+) context shifts", drafted.stderr).group(1)) >= 2
     kept, tried = map(int, re.search(r"drafts kept (\d+)/(\d+)", drafted.stderr).groups())
     assert 0 < kept <= tried and "drafts kept" not in plain.stderr
     for extra, says in (
         (("--draft-model", other), "the draft model's vocabulary differs from the target's (270 against 262"),
         (("--draft-model", draft, "--lookup", "4"), "choose one source of drafts"),
+        (
+            (
+                "--draft-vocab",
+                "64",
+            ),
+            "--draft-vocab needs --draft-model",
+        ),
+        (("--draft-model", draft, "--draft-vocab", "0"), "0 is not in the range x>=1"),
     ):
         r = generate(*extra)
         errors = [line for line in r.stderr.splitlines() if line.startswith("error")]
