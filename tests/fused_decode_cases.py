@@ -74,21 +74,11 @@ def problem(case: tuple) -> dict[str, object]:
     return {"args": args, "tiles": tiles}
 
 
-def reference(*args: object) -> torch.Tensor:
-    """``attend`` with the kernels refused: the tensor ops every other device runs."""
-    applies = compiled.fused_decode_applies
-    compiled.fused_decode_applies = lambda *a: False
-    try:
-        return attend(*args)
-    finally:
-        compiled.fused_decode_applies = applies
-
-
 def run(case: tuple) -> dict[str, object]:
     """One case: the kernels (directly with the case's tiles, or through ``attend``) against the reference."""
     p = problem(case)
     args = p["args"]
-    want = reference(*args)
+    want = attend(*args, fused=False)
     if p["tiles"] is None:
         got = attend(*args)
     else:

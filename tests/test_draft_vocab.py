@@ -7,12 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 from test_models import write_tiny_gguf
-from test_speculative import REPEATED, _greedy, assert_same_cells
+from test_speculative import REPEATED, assert_plain_greedy_with
 
 from selfextend.generation.draft import DraftModel
 from selfextend.generation.draft_vocab import HELD_MOST, PartialHead
 from selfextend.generation.products import product_of
-from selfextend.hf.patch import apply_self_extend, remove_self_extend
 from selfextend.models import load_model
 from selfextend.models.quantize import quantize_int8
 from selfextend.native.quant import quant_kernels
@@ -84,20 +83,9 @@ def test_a_partial_draft_head_gives_plain_greedy_through_shifts(pair, self_exten
     """The tokens, shifts and cells of plain greedy decoding; the draft scores 64 of 264 ids and the
     context's, so it drafts some tokens and cannot draft others."""
     model, small = pair
-    if self_extend:
-        apply_self_extend(model, 2, 8)
-        apply_self_extend(small, 2, 8)
-    try:
-        plain, g1 = _greedy(model, 0, 48, 120, REPEATED)
-        draft = DraftModel(small, 4, vocab=64)
-        fast, g2 = _greedy(model, 0, 48, 120, REPEATED, draft=draft)
-    finally:
-        remove_self_extend(model)
-        remove_self_extend(small)
-    assert fast == plain and g1.cache.shifts >= 2 and g2.cache.shifts == g1.cache.shifts
-    assert g2.tokens == g1.tokens and torch.equal(g2.last_logits, g1.last_logits)
-    assert_same_cells(g1, g2)
-    assert draft.gen.step.head_product is draft.part and g2.drafted > 0
+    draft = DraftModel(small, 4, vocab=64)
+    gen = assert_plain_greedy_with(draft, model, self_extend)
+    assert draft.gen.step.head_product is draft.part and gen.kept > 0
     held = set(draft.part.ids.tolist())
     assert {t for t in REPEATED if t >= 64} <= held  # the prompt's ids past the first 64 are scored
 

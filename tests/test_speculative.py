@@ -98,6 +98,25 @@ class Wrong(DraftModel):
         return [t if (len(context) + i) % 3 else 4 + t % 50 for i, t in enumerate(drafts)], q
 
 
+def assert_plain_greedy_with(draft: DraftModel, model: torch.nn.Module, self_extend: bool) -> Generator:
+    """Greedy decoding of REPEATED through 48 cells with ``draft``'s drafts (both models Self-Extended where
+    asked) gives plain greedy's tokens, shifts (2 or more), last logits and cells; its generator."""
+    models = (model, draft.model)
+    if self_extend:
+        for m in models:
+            apply_self_extend(m, 2, 8)
+    try:
+        plain, g1 = _greedy(model, 0, 48, 120, REPEATED)
+        fast, g2 = _greedy(model, 0, 48, 120, REPEATED, draft=draft)
+    finally:
+        for m in models:
+            remove_self_extend(m)
+    assert fast == plain and g1.cache.shifts >= 2 and g2.cache.shifts == g1.cache.shifts
+    assert g2.tokens == g1.tokens and torch.equal(g2.last_logits, g1.last_logits)
+    assert_same_cells(g1, g2)
+    return g2
+
+
 @pytest.mark.parametrize("self_extend", [False, True], ids=["plain", "self-extend"])
 def test_a_draft_model_gives_plain_greedy_through_shifts(model, small, self_extend: bool) -> None:
     """Drafts from another model (its cache following the target's shifts): the tokens, shifts and cache
@@ -105,21 +124,10 @@ def test_a_draft_model_gives_plain_greedy_through_shifts(model, small, self_exte
     seen = []
     real = speculative.choose
     watch = lambda gen, logits, draft, q: seen.append((draft, real(gen, logits, draft, q))) or seen[-1][1]  # noqa: E731
-    if self_extend:
-        apply_self_extend(model, 2, 8)
-        apply_self_extend(small, 2, 8)
-    try:
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(speculative, "choose", watch)
-            plain, g1 = _greedy(model, 0, 48, 120, REPEATED)
-            draft = Wrong(small, 4)
-            fast, g2 = _greedy(model, 0, 48, 120, REPEATED, draft=draft)
-    finally:
-        remove_self_extend(model)
-        remove_self_extend(small)
-    assert fast == plain and g1.cache.shifts >= 2 and g2.cache.shifts == g1.cache.shifts
-    assert g2.tokens == g1.tokens and torch.equal(g2.last_logits, g1.last_logits)
-    assert_same_cells(g1, g2)
+    draft = Wrong(small, 4)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(speculative, "choose", watch)
+        assert_plain_greedy_with(draft, model, self_extend)
     drafted = [(d, t) for d, t in seen if d is not None]
     assert any(d == t for d, t in drafted) and any(d != t for d, t in drafted)
     assert draft.gen.cache.shifts >= 2  # it followed the target's shifts rather than refilling

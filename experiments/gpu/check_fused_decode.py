@@ -32,7 +32,6 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
-import selfextend.generation.compiled as compiled
 from selfextend.core.fused_decode import DecodeConfig, default_config, fused_decode_attention
 from selfextend.generation.compiled import GroupedRotations, attend
 from selfextend.generation.graphed import UNREACHED
@@ -76,16 +75,6 @@ def ms(fn: Callable[[], object], reps: int = 50) -> float:
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / reps
-
-
-def tensor_ops(*args: object) -> torch.Tensor:
-    """``attend`` with the kernels refused: the tensor ops."""
-    applies = compiled.fused_decode_applies
-    compiled.fused_decode_applies = lambda *a: False
-    try:
-        return attend(*args)
-    finally:
-        compiled.fused_decode_applies = applies
 
 
 def problem(cells: int, used: int, self_extend: bool, inv_freq: torch.Tensor) -> tuple:
@@ -132,7 +121,7 @@ def one_setting(cells: int, used: int, self_extend: bool, inv_freq: torch.Tensor
     gb = 2 * k_used.numel() * k.element_size() / 1e6  # MB of keys and values in use: MB / ms = GB/s
     paths: dict[str, Callable[[], object]] = {
         "fused": lambda: attend(*args),
-        "attend": lambda: tensor_ops(*args),
+        "attend": lambda: attend(*args, fused=False),
         "sdpa": lambda: F.scaled_dot_product_attention(q, k_used, v_used, scale=D**-0.5, enable_gqa=True),
     }
     replay = {name: graphed(fn) for name, fn in paths.items()}
@@ -146,7 +135,7 @@ def one_setting(cells: int, used: int, self_extend: bool, inv_freq: torch.Tensor
         f"{cells:>6} cells ({used} in use), {kind}: "
         + ", ".join(f"{n} {t:.3f} ms ({gb / t:.0f} GB/s)" for n, t in med.items())
     )
-    want = tensor_ops(*args)
+    want = attend(*args, fused=False)
     diff = (attend(*args) - want).abs().max()
     print(f"  fused vs tensor ops: max abs {diff:.2e} (the output's largest {want.abs().max():.2f})")
     if self_extend and cells == used == 32768:

@@ -92,12 +92,14 @@ def attend(
     scale: float,
     window: int | None,
     grouped: GroupedRotations | None,
+    fused: bool = True,
 ) -> torch.Tensor:
     """One query row over a layer's cells: q (1, H, 1, D) at ``pos`` (1,), k and v (1, Hkv, n, D) at
     ``positions`` (n,) -> (1, 1, H * D) in float32. One softmax over neighbor and grouped scores. On CUDA
     (or under Triton's interpreter) with triton installed, the fused kernels of
-    :mod:`~selfextend.core.fused_decode` compute the same, reading each cell once."""
-    if fused_decode_applies(q, k, v):
+    :mod:`~selfextend.core.fused_decode` compute the same, reading each cell once (``fused`` False: the
+    tensor ops anyway, what the kernels are checked and timed against)."""
+    if fused and fused_decode_applies(q, k, v):
         if grouped is None:
             return fused_decode_attention(q, k, v, positions, pos, scale, window)
         q_g = grouped.query_at(pos).apply(q.float())  # (1, H, 1, D) float32
