@@ -27,6 +27,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
@@ -35,6 +36,9 @@ import torch.nn.functional as F
 from selfextend.core.fused_decode import DecodeConfig, default_config, fused_decode_attention
 from selfextend.generation.compiled import GroupedRotations, attend
 from selfextend.generation.graphed import UNREACHED
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from check_fused_prefill import ms  # noqa: E402  (CUDA events around calls, one way of timing)
 
 H, HKV, D, GROUP, WINDOW = 32, 8, 128, 32, 2048
 DEVICE = "cuda"
@@ -66,17 +70,6 @@ def graphed(fn: Callable[[], object]) -> Callable[[], object]:
     return graph.replay
 
 
-def ms(fn: Callable[[], object], reps: int = 50) -> float:
-    """Milliseconds per call of ``fn`` (CUDA events around ``reps`` calls)."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
-
-
 def problem(cells: int, used: int, self_extend: bool, inv_freq: torch.Tensor) -> tuple:
     """``attend``'s arguments for one layer: random bf16 cells, the query at the last cell in use."""
     gen = torch.Generator(device=DEVICE).manual_seed(0)
@@ -103,7 +96,7 @@ def tiles(args: tuple, gb: float, rounds: int) -> None:
 
         try:
             fn = graphed(run)
-            found[cfg] = min(ms(fn) for _ in range(rounds))
+            found[cfg] = min(ms(fn, 50) for _ in range(rounds))
         except Exception as e:  # a tile the GPU's registers or shared memory cannot hold
             print(f"  tiles {tuple(cfg)}: refused ({str(e).splitlines()[0][:100]})")
     for cfg, t in found.items():
@@ -128,7 +121,7 @@ def one_setting(cells: int, used: int, self_extend: bool, inv_freq: torch.Tensor
     times: dict[str, list[float]] = {name: [] for name in paths}
     for _ in range(rounds):
         for name, fn in replay.items():
-            times[name].append(ms(fn))
+            times[name].append(ms(fn, 50))
     med = {name: statistics.median(t) for name, t in times.items()}
     kind = f"SE G={GROUP} W={WINDOW}" if self_extend else "plain"
     print(
