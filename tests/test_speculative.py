@@ -475,3 +475,39 @@ def test_a_request_without_drafts_leaves_the_draft_model_idle(default_draft) -> 
         assert drafts.gen is not None and engine.slots[0].gen.drafted > 0
     finally:
         engine.stop()
+
+
+def test_a_check_past_a_sliding_rings_end_is_each_row_alone(tmp_path) -> None:
+    """Gemma 3's sliding layers (window 8, rings of 18 cells), Q8_0 blocks: five rows of one cache checked in
+    one pass where the ring fills after two of them give each row's logits as stepping it alone, and a cut
+    back to the first row is exact. The rows used to be claimed one by one with the ring compacted at the
+    third's claim: the cells moved under the first rows' queries, and cells a cut back to them attends were
+    dropped (recomputed then by a forward: other bits; a real Gemma 3's greedy text parted after ~900
+    tokens)."""
+    import gguf_write
+    import transformers as tf
+    from conftest import COMMON
+
+    torch.manual_seed(0)
+    gemma = dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=8)
+    original = tf.Gemma3ForCausalLM(tf.Gemma3TextConfig(**{**COMMON, "num_hidden_layers": 6}, **gemma)).eval()
+    path = gguf_write.write(original, original.config, tmp_path / "g.gguf", file_type="Q8_0")
+    model = load_model(str(path), weights="gguf")[0]
+    tokens = [5, 9, 11, 13, 17]
+
+    def prepared() -> Generator:
+        gen = Generator(model, ContextShiftCache(model, 64, n_keep=4), SamplingParams(temperature=0))
+        gen.feed([3, 4, 6, 7])
+        for t in range(20, 32):  # one token a step: the sliding rings hold 16 of their 18 cells
+            gen.feed([t])
+        assert [layer.n_used for layer in gen.cache.layers[:5]] == [16] * 5
+        return gen
+
+    together = prepared()
+    base = together.cache.n_past
+    together.make_room(len(tokens))
+    rows = together.step.rows(tokens, [together.cache] * len(tokens))
+    alone = prepared()
+    for t, row in zip(tokens, rows, strict=True):
+        assert torch.equal(alone.feed([t]), row)
+    assert together.cache.can_truncate(base + 1)

@@ -217,6 +217,11 @@ class ContextShiftCache(Cache):
             take = take[torch.argsort(pos[take])]
             layer.fill(k.index_select(-2, take), v.index_select(-2, take), pos[take], n_past)
 
+    def reserve(self, n: int) -> None:
+        """Room in every layer for ``n`` cells claimed one by one next (:meth:`CellLayer.reserve`)."""
+        for layer in self.layers:
+            layer.reserve(n)
+
     def make_room(self, n_new: int) -> int:
         """Shift until ``n_new`` more tokens fit; returns the number of shifts made."""
         if n_new > self.n_ctx - self.n_keep - 1:

@@ -211,6 +211,13 @@ class CellLayer(CacheLayerMixin):
         """The first of ``n`` free slots after the cells in use (a sliding layer makes room first)."""
         return self.n_used
 
+    def reserve(self, n: int) -> None:
+        """Make room now for ``n`` cells at the next positions, claimed one by one after this (a decode step's
+        rows of one sequence): a sliding layer compacts here, while every cell those rows and a cut back to
+        any of them attend is still held, not at a row's claim, where the cells of the rows before it would
+        be moved under their queries and dropped while they still attend them."""
+        self._free(n)
+
     def visible_from(self, pos: int, window: int | None) -> int:
         """The first slot a query at ``pos`` attends through a sliding ``window`` (None: every cell), for
         cells in position order (a full layer's; a sliding layer's after :meth:`claim`): cells at positions
