@@ -230,8 +230,9 @@ class DecodeStep:
         invariant (the native GGUF block products) a row's logits are bit for bit those of stepping it alone.
         """
         pos = row_positions(caches)
-        for cache in {id(c): c for c in caches}.values():  # sliding layers: room for all its rows at once
-            cache.reserve(sum(c is cache for c in caches))
+        if len(caches) > 1:  # a cache's several rows: its sliding layers make room for all of them at once
+            for cache in {id(c): c for c in caches}.values():
+                cache.reserve(sum(c is cache for c in caches))
         ids = torch.tensor(tokens, device=self.device)
         x = self.embed_rows(ids)  # (M, hidden): a copy, added to in place
         x = x * self.embed_scale.to(x.dtype) if self.embed_scale is not None else x
