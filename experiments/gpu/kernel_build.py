@@ -1,0 +1,218 @@
+"""The fused Triton kernels compiled for a GPU on a machine without one: registers, spills, shared memory.
+
+Triton's interpreter (the suite's kernel tests) runs a kernel's math on the CPU but never compiles it, so a
+kernel that cannot compile for a GPU (a tile the hardware's matrix units refuse, a type a lowering lacks),
+or that compiles into a program spilling registers to local memory, passes every test and fails or crawls
+on the first GPU. Triton's compiler itself needs no GPU: its wheel carries ``ptxas``. This script calls
+the real wrappers (:func:`~selfextend.core.fused_prefill.fused_self_extend_prefill`,
+:func:`~selfextend.core.fused_decode.fused_decode_attention`) on small CPU tensors with every launch
+turned into a compile for a GPU target (``sm_90``: H100/H200 unless ``--arch`` says), so the kernels see
+the launches' own arguments, strides and specializations, and reads each program's resources from the
+cubin (``cuobjdump``, also in the wheel):
+
+- ``regs``: registers a thread (255 is the most; more spill), ``stack``: bytes a thread spilled to local
+  memory (0 wanted: spilled registers are read back from memory in the inner loop);
+- ``smem``: shared memory a program (the pipeline's buffered tiles), ``per SM``: programs a multiprocessor
+  holds at once by registers, shared memory and warps (H100/H200: 64k registers, 227 KiB, 64 warps).
+
+It measures no time: the tiles GPUs run fastest are still timed by ``check_fused_prefill.py`` and
+``check_fused_decode.py``. By default it builds the launches the code's own tile choices make and the tiles
+those scripts time; ``--case NAME`` (repeatable) only the named ones. It exits 1 where a launch fails to
+compile (``tests/test_kernel_build.py`` runs a few).
+
+    PYTHONPATH=. python experiments/gpu/kernel_build.py [--arch 90] [--case "prefill bf16 d128" ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+if os.environ.get("TRITON_INTERPRET") == "1":  # the interpreter would run the kernels, not compile them
+    sys.exit("kernel_build: unset TRITON_INTERPRET (this compiles the kernels, it does not interpret them)")
+
+import torch
+
+from selfextend.core.fused_decode import DecodeConfig, fused_decode_attention
+from selfextend.core.fused_prefill import BlockConfig, fused_self_extend_prefill
+from selfextend.core.rope import Rotation
+
+REGISTERS, SHARED, WARPS = 65536, 227 * 1024, 64  # a Hopper multiprocessor's (the A100's: 164 KiB shared)
+RESOURCES = re.compile(r"Function (\w+):\s*REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
+
+
+@dataclass(frozen=True)
+class Built:
+    """One kernel compiled for the target: its name, constexprs and the program's resources."""
+
+    name: str
+    constexprs: dict
+    num_warps: int
+    regs: int
+    stack: int
+    smem: int
+
+    def per_sm(self) -> int:
+        """Programs one multiprocessor holds at once (registers are given out per warp, 256 at a time)."""
+        by_regs = REGISTERS // (-(-self.regs * 32 // 256) * 256 * self.num_warps)
+        by_smem = SHARED // max(self.smem + 1024, 1)  # the driver reserves 1 KiB a program
+        return min(by_regs, by_smem, WARPS // self.num_warps)
+
+
+def _bin(name: str) -> str:
+    """A tool of the triton wheel's NVIDIA backend (``ptxas``, ``cuobjdump``)."""
+    import triton
+
+    return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
+
+
+def resources(cubin: bytes) -> dict[str, tuple[int, int, int]]:
+    """Registers, stack and static shared memory of each function of a cubin, as ``cuobjdump`` reads them."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run(
+            [_bin("cuobjdump"), "--dump-resource-usage", f.name], capture_output=True, text=True, check=True
+        ).stdout
+    return {m[1]: (int(m[2]), int(m[3]), int(m[4])) for m in RESOURCES.finditer(text)}
+
+
+@contextmanager
+def compiling_for(arch: int, built: list[Built]) -> Iterator[None]:
+    """Inside: every Triton kernel launch compiles for ``sm_{arch}`` instead of running, with the arguments
+    the launch was given (the specializations a launch on that GPU makes), appending what it built to
+    ``built``. Reads triton 3.9's launcher (the dev extra pins it): ``JITFunction.run`` with its binder."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile, make_backend
+    from triton.runtime import jit
+
+    target = GPUTarget("cuda", arch, 32)
+    backend = make_backend(target)
+
+    def run(self, *args, grid, warmup, **kwargs):
+        kwargs.setdefault("debug", False)
+        kwargs["instrumentation_mode"] = ""
+        kwargs["fpsan_homomorphic_casts"] = False
+        binder = jit.create_function_from_signature(self.signature, self.params, backend)
+        bound, specialization, options = binder(*args, **kwargs)
+        options, signature, constexprs, attrs = self._pack_args(
+            backend, kwargs, bound, specialization, options
+        )
+        source = ASTSource(self, signature, constexprs, attrs)
+        kernel = compile(source, target=target, options=options.__dict__)
+        regs, stack, _ = resources(kernel.asm["cubin"])[kernel.metadata.name]
+        named = {self.arg_names[path[0]]: value for path, value in constexprs.items() if len(path) == 1}
+        built.append(Built(self.__name__, named, options.num_warps, regs, stack, kernel.metadata.shared))
+
+    saved = jit.JITFunction.run
+    jit.JITFunction.run = run
+    try:
+        yield
+    finally:
+        jit.JITFunction.run = saved
+
+
+def prefill(
+    dtype: torch.dtype, d: int, softcap: float | None, config: BlockConfig | None
+) -> Callable[[], object]:
+    """A Self-Extend prefill launch as transformers' layout hands it: 8 query / 2 KV heads, 256 tokens."""
+    b, h, hkv, n, w = 1, 8, 2, 256, 64
+    q, q_g = (torch.zeros(b, n, h, d, dtype=dtype).transpose(1, 2) for _ in range(2))  # (B, H, L, D) views
+    k, v = (torch.zeros(b, n, hkv, d, dtype=dtype).transpose(1, 2) for _ in range(2))
+    k_g = torch.zeros(b, hkv, n - w, d, dtype=dtype)
+    return lambda: fused_self_extend_prefill(q, k, v, q_g, k_g, w, d**-0.5, softcap, config)
+
+
+def decode(
+    dtype: torch.dtype, d: int, n_rep: int, kind: str, config: DecodeConfig | None
+) -> Callable[[], object]:
+    """A decode attention launch over 1,024 cells of 8 KV heads: ``kind`` plain, sliding or grouped."""
+    hkv, n = 8, 1024
+    q = torch.zeros(1, hkv * n_rep, 1, d, dtype=dtype)
+    k, v = (torch.zeros(1, hkv, n, d, dtype=dtype) for _ in range(2))
+    positions, pos = torch.arange(n), torch.tensor([n - 1])
+    window = 512 if kind == "sliding" else None
+    if kind != "grouped":
+        return lambda: fused_decode_attention(q, k, v, positions, pos, d**-0.5, window, config=config)
+    keys = Rotation(torch.ones(1, 1, n, d), torch.zeros(1, 1, n, d))
+    q_g = q.float()
+    return lambda: fused_decode_attention(q, k, v, positions, pos, d**-0.5, None, q_g, keys, 256, config)
+
+
+DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}
+
+
+def defaults() -> dict[str, Callable[[], object]]:
+    """The launches the code's own tile choices make: the prefill at head sizes 64-256 in each dtype (80:
+    a padded head; softcap: Gemma 2), the decode plain, sliding and grouped at GQA 4 and 1."""
+    cases = {}
+    for name, dtype in DTYPES.items():
+        for d in (64, 80, 128, 256):
+            cases[f"prefill {name} d{d}"] = prefill(dtype, d, None, None)
+    cases["prefill bf16 d256 softcap"] = prefill(torch.bfloat16, 256, 50.0, None)
+    for name in ("bf16", "f32"):
+        for kind in ("plain", "sliding", "grouped"):
+            for n_rep in (4, 1):
+                cases[f"decode {name} d128 {kind} gqa{n_rep}"] = decode(DTYPES[name], 128, n_rep, kind, None)
+    cases["decode bf16 d256 grouped gqa2"] = decode(torch.bfloat16, 256, 2, "grouped", None)
+    return cases
+
+
+def tilings() -> dict[str, Callable[[], object]]:
+    """The tiles the GPU scripts time, on their shape (the 8B layer: bf16, head 128, GQA 4)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from check_fused_decode import CONFIGS as DECODE
+    from check_fused_prefill import CONFIGS as PREFILL
+
+    cases = {f"prefill bf16 d128 {tuple(c)}": prefill(torch.bfloat16, 128, None, c) for c in PREFILL}
+    for c in DECODE:
+        cases[f"decode bf16 d128 grouped {tuple(c)}"] = decode(torch.bfloat16, 128, 4, "grouped", c)
+    return cases
+
+
+def build(cases: dict[str, Callable[[], object]], arch: int) -> list[tuple[str, Built | str]]:
+    """Each case's launches compiled for ``sm_{arch}``: (case, what was built), or (case, the error)."""
+    out: list[tuple[str, Built | str]] = []
+    for name, launch in cases.items():
+        built: list[Built] = []
+        try:
+            with compiling_for(arch, built):
+                launch()
+        except Exception as e:  # noqa: BLE001 - a kernel that does not compile is what this reports
+            out.append((name, f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e) else ''}"))
+            continue
+        out.extend((name, b) for b in built)
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", type=int, default=90, help="compute capability x10: 90 H100/H200, 80 A100")
+    every = {**defaults(), **tilings()}
+    parser.add_argument("--case", action="append", choices=list(every), metavar="NAME", help="only these")
+    args = parser.parse_args()
+    cases = {name: every[name] for name in args.case} if args.case else every
+    failed = spilled = 0
+    print(f"{'case':44} {'kernel':24} {'tiles':26} regs stack  smem per SM")
+    for name, b in build(cases, args.arch):
+        if isinstance(b, str):
+            failed += 1
+            print(f"{name:44} FAILED {b}")
+            continue
+        tiles = ",".join(f"{k[6:].lower()}={v}" for k, v in b.constexprs.items() if k.startswith("BLOCK_"))
+        print(f"{name:44} {b.name:24} {tiles:26} {b.regs:4} {b.stack:5} {b.smem:5} {b.per_sm():6}")
+        spilled += b.stack > 0
+    print(f"sm_{args.arch}: {len(cases)} launches, {failed} failed to compile, {spilled} kernels spilled")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
