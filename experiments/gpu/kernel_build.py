@@ -17,8 +17,8 @@ cubin (``cuobjdump``, also in the wheel):
 
 It measures no time: the tiles GPUs run fastest are still timed by ``check_fused_prefill.py`` and
 ``check_fused_decode.py``. By default it builds the launches the code's own tile choices make and the tiles
-those scripts time; ``--case NAME`` (repeatable) only the named ones. It exits 1 where a launch fails to
-compile (``tests/test_kernel_build.py`` runs a few).
+those scripts time; ``--case NAME`` (repeatable; a name's first words: every case they start) only
+those. It exits 1 where a launch fails to compile (``tests/test_kernel_build.py`` runs a few).
 
     PYTHONPATH=. python experiments/gpu/kernel_build.py [--arch 90] [--case "prefill bf16 d128" ...]
 """
@@ -197,9 +197,15 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, default=90, help="compute capability x10: 90 H100/H200, 80 A100")
     every = {**defaults(), **tilings()}
-    parser.add_argument("--case", action="append", choices=list(every), metavar="NAME", help="only these")
+    parser.add_argument(
+        "--case", action="append", metavar="NAME", help="only these ('decode bf16': a prefix)"
+    )
     args = parser.parse_args()
-    cases = {name: every[name] for name in args.case} if args.case else every
+    cases = every
+    if args.case:
+        cases = {n: f for n, f in every.items() if any(n == c or n.startswith(c + " ") for c in args.case)}
+        if missing := [c for c in args.case if not any(n == c or n.startswith(c + " ") for n in every)]:
+            parser.error(f"no case named {missing[0]!r}; cases: {', '.join(every)}")
     failed = spilled = 0
     print(f"{'case':44} {'kernel':24} {'tiles':26} regs stack  smem per SM")
     for name, b in build(cases, args.arch):

@@ -67,16 +67,21 @@ def fused_prefill_applies(q: torch.Tensor, k: torch.Tensor, cells: KeyCells) -> 
     )
 
 
-def default_config(head_dim: int, dtype: torch.dtype) -> BlockConfig:
-    """Tiles for a head size and dtype, chosen for Hopper (H100/H200) and fine elsewhere; float32 (tests,
-    and CUDA float32 models) takes smaller ones, its tiles being twice as large in bytes."""
+def default_config(head_dim: int, dtype: torch.dtype, softcap: bool = False) -> BlockConfig:
+    """Tiles for a head size and dtype, chosen for Hopper (H100/H200): the largest of those
+    ``experiments/gpu/check_fused_prefill.py`` times whose program compiles for sm_90 without spilling
+    registers (``experiments/gpu/kernel_build.py``; not yet timed on a GPU). float32 (tests, and CUDA
+    float32 models) multiplies in float32 without tensor cores and takes smaller tiles; ``softcap`` (Gemma 2)
+    keeps more values live a tile."""
     if dtype == torch.float32:
-        return BlockConfig(64, 32, 4, 2) if head_dim <= 128 else BlockConfig(32, 32, 4, 1)
+        if head_dim <= 64:
+            return BlockConfig(32, 32, 4, 2)
+        return BlockConfig(32, 16, 4, 1) if head_dim <= 128 else BlockConfig(16, 32, 4, 1)
     if head_dim <= 64:
         return BlockConfig(128, 64, 4, 3)
     if head_dim <= 128:
         return BlockConfig(128, 64, 8, 3)
-    return BlockConfig(64, 32, 8, 2)
+    return BlockConfig(64, 16, 8, 2) if softcap else BlockConfig(64, 32, 8, 2)
 
 
 def fused_self_extend_prefill(
@@ -110,7 +115,7 @@ def fused_self_extend_prefill(
     if q_g is None or k_g is None or n_grouped <= 0:
         q_g, k_g, window, n_grouped = q, k, lk, 0  # every pair a neighbor (no distance reaches lk)
     window = min(window, lk)
-    cfg = config or default_config(d, q.dtype)
+    cfg = config or default_config(d, q.dtype, softcap is not None)
     block_d = max(16, 1 << (d - 1).bit_length())  # tl.dot wants 16 or more, a power of two
     out = torch.empty_like(q)
     grid = (b * h, -(-lq // cfg.block_m))  # heads vary fastest: every head's longest row blocks run first

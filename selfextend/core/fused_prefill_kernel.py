@@ -126,7 +126,11 @@ def _key_range(
             if GROUPED:
                 keep = distance >= window  # these keys are all below n_keys = Lk - W
             else:
-                keep = (distance >= 0) & (distance < window) & (cols[None, :] < lk)
+                # 0 <= distance < W in one unsigned compare (a negative distance wraps past every W; the
+                # int32 window is promoted to uint32): 24-30 fewer registers than three tests at 128x64
+                # tiles, where the Hopper tile spilled 80 bytes a thread (experiments/gpu/kernel_build.py).
+                # No slot past the last key is kept: cols <= rows < lk for every real row
+                keep = distance.to(tl.uint32) < window
             s = tl.where(keep, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_new = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet: p and alpha 0, not NaN
