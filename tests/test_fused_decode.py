@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import selfextend.core.fused_decode as fused_decode
+import selfextend.core.fused_prefill as fused_prefill
 import selfextend.generation.compiled as compiled
 from selfextend.generation.compiled import attend
 
@@ -49,7 +50,8 @@ def _like(device: str, dtype: torch.dtype = torch.bfloat16, d: int = 128) -> Sim
 
 def test_fused_decode_applies_where_it_can(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    monkeypatch.setattr(fused_decode, "triton_available", lambda: True)
+    monkeypatch.setattr(fused_prefill, "triton_available", lambda: True)
+    monkeypatch.setattr(fused_prefill, "compute_capability", lambda device: 90)  # an H100/H200
     applies = fused_decode.fused_decode_applies
     cuda, cpu = _like("cuda"), _like("cpu")
     assert applies(cuda, cuda, cuda)
@@ -58,13 +60,18 @@ def test_fused_decode_applies_where_it_can(monkeypatch):
     assert not applies(cuda, cpu, cpu)
     assert not applies(_like("cuda", d=512), _like("cuda", d=512), _like("cuda", d=512))
     assert not applies(cuda, _like("cuda", torch.int8), cuda)
+    monkeypatch.setattr(fused_prefill, "compute_capability", lambda device: 80)  # an A100
+    assert applies(cuda, cuda, cuda)
+    monkeypatch.setattr(fused_prefill, "compute_capability", lambda device: 75)  # a T4: no bf16 products
+    assert not applies(cuda, cuda, cuda)
+    monkeypatch.setattr(fused_prefill, "compute_capability", lambda device: 90)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)  # torch.compile fuses attend's ops
     assert not applies(cuda, cuda, cuda)
     monkeypatch.undo()
-    monkeypatch.setattr(fused_decode, "triton_available", lambda: True)
+    monkeypatch.setattr(fused_prefill, "triton_available", lambda: True)
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # the interpreter runs it on CPU tensors
     assert applies(cpu, cpu, cpu)
-    monkeypatch.setattr(fused_decode, "triton_available", lambda: False)
+    monkeypatch.setattr(fused_prefill, "triton_available", lambda: False)
     assert not applies(cuda, cuda, cuda)
 
 

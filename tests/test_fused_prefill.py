@@ -47,9 +47,13 @@ def _like(device: str, dtype: torch.dtype = torch.bfloat16, d: int = 128) -> Sim
 def test_fused_prefill_applies_where_it_can(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(fused_prefill, "triton_available", lambda: True)
+    monkeypatch.setattr(fused_prefill, "compute_capability", lambda device: 90)  # an H100/H200
     gapless, gaps = KeyCells(torch.arange(8), 0), KeyCells(torch.tensor([0, 2, 3]), None)
     cuda = _like("cuda")
     assert fused_prefill.fused_prefill_applies(cuda, cuda, gapless)
+    monkeypatch.setattr(fused_prefill, "compute_capability", lambda device: 75)  # a T4: no bf16 products
+    assert not fused_prefill.fused_prefill_applies(cuda, cuda, gapless)
+    monkeypatch.setattr(fused_prefill, "compute_capability", lambda device: 90)
     assert not fused_prefill.fused_prefill_applies(cuda, cuda, gaps)  # positions with gaps: by position
     assert not fused_prefill.fused_prefill_applies(_like("cpu"), _like("cpu"), gapless)
     assert not fused_prefill.fused_prefill_applies(_like("cuda", d=512), _like("cuda", d=512), gapless)

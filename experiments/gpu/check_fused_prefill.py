@@ -32,7 +32,12 @@ import torch.nn.functional as F
 from selfextend.core import attention
 from selfextend.core.attention import self_extend_attention, self_extend_attention_reference
 from selfextend.core.decode_query import grouped_keys
-from selfextend.core.fused_prefill import BlockConfig, default_config, fused_self_extend_prefill
+from selfextend.core.fused_prefill import (
+    BlockConfig,
+    compute_capability,
+    default_config,
+    fused_self_extend_prefill,
+)
 from selfextend.core.positions import grouped_query_positions
 from selfextend.core.rope import rotate
 
@@ -100,7 +105,8 @@ def tiles(p: dict[str, torch.Tensor], reps: int, rounds: int) -> None:
     for cfg, t in found.items():
         print(f"  tiles {tuple(cfg)} (block_m, block_n, warps, stages): {t:.2f} ms")
     best = min(found, key=found.__getitem__)
-    print(f"  fastest tiles {tuple(best)}; default {tuple(default_config(D, torch.bfloat16))}")
+    default = default_config(D, torch.bfloat16, arch=compute_capability(torch.device(DEVICE)))
+    print(f"  fastest tiles {tuple(best)}; default {tuple(default)}")
 
 
 def one_length(length: int, inv_freq: torch.Tensor, rounds: int) -> None:

@@ -13,12 +13,14 @@ cubin (``cuobjdump``, also in the wheel):
 - ``regs``: registers a thread (255 is the most; more spill), ``stack``: bytes a thread spilled to local
   memory (0 wanted: spilled registers are read back from memory in the inner loop);
 - ``smem``: shared memory a program (the pipeline's buffered tiles), ``per SM``: programs a multiprocessor
-  holds at once by registers, shared memory and warps (H100/H200: 64k registers, 227 KiB, 64 warps).
+  holds at once by registers, shared memory and warps (H100/H200: 64k registers, 227 KiB, 64 warps;
+  A100: 163 KiB).
 
 It measures no time: the tiles GPUs run fastest are still timed by ``check_fused_prefill.py`` and
 ``check_fused_decode.py``. By default it builds the launches the code's own tile choices make and the tiles
 those scripts time; ``--case NAME`` (repeatable; a name's first words: every case they start) only
-those. It exits 1 where a launch fails to compile (``tests/test_kernel_build.py`` runs a few).
+those. It exits 1 where a launch fails to compile or asks for more shared memory than the GPU gives a
+program (``tests/test_kernel_build.py`` runs a few).
 
     PYTHONPATH=. python experiments/gpu/kernel_build.py [--arch 90] [--case "prefill bf16 d128" ...]
 """
@@ -41,11 +43,13 @@ if os.environ.get("TRITON_INTERPRET") == "1":  # the interpreter would run the k
 
 import torch
 
+import selfextend.core.fused_prefill as fused_prefill
 from selfextend.core.fused_decode import DecodeConfig, fused_decode_attention
 from selfextend.core.fused_prefill import BlockConfig, fused_self_extend_prefill
 from selfextend.core.rope import Rotation
 
-REGISTERS, SHARED, WARPS = 65536, 227 * 1024, 64  # a Hopper multiprocessor's (the A100's: 164 KiB shared)
+REGISTERS, WARPS = 65536, 64  # a multiprocessor's, Ampere to Hopper
+SHARED_KIB = {90: 227, 80: 163, 87: 163}  # shared memory a program may take: H100/H200, A100; others 99
 RESOURCES = re.compile(r"Function (\w+):\s*REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
 
 
@@ -54,6 +58,7 @@ class Built:
     """One kernel compiled for the target: its name, constexprs and the program's resources."""
 
     name: str
+    arch: int
     constexprs: dict
     num_warps: int
     regs: int
@@ -63,7 +68,7 @@ class Built:
     def per_sm(self) -> int:
         """Programs one multiprocessor holds at once (registers are given out per warp, 256 at a time)."""
         by_regs = REGISTERS // (-(-self.regs * 32 // 256) * 256 * self.num_warps)
-        by_smem = SHARED // max(self.smem + 1024, 1)  # the driver reserves 1 KiB a program
+        by_smem = SHARED_KIB.get(self.arch, 99) * 1024 // (self.smem + 1024)  # the driver reserves 1 KiB
         return min(by_regs, by_smem, WARPS // self.num_warps)
 
 
@@ -88,8 +93,9 @@ def resources(cubin: bytes) -> dict[str, tuple[int, int, int]]:
 @contextmanager
 def compiling_for(arch: int, built: list[Built]) -> Iterator[None]:
     """Inside: every Triton kernel launch compiles for ``sm_{arch}`` instead of running, with the arguments
-    the launch was given (the specializations a launch on that GPU makes), appending what it built to
-    ``built``. Reads triton 3.9's launcher (the dev extra pins it): ``JITFunction.run`` with its binder."""
+    the launch was given (the specializations a launch on that GPU makes, the tiles the wrappers choose for
+    it), appending what it built to ``built``. Reads triton 3.9's launcher (the dev extra pins it):
+    ``JITFunction.run`` with its binder."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile, make_backend
     from triton.runtime import jit
@@ -110,14 +116,17 @@ def compiling_for(arch: int, built: list[Built]) -> Iterator[None]:
         kernel = compile(source, target=target, options=options.__dict__)
         regs, stack, _ = resources(kernel.asm["cubin"])[kernel.metadata.name]
         named = {self.arg_names[path[0]]: value for path, value in constexprs.items() if len(path) == 1}
-        built.append(Built(self.__name__, named, options.num_warps, regs, stack, kernel.metadata.shared))
+        built.append(
+            Built(self.__name__, arch, named, options.num_warps, regs, stack, kernel.metadata.shared)
+        )
 
-    saved = jit.JITFunction.run
+    saved = jit.JITFunction.run, fused_prefill.compute_capability
     jit.JITFunction.run = run
+    fused_prefill.compute_capability = lambda device: arch  # the wrappers pick that GPU's tiles
     try:
         yield
     finally:
-        jit.JITFunction.run = saved
+        jit.JITFunction.run, fused_prefill.compute_capability = saved
 
 
 def prefill(
@@ -216,6 +225,11 @@ def main() -> int:
         tiles = ",".join(f"{k[6:].lower()}={v}" for k, v in b.constexprs.items() if k.startswith("BLOCK_"))
         print(f"{name:44} {b.name:24} {tiles:26} {b.regs:4} {b.stack:5} {b.smem:5} {b.per_sm():6}")
         spilled += b.stack > 0
+        if b.per_sm() == 0:  # more shared memory than the GPU gives a program: the launch is refused
+            failed += 1
+            print(
+                f"{name:44} FAILED {b.smem} bytes of shared memory: more than sm_{args.arch} gives a program"
+            )
     print(f"sm_{args.arch}: {len(cases)} launches, {failed} failed to compile, {spilled} kernels spilled")
     return 1 if failed else 0
 

@@ -25,16 +25,18 @@ from typing import NamedTuple
 
 import torch
 
-from selfextend.core.fused_prefill import DTYPES, MAX_HEAD_DIM, interpreting, triton_available
+from selfextend.core.fused_prefill import DTYPES, MAX_HEAD_DIM, interpreting, kernels_run_on
 from selfextend.core.rope import Rotation
 
 
 class DecodeConfig(NamedTuple):
-    """The kernel's tiling: cells per tile, cells per program (a multiple of the tile), warps a program."""
+    """The kernel's tiling: cells per tile, cells per program (a multiple of the tile), warps a program,
+    tiles in flight (the loop's pipeline stages)."""
 
     block_n: int
     split: int
     num_warps: int
+    num_stages: int = 3
 
 
 def fused_decode_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -43,15 +45,12 @@ def fused_decode_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> b
     (whose graph fuses ``attend``'s own tensor ops)."""
     if torch.compiler.is_compiling():  # first: nothing below is traced
         return False
-    device = q.device.type
-    on_device = device == "cuda" or (device == "cpu" and interpreting())
     return (
-        on_device
-        and k.device == q.device
+        k.device == q.device
         and v.device == q.device
         and all(x.dtype in DTYPES for x in (q, k, v))
         and q.shape[-1] <= MAX_HEAD_DIM
-        and triton_available()
+        and kernels_run_on(q.device)
     )
 
 
@@ -68,12 +67,24 @@ def _programs(device: torch.device) -> int:
     return 4
 
 
-def default_config(n_cells: int, n_kv: int, n_rep: int, head_dim: int, device: torch.device) -> DecodeConfig:
-    """Tiles of about 8k float32 products (a program's registers for ``n_rep`` query rows; a guess, not yet
-    timed: experiments/gpu/check_fused_decode.py times others), and runs of cells long enough to fill the
-    device once (at least 4 tiles, so a program's setup is paid back)."""
-    block_r, block_d = _pow2(n_rep), max(16, _pow2(head_dim))
-    block_n = max(16, min(64, 8192 // (block_r * block_d)))
+def default_config(
+    n_cells: int,
+    n_kv: int,
+    head_dim: int,
+    device: torch.device,
+    grouped: bool = False,
+    dtype: torch.dtype = torch.bfloat16,
+) -> DecodeConfig:
+    """Tiles of 64 cells, 32 where Self-Extend rotates keys in the tile (``grouped``) or heads are over 128
+    (16 for both: a 32-cell tile's pipeline of grouped 256-wide keys takes 185 KiB of shared memory, more
+    than an A100 has), half of it for float32 cells (at least 16), 4 warps, 3 tiles in flight: a guess
+    that compiles without spilling registers for sm_90 and sm_80 (experiments/gpu/kernel_build.py; grouped
+    float32 cells and 256-wide grouped heads spill 40-128 bytes a thread), not yet timed
+    (experiments/gpu/check_fused_decode.py times others); runs of cells long enough to fill the device
+    once (at least 4 tiles, so a program's setup is paid back)."""
+    wide = head_dim > 128
+    block_n = 16 if grouped and wide else 32 if grouped or wide else 64
+    block_n = max(16, block_n // 2) if dtype == torch.float32 else block_n
     per_head = -(-n_cells * n_kv // _programs(device))  # cells a program takes to fill the device once
     split = -(-max(per_head, 4 * block_n) // block_n) * block_n
     return DecodeConfig(block_n, split, 4)
@@ -107,8 +118,8 @@ def fused_decode_attention(
     if h % hkv or v.shape[1:3] != (hkv, n) or positions.shape != (n,):
         raise ValueError(f"fused decode: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     n_rep = h // hkv
-    cfg = config or default_config(n, hkv, n_rep, d, q.device)
     grouped = q_g is not None and keys is not None
+    cfg = config or default_config(n, hkv, d, q.device, grouped, k.dtype)
     if grouped:
         cos, sin = keys.cos, keys.sin
     else:  # unread (GROUPED off): any tensors of the right rank do
@@ -128,12 +139,15 @@ def fused_decode_attention(
             n, n_rep, n_splits, cfg.split, window or 0, group_window, cos.shape[-2], float(scale),
             SLIDING=window is not None,
             GROUPED=grouped,
+            LOW=q.dtype == k.dtype == v.dtype and q.dtype != torch.float32,
+            UPCAST=interpreting(),
             HEAD_DIM=d,
             ROT_DIM=cos.shape[-1] if grouped else d,
-            BLOCK_R=_pow2(n_rep),
+            BLOCK_R=max(16, _pow2(n_rep)),
             BLOCK_N=cfg.block_n,
             BLOCK_D=block_d,
             num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
         )  # fmt: skip
         decode_merge_kernel[(h,)](
             acc, m, l_sum, out, n_splits, HEAD_DIM=d, BLOCK_S=min(16, _pow2(n_splits)), BLOCK_D=block_d

@@ -2,13 +2,17 @@
 
 :func:`decode_partials_kernel`: one program per (KV head, run of ``split`` cells) walks its run in tiles of
 ``BLOCK_N`` cells under an online softmax, for all query heads reading that KV head at once (GQA in place:
-each key and value is read once). Per tile it reads the cells' positions first, and skips the tile where
-no cell is visible (cells not in use, at a position after every query; cells outside a sliding window):
-their keys and values are never read. Scores are float32 sums of products (one query row per head: no
-matrix product to feed); with Self-Extend a tile holding grouped cells (distance >= W) rotates their keys
-by the key table's row at their position (rotate-half over the first ``ROT_DIM`` dimensions) and scores
-them against the grouped query. Each program writes its rows' running max, sum and unnormalised output;
-:func:`decode_merge_kernel` merges a head's runs by their maxima (log-sum-exp).
+each key and value is read once). Per tile it reads the cells' positions first, and loads the keys and
+values of the visible cells only (cells not in use, at a position after every query, and cells outside a
+sliding window are masked lanes: no memory read). The query heads are the rows of a matrix product on the
+matrix units (padded to 16 rows, their smallest tile): scores and the probabilities' product with the
+values accumulate in float32 (16-bit cells multiplied as stored, exact products; float32 operands as three
+TF32 products), which keeps a tile's values in a few registers a thread where sums of broadcast products
+held all of them (255 registers and spills, compiled for sm_90: experiments/gpu/kernel_build.py). With
+Self-Extend, the cells at distance >= W have their keys rotated by the key table's row at their position
+(rotate-half over the first ``ROT_DIM`` dimensions) and scored against the grouped query. Each program
+writes its rows' running max, sum and unnormalised output; :func:`decode_merge_kernel` merges a head's
+runs by their maxima (log-sum-exp).
 
 Without triton installed this module still imports: the kernels are then plain functions nobody calls.
 """
@@ -29,9 +33,35 @@ except ModuleNotFoundError:  # no triton: nothing here runs, :func:`fused_decode
 
 
 @_jit
-def _scores(q, k):
-    """q (BLOCK_R, BLOCK_D) against k (BLOCK_N, BLOCK_D) -> (BLOCK_R, BLOCK_N), float32 sums of products."""
-    return tl.sum(q[:, None, :] * k[None, :, :], 2)  # (BLOCK_R, BLOCK_N, BLOCK_D) summed over D
+def _dot(a, b, acc, LOW: tl.constexpr, UPCAST: tl.constexpr):
+    """``acc + a @ b`` in float32 on the matrix units: 16-bit operands as they are where ``LOW`` (their
+    products exact in float32), else float32 ones split in three TF32 products (``tf32x3``: float32's
+    accuracy, where plain TF32 keeps 10 bits); ``UPCAST``: float32 ``ieee`` (the interpreter, whose
+    16-bit products are wrong in triton 3.9 and which takes no ``tf32x3``)."""
+    if UPCAST:
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    elif LOW:
+        out = tl.dot(a, b, acc)
+    else:
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="tf32x3")
+    return out
+
+
+@_jit
+def _weigh(p, v, acc, LOW: tl.constexpr, UPCAST: tl.constexpr):
+    """``acc + p @ v``, float32 probabilities p against values v: where v is 16-bit (``LOW``), p as three
+    16-bit parts (p = hi + mid + lo to float32's precision; two left errors of 2^-17, as large as the
+    tests' tolerance), each product exact, so v is never widened (a float32 ``tf32x3`` product of them
+    held ~130 more registers a thread, compiled for sm_90)."""
+    if LOW:
+        hi = p.to(v.dtype)
+        rest = p - hi.to(tl.float32)
+        mid = rest.to(v.dtype)
+        lo = (rest - mid.to(tl.float32)).to(v.dtype)
+        out = _dot(lo, v, _dot(mid, v, _dot(hi, v, acc, LOW, UPCAST), LOW, UPCAST), LOW, UPCAST)
+    else:
+        out = _dot(p, v, acc, LOW, UPCAST)
+    return out
 
 
 @_jit
@@ -72,15 +102,22 @@ def decode_partials_kernel(
     scale,
     SLIDING: tl.constexpr,
     GROUPED: tl.constexpr,
+    LOW: tl.constexpr,
+    UPCAST: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     ROT_DIM: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """Grid (Hkv, n_splits): KV head ``hk`` (query heads ``hk * n_rep`` on), cells ``[s * split, (s + 1) *
-    split)``. Writes acc (H, n_splits, D), m and l (H, n_splits) at its rows: unnormalised output, running
-    max (-inf where nothing was visible) and running sum of the scaled scores' exponentials."""
+    """Grid (Hkv, n_splits): KV head ``hk`` (query heads ``hk * n_rep`` on, ``BLOCK_R`` >= 16 rows of which
+    the first ``n_rep`` are real: the matrix units' smallest tile), cells ``[s * split, (s + 1) * split)``.
+    Writes acc (H, n_splits, D), m and l (H, n_splits) at its rows: unnormalised output, running max (-inf
+    where nothing was visible) and running sum of the scaled scores' exponentials.
+
+    Every load of a cell is masked by its visibility rather than skipped by a branch, so the loop's loads
+    are pipelined and a cell not visible (not in use, outside a sliding window) costs its position only: a
+    masked lane reads no memory."""
     hk = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     offs_r = tl.arange(0, BLOCK_R)
@@ -90,15 +127,16 @@ def decode_partials_kernel(
     d_ok = offs_d < HEAD_DIM
     heads = hk * n_rep + offs_r  # (BLOCK_R,) the query heads of this KV head
     q_ok = r_ok[:, None] & d_ok[None, :]  # (BLOCK_R, BLOCK_D)
-    q = tl.load(q_ptr + heads[:, None] * s_qh + offs_d[None, :] * s_qd, mask=q_ok, other=0.0).to(tl.float32)
+    q = tl.load(q_ptr + heads[:, None] * s_qh + offs_d[None, :] * s_qd, mask=q_ok, other=0.0)
     if GROUPED:
         q_g = tl.load(qg_ptr + heads[:, None] * s_gh + offs_d[None, :] * s_gd, mask=q_ok, other=0.0)
         half = ROT_DIM // 2
-        rot = offs_d < ROT_DIM
+        rot = (offs_d < ROT_DIM)[:, None]  # (BLOCK_D, 1): keys are read transposed
         swap = tl.where(offs_d < half, offs_d + half, offs_d - half)  # rotate-half's partner of each dim
     p = tl.load(pos_ptr)  # the query's position, read on the device
     k_base = k_ptr + hk * s_kh
     v_base = v_ptr + hk * s_vh
+    zero = tl.zeros([BLOCK_R, BLOCK_N], dtype=tl.float32)
 
     m_i = tl.zeros([BLOCK_R], dtype=tl.float32) - float("inf")
     l_i = tl.zeros([BLOCK_R], dtype=tl.float32)
@@ -112,31 +150,32 @@ def decode_partials_kernel(
         visible = in_range & (distance >= 0)
         if SLIDING:
             visible = visible & (distance < window)
-        if tl.max(visible.to(tl.int32), 0) > 0:  # else no key or value of this tile is read
-            kv_ok = visible[:, None] & d_ok[None, :]  # (BLOCK_N, BLOCK_D)
-            k_tile = k_base + cells[:, None] * s_kn
-            k = tl.load(k_tile + offs_d[None, :] * s_kd, mask=kv_ok, other=0.0).to(tl.float32)
-            if GROUPED:
-                grouped = visible & (distance >= group_window)
-                sc = _scores(q, k)  # (BLOCK_R, BLOCK_N): neighbors' scores
-                if tl.max(grouped.to(tl.int32), 0) > 0:
-                    row = tl.minimum(at, n_table - 1)[:, None]  # (BLOCK_N, 1) the key table's row
-                    g_ok = grouped[:, None] & rot[None, :]  # (BLOCK_N, BLOCK_D)
-                    cos = tl.load(cos_ptr + row * s_cn + offs_d[None, :] * s_cd, mask=g_ok, other=1.0)
-                    sin = tl.load(sin_ptr + row * s_sn + offs_d[None, :] * s_sd, mask=g_ok, other=0.0)
-                    k_sw = tl.load(k_tile + swap[None, :] * s_kd, mask=g_ok, other=0.0).to(tl.float32)
-                    k_g = k * cos + k_sw * sin  # (BLOCK_N, BLOCK_D) keys at their grouped positions
-                    sc = tl.where(grouped[None, :], _scores(q_g, k_g), sc)
-            else:
-                sc = _scores(q, k)
-            sc = tl.where(visible[None, :], sc * scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(sc, 1))
-            p_ij = tl.exp(sc - m_new[:, None])  # (BLOCK_R, BLOCK_N)
-            alpha = tl.exp(m_i - m_new)  # 0 where nothing was seen before (m_i -inf)
-            l_i = l_i * alpha + tl.sum(p_ij, 1)
-            v = tl.load(v_base + cells[:, None] * s_vn + offs_d[None, :] * s_vd, mask=kv_ok, other=0.0)
-            acc = acc * alpha[:, None] + tl.sum(p_ij[:, :, None] * v.to(tl.float32)[None, :, :], 1)
-            m_i = m_new
+        k_tile = k_base + cells[None, :] * s_kn  # (1, BLOCK_N): keys read transposed, (BLOCK_D, BLOCK_N)
+        k_ok = d_ok[:, None] & visible[None, :]
+        k_t = tl.load(k_tile + offs_d[:, None] * s_kd, mask=k_ok, other=0.0)
+        sc = _dot(q, k_t, zero, LOW, UPCAST)  # (BLOCK_R, BLOCK_N): neighbors' scores
+        if GROUPED:
+            grouped = visible & (distance >= group_window)
+            row = tl.minimum(at, n_table - 1)[None, :]  # (1, BLOCK_N) the key table's row
+            g_ok = rot & grouped[None, :]  # (BLOCK_D, BLOCK_N)
+            cos = tl.load(cos_ptr + row * s_cn + offs_d[:, None] * s_cd, mask=g_ok, other=1.0)
+            sin = tl.load(sin_ptr + row * s_sn + offs_d[:, None] * s_sd, mask=g_ok, other=0.0)
+            k_sw = tl.load(k_tile + swap[:, None] * s_kd, mask=g_ok, other=0.0).to(tl.float32)
+            k_g = k_t.to(tl.float32) * cos + k_sw * sin  # keys at their grouped positions (sign in sin)
+            sc = tl.where(grouped[None, :], _dot(q_g, k_g, zero, False, UPCAST), sc)
+        sc = tl.where(visible[None, :], sc * scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(sc, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing visible yet: p and alpha 0, not NaN
+        p_ij = tl.exp(sc - m_use[:, None])  # (BLOCK_R, BLOCK_N)
+        alpha = tl.exp(m_i - m_use)  # 0 where nothing was seen before (m_i -inf)
+        l_i = l_i * alpha + tl.sum(p_ij, 1)
+        v = tl.load(
+            v_base + cells[:, None] * s_vn + offs_d[None, :] * s_vd,
+            mask=visible[:, None] & d_ok[None, :],
+            other=0.0,
+        )
+        acc = _weigh(p_ij, v, acc * alpha[:, None], LOW, UPCAST)
+        m_i = m_new
 
     part = heads * n_splits + s  # (BLOCK_R,) rows of the (H, n_splits) partials
     tl.store(acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=q_ok)

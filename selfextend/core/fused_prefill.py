@@ -50,38 +50,61 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+HOPPER, AMPERE = 90, 80  # compute capability x 10: H100/H200, A100 (and what the kernels need)
+
+
+@lru_cache(maxsize=8)
+def compute_capability(device: torch.device) -> int:
+    """A CUDA device's compute capability x 10 (90: H100/H200, 80: A100, 75: T4); Hopper's for CPU tensors
+    (the interpreter's, whose tiles are the defaults' for Hopper)."""
+    if device.type != "cuda":
+        return HOPPER
+    major, minor = torch.cuda.get_device_capability(device)
+    return 10 * major + minor
+
+
+def kernels_run_on(device: torch.device) -> bool:
+    """Whether the fused kernels run on ``device``: a CUDA GPU with bfloat16 matrix units (compute
+    capability 8.0 or more; on a T4's 7.5 they compile to emulated products spilling kilobytes of registers
+    a thread: experiments/gpu/kernel_build.py --arch 75), or the CPU under the interpreter; triton
+    installed."""
+    if device.type == "cpu":
+        return interpreting() and triton_available()
+    return device.type == "cuda" and triton_available() and compute_capability(device) >= AMPERE
+
+
 def fused_prefill_applies(q: torch.Tensor, k: torch.Tensor, cells: KeyCells) -> bool:
     """Whether :func:`fused_self_extend_prefill` takes this prefill: gapless keys (slot arithmetic gives
-    the distances), CUDA tensors (or CPU ones under the interpreter), a dtype and head size it takes, and
-    triton installed. Elsewhere the two-pass path runs."""
-    device = q.device.type
-    on_device = device == "cuda" or (device == "cpu" and interpreting())
+    the distances), a device the kernels run on (:func:`kernels_run_on`), a dtype and head size they take.
+    Elsewhere the two-pass path runs."""
     return (
-        on_device
-        and cells.first is not None
+        cells.first is not None
         and k.device == q.device
         and q.dtype in DTYPES
         and k.dtype == q.dtype
         and q.shape[-1] <= MAX_HEAD_DIM
-        and triton_available()
+        and kernels_run_on(q.device)
     )
 
 
-def default_config(head_dim: int, dtype: torch.dtype, softcap: bool = False) -> BlockConfig:
-    """Tiles for a head size and dtype, chosen for Hopper (H100/H200): the largest of those
-    ``experiments/gpu/check_fused_prefill.py`` times whose program compiles for sm_90 without spilling
-    registers (``experiments/gpu/kernel_build.py``; not yet timed on a GPU). float32 (tests, and CUDA
+def default_config(
+    head_dim: int, dtype: torch.dtype, softcap: bool = False, arch: int = HOPPER
+) -> BlockConfig:
+    """Tiles for a head size, dtype and GPU (compute capability x 10): the largest of those tried whose
+    program compiles without spilling registers (``experiments/gpu/kernel_build.py``, sm_90 and sm_80; not
+    yet timed on a GPU: ``experiments/gpu/check_fused_prefill.py`` times them). float32 (tests, and CUDA
     float32 models) multiplies in float32 without tensor cores and takes smaller tiles; ``softcap`` (Gemma 2)
-    keeps more values live a tile."""
+    keeps more values live a tile; an A100 (or an Ada card) has fewer registers' worth of work a warp
+    group than Hopper's asynchronous matrix products, and smaller tiles."""
     if dtype == torch.float32:
         if head_dim <= 64:
             return BlockConfig(32, 32, 4, 2)
         return BlockConfig(32, 16, 4, 1) if head_dim <= 128 else BlockConfig(16, 32, 4, 1)
-    if head_dim <= 64:
-        return BlockConfig(128, 64, 4, 3)
-    if head_dim <= 128:
-        return BlockConfig(128, 64, 8, 3)
-    return BlockConfig(64, 16, 8, 2) if softcap else BlockConfig(64, 32, 8, 2)
+    if head_dim > 128:
+        return BlockConfig(64, 16, 8, 2) if softcap else BlockConfig(64, 32, 8, 2)
+    if arch < HOPPER:
+        return BlockConfig(64, 32, 4, 3)
+    return BlockConfig(128, 64, 4, 3) if head_dim <= 64 else BlockConfig(128, 64, 8, 3)
 
 
 def fused_self_extend_prefill(
@@ -115,7 +138,7 @@ def fused_self_extend_prefill(
     if q_g is None or k_g is None or n_grouped <= 0:
         q_g, k_g, window, n_grouped = q, k, lk, 0  # every pair a neighbor (no distance reaches lk)
     window = min(window, lk)
-    cfg = config or default_config(d, q.dtype, softcap is not None)
+    cfg = config or default_config(d, q.dtype, softcap is not None, compute_capability(q.device))
     block_d = max(16, 1 << (d - 1).bit_length())  # tl.dot wants 16 or more, a power of two
     out = torch.empty_like(q)
     grid = (b * h, -(-lq // cfg.block_m))  # heads vary fastest: every head's longest row blocks run first
