@@ -5,16 +5,18 @@ the keys, of both kinds of scores (plain and, with Self-Extend, grouped: every k
 position's row of a table) and of the probabilities, and reads the cells several times; the step captured
 as a CUDA graph runs it over every cell of the buffers, those not in use too. On an 8B shape at 32k cells
 that is estimated at 8 ms a token plain and 13 ms with Self-Extend on an H200 (issue 48), most of a 7 ms
-budget. :mod:`~selfextend.core.fused_decode_kernel` reads each cell in use once (positions first: tiles
-with no visible cell are skipped, so cells not in use cost their positions only) in programs over (KV
-head, run of cells), all query heads of a KV head together, then merges the runs by log-sum-exp. Every
+budget. :mod:`~selfextend.core.fused_decode_kernel` reads each cell in use once (positions first: the
+keys and values of cells not visible are masked lanes, so cells not in use cost their positions only) in
+programs over (KV head, run of cells), all query heads of a KV head together as the rows of a matrix
+product, then merges the runs by log-sum-exp. Every
 size comes from tensor shapes and the query's position is read on the device, so the step stays
 capturable; the math is ``attend``'s, in float32 (the grouped query rotated by the same :class:`Rotation`
 outside, the keys' table rows read by the kernel).
 
 triton is optional: nothing here imports it until a kernel runs, and :func:`fused_decode_applies` says
 no where it is missing. With ``TRITON_INTERPRET=1`` set before triton is imported, the kernels also run
-on CPU tensors (Triton's interpreter: slow, for tests). Not yet run on a GPU.
+on CPU tensors (Triton's interpreter: slow, for tests). Not yet run on a GPU; compiled for sm_90 and
+sm_80 by ``experiments/gpu/kernel_build.py``.
 """
 
 from __future__ import annotations
