@@ -27,7 +27,10 @@ def test_kernel_equals_reference_in_the_interpreter():
     """Every case of fused_prefill_cases.py (G 1-4, W inside and past the length, chunked prefill, GQA 4/2
     and 4/1, head sizes 16-128, float32, bfloat16, float16, softcap, lengths off the tiles, strided views)
     within its dtype's tolerance; three of them through self_extend_attention's dispatch."""
-    pytest.importorskip("triton")
+    # triton 3.6's interpreter (the GPU machines' of issue 48) cannot run a loop whose bounds come from
+    # program_id under numpy 2.4 ("only 0-dimensional arrays can be converted"); the kernels compile there
+    # (experiments/gpu/kernel_build.py run with triton 3.6 for sm_90: none failed)
+    pytest.importorskip("triton", minversion="3.9")
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "TRITON_DEFAULT_FP_FUSION": "1"}
     proc = subprocess.run(
         [sys.executable, str(CASES)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300

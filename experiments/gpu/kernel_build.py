@@ -94,19 +94,21 @@ def resources(cubin: bytes) -> dict[str, tuple[int, int, int]]:
 def compiling_for(arch: int, built: list[Built]) -> Iterator[None]:
     """Inside: every Triton kernel launch compiles for ``sm_{arch}`` instead of running, with the arguments
     the launch was given (the specializations a launch on that GPU makes, the tiles the wrappers choose for
-    it), appending what it built to ``built``. Reads triton 3.9's launcher (the dev extra pins it):
-    ``JITFunction.run`` with its binder."""
+    it), appending what it built to ``built``. Reads triton's launcher (``JITFunction.run`` with its
+    binder), as 3.9 (the dev extra's) and 3.6 (the GPU machines' of issue 48) have it."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile, make_backend
     from triton.runtime import jit
 
     target = GPUTarget("cuda", arch, 32)
     backend = make_backend(target)
+    fields = backend.parse_options({}).__dict__
 
     def run(self, *args, grid, warmup, **kwargs):
         kwargs.setdefault("debug", False)
         kwargs["instrumentation_mode"] = ""
-        kwargs["fpsan_homomorphic_casts"] = False
+        if "fpsan_homomorphic_casts" in fields:  # triton 3.9's option; 3.6 (a GPU machine's) has none
+            kwargs["fpsan_homomorphic_casts"] = False
         binder = jit.create_function_from_signature(self.signature, self.params, backend)
         bound, specialization, options = binder(*args, **kwargs)
         options, signature, constexprs, attrs = self._pack_args(
