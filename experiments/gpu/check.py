@@ -83,6 +83,7 @@ def main() -> int:
         kernel_check(device)
     report("done", seconds=round(time.perf_counter() - t0, 1), failed=FAILED)
     out = Path(os.environ.get("OUT") or ".") / "gpu_check.jsonl"
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
     return 1 if FAILED else 0
 

@@ -53,6 +53,7 @@ def build(device: str) -> torch.nn.Module:
 def eight_b(report: Callable[..., None], gpu: str, long: bool, device: str = "cuda") -> None:
     model = build(device)
     k = 1 if device == "cuda" else DRY_SCALE
+    judged = device == "cuda"  # issue 48's targets hold for the 8B shape on a GPU, not a dry run's
     g, w = G // min(k, 8), W // k
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     report("8b model", gpu=gpu, weights_gb=round(weight_bytes / 1e9, 2))
@@ -66,7 +67,7 @@ def eight_b(report: Callable[..., None], gpu: str, long: bool, device: str = "cu
         peak = max(r["peak_mib"] for r in by["selfextend"]) / max(r["peak_mib"] for r in by["plain"])
         report(
             f"8b prefill {length * k // 1024}k",
-            ok=max(ratios) <= 1.10 and peak <= 1.05,
+            ok=(max(ratios) <= 1.10 and peak <= 1.05) if judged else None,
             plain_s=[round(r["seconds"], 3) for r in by["plain"]],
             selfextend_s=[round(r["seconds"], 3) for r in by["selfextend"]],
             ratio_per_round=[round(x, 2) for x in ratios],
@@ -86,7 +87,7 @@ def eight_b(report: Callable[..., None], gpu: str, long: bool, device: str = "cu
         se, plain = ms["selfextend"], ms["plain"]
         report(
             f"8b engine decode {n * k // 1024}k cells",
-            ok=(se <= 7.0 and se / plain <= 1.1) if n * k == 32768 else None,
+            ok=(se <= 7.0 and se / plain <= 1.1) if judged and n * k == 32768 else None,
             plain_ms=round(plain, 2),
             selfextend_ms=round(se, 2),
             ratio=round(se / plain, 3),
