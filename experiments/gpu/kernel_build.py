@@ -14,7 +14,10 @@ cubin (``cuobjdump``, also in the wheel):
   memory (0 wanted: spilled registers are read back from memory in the inner loop);
 - ``smem``: shared memory a program (the pipeline's buffered tiles), ``per SM``: programs a multiprocessor
   holds at once by registers, shared memory and warps (H100/H200: 64k registers, 227 KiB, 64 warps;
-  A100: 163 KiB).
+  A100: 163 KiB);
+- ``loops``: machine instructions in each loop's body (one tile's work), read from the disassembly: a
+  static proxy for a tile's cost beside ``flash reference``, a plain causal flash-attention loop of the
+  same tiles compiled the same way (no Self-Extend, no masks off the diagonal).
 
 It measures no time: the tiles GPUs run fastest are still timed by ``check_fused_prefill.py`` and
 ``check_fused_decode.py``. By default it builds the launches the code's own tile choices make and the tiles
@@ -42,6 +45,8 @@ if os.environ.get("TRITON_INTERPRET") == "1":  # the interpreter would run the k
     sys.exit("kernel_build: unset TRITON_INTERPRET (this compiles the kernels, it does not interpret them)")
 
 import torch
+import triton
+import triton.language as tl
 
 import selfextend.core.fused_prefill as fused_prefill
 from selfextend.core.fused_decode import DecodeConfig, fused_decode_attention
@@ -51,6 +56,8 @@ from selfextend.core.rope import Rotation
 REGISTERS, WARPS = 65536, 64  # a multiprocessor's, Ampere to Hopper
 SHARED_KIB = {90: 227, 80: 163, 87: 163}  # shared memory a program may take: H100/H200, A100; others 99
 RESOURCES = re.compile(r"Function (\w+):\s*REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
+SASS = re.compile(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);")  # an instruction: its address, its text
+BRANCH = re.compile(r"BRA\s+(?:`\()?0x([0-9a-f]+)")
 
 
 @dataclass(frozen=True)
@@ -64,6 +71,7 @@ class Built:
     regs: int
     stack: int
     smem: int
+    loops: tuple[int, ...]
 
     def per_sm(self) -> int:
         """Programs one multiprocessor holds at once (registers are given out per warp, 256 at a time)."""
@@ -79,15 +87,31 @@ def _bin(name: str) -> str:
     return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
 
 
-def resources(cubin: bytes) -> dict[str, tuple[int, int, int]]:
-    """Registers, stack and static shared memory of each function of a cubin, as ``cuobjdump`` reads them."""
+def _cuobjdump(cubin: bytes, flag: str) -> str:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        text = subprocess.run(
-            [_bin("cuobjdump"), "--dump-resource-usage", f.name], capture_output=True, text=True, check=True
+        return subprocess.run(
+            [_bin("cuobjdump"), flag, f.name], capture_output=True, text=True, check=True
         ).stdout
+
+
+def resources(cubin: bytes) -> dict[str, tuple[int, int, int]]:
+    """Registers, stack and static shared memory of each function of a cubin, as ``cuobjdump`` reads them."""
+    text = _cuobjdump(cubin, "--dump-resource-usage")
     return {m[1]: (int(m[2]), int(m[3]), int(m[4])) for m in RESOURCES.finditer(text)}
+
+
+def loops(cubin: bytes) -> tuple[int, ...]:
+    """Instructions in the body of each loop of a one-kernel cubin, in code order: from each backward
+    branch's target to the branch, in the disassembly (SASS)."""
+    at = [(int(m[1], 16), m[2]) for m in SASS.finditer(_cuobjdump(cubin, "-sass"))]
+    found = []
+    for address, text in at:
+        target = BRANCH.search(text)
+        if target and int(target[1], 16) < address:
+            found.append(sum(int(target[1], 16) <= a <= address for a, _ in at))
+    return tuple(found)
 
 
 @contextmanager
@@ -119,7 +143,16 @@ def compiling_for(arch: int, built: list[Built]) -> Iterator[None]:
         regs, stack, _ = resources(kernel.asm["cubin"])[kernel.metadata.name]
         named = {self.arg_names[path[0]]: value for path, value in constexprs.items() if len(path) == 1}
         built.append(
-            Built(self.__name__, arch, named, options.num_warps, regs, stack, kernel.metadata.shared)
+            Built(
+                self.__name__,
+                arch,
+                named,
+                options.num_warps,
+                regs,
+                stack,
+                kernel.metadata.shared,
+                loops(kernel.asm["cubin"]),
+            )
         )
 
     saved = jit.JITFunction.run, fused_prefill.compute_capability
@@ -129,6 +162,40 @@ def compiling_for(arch: int, built: list[Built]) -> Iterator[None]:
         yield
     finally:
         jit.JITFunction.run, fused_prefill.compute_capability = saved
+
+
+@triton.jit
+def flash_reference(
+    q_ptr, k_ptr, v_ptr, o_ptr, n, scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr
+):
+    """Plain causal flash attention (FA2's loop: online softmax in base 2, float32 accumulator), one head
+    of contiguous (n, D) rows, no masks off the diagonal: the yardstick ``loops`` and ``regs`` are read
+    against. Compiled only, never run (its diagonal block is left out)."""
+    m0 = tl.program_id(0) * BLOCK_M
+    offs_m, offs_n, offs_d = m0 + tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_N), tl.arange(0, D)
+    q = tl.load(q_ptr + offs_m[:, None] * D + offs_d[None, :])
+    m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+    for start in range(0, m0, BLOCK_N):
+        k = tl.load(k_ptr + (start + offs_n)[:, None] * D + offs_d[None, :])
+        s = tl.dot(q, tl.trans(k)) * scale
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptr + (start + offs_n)[:, None] * D + offs_d[None, :])
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    tl.store(o_ptr + offs_m[:, None] * D + offs_d[None, :], (acc / l_i[:, None]).to(o_ptr.dtype.element_ty))
+
+
+def reference(dtype: torch.dtype, d: int, config: BlockConfig) -> Callable[[], object]:
+    """A launch of :func:`flash_reference` with the prefill's tiles."""
+    x = torch.zeros(256, d, dtype=dtype)
+    kw = {"BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "D": d}
+    run = {"num_warps": config.num_warps, "num_stages": config.num_stages}
+    return lambda: flash_reference[(2,)](x, x, x, x, 256, 0.1, **kw, **run)
 
 
 def prefill(
@@ -169,6 +236,8 @@ def defaults() -> dict[str, Callable[[], object]]:
         for d in (64, 80, 128, 256):
             cases[f"prefill {name} d{d}"] = prefill(dtype, d, None, None)
     cases["prefill bf16 d256 softcap"] = prefill(torch.bfloat16, 256, 50.0, None)
+    hopper = fused_prefill.default_config(128, torch.bfloat16)
+    cases["flash reference bf16 d128"] = reference(torch.bfloat16, 128, hopper)
     for name in ("bf16", "f32"):
         for kind in ("plain", "sliding", "grouped"):
             for n_rep in (4, 1):
@@ -218,14 +287,15 @@ def main() -> int:
         if missing := [c for c in args.case if not any(n == c or n.startswith(c + " ") for n in every)]:
             parser.error(f"no case named {missing[0]!r}; cases: {', '.join(every)}")
     failed = spilled = 0
-    print(f"{'case':44} {'kernel':24} {'tiles':26} regs stack  smem per SM")
+    print(f"{'case':44} {'kernel':26} {'tiles':26} regs stack   smem per SM loops")
     for name, b in build(cases, args.arch):
         if isinstance(b, str):
             failed += 1
             print(f"{name:44} FAILED {b}")
             continue
         tiles = ",".join(f"{k[6:].lower()}={v}" for k, v in b.constexprs.items() if k.startswith("BLOCK_"))
-        print(f"{name:44} {b.name:24} {tiles:26} {b.regs:4} {b.stack:5} {b.smem:5} {b.per_sm():6}")
+        body = "/".join(map(str, b.loops))
+        print(f"{name:44} {b.name:26} {tiles:26} {b.regs:4} {b.stack:5} {b.smem:6} {b.per_sm():6} {body}")
         spilled += b.stack > 0
         if b.per_sm() == 0:  # more shared memory than the GPU gives a program: the launch is refused
             failed += 1
