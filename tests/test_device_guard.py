@@ -105,7 +105,8 @@ def test_perplexity_and_passkey_stay_on_the_device() -> None:
 
 def test_the_gpu_check_script_runs_dry(tmp_path) -> None:
     """experiments/gpu/check.py, which only a GPU session measures with, runs here on the CPU (its parity
-    section against itself), so the script a GPU session starts with is not broken on arrival."""
+    section against itself, its 8b section on a small shape), so the script a GPU session starts with is
+    not broken on arrival."""
     import os
     import subprocess
     import sys
@@ -113,7 +114,7 @@ def test_the_gpu_check_script_runs_dry(tmp_path) -> None:
 
     root = Path(__file__).resolve().parents[1]
     done = subprocess.run(
-        [sys.executable, str(root / "experiments/gpu/check.py"), "--dry-run", "--only", "parity"],
+        [sys.executable, str(root / "experiments/gpu/check.py"), "--dry-run", "--only", "parity,8b"],
         capture_output=True,
         text=True,
         env={**os.environ, "OUT": str(tmp_path)},
@@ -121,4 +122,6 @@ def test_the_gpu_check_script_runs_dry(tmp_path) -> None:
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "ok   parity two slots" in done.stdout and "failed=[]" in done.stdout
+    for check in ("8b generate self-extend", "8b two slots", "8b ppl selfextend"):  # the 8B runs, small
+        assert f"ok   {check}" in done.stdout, done.stdout
     assert (tmp_path / "gpu_check.jsonl").read_text().count('"ok": true') >= 10

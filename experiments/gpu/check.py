@@ -7,7 +7,8 @@
    ``passkey``, ``ppl`` and ``serve`` with 2 slots on ``--device cuda`` against ``--device cpu``.
 3. **8b** (a Llama-3.1-8B shape, random bf16 weights): prefill plain against Self-Extend at 16k-64k (128k
    with ``--long``) with peak memory; our engine's decode ms/token at 8k and 32k cells, plain and
-   Self-Extend.
+   Self-Extend; then generate through a context shift (plain and Self-Extend), two batched slots, ``ppl``
+   and ``passkey`` with that shape, against a CPU copy to bfloat16's tolerance (``gpu_8b_runs.py``).
 4. **kernel**: the fused Triton kernels' own checks (Self-Extend prefill, decode attention) where they
    exist: speed against the paths they replace, tiles, errors (skipped in a dry run: they need CUDA).
 

@@ -1,6 +1,7 @@
 """check.py's 8b section: a Llama-3.1-8B shape with random bf16 weights on the GPU (built in seconds; no file
 is read): prefill plain against Self-Extend (G=32, W=2048) with peak memory, and decode ms/token through
-our engine (the generator's step over context-shift cells: bench_decode)."""
+our engine (the generator's step over context-shift cells: bench_decode); then the engine's paths with this
+shape against a CPU copy (:mod:`gpu_8b_runs`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import statistics
 from collections.abc import Callable
 
 import torch
+from gpu_8b_runs import runs
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from selfextend.bench.runner import (
@@ -94,3 +96,4 @@ def eight_b(report: Callable[..., None], gpu: str, long: bool, device: str = "cu
             limit_ms=round(limit_ms, 2),
             gpu=gpu,
         )
+    runs(report, model, gpu, group=4, window=16)
