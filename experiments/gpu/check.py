@@ -16,7 +16,8 @@
     # on the GPU machine (the device tool: carry [".gpu"]):
     bash experiments/gpu/run.sh [--long] [--only parity,cli,8b,kernel]
 
-Prints one line a check and writes them as JSON Lines to ``$OUT/gpu_check.jsonl`` (else ./gpu_check.jsonl).
+Prints one line a check and appends each, as it is made, to ``$OUT/gpu_check.jsonl`` (else
+./gpu_check.jsonl) as JSON Lines.
 Exits 1 when a parity check fails.
 """
 
@@ -35,14 +36,16 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(Path(__file__).parent))
 
-RECORDS: list[dict] = []
 FAILED: list[str] = []
+OUT = Path(os.environ.get("OUT") or ".") / "gpu_check.jsonl"
 
 
 def report(check: str, ok: bool | None = None, **fields) -> None:
-    """One line and one record; ``ok`` False marks the run failed."""
+    """One line and one record, appended to :data:`OUT` at once (a run cut off by the device's time limit
+    still leaves every check it made); ``ok`` False marks the run failed."""
     record = {"check": check, **({} if ok is None else {"ok": ok}), **fields}
-    RECORDS.append(record)
+    with OUT.open("a") as f:
+        f.write(json.dumps(record) + "\n")
     if ok is False:
         FAILED.append(check)
     mark = "" if ok is None else ("ok   " if ok else "FAIL ")
@@ -65,6 +68,8 @@ def main() -> int:
         print("error: torch sees no CUDA GPU", file=sys.stderr)
         return 2
     sections = set(args.only.split(","))
+    OUT.parent.mkdir(parents=True, exist_ok=True)
+    OUT.write_text("")  # this run's records only
     gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu (dry run)"
     report("machine", gpu=gpu, torch=torch.__version__, cuda=torch.version.cuda)
     t0 = time.perf_counter()
@@ -83,9 +88,6 @@ def main() -> int:
 
         eight_b(report, gpu, args.long, device)
     report("done", seconds=round(time.perf_counter() - t0, 1), failed=FAILED)
-    out = Path(os.environ.get("OUT") or ".") / "gpu_check.jsonl"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
     return 1 if FAILED else 0
 
 
