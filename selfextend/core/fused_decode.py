@@ -8,10 +8,9 @@ that is estimated at 8 ms a token plain and 13 ms with Self-Extend on an H200 (i
 budget. :mod:`~selfextend.core.fused_decode_kernel` reads each cell in use once (positions first: the
 keys and values of cells not visible are masked lanes, so cells not in use cost their positions only) in
 programs over (KV head, run of cells), all query heads of a KV head together as the rows of a matrix
-product, then merges the runs by log-sum-exp. Every
-size comes from tensor shapes and the query's position is read on the device, so the step stays
-capturable; the math is ``attend``'s, in float32 (the grouped query rotated by the same :class:`Rotation`
-outside, the keys' table rows read by the kernel).
+product, then merges the runs by log-sum-exp. Every size comes from tensor shapes and the query's position
+is read on the device, so the step stays capturable; the math is ``attend``'s, in float32 (the grouped
+query rotated by the same :class:`Rotation` outside, the keys' table rows read by the kernel).
 
 triton is optional: nothing here imports it until a kernel runs, and :func:`fused_decode_applies` says
 no where it is missing. With ``TRITON_INTERPRET=1`` set before triton is imported, the kernels also run

@@ -50,9 +50,9 @@ def _dot(a, b, acc, LOW: tl.constexpr, UPCAST: tl.constexpr):
 @_jit
 def _weigh(p, v, acc, LOW: tl.constexpr, UPCAST: tl.constexpr):
     """``acc + p @ v``, float32 probabilities p against values v: where v is 16-bit (``LOW``), p as three
-    16-bit parts (p = hi + mid + lo to float32's precision; two left errors of 2^-17, as large as the
-    tests' tolerance), each product exact, so v is never widened (a float32 ``tf32x3`` product of them
-    held ~130 more registers a thread, compiled for sm_90)."""
+    16-bit parts (p = hi + mid + lo to float32's precision; two parts leave errors of 2^-17 a weight, as
+    large as the tests' tolerance), each product exact, so v is never widened (a float32 ``tf32x3``
+    product of them held ~130 more registers a thread, compiled for sm_90)."""
     if LOW:
         hi = p.to(v.dtype)
         rest = p - hi.to(tl.float32)

@@ -94,8 +94,8 @@ def default_config(
     program compiles without spilling registers (``experiments/gpu/kernel_build.py``, sm_90 and sm_80; not
     yet timed on a GPU: ``experiments/gpu/check_fused_prefill.py`` times them). float32 (tests, and CUDA
     float32 models) multiplies in float32 without tensor cores and takes smaller tiles; ``softcap`` (Gemma 2)
-    keeps more values live a tile; an A100 (or an Ada card) has fewer registers' worth of work a warp
-    group than Hopper's asynchronous matrix products, and smaller tiles."""
+    keeps more values live a tile; an A100 or an Ada card (whose matrix products read their operands from
+    registers, where Hopper's read shared memory) spills at Hopper's tiles and takes smaller ones."""
     if dtype == torch.float32:
         if head_dim <= 64:
             return BlockConfig(32, 32, 4, 2)
