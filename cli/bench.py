@@ -147,7 +147,7 @@ def bench(
         bench_prefill,
         summarize,
     )
-    from selfextend.bench.speed import bench_first_token, bench_generate
+    from selfextend.bench.speed import bench_first_token, bench_generate, cpu_model
     from selfextend.cli.options import load_with_self_extend
     from selfextend.evaluation.results import append_jsonl
     from selfextend.evaluation.sweep import parse_lengths
@@ -175,8 +175,10 @@ def bench(
 
     validate(group_size, window, trained_window(lm.config))
     proc = psutil.Process()
-    device_name = (
-        torch.cuda.get_device_name() if lm.device.type == "cuda" else f"cpu x{torch.get_num_threads()}"
+    device_name = (  # the machine of every row: the GPU's name, or the CPU's model and threads
+        torch.cuda.get_device_name(lm.device)
+        if lm.device.type == "cuda"
+        else f"{cpu_model()} x{torch.get_num_threads()}"
     )
     runs: list[dict] = []
 

@@ -40,6 +40,9 @@ def test_bench_records_and_plot(tiny_dir, tmp_path):
     prefill = {(x["variant"], x["length"]) for x in runs if x["case"] == "prefill"}
     assert prefill == {(v, n) for v in ("plain", "selfextend", "reference") for n in (64, 128)}
     assert all(x["seconds"] > 0 and x["peak_mib"] >= 0 for x in runs if x["case"] == "prefill")
+    from selfextend.bench.speed import cpu_model  # every row names its machine: the CPU's model, threads
+
+    assert {x["device"] for x in runs} == {f"{cpu_model()} x{torch.get_num_threads()}"}
     assert {x["variant"] for x in runs if x["case"] == "decode"} == {"plain", "selfextend"}
     endless = [x for x in runs if x["case"] == "endless" and x["variant"] == "shift"]
     assert endless and endless[0]["shifts"] >= 1
