@@ -10,7 +10,10 @@ in use:
 - ``fused``: ``attend`` as the step calls it (the grouped query rotated, then the kernels);
 - ``attend``: ``attend`` with the kernels refused (the tensor ops before them);
 - ``sdpa``: ``scaled_dot_product_attention(enable_gqa=True)`` over the cells in use, no mask (plain decode's
-  floor; the same for both settings).
+  floor; the same for both settings);
+- ``fused, no table reads`` (Self-Extend): ``fused`` with every grouped cell reading the key table's row 0
+  (wrong numbers, timing only): what reading the table's rows costs (a grouped cell's cos and sin, 1 KB
+  for each KV head, against its 512 B of key and value), to say whether a smaller table is worth making.
 
 Then the kernels' tiles timed at 32k cells with Self-Extend, the fastest named (to make it the default in
 ``fused_decode.default_config``), and the fused path's largest difference from ``attend``'s tensor ops.
@@ -22,6 +25,7 @@ Under a minute on an H200; says it skips and exits 0 where there is no CUDA GPU 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import statistics
 import sys
@@ -34,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from selfextend.core.fused_decode import DecodeConfig, default_config, fused_decode_attention
+from selfextend.core.rope import Rotation
 from selfextend.generation.compiled import GroupedRotations, attend
 from selfextend.generation.graphed import UNREACHED
 
@@ -118,6 +123,12 @@ def one_setting(cells: int, used: int, self_extend: bool, inv_freq: torch.Tensor
         "attend": lambda: attend(*args, fused=False),
         "sdpa": lambda: F.scaled_dot_product_attention(q, k_used, v_used, scale=D**-0.5, enable_gqa=True),
     }
+    grouped = args[-1]
+    if grouped is not None:  # the key table's reads taken out (every cell reads its row 0: wrong numbers,
+        # timing only): what the table's rows cost, 1 KB a grouped cell and KV head against 512 B of cells
+        one_row = Rotation(grouped.keys.cos[:, :, :1], grouped.keys.sin[:, :, :1])
+        no_table = (*args[:-1], dataclasses.replace(grouped, keys=one_row))
+        paths["fused, no table reads"] = lambda: attend(*no_table)
     replay = {name: graphed(fn) for name, fn in paths.items()}
     times: dict[str, list[float]] = {name: [] for name in paths}
     for _ in range(rounds):
