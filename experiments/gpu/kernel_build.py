@@ -31,6 +31,7 @@ program (``tests/test_kernel_build.py`` runs a few).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import re
 import subprocess
@@ -43,6 +44,8 @@ from pathlib import Path
 
 if os.environ.get("TRITON_INTERPRET") == "1":  # the interpreter would run the kernels, not compile them
     sys.exit("kernel_build: unset TRITON_INTERPRET (this compiles the kernels, it does not interpret them)")
+if importlib.util.find_spec("triton") is None:
+    sys.exit("kernel_build: needs triton (make install brings it; pip install triton)")
 
 import torch
 import triton
@@ -275,7 +278,13 @@ def build(cases: dict[str, Callable[[], object]], arch: int) -> list[tuple[str, 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--arch", type=int, default=90, help="compute capability x10: 90 H100/H200, 80 A100")
+    parser.add_argument(
+        "--arch",
+        type=int,
+        default=90,
+        choices=[75, 80, 86, 89, 90],
+        help="compute capability x10: 90 H100/H200, 89 L4/L40S, 86 A10/RTX 30, 80 A100, 75 T4",
+    )
     every = {**defaults(), **tilings()}
     parser.add_argument(
         "--case", action="append", metavar="NAME", help="only these ('decode bf16': a prefix)"
