@@ -57,7 +57,7 @@ from selfextend.core.fused_prefill import BlockConfig, fused_self_extend_prefill
 from selfextend.core.rope import Rotation
 
 REGISTERS, WARPS = 65536, 64  # a multiprocessor's, Ampere to Hopper
-SHARED_KIB = {90: 227, 80: 163, 87: 163}  # shared memory a program may take: H100/H200, A100; others 99
+SHARED_KIB = {90: 227, 80: 163}  # shared memory a program may take: H100/H200, A100; the others 99
 RESOURCES = re.compile(r"Function (\w+):\s*REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
 SASS = re.compile(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);")  # an instruction: its address, its text
 BRANCH = re.compile(r"BRA\s+(?:`\()?0x([0-9a-f]+)")
@@ -85,12 +85,11 @@ class Built:
 
 def _bin(name: str) -> str:
     """A tool of the triton wheel's NVIDIA backend (``ptxas``, ``cuobjdump``)."""
-    import triton
-
     return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
 
 
 def _cuobjdump(cubin: bytes, flag: str) -> str:
+    """``cuobjdump``'s report ``flag`` on a cubin."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
@@ -169,10 +168,10 @@ def compiling_for(arch: int, built: list[Built]) -> Iterator[None]:
 
 @triton.jit
 def flash_reference(
-    q_ptr, k_ptr, v_ptr, o_ptr, n, scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr
+    q_ptr, k_ptr, v_ptr, o_ptr, scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr
 ):
     """Plain causal flash attention (FA2's loop: online softmax in base 2, float32 accumulator), one head
-    of contiguous (n, D) rows, no masks off the diagonal: the yardstick ``loops`` and ``regs`` are read
+    of contiguous (L, D) rows, no masks off the diagonal: the yardstick ``loops`` and ``regs`` are read
     against. Compiled only, never run (its diagonal block is left out)."""
     m0 = tl.program_id(0) * BLOCK_M
     offs_m, offs_n, offs_d = m0 + tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_N), tl.arange(0, D)
@@ -198,7 +197,7 @@ def reference(dtype: torch.dtype, d: int, config: BlockConfig) -> Callable[[], o
     x = torch.zeros(256, d, dtype=dtype)
     kw = {"BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "D": d}
     run = {"num_warps": config.num_warps, "num_stages": config.num_stages}
-    return lambda: flash_reference[(2,)](x, x, x, x, 256, 0.1, **kw, **run)
+    return lambda: flash_reference[(2,)](x, x, x, x, 0.1, **kw, **run)
 
 
 def prefill(
