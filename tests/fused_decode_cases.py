@@ -19,6 +19,7 @@ from types import SimpleNamespace
 import torch
 
 import selfextend.generation.compiled as compiled
+from selfextend.core.decode_query import grouped_keys
 from selfextend.core.fused_decode import DecodeConfig, fused_decode_attention
 from selfextend.generation.compiled import GroupedRotations, attend
 from selfextend.generation.graphed import UNREACHED
@@ -64,32 +65,49 @@ def problem(case: tuple) -> dict[str, object]:
         used = n - n // 3
         last = positions[used - 1].clone()
         positions[used:] = UNREACHED
-    grouped = None
+    grouped, params = None, None
     if group > 1:
         rot = rot_dim or d
         inv_freq = 1.0 / (10000 ** (torch.arange(0, rot, 2).float() / rot))
         params = SimpleNamespace(group_size=group, window=window, inv_freq=inv_freq)
         grouped = GroupedRotations.build(int(last) + 3, params)
     args = (q, k_buf[:, :, :n], v_buf[:, :, :n], positions, last.view(1), d**-0.5, sliding, grouped)
-    return {"args": args, "tiles": tiles}
+    return {"args": args, "tiles": tiles, "params": params}
 
 
-def run(case: tuple) -> dict[str, object]:
-    """One case: the kernels (directly with the case's tiles, or through ``attend``) against the reference."""
+# cases run again with the grouped keys stored (as a cache keeps them: rotated, rounded to the cells' type)
+STORED = {
+    "g2 w8 4/2 d16 37",
+    "g3 w8 ring 4/1 d64",
+    "g4 w16 unused 4/2 d128",
+    "bf16 g4 w8 4/1 d128",
+    "fp16 g2 w8 ring 2/2 d16",
+}
+
+
+def run(case: tuple, stored: bool = False) -> dict[str, object]:
+    """One case: the kernels (directly with the case's tiles, or through ``attend``) against the reference;
+    ``stored``: both reading the cells' grouped keys as a cache stores them instead of rotating them."""
     p = problem(case)
     args = p["args"]
-    want = attend(*args, fused=False)
+    q, k, v, positions, pos, scale, sliding, grouped = args
+    kept = None
+    if stored:  # the cells' keys at grouped positions, by the cache's own function (cells not in use too)
+        kept = grouped_keys(k, positions, p["params"].group_size, p["params"].inv_freq)
+    want = attend(*args, fused=False, stored=kept)
     if p["tiles"] is None:
-        got = attend(*args)
+        got = attend(*args, stored=kept)
     else:
-        q, k, v, positions, pos, scale, sliding, grouped = args
         extra = ()
         if grouped is not None:  # the grouped query as attend makes it
             extra = (grouped.query_at(pos).apply(q.float()), grouped.keys, grouped.window)
-        got = fused_decode_attention(q, k, v, positions, pos, scale, sliding, *extra, config=p["tiles"])
+        got = fused_decode_attention(
+            q, k, v, positions, pos, scale, sliding, *extra, config=p["tiles"], stored=kept
+        )
     assert got.shape == want.shape and got.dtype == torch.float32
     error = ((got - want).abs().max() / want.abs().max()).item()
-    return {"case": case[0], "dtype": str(case[5]), "error": error, "tol": TOL}
+    name = ("stored " if stored else "") + case[0]
+    return {"case": name, "dtype": str(case[5]), "error": error, "tol": TOL}
 
 
 def static_step(family: str) -> dict[str, object]:
@@ -134,7 +152,11 @@ def main() -> None:
     compiled.fused_decode_attention = counted
     for case in CASES:
         print(json.dumps(run(case)), flush=True)
-    print(json.dumps({"dispatched": len(calls)}), flush=True)
+    dispatched = len(calls)
+    for case in CASES:
+        if case[0] in STORED:
+            print(json.dumps(run(case, stored=True)), flush=True)
+    print(json.dumps({"dispatched": dispatched}), flush=True)
     for family in ("llama", "gemma3"):
         calls.clear()
         print(json.dumps({**static_step(family), "kernel_calls": len(calls)}), flush=True)

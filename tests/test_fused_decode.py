@@ -80,7 +80,8 @@ def test_fused_decode_applies_where_it_can(monkeypatch):
 
 def test_attend_dispatch(monkeypatch):
     """Where the predicate holds, attend hands the kernels its arguments, with Self-Extend the query at its
-    grouped position (float32) and the keys' table; elsewhere its tensor ops run."""
+    grouped position (float32), the keys' table and the grouped keys a cache keeps; elsewhere its tensor
+    ops run."""
     torch.manual_seed(0)
     q, k, v = torch.randn(1, 4, 1, 16), torch.randn(1, 2, 9, 16), torch.randn(1, 2, 9, 16)
     positions, pos = torch.arange(9), torch.tensor([8])
@@ -88,9 +89,12 @@ def test_attend_dispatch(monkeypatch):
     grouped = compiled.GroupedRotations.build(16, params)
     taken = []
 
-    def kernel(q, k, v, positions, pos, scale, window, q_g=None, keys=None, group_window=0):
+    def kernel(q, k, v, positions, pos, scale, window, q_g=None, keys=None, group_window=0, stored=None):
         taken.append((window, None if q_g is None else (q_g.dtype, tuple(q_g.shape)), keys, group_window))
+        kept.append(stored)
         return torch.zeros(1, 1, 64)
+
+    kept = []
 
     monkeypatch.setattr(compiled, "fused_decode_attention", kernel)
     monkeypatch.setattr(compiled, "fused_decode_applies", lambda q, k, v: False)
@@ -99,3 +103,6 @@ def test_attend_dispatch(monkeypatch):
     assert attend(q, k, v, positions, pos, 0.25, 5, None).abs().max() == 0
     attend(q, k, v, positions, pos, 0.25, None, grouped)
     assert taken == [(5, None, None, 0), (None, (torch.float32, (1, 4, 1, 16)), grouped.keys, 4)]
+    stored = torch.randn(1, 2, 9, 16)  # the cache's grouped keys: handed on as they are
+    attend(q, k, v, positions, pos, 0.25, None, grouped, stored=stored)
+    assert kept[-1] is stored and kept[:2] == [None, None]

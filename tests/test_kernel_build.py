@@ -22,7 +22,8 @@ CASES = [
     "prefill bf16 d128",  # the 8B shape's Self-Extend prefill
     "prefill f32 d64",  # float32 models (the interpreter tests' type)
     "prefill bf16 d256 softcap",  # Gemma 2's soft-capped scores, the largest head
-    "decode bf16 d128 grouped gqa4",  # the 8B shape's captured decode step with Self-Extend
+    "decode bf16 d128 stored gqa4",  # the 8B shape's captured decode step with Self-Extend
+    "decode bf16 d128 grouped gqa4",  # grouped keys rotated in the kernel (a cache not keeping them)
     "decode f32 d128 sliding gqa1",  # a sliding layer's cells, no shared KV heads
 ]
 

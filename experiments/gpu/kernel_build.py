@@ -214,17 +214,20 @@ def prefill(
 def decode(
     dtype: torch.dtype, d: int, n_rep: int, kind: str, config: DecodeConfig | None
 ) -> Callable[[], object]:
-    """A decode attention launch over 1,024 cells of 8 KV heads: ``kind`` plain, sliding or grouped."""
+    """A decode attention launch over 1,024 cells of 8 KV heads: ``kind`` plain, sliding, grouped (keys
+    rotated in the kernel) or stored (the grouped keys read as the cache keeps them: the captured step's)."""
     hkv, n = 8, 1024
     q = torch.zeros(1, hkv * n_rep, 1, d, dtype=dtype)
     k, v = (torch.zeros(1, hkv, n, d, dtype=dtype) for _ in range(2))
     positions, pos = torch.arange(n), torch.tensor([n - 1])
     window = 512 if kind == "sliding" else None
-    if kind != "grouped":
+    if kind not in ("grouped", "stored"):
         return lambda: fused_decode_attention(q, k, v, positions, pos, d**-0.5, window, config=config)
     keys = Rotation(torch.ones(1, 1, n, d), torch.zeros(1, 1, n, d))
-    q_g = q.float()
-    return lambda: fused_decode_attention(q, k, v, positions, pos, d**-0.5, None, q_g, keys, 256, config)
+    q_g, stored = q.float(), (torch.zeros_like(k) if kind == "stored" else None)
+    return lambda: fused_decode_attention(
+        q, k, v, positions, pos, d**-0.5, None, q_g, keys, 256, config, stored=stored
+    )
 
 
 DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}
@@ -241,10 +244,11 @@ def defaults() -> dict[str, Callable[[], object]]:
     hopper = fused_prefill.default_config(128, torch.bfloat16)
     cases["flash reference bf16 d128"] = reference(torch.bfloat16, 128, hopper)
     for name in ("bf16", "f32"):
-        for kind in ("plain", "sliding", "grouped"):
+        for kind in ("plain", "sliding", "grouped", "stored"):
             for n_rep in (4, 1):
                 cases[f"decode {name} d128 {kind} gqa{n_rep}"] = decode(DTYPES[name], 128, n_rep, kind, None)
     cases["decode bf16 d256 grouped gqa2"] = decode(torch.bfloat16, 256, 2, "grouped", None)
+    cases["decode bf16 d256 stored gqa2"] = decode(torch.bfloat16, 256, 2, "stored", None)
     return cases
 
 

@@ -103,6 +103,7 @@ def fused_decode_attention(
     keys: Rotation | None = None,
     group_window: int = 0,
     config: DecodeConfig | None = None,
+    stored: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``attend`` in two kernels: q (1, H, 1, D) at ``pos`` (1,) over k and v (1, Hkv, n, D) (any strides;
     query head ``h`` reads KV head ``h // (H / Hkv)``) at ``positions`` (n,) -> (1, 1, H * D) float32.
@@ -110,7 +111,9 @@ def fused_decode_attention(
     A cell at ``j`` is visible iff ``0 <= pos - j`` (``< window`` on a sliding layer). With Self-Extend,
     ``q_g`` (1, H, 1, D) float32 is the query at its grouped position and ``keys`` the table (1, 1, N,
     rot_dim) turning a key cached at ``j`` into one at ``j // G`` (rows past N - 1 clamped, as ``attend``
-    does): cells at distance >= ``group_window`` score ``q_g`` against their rotated key.
+    does): cells at distance >= ``group_window`` score ``q_g`` against their rotated key, or against
+    ``stored`` (1, Hkv, n, D), the cells' keys already at their grouped positions (the cache's, in the
+    cells' type): then a grouped cell is read in place of its key, no rotation and no table row.
     """
     from selfextend.core.fused_decode_kernel import decode_merge_kernel, decode_partials_kernel
 
@@ -118,13 +121,18 @@ def fused_decode_attention(
     hkv, n = k.shape[1], k.shape[2]
     if h % hkv or v.shape[1:3] != (hkv, n) or positions.shape != (n,):
         raise ValueError(f"fused decode: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if stored is not None and (stored.shape != k.shape or stored.dtype != k.dtype):
+        raise ValueError(f"fused decode: stored grouped keys {tuple(stored.shape)} for keys {tuple(k.shape)}")
     n_rep = h // hkv
     grouped = q_g is not None and keys is not None
-    cfg = config or default_config(n, hkv, d, q.device, grouped, k.dtype)
+    on_stored = grouped and stored is not None
+    cfg = config or default_config(n, hkv, d, q.device, grouped and not on_stored, k.dtype)
     if grouped:
         cos, sin = keys.cos, keys.sin
     else:  # unread (GROUPED off): any tensors of the right rank do
         q_g, cos, sin = q, q[0, :, 0], q[0, :, 0]
+    if not on_stored:  # unread (STORED off)
+        stored = k
     n_splits = max(1, -(-n // cfg.split))
     acc = torch.empty(h, n_splits, d, device=q.device, dtype=torch.float32)
     m = torch.empty(h, n_splits, device=q.device, dtype=torch.float32)
@@ -133,13 +141,15 @@ def fused_decode_attention(
     block_d = max(16, _pow2(d))
     with torch.cuda.device(q.device) if q.device.type == "cuda" else contextlib.nullcontext():
         decode_partials_kernel[(hkv, n_splits)](
-            q, q_g, k, v, pos, positions, cos, sin, acc, m, l_sum,
+            q, q_g, k, stored, v, pos, positions, cos, sin, acc, m, l_sum,
             q.stride(1), q.stride(3), q_g.stride(1), q_g.stride(3),
-            k.stride(1), k.stride(2), k.stride(3), v.stride(1), v.stride(2), v.stride(3),
+            k.stride(1), k.stride(2), k.stride(3), stored.stride(1), stored.stride(2), stored.stride(3),
+            v.stride(1), v.stride(2), v.stride(3),
             positions.stride(0), cos.stride(-2), cos.stride(-1), sin.stride(-2), sin.stride(-1),
             n, n_rep, n_splits, cfg.split, window or 0, group_window, cos.shape[-2], float(scale),
             SLIDING=window is not None,
             GROUPED=grouped,
+            STORED=on_stored,
             LOW=q.dtype == k.dtype == v.dtype and q.dtype != torch.float32,
             UPCAST=interpreting(),
             HEAD_DIM=d,

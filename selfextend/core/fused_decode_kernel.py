@@ -69,6 +69,7 @@ def decode_partials_kernel(
     q_ptr,
     qg_ptr,
     k_ptr,
+    kg_ptr,
     v_ptr,
     pos_ptr,
     cell_ptr,
@@ -84,6 +85,9 @@ def decode_partials_kernel(
     s_kh,
     s_kn,
     s_kd,
+    s_gkh,
+    s_gkn,
+    s_gkd,
     s_vh,
     s_vn,
     s_vd,
@@ -102,6 +106,7 @@ def decode_partials_kernel(
     scale,
     SLIDING: tl.constexpr,
     GROUPED: tl.constexpr,
+    STORED: tl.constexpr,
     LOW: tl.constexpr,
     UPCAST: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -130,11 +135,17 @@ def decode_partials_kernel(
     q = tl.load(q_ptr + heads[:, None] * s_qh + offs_d[None, :] * s_qd, mask=q_ok, other=0.0)
     if GROUPED:
         q_g = tl.load(qg_ptr + heads[:, None] * s_gh + offs_d[None, :] * s_gd, mask=q_ok, other=0.0)
+        if STORED and LOW:  # the float32 grouped query as three parts of the cells' type (see _weigh)
+            g_hi = q_g.to(k_ptr.dtype.element_ty)
+            g_rest = q_g - g_hi.to(tl.float32)
+            g_mid = g_rest.to(k_ptr.dtype.element_ty)
+            g_lo = (g_rest - g_mid.to(tl.float32)).to(k_ptr.dtype.element_ty)
         half = ROT_DIM // 2
         rot = (offs_d < ROT_DIM)[:, None]  # (BLOCK_D, 1): keys are read transposed
         swap = tl.where(offs_d < half, offs_d + half, offs_d - half)  # rotate-half's partner of each dim
     p = tl.load(pos_ptr)  # the query's position, read on the device
     k_base = k_ptr + hk * s_kh
+    kg_base = kg_ptr + hk * s_gkh
     v_base = v_ptr + hk * s_vh
     zero = tl.zeros([BLOCK_R, BLOCK_N], dtype=tl.float32)
 
@@ -151,10 +162,28 @@ def decode_partials_kernel(
         if SLIDING:
             visible = visible & (distance < window)
         k_tile = k_base + cells[None, :] * s_kn  # (1, BLOCK_N): keys read transposed, (BLOCK_D, BLOCK_N)
-        k_ok = d_ok[:, None] & visible[None, :]
+        if STORED:  # a grouped cell's stored key is read instead of its key: a plain cell's bytes
+            grouped = visible & (distance >= group_window)
+            k_ok = d_ok[:, None] & (visible & (distance < group_window))[None, :]
+        else:
+            k_ok = d_ok[:, None] & visible[None, :]
         k_t = tl.load(k_tile + offs_d[:, None] * s_kd, mask=k_ok, other=0.0)
         sc = _dot(q, k_t, zero, LOW, UPCAST)  # (BLOCK_R, BLOCK_N): neighbors' scores
-        if GROUPED:
+        if STORED:
+            g_ok = d_ok[:, None] & grouped[None, :]
+            kg_t = tl.load(kg_base + cells[None, :] * s_gkn + offs_d[:, None] * s_gkd, mask=g_ok, other=0.0)
+            if LOW:
+                g_sc = _dot(
+                    g_lo,
+                    kg_t,
+                    _dot(g_mid, kg_t, _dot(g_hi, kg_t, zero, LOW, UPCAST), LOW, UPCAST),
+                    LOW,
+                    UPCAST,
+                )
+            else:
+                g_sc = _dot(q_g, kg_t, zero, False, UPCAST)
+            sc = tl.where(grouped[None, :], g_sc, sc)
+        elif GROUPED:
             grouped = visible & (distance >= group_window)
             row = tl.minimum(at, n_table - 1)[None, :]  # (1, BLOCK_N) the key table's row
             g_ok = rot & grouped[None, :]  # (BLOCK_D, BLOCK_N)

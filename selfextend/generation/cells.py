@@ -21,12 +21,15 @@ from selfextend.kv.sliding import SlidingShiftLayer
 class Cells(NamedTuple):
     """What the step reads and writes: per layer the whole key and value buffers (B, Hkv, capacity, D) and
     the positions (n,) of the first ``n`` slots (the ones in use, the new token's included), and the slot
-    (one per layer, (L,)) where the new token's key and value go."""
+    (one per layer, (L,)) where the new token's key and value go; ``grouped``: per layer the keys at their
+    Self-Extend grouped positions (B, Hkv, capacity, D) where the cache keeps them current, else None (the
+    step rotates them)."""
 
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
     positions: list[torch.Tensor]
     slots: torch.Tensor
+    grouped: list[torch.Tensor | None] | None = None
 
 
 class StepCells:

@@ -11,11 +11,10 @@ use) are dynamic, positions are tensors, and which cells a query sees comes from
   the query by its grouped offset, from tables of float32 factors computed once in float64.
 
 So a context shift (done by the cache, outside the step) and Self-Extend's grouping never change the
-graph. Families: Llama, Mistral, Qwen2, Qwen3 (q/k norms) and Gemma 3 (norms around attention and MLP,
-GELU-tanh, per-layer RoPE base, sliding layers, q/k norms, scaled embedding). What is compiled is one
-decoder layer (:func:`layer_rows`), called for every layer with that layer's weights: all layers share
-its graph (one per kind of attention: sliding, full, grouped), so the first compile traces one layer,
-not the model. Run eagerly for one row, an int8 output head is the native one (native/decode.py).
+graph. Families: Llama, Mistral, Qwen2, Qwen3 and Gemma 3. What is compiled is one decoder layer
+(:func:`layer_rows`), called for every layer with its weights: all layers share its graph (one per kind of
+attention: sliding, full, grouped), so the first compile traces one layer, not the model. Run eagerly for
+one row, an int8 output head is the native one (native/decode.py).
 """
 
 from __future__ import annotations
@@ -58,11 +57,9 @@ def compile_pays(model: nn.Module) -> bool:
 
 @dataclass(frozen=True)
 class GroupedRotations:
-    """Self-Extend's extra rotations by position, float32 factors (1, 1, n, rot_dim) computed in float64.
-
-    ``keys[j]`` turns a key cached at position ``j`` into one at ``j // G``; ``queries[p]`` turns the query
-    at ``p`` into one at its grouped position.
-    """
+    """Self-Extend's extra rotations by position, float32 factors (1, 1, n, rot_dim) computed in float64:
+    ``keys[j]`` turns a key cached at ``j`` into one at ``j // G``, ``queries[p]`` the query at ``p`` into
+    one at its grouped position."""
 
     keys: Rotation
     queries: Rotation
@@ -93,10 +90,12 @@ def attend(
     window: int | None,
     grouped: GroupedRotations | None,
     fused: bool = True,
+    stored: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query row over a layer's cells: q (1, H, 1, D) at ``pos`` (1,), k and v (1, Hkv, n, D) at
-    ``positions`` (n,) -> (1, 1, H * D) in float32. One softmax over neighbor and grouped scores. On CUDA
-    (or under Triton's interpreter) with triton installed, the fused kernels of
+    ``positions`` (n,) -> (1, 1, H * D) in float32. One softmax over neighbor and grouped scores, the grouped
+    keys rotated here or ``stored`` (1, Hkv, n, D) as the cache keeps them (:mod:`selfextend.kv.grouped`).
+    On CUDA (or under Triton's interpreter) with triton installed, the fused kernels of
     :mod:`~selfextend.core.fused_decode` compute the same, reading each cell once (``fused`` False: the
     tensor ops anyway, what the kernels are checked and timed against)."""
     if fused and fused_decode_applies(q, k, v):
@@ -104,7 +103,7 @@ def attend(
             return fused_decode_attention(q, k, v, positions, pos, scale, window)
         q_g = grouped.query_at(pos).apply(q.float())  # (1, H, 1, D) float32
         keys, w = grouped.keys, grouped.window
-        return fused_decode_attention(q, k, v, positions, pos, scale, window, q_g, keys, w)
+        return fused_decode_attention(q, k, v, positions, pos, scale, window, q_g, keys, w, stored=stored)
     b, hkv, _, d = k.shape
     qf = q.float().reshape(b, hkv, -1, d)  # (B, Hkv, H / Hkv, D): the heads sharing a KV head as rows
     kf = k.float()
@@ -117,7 +116,7 @@ def attend(
     if grouped is not None:
         rk = grouped.keys
         at = positions.clamp(max=rk.cos.shape[2] - 1)  # a cell not in use (past every query) is masked below
-        k_g = Rotation(rk.cos[:, :, at], rk.sin[:, :, at]).apply(kf)  # (B, Hkv, n, D)
+        k_g = Rotation(rk.cos[:, :, at], rk.sin[:, :, at]).apply(kf) if stored is None else stored.float()
         q_g = grouped.query_at(pos).apply(qf)
         scores = torch.where(is_neighbor(distance, grouped.window), scores, _row_scores(q_g, k_g, fused))
     scores = (scores * scale).masked_fill(~visible, float("-inf"))
@@ -200,7 +199,10 @@ class CompiledStep:
         rotations = rotations_at(self.rotary, self.kinds, self.rope_by_kind, x, pos)
         for i, layer in enumerate(self.layers):
             layer_cells = [
-                LayerCells(c.keys[i], c.values[i], c.positions[i], c.slots[i : i + 1]) for c in cells
+                LayerCells(
+                    c.keys[i], c.values[i], c.positions[i], c.slots[i : i + 1], c.grouped and c.grouped[i]
+                )
+                for c in cells
             ]
             x = self.layer_fn(
                 layer,
@@ -224,12 +226,13 @@ class CompiledStep:
 
 class LayerCells(NamedTuple):
     """One row's cells in one layer: keys and values (1, Hkv, capacity, D), positions (n,) of the first
-    ``n`` slots, and the slot (1,) where the new token's key and value go."""
+    ``n`` slots, the new token's slot (1,), and the keys at grouped positions the cache keeps, or None."""
 
     keys: torch.Tensor
     values: torch.Tensor
     positions: torch.Tensor
     slot: torch.Tensor
+    grouped: torch.Tensor | None = None
 
 
 def layer_rows(
@@ -259,11 +262,18 @@ def layer_rows(
     v = v.transpose(1, 2)  # (B, Hkv, 1, D)
     outs = []
     for b, c in enumerate(cells):
-        n = c.positions.shape[0]
-        c.keys.index_copy_(2, c.slot, k[b : b + 1].to(c.keys.dtype))
+        n, at, stored = c.positions.shape[0], pos[b : b + 1], None
+        key = k[b : b + 1].to(c.keys.dtype)
+        c.keys.index_copy_(2, c.slot, key)
         c.values.index_copy_(2, c.slot, v[b : b + 1].to(c.values.dtype))
+        if c.grouped is not None:  # the new key at its grouped position too, rounded as the cache keeps it
+            rk = grouped.keys
+            c.grouped.index_copy_(2, c.slot, Rotation(rk.cos[:, :, at], rk.sin[:, :, at]).apply(key))
+            stored = c.grouped[:, :, :n]
         kb, vb = c.keys[:, :, :n], c.values[:, :, :n]  # (1, Hkv, n, D): the cells in use, the new one too
-        outs.append(attend(q[b : b + 1], kb, vb, c.positions, pos[b : b + 1], attn.scaling, window, grouped))
+        outs.append(
+            attend(q[b : b + 1], kb, vb, c.positions, at, attn.scaling, window, grouped, stored=stored)
+        )
     out = outs[0] if len(outs) == 1 else torch.cat(outs)  # (B, 1, H * D)
     out = attn.o_proj(out.to(x.dtype))
     if hasattr(layer, "pre_feedforward_layernorm"):  # Gemma: norms after attention and MLP too
@@ -298,6 +308,7 @@ def inductor_cache_dir() -> str:
 
 
 def _stderr(message: str) -> None:
+    """Where a step's notices go by default."""
     print(message, file=sys.stderr, flush=True)
 
 
@@ -305,10 +316,9 @@ class FastDecode:
     """``fast(token, cache) -> logits | None``: one token through :class:`CompiledStep`, compiled or eager.
 
     Returns None where the step does not serve this token (a cache of fewer than two cells, a sliding layer
-    that must move its cells first, a compilation that failed): the caller then uses another path. The
-    compiled graph is kept on disk by inductor (``$TORCHINDUCTOR_CACHE_DIR``, by default ``inductor`` under
-    the selfextend cache root), so a later process skips most of the first call's wait; ``notify`` hears a
-    line when compilation starts and when it fails.
+    that must move its cells first, a compilation that failed): the caller then uses another path. Inductor
+    keeps the compiled graph on disk (:func:`inductor_cache_dir`), so a later process skips most of the
+    first call's wait; ``notify`` hears a line when compilation starts and when it fails.
     """
 
     def __init__(

@@ -71,9 +71,27 @@ class GraphedDecode(FastDecode):
             slots.append(layer.n_used)
         return slots
 
-    def _run(self, io: torch.Tensor, cache: ContextShiftCache, grouped: list[GroupedRotations | None]):
+    def _stored(self, cache: ContextShiftCache, grouped: list[GroupedRotations | None]) -> list:
+        """Per layer the cache's keys at Self-Extend's grouped positions (a full layer's
+        :class:`~selfextend.kv.grouped.GroupedKeys` buffer), made current for the cells in use (rotated here,
+        eagerly, only where cells changed since: after a prompt, a context shift), or None (no grouping, a
+        sliding layer: the step rotates them). The step reads them instead of rotating every grouped key
+        each token, and writes the new cell's (``layer_rows``)."""
+        out = []
+        for layer, table, params in zip(cache.layers, grouped, self.step.self_extend(), strict=True):
+            if table is None or params is None or isinstance(layer, SlidingShiftLayer):
+                out.append(None)
+                continue
+            layer.grouped.get(layer.keys, layer.positions, params.group_size, params.inv_freq, layer.n_used)
+            out.append(layer.grouped.buf)
+        return out
+
+    def _run(
+        self, io: torch.Tensor, cache: ContextShiftCache, grouped: list[GroupedRotations | None], stored: list
+    ):
         """The static step: logits (1, vocab) after the token of ``io`` = [token, position, slot per layer]
-        (an int64 tensor on the cache's device), its key and value written into every layer's cells."""
+        (an int64 tensor on the cache's device), its key and value written into every layer's cells (and
+        its grouped key where ``stored`` holds a layer's)."""
         token, pos, slots = io[:1].view(1, 1), io[1:2], io[2:]
         keys, values, seen = [], [], []
         for i, layer in enumerate(cache.layers):
@@ -83,40 +101,44 @@ class GraphedDecode(FastDecode):
             seen.append(torch.where(in_use, layer.positions, UNREACHED))
             keys.append(layer.keys)
             values.append(layer.values)
-        return self.step.rows(token, pos, [Cells(keys, values, seen, slots)], grouped)
+        return self.step.rows(token, pos, [Cells(keys, values, seen, slots, stored)], grouped)
 
-    def _key(self, cache: ContextShiftCache, grouped: list[GroupedRotations | None]) -> tuple:
-        """What a captured graph holds fixed: the cache's buffers, the attention and Self-Extend's tables."""
+    def _key(self, cache: ContextShiftCache, grouped: list[GroupedRotations | None], stored: list) -> tuple:
+        """What a captured graph holds fixed: the cache's buffers (the grouped keys' too), the attention and
+        Self-Extend's tables."""
         buffers = tuple(t.data_ptr() for layer in cache.layers for t in (layer.keys, layer.values))
+        kept = tuple(None if t is None else t.data_ptr() for t in stored)
         tables = tuple(None if g is None else (g.window, g.keys.cos.data_ptr()) for g in grouped)
-        return buffers, tables, self.step.config._attn_implementation
+        return buffers, kept, tables, self.step.config._attn_implementation
 
-    def _captured(self, cache: ContextShiftCache, io: torch.Tensor, grouped: list) -> _Captured:
+    def _captured(self, cache: ContextShiftCache, io: torch.Tensor, grouped: list, stored: list) -> _Captured:
         """The cache's graph, captured now where there is none for its current key (``io`` holds this token:
         the warm-up runs are its step)."""
-        key = self._key(cache, grouped)
+        key = self._key(cache, grouped, stored)
         held = self.held.get(cache)
         if held is not None and held.key == key:
             return held
         if not (self.capture and io.device.type == "cuda"):
             held = _Captured(key, io.clone(), None, None)
         else:
-            held = self._capture(key, io, cache, grouped)
+            held = self._capture(key, io, cache, grouped, stored)
         self.held[cache] = held
         return held
 
-    def _capture(self, key: tuple, io: torch.Tensor, cache: ContextShiftCache, grouped: list) -> _Captured:
+    def _capture(
+        self, key: tuple, io: torch.Tensor, cache: ContextShiftCache, grouped: list, stored: list
+    ) -> _Captured:
         static = io.clone()
         try:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 for _ in range(2):  # warm-up: this token's step, twice (the same cells written)
-                    self._run(static, cache, grouped)
+                    self._run(static, cache, grouped, stored)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                logits = self._run(static, cache, grouped)
+                logits = self._run(static, cache, grouped, stored)
             return _Captured(key, static, graph, logits)
         except RuntimeError as e:  # a kernel that cannot be captured: the same step, eagerly
             self.capture = False
@@ -135,15 +157,19 @@ class GraphedDecode(FastDecode):
         device = cache.layers[0].keys.device
         row = torch.tensor([token, cache.n_past, *slots], dtype=torch.long)
         grouped = self.grouped_tables(cache.n_ctx)
-        held = self._captured(cache, row.to(device), grouped)
+        stored = self._stored(cache, grouped)
+        held = self._captured(cache, row.to(device), grouped, stored)
         held.io.copy_(row, non_blocking=True)
         if held.graph is not None:
             held.graph.replay()
             logits = held.logits[0].clone()
         else:
-            logits = self._run(held.io, cache, grouped)[0]
-        for layer in cache.layers:
-            layer.grouped.invalidate(layer.n_used)
+            logits = self._run(held.io, cache, grouped, stored)[0]
+        for layer, kept in zip(cache.layers, stored, strict=True):
+            if kept is None:
+                layer.grouped.invalidate(layer.n_used)
+            else:  # the step wrote the new cell's grouped key: slots [0, n_used] are current
+                layer.grouped.valid = layer.n_used + 1
             layer.n_used += 1
             layer.next_pos += 1
         return logits
