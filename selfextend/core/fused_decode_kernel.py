@@ -9,10 +9,11 @@ matrix units (padded to 16 rows, their smallest tile): scores and the probabilit
 values accumulate in float32 (16-bit cells multiplied as stored, exact products; float32 operands as three
 TF32 products), which keeps a tile's values in a few registers a thread where sums of broadcast products
 held all of them (255 registers and spills, compiled for sm_90: experiments/gpu/kernel_build.py). With
-Self-Extend, the cells at distance >= W have their keys rotated by the key table's row at their position
-(rotate-half over the first ``ROT_DIM`` dimensions) and scored against the grouped query. Each program
-writes its rows' running max, sum and unnormalised output; :func:`decode_merge_kernel` merges a head's
-runs by their maxima (log-sum-exp).
+Self-Extend, the cells at distance >= W are scored against the grouped query with their keys at grouped
+positions: read where the cache keeps them (``STORED``: in place of the key, a plain cell's bytes), else
+rotated here by the key table's row at their position (rotate-half over the first ``ROT_DIM``
+dimensions). Each program writes its rows' running max, sum and unnormalised output;
+:func:`decode_merge_kernel` merges a head's runs by their maxima (log-sum-exp).
 
 Without triton installed this module still imports: the kernels are then plain functions nobody calls.
 """
