@@ -7,13 +7,13 @@ UNREACHED, as the CUDA-graph step leaves them). Each path is captured as a CUDA 
 is) and replayed; rounds interleaved, the median of each, in ms and in GB/s of the cells' keys and values
 in use:
 
-- ``fused``: ``attend`` as the step calls it (the grouped query rotated, then the kernels);
+- ``fused``: ``attend`` as the step calls it (the grouped query rotated, then the kernels reading the
+  grouped keys the cache keeps);
 - ``attend``: ``attend`` with the kernels refused (the tensor ops before them);
 - ``sdpa``: ``scaled_dot_product_attention(enable_gqa=True)`` over the cells in use, no mask (plain decode's
   floor; the same for both settings);
-- ``fused, no table reads`` (Self-Extend): ``fused`` with every grouped cell reading the key table's row 0
-  (wrong numbers, timing only): what reading the table's rows costs (a grouped cell's cos and sin, 1 KB
-  for each KV head, against its 512 B of key and value), to say whether a smaller table is worth making.
+- ``fused, keys rotated`` (Self-Extend): the kernels rotating each grouped key by its table row every
+  step (what a layer whose cache keeps no grouped keys takes), against ``fused`` reading the stored ones.
 
 Then the kernels' tiles timed at 32k cells with Self-Extend, the fastest named (to make it the default in
 ``fused_decode.default_config``), and the fused path's largest difference from ``attend``'s tensor ops.
@@ -25,7 +25,6 @@ Under a minute on an H200; says it skips and exits 0 where there is no CUDA GPU 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib.util
 import statistics
 import sys
@@ -37,8 +36,8 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
+from selfextend.core.decode_query import grouped_keys
 from selfextend.core.fused_decode import DecodeConfig, default_config, fused_decode_attention
-from selfextend.core.rope import Rotation
 from selfextend.generation.compiled import GroupedRotations, attend
 from selfextend.generation.graphed import UNREACHED
 
@@ -50,11 +49,11 @@ DEVICE = "cuda"
 SETTINGS = [(8192, 8192), (32768, 32768), (32768, 8192)]  # (cells, cells in use)
 # (block_n, split, warps, stages) whose program compiles for sm_90 without spilling (kernel_build.py)
 CONFIGS = [
+    DecodeConfig(64, 512, 4, 3),
+    DecodeConfig(64, 512, 4, 2),
+    DecodeConfig(64, 1024, 4, 3),
+    DecodeConfig(64, 256, 4, 3),
     DecodeConfig(32, 512, 4, 3),
-    DecodeConfig(32, 512, 4, 2),
-    DecodeConfig(32, 256, 4, 3),
-    DecodeConfig(32, 1024, 4, 3),
-    DecodeConfig(16, 512, 4, 3),
     DecodeConfig(64, 512, 8, 3),
 ]
 
@@ -77,7 +76,8 @@ def graphed(fn: Callable[[], object]) -> Callable[[], object]:
 
 
 def problem(cells: int, used: int, self_extend: bool, inv_freq: torch.Tensor) -> tuple:
-    """``attend``'s arguments for one layer: random bf16 cells, the query at the last cell in use."""
+    """``attend``'s arguments for one layer: random bf16 cells, the query at the last cell in use; with
+    Self-Extend, also the cells' grouped keys as the cache keeps them (what the captured step reads)."""
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     q = torch.randn(1, H, 1, D, device=DEVICE, generator=gen).bfloat16()
     k, v = (torch.randn(1, HKV, cells, D, device=DEVICE, generator=gen).bfloat16() for _ in range(2))
@@ -86,11 +86,13 @@ def problem(cells: int, used: int, self_extend: bool, inv_freq: torch.Tensor) ->
     pos = torch.tensor([used - 1], device=DEVICE)
     params = SimpleNamespace(group_size=GROUP, window=WINDOW, inv_freq=inv_freq)
     grouped = GroupedRotations.build(cells, params) if self_extend else None
-    return q, k, v, positions, pos, D**-0.5, None, grouped
+    stored = grouped_keys(k, positions, GROUP, inv_freq) if self_extend else None
+    return (q, k, v, positions, pos, D**-0.5, None, grouped), stored
 
 
-def tiles(args: tuple, gb: float, rounds: int) -> None:
-    """Time the kernels alone with each of CONFIGS and name the fastest."""
+def tiles(args: tuple, stored: torch.Tensor, gb: float, rounds: int) -> None:
+    """Time the kernels alone (the grouped keys stored, as the captured step reads them) with each of
+    CONFIGS and name the fastest."""
     q, k, v, positions, pos, scale, _, grouped = args
     q_g = grouped.query_at(pos).apply(q.float())
     found = {}
@@ -98,7 +100,9 @@ def tiles(args: tuple, gb: float, rounds: int) -> None:
 
         def run(cfg: DecodeConfig = cfg) -> torch.Tensor:
             extra = (q_g, grouped.keys, grouped.window)
-            return fused_decode_attention(q, k, v, positions, pos, scale, None, *extra, config=cfg)
+            return fused_decode_attention(
+                q, k, v, positions, pos, scale, None, *extra, config=cfg, stored=stored
+            )
 
         try:
             fn = graphed(run)
@@ -108,27 +112,23 @@ def tiles(args: tuple, gb: float, rounds: int) -> None:
     for cfg, t in found.items():
         print(f"  tiles {tuple(cfg)} (block_n, split, warps, stages): {t:.3f} ms, {gb / t:.0f} GB/s")
     best = min(found, key=found.__getitem__)
-    default = default_config(k.shape[2], HKV, D, q.device, grouped=True)
+    default = default_config(k.shape[2], HKV, D, q.device)
     print(f"  fastest tiles {tuple(best)}; default {tuple(default)}")
 
 
 def one_setting(cells: int, used: int, self_extend: bool, inv_freq: torch.Tensor, rounds: int) -> None:
     """Each path's speed for one setting, rounds interleaved; the fused path's error; tiles at 32k SE."""
-    args = problem(cells, used, self_extend, inv_freq)
+    args, stored = problem(cells, used, self_extend, inv_freq)
     q, k, v = args[:3]
     k_used, v_used = k[:, :, :used], v[:, :, :used]
     gb = 2 * k_used.numel() * k.element_size() / 1e6  # MB of keys and values in use: MB / ms = GB/s
     paths: dict[str, Callable[[], object]] = {
-        "fused": lambda: attend(*args),
-        "attend": lambda: attend(*args, fused=False),
+        "fused": lambda: attend(*args, stored=stored),
+        "attend": lambda: attend(*args, fused=False, stored=stored),
         "sdpa": lambda: F.scaled_dot_product_attention(q, k_used, v_used, scale=D**-0.5, enable_gqa=True),
     }
-    grouped = args[-1]
-    if grouped is not None:  # the key table's reads taken out (every cell reads its row 0: wrong numbers,
-        # timing only): what the table's rows cost, 1 KB a grouped cell and KV head against 512 B of cells
-        one_row = Rotation(grouped.keys.cos[:, :, :1], grouped.keys.sin[:, :, :1])
-        no_table = (*args[:-1], dataclasses.replace(grouped, keys=one_row))
-        paths["fused, no table reads"] = lambda: attend(*no_table)
+    if stored is not None:  # the grouped keys rotated in the kernel each step instead (a cache keeping none)
+        paths["fused, keys rotated"] = lambda: attend(*args)
     replay = {name: graphed(fn) for name, fn in paths.items()}
     times: dict[str, list[float]] = {name: [] for name in paths}
     for _ in range(rounds):
@@ -140,11 +140,11 @@ def one_setting(cells: int, used: int, self_extend: bool, inv_freq: torch.Tensor
         f"{cells:>6} cells ({used} in use), {kind}: "
         + ", ".join(f"{n} {t:.3f} ms ({gb / t:.0f} GB/s)" for n, t in med.items())
     )
-    want = attend(*args, fused=False)
-    diff = (attend(*args) - want).abs().max()
+    want = attend(*args, fused=False, stored=stored)
+    diff = (attend(*args, stored=stored) - want).abs().max()
     print(f"  fused vs tensor ops: max abs {diff:.2e} (the output's largest {want.abs().max():.2f})")
     if self_extend and cells == used == 32768:
-        tiles(args, gb, rounds)
+        tiles(args, stored, gb, rounds)
 
 
 def main() -> int:

@@ -260,7 +260,7 @@ def tilings() -> dict[str, Callable[[], object]]:
 
     cases = {f"prefill bf16 d128 {tuple(c)}": prefill(torch.bfloat16, 128, None, c) for c in PREFILL}
     for c in DECODE:
-        cases[f"decode bf16 d128 grouped {tuple(c)}"] = decode(torch.bfloat16, 128, 4, "grouped", c)
+        cases[f"decode bf16 d128 stored {tuple(c)}"] = decode(torch.bfloat16, 128, 4, "stored", c)
     return cases
 
 
