@@ -82,7 +82,11 @@ class GraphedDecode(FastDecode):
             if table is None or params is None or isinstance(layer, SlidingShiftLayer):
                 out.append(None)
                 continue
-            layer.grouped.get(layer.keys, layer.positions, params.group_size, params.inv_freq, layer.n_used)
+            g, inv_freq, n = params.group_size, params.inv_freq, layer.n_used
+            if (
+                layer.grouped.held(layer.keys, n, g, inv_freq) is None
+            ):  # (a few attribute reads where current)
+                layer.grouped.get(layer.keys, layer.positions, g, inv_freq, n)
             out.append(layer.grouped.buf)
         return out
 
