@@ -10,7 +10,8 @@ keys and values of cells not visible are masked lanes, so cells not in use cost 
 programs over (KV head, run of cells), all query heads of a KV head together as the rows of a matrix
 product, then merges the runs by log-sum-exp. Every size comes from tensor shapes and the query's position
 is read on the device, so the step stays capturable; the math is ``attend``'s, in float32 (the grouped
-query rotated by the same :class:`Rotation` outside, the keys' table rows read by the kernel).
+query rotated by the same :class:`Rotation` outside; the grouped keys read as the cache stores them, or
+rotated by the key table's rows in the kernel).
 
 triton is optional: nothing here imports it until a kernel runs, and :func:`fused_decode_applies` says
 no where it is missing. With ``TRITON_INTERPRET=1`` set before triton is imported, the kernels also run
