@@ -125,3 +125,27 @@ def test_the_gpu_check_script_runs_dry(tmp_path) -> None:
     for check in ("8b generate self-extend", "8b two slots", "8b ppl selfextend"):  # the 8B runs, small
         assert f"ok   {check}" in done.stdout, done.stdout
     assert (tmp_path / "gpu_check.jsonl").read_text().count('"ok": true') >= 10
+
+
+def test_a_gpu_check_that_raises_is_reported_and_the_run_goes_on(tmp_path, monkeypatch, capsys) -> None:
+    """check.py's guard: the device's minutes are few, so one broken path costs its own check only."""
+    import importlib.util
+    from pathlib import Path
+
+    monkeypatch.setenv("OUT", str(tmp_path))
+    path = Path(__file__).resolve().parents[1] / "experiments/gpu/check.py"
+    spec = importlib.util.spec_from_file_location("gpu_check_script", path)
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    ran = []
+
+    def broken(n: int) -> None:
+        raise ValueError(f"cells {n} on the wrong device\nmore")
+
+    check.guarded("8b prefill", broken, 3)
+    check.guarded("8b engine decode", ran.append, "decode")
+    assert ran == ["decode"] and check.FAILED == ["8b prefill raised"]
+    said = capsys.readouterr().out
+    assert "FAIL 8b prefill raised: error=ValueError: cells 3 on the wrong device," in said
+    assert "test_device_guard.py:" in said and "broken" in said  # where it raised
+    assert '"ok": false' in (tmp_path / "gpu_check.jsonl").read_text()

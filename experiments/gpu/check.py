@@ -28,6 +28,8 @@ import json
 import os
 import sys
 import time
+import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -76,19 +78,34 @@ def main() -> int:
     if "parity" in sections:
         from gpu_parity import parity
 
-        parity(report, device)
+        guarded("parity", parity, report, device)
     if "cli" in sections:
         from gpu_cli import cli_checks
 
-        cli_checks(report, ROOT, device)
+        guarded("cli", cli_checks, report, ROOT, device)
     if "kernel" in sections:  # before the 8B shape, whose CPU runs take the longest: tiles are timed first
         kernel_check(device)
     if "8b" in sections:
         from gpu_8b import eight_b
 
-        eight_b(report, gpu, args.long, device)
+        eight_b(report, gpu, args.long, device, guarded)
     report("done", seconds=round(time.perf_counter() - t0, 1), failed=FAILED)
     return 1 if FAILED else 0
+
+
+def guarded(name: str, check: Callable[..., object], *args: object) -> None:
+    """``check(*args)``; an exception is reported as the failed check ``name`` (its type, message and the
+    innermost lines of the traceback) and the run goes on: the device's minutes are few, and one broken path
+    must not cost the measurements of the others."""
+    try:
+        check(*args)
+    except Exception as e:  # noqa: BLE001 - every failure is reported, none stops the run
+        frames = traceback.extract_tb(e.__traceback__)[-3:]
+        where = [f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in frames]
+        said = str(e).splitlines()[0][:300] if str(e) else ""
+        report(f"{name} raised", ok=False, error=f"{type(e).__name__}: {said}", at=where)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
 def kernel_check(device: str) -> None:
@@ -103,7 +120,7 @@ def kernel_check(device: str) -> None:
             continue
         argv, sys.argv = sys.argv, [str(script)]
         try:
-            runpy.run_path(str(script), run_name="__main__")
+            guarded(f"kernel {kernel}", runpy.run_path, str(script), None, "__main__")
         except SystemExit as e:
             report(f"kernel {kernel}", ok=not e.code, exit=e.code)
         finally:

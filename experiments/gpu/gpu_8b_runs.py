@@ -19,12 +19,11 @@ from collections.abc import Callable
 
 import torch
 
-from selfextend.evaluation.methods import applied, parse_method
+from selfextend.evaluation.methods import Method, applied, parse_method
 from selfextend.evaluation.nll import token_nll
 from selfextend.evaluation.passkey import answer
 from selfextend.generation.batched import BatchedDecode
 from selfextend.generation.generator import Generator
-from selfextend.hf.patch import apply_self_extend, remove_self_extend
 from selfextend.kv.cache import ContextShiftCache
 
 CTX, KEEP, PROMPT_LEN, TOKENS = 64, 4, 56, 24  # a context shift after 8 tokens
@@ -75,29 +74,58 @@ def _slot_times(model: torch.nn.Module, prompt: list[int]) -> dict[str, float]:
     return out
 
 
-def runs(report: Callable[..., None], gpu_model: torch.nn.Module, gpu: str, group: int, window: int) -> None:
+def runs(
+    report: Callable[..., None],
+    gpu_model: torch.nn.Module,
+    gpu: str,
+    group: int,
+    window: int,
+    guarded: Callable[..., None],
+) -> None:
     """The 8B shape's runs on ``gpu_model``'s device against a CPU copy (``group``/``window``: Self-Extend's
-    setting for this short context)."""
+    setting for this short context), each through ``guarded`` (one that raises is reported, the next runs)."""
     device = next(gpu_model.parameters()).device
     cpu = copy.deepcopy(gpu_model).to("cpu") if device.type != "cpu" else copy.deepcopy(gpu_model)
     vocab = gpu_model.config.vocab_size
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(100, vocab - 1, (PROMPT_LEN,), generator=g).tolist()
+    spec = f"selfextend:G={group},W={window}"
     for se in (False, True):
-        if se:
-            for m in (gpu_model, cpu):
-                apply_self_extend(m, group_size=group, window=window)
-        worst, shifts = _teacher_forced(gpu_model, cpu, prompt)
         name = "8b generate" + (f" self-extend G={group} W={window}" if se else "")
-        report(
-            name,
-            ok=worst < TOLERANCE and shifts >= 1,
-            worst_relative_logit=f"{worst:.1e}",
-            shifts=shifts,
-            gpu=gpu,
+        guarded(
+            name, _generate, report, name, gpu_model, cpu, prompt, parse_method(spec) if se else None, gpu
         )
-    # two slots in one forward (the server's batched step) against each written alone, on the GPU, each
-    # through a shift
+    with applied(gpu_model, parse_method(spec)):  # the slots' rows through Self-Extend's grouped cells
+        guarded("8b two slots", _two_slots, report, gpu_model, prompt, gpu)
+        guarded("8b two slots ms a step", _report_slot_times, report, gpu_model, prompt, gpu)
+    for method in ("plain", spec):
+        guarded(f"8b ppl {method}", _ppl, report, gpu_model, cpu, prompt, method, gpu)
+    guarded(f"8b passkey answer {spec}", _passkey, report, gpu_model, cpu, prompt, spec, gpu)
+    del cpu
+
+
+def _generate(
+    report: Callable[..., None],
+    name: str,
+    gpu_model: torch.nn.Module,
+    cpu: torch.nn.Module,
+    prompt: list[int],
+    method: Method | None,
+    gpu: str,
+) -> None:
+    """Greedy through a context shift on the GPU, the CPU teacher-forced, under ``method`` (None: plain)."""
+    if method is None:
+        worst, shifts = _teacher_forced(gpu_model, cpu, prompt)
+    else:
+        with applied(gpu_model, method), applied(cpu, method):
+            worst, shifts = _teacher_forced(gpu_model, cpu, prompt)
+    ok = worst < TOLERANCE and shifts >= 1
+    report(name, ok=ok, worst_relative_logit=f"{worst:.1e}", shifts=shifts, gpu=gpu)
+
+
+def _two_slots(report: Callable[..., None], gpu_model: torch.nn.Module, prompt: list[int], gpu: str) -> None:
+    """Two slots in one forward (the server's batched step) against each written alone, on the GPU, each
+    through a shift."""
     batched = BatchedDecode(gpu_model, shared_from=2)
     gens, alone = [_generator(gpu_model) for _ in range(2)], [_generator(gpu_model) for _ in range(2)]
     logits = [x.feed(prompt[:n]) for x, n in zip(gens, (50, 45), strict=True)]
@@ -111,18 +139,41 @@ def runs(report: Callable[..., None], gpu_model: torch.nn.Module, gpu: str, grou
     shifts = [x.cache.shifts for x in gens]
     ok = worst < TOLERANCE and min(shifts) >= 1
     report("8b two slots", ok=ok, worst_relative_logit=f"{worst:.1e}", shifts=shifts, gpu=gpu)
+
+
+def _report_slot_times(
+    report: Callable[..., None], gpu_model: torch.nn.Module, prompt: list[int], gpu: str
+) -> None:
     report("8b two slots ms a step", gpu=gpu, **_slot_times(gpu_model, prompt))
+
+
+def _ppl(
+    report: Callable[..., None],
+    gpu_model: torch.nn.Module,
+    cpu: torch.nn.Module,
+    prompt: list[int],
+    spec: str,
+    gpu: str,
+) -> None:
+    """``ppl``'s per-token scores of the prompt under ``spec`` on both devices."""
     ids = torch.tensor([prompt])
-    for spec in ("plain", f"selfextend:G={group},W={window}"):
-        remove_self_extend(gpu_model)
-        remove_self_extend(cpu)
-        with applied(gpu_model, parse_method(spec)), applied(cpu, parse_method(spec)):
-            a, b = token_nll(gpu_model, ids.to(device)), token_nll(cpu, ids)
-        diff = float((a.float().cpu() - b.float()).abs().max())
-        report(f"8b ppl {spec}", ok=diff < 0.05, max_abs_nll_difference=f"{diff:.1e}", gpu=gpu)
-    spec = f"selfextend:G={group},W={window}"
+    device = next(gpu_model.parameters()).device
+    with applied(gpu_model, parse_method(spec)), applied(cpu, parse_method(spec)):
+        a, b = token_nll(gpu_model, ids.to(device)), token_nll(cpu, ids)
+    diff = float((a.float().cpu() - b.float()).abs().max())
+    report(f"8b ppl {spec}", ok=diff < 0.05, max_abs_nll_difference=f"{diff:.1e}", gpu=gpu)
+
+
+def _passkey(
+    report: Callable[..., None],
+    gpu_model: torch.nn.Module,
+    cpu: torch.nn.Module,
+    prompt: list[int],
+    spec: str,
+    gpu: str,
+) -> None:
+    """``passkey``'s greedy answer on both devices: where they part is said (random weights: near-ties)."""
     a, b = answer(gpu_model, prompt, parse_method(spec)), answer(cpu, prompt, parse_method(spec))
     same = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
     same = min(len(a), len(b)) if same is None and len(a) != len(b) else same
-    report(f"8b passkey answer {spec}", tokens=len(a), first_difference=same, gpu=gpu)  # near-ties: said
-    del cpu
+    report(f"8b passkey answer {spec}", tokens=len(a), first_difference=same, gpu=gpu)
