@@ -111,11 +111,13 @@ def run(case: tuple, stored: bool = False) -> dict[str, object]:
 
 
 def static_step(family: str) -> dict[str, object]:
-    """Tokens through GraphedDecode's static step (eager, every cell of a 24-cell cache, the kernels taken)
-    against the direct step, a tiny model with Self-Extend G=2 W=4, through a context shift (Gemma 3: a
-    sliding layer of 8 too)."""
+    """Tokens through GraphedDecode's static step (every cell of a 24-cell cache, the kernels taken) against
+    the direct step, a tiny model with Self-Extend G=2 W=4, through a context shift (Gemma 3: a sliding
+    layer of 8 too): run eagerly, and recorded once and replayed (tests/graph_replay.py: the kernels'
+    launches with their grids and arguments as at capture, as a CUDA graph replays them)."""
     sys.path.insert(0, str(Path(__file__).parent))
     from conftest import make_model, tiny_gemma3
+    from graph_replay import recorded
 
     from selfextend.generation.generator import Generator
     from selfextend.generation.graphed import GraphedDecode
@@ -124,20 +126,28 @@ def static_step(family: str) -> dict[str, object]:
 
     model = tiny_gemma3(["sliding_attention", "full_attention"], 8) if family == "gemma3" else make_model()
     apply_self_extend(model, group_size=2, window=4)
+    graphs = []
+
+    def capture(step):
+        graph, out = recorded(step)
+        graphs.append(graph)
+        return graph, out
+
     logits = []
-    for graphed in (False, True):
+    for mode in (None, False, capture):  # the direct step; the static one eagerly; recorded and replayed
         gen = Generator(model, ContextShiftCache(model, 24, n_keep=4, dtype=torch.float32))
-        if graphed:
-            gen.fast = GraphedDecode(model, capture=False, notify=lambda _: None)
+        if mode is not None:
+            gen.fast = GraphedDecode(model, capture=mode, notify=print)
         out = gen.feed(list(range(3, 21)))
         steps = []
         for _ in range(8):
             out = gen.write([int(out.argmax())])
             steps.append(out)
         logits.append((torch.stack(steps), gen.cache.shifts))
-    (want, shifts), (got, _) = logits
-    error = ((got - want).abs().max() / want.abs().max()).item()
-    return {"static_step": family, "error": error, "shifts": shifts}
+    (want, shifts), (eager, _), (replayed, _) = logits
+    error = max(((x - want).abs().max() / want.abs().max()).item() for x in (eager, replayed))
+    launches = sum(g.launches for g in graphs)
+    return {"static_step": family, "error": error, "shifts": shifts, "recorded_launches": launches}
 
 
 def main() -> None:

@@ -28,7 +28,8 @@ def test_kernels_equal_attend_in_the_interpreter():
     the cells and at distances W - 1 / W, cells not in use, GQA 4/1, 4/2, 6/2, 2/2, head sizes 16-128 and a
     partial rotary one, float32, bfloat16, float16, 1-3 cells, counts off the tiles) within float32's
     tolerance, two through attend's dispatch; then GraphedDecode's static step with the kernels taken
-    equals the direct step through a context shift (a Llama; a Gemma 3 with a sliding layer)."""
+    equals the direct step through a context shift (a Llama; a Gemma 3 with a sliding layer), run eagerly
+    and recorded once then replayed as a CUDA graph would (tests/graph_replay.py)."""
     # triton 3.6's interpreter (the GPU machines' of issue 48) cannot run a loop whose bounds come from
     # program_id under numpy 2.4 ("only 0-dimensional arrays can be converted"); the kernels compile there
     # (experiments/gpu/kernel_build.py run with triton 3.6 for sm_90: none failed)
@@ -44,6 +45,7 @@ def test_kernels_equal_attend_in_the_interpreter():
     assert [r for r in results if not r["error"] < r["tol"]] == []
     assert [s["static_step"] for s in static] == ["llama", "gemma3"]
     assert all(s["shifts"] >= 1 and s["kernel_calls"] >= 10 and s["error"] < 1e-5 for s in static), static
+    assert all(s["recorded_launches"] >= 2 for s in static), static  # the kernels replayed as launched
 
 
 def _like(device: str, dtype: torch.dtype = torch.bfloat16, d: int = 128) -> SimpleNamespace:

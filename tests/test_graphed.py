@@ -9,6 +9,7 @@ import pytest
 import torch
 from conftest import make_model, tiny_gemma3
 from device_guard import DeviceGuard
+from graph_replay import recorded
 
 import selfextend.generation.decode as decode_module
 from selfextend.generation.backends import decode_backends
@@ -32,11 +33,14 @@ def _model(family: str, self_extend: bool) -> torch.nn.Module:
     return model
 
 
-def _greedy(model: torch.nn.Module, graphed: bool, n: int = 50) -> tuple[list[torch.Tensor], int, int]:
-    """Logits of ``n`` greedy steps through a 40-cell cache, the static step's count and the shifts."""
+def _greedy(
+    model: torch.nn.Module, graphed: bool, n: int = 50, capture=False
+) -> tuple[list[torch.Tensor], int, int]:
+    """Logits of ``n`` greedy steps through a 40-cell cache, the static step's count and the shifts
+    (``capture``: how GraphedDecode records its step; False: eagerly)."""
     gen = Generator(model, ContextShiftCache(model, 40, n_keep=4, dtype=torch.float32))
     if graphed:
-        gen.fast = GraphedDecode(model, capture=False, notify=lambda _: None)
+        gen.fast = GraphedDecode(model, capture=capture, notify=pytest.fail)
     served = 0
     if graphed:
         call = gen.fast.__call__
@@ -64,6 +68,58 @@ def test_the_static_step_is_the_direct_steps_math(family: str, self_extend: bool
     got, served, _ = _greedy(model, graphed=True)
     assert shifts >= 2 and served >= 40  # the static step served nearly every token, across shifts
     torch.testing.assert_close(torch.stack(got), torch.stack(want), atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize("self_extend", [False, True], ids=["plain", "self-extend"])
+def test_the_captured_step_replays_the_direct_steps_math(family: str, self_extend: bool) -> None:
+    """Recorded once per cache and replayed for every later token (tests/graph_replay.py: every value read
+    on the host fixed at capture, as in a CUDA graph), through context shifts: what a GPU runs."""
+    model = _model(family, self_extend)
+    want, _, _ = _greedy(model, graphed=False)
+    captures = []
+
+    def capture(run):
+        captures.append(recorded(run))
+        return captures[-1]
+
+    got, served, shifts = _greedy(model, graphed=True, capture=capture)
+    assert shifts >= 2 and served >= 40 and len(captures) == 1  # one capture served every token
+    assert len(captures[0][0].calls) > 100
+    torch.testing.assert_close(torch.stack(got), torch.stack(want), atol=2e-5, rtol=1e-5)
+
+
+def test_a_step_reading_the_host_is_not_captured(monkeypatch) -> None:
+    """What the replay stand-in catches: a position taken from the cache as a Python int is right eagerly
+    and baked into the recording; reading a device value on the host cannot be captured (said, run
+    eagerly)."""
+    model = _model("llama", False)
+    want, _, _ = _greedy(model, graphed=False, n=10)  # before a shift (which would refuse the cells)
+    run = GraphedDecode._run
+
+    def baked(self, io, cache, grouped, stored):  # the position as the host knows it, not from io
+        return run(
+            self, torch.cat([io[:1], torch.full_like(io[1:2], cache.n_past), io[2:]]), cache, grouped, stored
+        )
+
+    monkeypatch.setattr(GraphedDecode, "_run", baked)
+    eager, _, _ = _greedy(model, graphed=True, n=10)
+    torch.testing.assert_close(torch.stack(eager), torch.stack(want), atol=2e-5, rtol=1e-5)
+    replayed, _, _ = _greedy(model, graphed=True, n=10, capture=recorded)
+    assert (torch.stack(replayed) - torch.stack(want)).abs().max() > 1e-2
+
+    def synced(self, io, cache, grouped, stored):
+        assert int(io[1]) == cache.n_past  # a host read of a device value
+        return run(self, io, cache, grouped, stored)
+
+    monkeypatch.setattr(GraphedDecode, "_run", synced)
+    said = []
+    gen = Generator(model, ContextShiftCache(model, 40, n_keep=4, dtype=torch.float32))
+    gen.fast = GraphedDecode(model, capture=recorded, notify=said.append)
+    gen.feed(PROMPT)
+    gen.write([5])
+    assert len(said) == 1 and "not captured" in said[0] and "_local_scalar_dense" in said[0]
+    assert gen.fast.capture is False
 
 
 def test_the_static_step_makes_nothing_on_the_host(monkeypatch: pytest.MonkeyPatch) -> None:

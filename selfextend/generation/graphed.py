@@ -14,15 +14,17 @@ through them; Self-Extend's rotation tables are built once for the cache's size.
 The graph is captured once per cache and attention setting (a new cache, or Self-Extend applied or
 removed, captures again). Capturing runs the token's step twice first (warm-up): each run writes the same
 key and value into the same cells, so the cache ends as one step leaves it. Where capture fails (a
-kernel that syncs, an old driver) the same static step runs eagerly, said once. On the CPU it always runs
-eagerly (``capture=False``): that is how the tests hold its math to :class:`DecodeStep`'s.
+kernel that syncs, an old driver) the same static step runs eagerly, said once. On the CPU it runs eagerly
+unless given a capture function: the tests hold its math to :class:`DecodeStep`'s eagerly and through
+``tests/graph_replay.py``, which records and replays the step as a graph would (values read on the host
+baked in).
 """
 
 from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Literal, NamedTuple, Protocol
 
 import torch
 from torch import nn
@@ -36,12 +38,36 @@ from selfextend.kv.sliding import SlidingShiftLayer
 UNREACHED = 1 << 62  # the position of a cell not in use: later than any query, so never visible
 
 
+class Replayable(Protocol):
+    """A captured step: ``replay()`` runs it again on the memory it was captured with."""
+
+    def replay(self) -> None: ...
+
+
+Capture = Callable[[Callable[[], torch.Tensor]], tuple[Replayable, torch.Tensor]]
+
+
+def cuda_graph(run: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """``run`` captured as a CUDA graph, after two warm-up runs on a side stream (what capturing asks:
+    allocations and lazy initialization done before), with its result, which each replay rewrites."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    return graph, out
+
+
 class _Captured(NamedTuple):
     """One cache's graph: the int64 row it reads (token, position, a slot per layer) and its logits."""
 
     key: tuple
     io: torch.Tensor
-    graph: torch.cuda.CUDAGraph | None
+    graph: Replayable | None
     logits: torch.Tensor | None
 
 
@@ -52,8 +78,13 @@ class GraphedDecode(FastDecode):
     takes another path, as with :class:`~selfextend.generation.compiled.FastDecode`."""
 
     def __init__(
-        self, model: nn.Module, capture: bool = True, notify: Callable[[str], None] = _stderr
+        self,
+        model: nn.Module,
+        capture: Capture | Literal[False] | None = None,
+        notify: Callable[[str], None] = _stderr,
     ) -> None:
+        """``capture``: what records the step (:func:`cuda_graph` on a GPU by default, never on the CPU;
+        a test's stand-in records it anywhere); ``capture=False`` runs every token eagerly."""
         super().__init__(model, compile=False, notify=notify)
         self.capture = capture
         self.held: weakref.WeakKeyDictionary[ContextShiftCache, _Captured] = weakref.WeakKeyDictionary()
@@ -122,33 +153,23 @@ class GraphedDecode(FastDecode):
         held = self.held.get(cache)
         if held is not None and held.key == key:
             return held
-        if not (self.capture and io.device.type == "cuda"):
-            held = _Captured(key, io.clone(), None, None)
-        else:
-            held = self._capture(key, io, cache, grouped, stored)
+        capture = (
+            self.capture if self.capture is not None else cuda_graph if io.device.type == "cuda" else None
+        )
+        static = io.clone()
+        held = _Captured(key, static, None, None)
+        if capture:
+            try:  # the warm-up runs are this token's step: each writes the same cells
+                graph, logits = capture(lambda: self._run(static, cache, grouped, stored))
+                held = _Captured(key, static, graph, logits)
+            except RuntimeError as e:  # a kernel that cannot be captured: the same step, eagerly
+                self.capture = False
+                said = str(e).splitlines()[0] if str(e) else type(e).__name__
+                self.notify(
+                    f"warning: the decode step was not captured as a CUDA graph, run eagerly ({said})"
+                )
         self.held[cache] = held
         return held
-
-    def _capture(
-        self, key: tuple, io: torch.Tensor, cache: ContextShiftCache, grouped: list, stored: list
-    ) -> _Captured:
-        static = io.clone()
-        try:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(2):  # warm-up: this token's step, twice (the same cells written)
-                    self._run(static, cache, grouped, stored)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                logits = self._run(static, cache, grouped, stored)
-            return _Captured(key, static, graph, logits)
-        except RuntimeError as e:  # a kernel that cannot be captured: the same step, eagerly
-            self.capture = False
-            said = str(e).splitlines()[0] if str(e) else type(e).__name__
-            self.notify(f"warning: the decode step was not captured as a CUDA graph, run eagerly ({said})")
-            return _Captured(key, static, None, None)
 
     @torch.no_grad()
     def __call__(self, token: int, cache: ContextShiftCache) -> torch.Tensor | None:
