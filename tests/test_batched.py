@@ -11,10 +11,12 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import make_model, tiny_gemma3
+from graph_replay import recorded
 
 from selfextend.generation.batched import BatchedDecode
 from selfextend.generation.compiled import FastDecode
 from selfextend.generation.generator import Generator
+from selfextend.generation.graphed import GraphedDecode
 from selfextend.hf.patch import apply_self_extend
 from selfextend.kv.cache import ContextShiftCache
 
@@ -174,5 +176,45 @@ def test_direct_rows_match_each_alone(family: str, extend: bool, cells: torch.dt
     assert shifts == shifts_alone and min(shifts) >= 1 and len(set(shifts)) > 1
     assert tokens == tokens_alone
     # float32 products of M rows and of one differ in the last bits; a bf16 cell rounds such a key either way
+    tol = 1e-5 if cells == torch.float32 else 1e-2
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize("cells", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_captured_rows_match_each_alone(family: str, cells: torch.dtype) -> None:
+    """A GPU's server slots: every row in one replay of the captured step (tests/graph_replay.py records
+    it as a CUDA graph would), a graph per set of slots stepped together (all three, then every fifth token
+    the first two), through shifts at different times: each one's logits stepped alone through the direct
+    step."""
+    model = _model(family)
+    apply_self_extend(model, GROUP, WINDOW)
+    graphs = []
+
+    def capture(run):
+        graphs.append(recorded(run))
+        return graphs[-1]
+
+    graphed = GraphedDecode(model, capture=capture, notify=pytest.fail)
+    replays = _counted(graphed)
+    runs = []
+    for together in (True, False):
+        gens, seqs = [], []
+        for seed, n in enumerate(PROMPTS):
+            gen = Generator(model, ContextShiftCache(model, n_ctx=N_CTX, n_keep=N_KEEP, dtype=cells))
+            gen.feed(_ids(seed)[:n])
+            gen.fast = graphed if together else None
+            gens.append(gen)
+            seqs.append(_ids(seed)[n : n + TOKENS])
+        logits = []
+        for k, ts in enumerate(zip(*seqs, strict=True)):
+            active = 2 if k % 5 == 4 else 3
+            pairs = list(zip(gens[:active], ts, strict=False))
+            got = BatchedDecode(model)(pairs) if together else [g.write([t]) for g, t in pairs]
+            logits.extend(got)
+        runs.append((torch.stack(logits), [g.cache.shifts for g in gens], [g.tokens for g in gens]))
+    (got, shifts, tokens), (want, shifts_alone, tokens_alone) = runs
+    assert shifts == shifts_alone and min(shifts) >= 1 and tokens == tokens_alone
+    assert 2 <= len(graphs) <= 4 and replays.count(3) >= TOKENS // 2 and 2 in replays
     tol = 1e-5 if cells == torch.float32 else 1e-2
     torch.testing.assert_close(got, want, atol=tol, rtol=tol)

@@ -97,10 +97,9 @@ def test_a_step_reading_the_host_is_not_captured(monkeypatch) -> None:
     want, _, _ = _greedy(model, graphed=False, n=10)  # before a shift (which would refuse the cells)
     run = GraphedDecode._run
 
-    def baked(self, io, cache, grouped, stored):  # the position as the host knows it, not from io
-        return run(
-            self, torch.cat([io[:1], torch.full_like(io[1:2], cache.n_past), io[2:]]), cache, grouped, stored
-        )
+    def baked(self, io, caches, grouped, stored):  # the position as the host knows it, not from io
+        pos = torch.full_like(io[1:2], caches[0].n_past)
+        return run(self, torch.cat([io[:1], pos, io[2:]]), caches, grouped, stored)
 
     monkeypatch.setattr(GraphedDecode, "_run", baked)
     eager, _, _ = _greedy(model, graphed=True, n=10)
@@ -108,9 +107,9 @@ def test_a_step_reading_the_host_is_not_captured(monkeypatch) -> None:
     replayed, _, _ = _greedy(model, graphed=True, n=10, capture=recorded)
     assert (torch.stack(replayed) - torch.stack(want)).abs().max() > 1e-2
 
-    def synced(self, io, cache, grouped, stored):
-        assert int(io[1]) == cache.n_past  # a host read of a device value
-        return run(self, io, cache, grouped, stored)
+    def synced(self, io, caches, grouped, stored):
+        assert int(io[1]) == caches[0].n_past  # a host read of a device value
+        return run(self, io, caches, grouped, stored)
 
     monkeypatch.setattr(GraphedDecode, "_run", synced)
     said = []

@@ -10,8 +10,11 @@ layer whose last slot the token would take) is written alone through its generat
 Sequences whose generators share a direct decode step (the CPU's native kernels: every slot of the server)
 go through its :meth:`~selfextend.generation.decode.DecodeStep.rows`: the products take their rows together,
 the rest is the lone token's code per row, so a row's logits do not depend on the batch where the products
-are batch-invariant (the GGUF block products). The others share the compiled step's rows run eagerly,
-which pays from about :data:`SHARED_FROM_ON_CPU` of them on the CPU (a few hundred torch ops per layer;
+are batch-invariant (the GGUF block products). On a GPU they go through the captured step's
+:meth:`~selfextend.generation.graphed.GraphedDecode.rows` first: one graph replay for all the rows (a graph
+per set of slots stepped together), where the direct step would launch each row's operations from Python.
+The others share the compiled step's rows run eagerly, which pays from about :data:`SHARED_FROM_ON_CPU` of
+them on the CPU (a few hundred torch ops per layer;
 ``python experiments/server/server_decode.py --concurrent 1,2,4,8``); fewer are each written alone.
 """
 
@@ -25,6 +28,7 @@ from torch import nn
 from selfextend.generation.cells import Cells, StepCells
 from selfextend.generation.compiled import FastDecode, fast_decode_for
 from selfextend.generation.generator import Generator
+from selfextend.generation.graphed import GraphedDecode
 
 SHARED_FROM_ON_CPU = 6  # sequences from which they share one forward on the CPU (module docstring)
 
@@ -53,8 +57,11 @@ class BatchedDecode:
             gen.make_room(1)
         direct = [i for i, (gen, _) in enumerate(pairs) if _direct(gen)]
         if len(direct) > 1 and len({id(pairs[i][0].step.model) for i in direct}) == 1:  # one model's steps
-            step = pairs[direct[0]][0].step
-            logits = step.rows([pairs[i][1] for i in direct], [pairs[i][0].cache for i in direct])
+            tokens, caches = [pairs[i][1] for i in direct], [pairs[i][0].cache for i in direct]
+            graphed = pairs[direct[0]][0].fast  # on a GPU: every row in one replay of a captured step
+            logits = graphed.rows(tokens, caches) if isinstance(graphed, GraphedDecode) else None
+            if logits is None:
+                logits = pairs[direct[0]][0].step.rows(tokens, caches)
             for i, row in zip(direct, logits, strict=True):
                 pairs[i][0].written([pairs[i][1]], row)
                 out[i] = row

@@ -23,7 +23,7 @@ baked in).
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Literal, NamedTuple, Protocol
 
 import torch
@@ -36,6 +36,7 @@ from selfextend.kv.cache import ContextShiftCache
 from selfextend.kv.sliding import SlidingShiftLayer
 
 UNREACHED = 1 << 62  # the position of a cell not in use: later than any query, so never visible
+GRAPHS_PER_CACHE = 8  # graphs a cache holds, one per set of caches it was stepped with (oldest dropped)
 
 
 class Replayable(Protocol):
@@ -87,7 +88,9 @@ class GraphedDecode(FastDecode):
         a test's stand-in records it anywhere); ``capture=False`` runs every token eagerly."""
         super().__init__(model, compile=False, notify=notify)
         self.capture = capture
-        self.held: weakref.WeakKeyDictionary[ContextShiftCache, _Captured] = weakref.WeakKeyDictionary()
+        self.held: weakref.WeakKeyDictionary[ContextShiftCache, dict[tuple[int, ...], _Captured]] = (
+            weakref.WeakKeyDictionary()
+        )
 
     @staticmethod
     def _slots(cache: ContextShiftCache) -> list[int] | None:
@@ -122,45 +125,63 @@ class GraphedDecode(FastDecode):
         return out
 
     def _run(
-        self, io: torch.Tensor, cache: ContextShiftCache, grouped: list[GroupedRotations | None], stored: list
+        self,
+        io: torch.Tensor,
+        caches: Sequence[ContextShiftCache],
+        grouped: list[GroupedRotations | None],
+        stored: list[list],
     ):
-        """The static step: logits (1, vocab) after the token of ``io`` = [token, position, slot per layer]
-        (an int64 tensor on the cache's device), its key and value written into every layer's cells (and
-        its grouped key where ``stored`` holds a layer's)."""
-        token, pos, slots = io[:1].view(1, 1), io[1:2], io[2:]
-        keys, values, seen = [], [], []
-        for i, layer in enumerate(cache.layers):
-            slot = slots[i : i + 1]
-            layer.positions.index_copy_(0, slot, pos)
-            in_use = torch.arange(layer.capacity, device=io.device) <= slot  # (capacity,)
-            seen.append(torch.where(in_use, layer.positions, UNREACHED))
-            keys.append(layer.keys)
-            values.append(layer.values)
-        return self.step.rows(token, pos, [Cells(keys, values, seen, slots, stored)], grouped)
+        """The static step: logits (B, vocab) after the tokens of ``io`` = [B tokens, B positions, then each
+        cache's slot per layer] (int64, on the caches' device), each row's key and value written into every
+        layer of its cache (and its grouped key where ``stored[b]`` holds a layer's)."""
+        b = len(caches)
+        tokens, pos, slots = io[:b].view(b, 1), io[b : 2 * b], io[2 * b :].view(b, -1)  # slots: (B, layers)
+        cells = []
+        for j, cache in enumerate(caches):
+            keys, values, seen = [], [], []
+            for i, layer in enumerate(cache.layers):
+                slot = slots[j, i : i + 1]
+                layer.positions.index_copy_(0, slot, pos[j : j + 1])
+                in_use = torch.arange(layer.capacity, device=io.device) <= slot  # (capacity,)
+                seen.append(torch.where(in_use, layer.positions, UNREACHED))
+                keys.append(layer.keys)
+                values.append(layer.values)
+            cells.append(Cells(keys, values, seen, slots[j], stored[j]))
+        return self.step.rows(tokens, pos, cells, grouped)
 
-    def _key(self, cache: ContextShiftCache, grouped: list[GroupedRotations | None], stored: list) -> tuple:
-        """What a captured graph holds fixed: the cache's buffers (the grouped keys' too), the attention and
-        Self-Extend's tables."""
-        buffers = tuple(t.data_ptr() for layer in cache.layers for t in (layer.keys, layer.values))
-        kept = tuple(None if t is None else t.data_ptr() for t in stored)
+    def _key(self, caches: Sequence[ContextShiftCache], grouped: list, stored: list[list]) -> tuple:
+        """What a captured graph holds fixed: the caches' buffers (the grouped keys' too) by address and
+        shape, the attention and Self-Extend's tables."""
+        buffers = tuple(
+            (t.data_ptr(), t.shape)
+            for cache in caches
+            for layer in cache.layers
+            for t in (layer.keys, layer.values)
+        )
+        kept = tuple(None if t is None else t.data_ptr() for row in stored for t in row)
         tables = tuple(None if g is None else (g.window, g.keys.cos.data_ptr()) for g in grouped)
         return buffers, kept, tables, self.step.config._attn_implementation
 
-    def _captured(self, cache: ContextShiftCache, io: torch.Tensor, grouped: list, stored: list) -> _Captured:
-        """The cache's graph, captured now where there is none for its current key (``io`` holds this token:
-        the warm-up runs are its step)."""
-        key = self._key(cache, grouped, stored)
-        held = self.held.get(cache)
+    def _captured(
+        self, caches: Sequence[ContextShiftCache], io: torch.Tensor, grouped: list, stored: list[list]
+    ) -> _Captured:
+        """The caches' graph, captured now where there is none for its current key (``io`` holds these
+        tokens: the warm-up runs are their step). Held by the first cache, for each set of others (at most
+        :data:`GRAPHS_PER_CACHE`: a server's slots come and go in any combination)."""
+        key = self._key(caches, grouped, stored)
+        others = tuple(id(c) for c in caches[1:])
+        found = self.held.setdefault(caches[0], {})
+        held = found.get(others)
         if held is not None and held.key == key:
             return held
-        capture = (
-            self.capture if self.capture is not None else cuda_graph if io.device.type == "cuda" else None
-        )
+        capture = self.capture
+        if capture is None:
+            capture = cuda_graph if io.device.type == "cuda" else False
         static = io.clone()
         held = _Captured(key, static, None, None)
         if capture:
-            try:  # the warm-up runs are this token's step: each writes the same cells
-                graph, logits = capture(lambda: self._run(static, cache, grouped, stored))
+            try:  # the warm-up runs are this step: each writes the same cells
+                graph, logits = capture(lambda: self._run(static, caches, grouped, stored))
                 held = _Captured(key, static, graph, logits)
             except RuntimeError as e:  # a kernel that cannot be captured: the same step, eagerly
                 self.capture = False
@@ -168,35 +189,50 @@ class GraphedDecode(FastDecode):
                 self.notify(
                     f"warning: the decode step was not captured as a CUDA graph, run eagerly ({said})"
                 )
-        self.held[cache] = held
+        found.pop(others, None)
+        if len(found) >= GRAPHS_PER_CACHE:
+            found.pop(next(iter(found)))  # the oldest
+        found[others] = held
         return held
 
     @torch.no_grad()
     def __call__(self, token: int, cache: ContextShiftCache) -> torch.Tensor | None:
         """Logits (vocab,) after ``token`` written at ``cache.n_past`` (room made first), or None."""
-        if cache.n_past < 2 or not self.step.supported():
+        out = self.rows([token], [cache])
+        return None if out is None else out[0]
+
+    @torch.no_grad()
+    def rows(self, tokens: Sequence[int], caches: Sequence[ContextShiftCache]) -> torch.Tensor | None:
+        """Logits (B, vocab): row ``b`` after ``tokens[b]`` written at ``caches[b].n_past`` (room made first;
+        one row a cache), every row in one replay (the weights read once for all: a server's slots); None
+        where the step does not serve one of them (the caller then takes another path for all)."""
+        if len({id(c) for c in caches}) < len(caches) or not self.step.supported():
             return None
-        slots = self._slots(cache)
-        if slots is None:
-            return None
-        device = cache.layers[0].keys.device
-        row = torch.tensor([token, cache.n_past, *slots], dtype=torch.long)
-        grouped = self.grouped_tables(cache.n_ctx)
-        stored = self._stored(cache, grouped)
-        held = self._captured(cache, row.to(device), grouped, stored)
-        held.io.copy_(row, non_blocking=True)
+        slots = []
+        for cache in caches:
+            found = self._slots(cache) if cache.n_past >= 2 else None
+            if found is None:
+                return None
+            slots += found
+        device = caches[0].layers[0].keys.device
+        io = torch.tensor([*tokens, *(c.n_past for c in caches), *slots], dtype=torch.long)
+        grouped = self.grouped_tables(max(c.n_ctx for c in caches))
+        stored = [self._stored(cache, grouped) for cache in caches]
+        held = self._captured(caches, io.to(device), grouped, stored)
+        held.io.copy_(io, non_blocking=True)
         if held.graph is not None:
             held.graph.replay()
-            logits = held.logits[0].clone()
+            logits = held.logits.clone()
         else:
-            logits = self._run(held.io, cache, grouped, stored)[0]
-        for layer, kept in zip(cache.layers, stored, strict=True):
-            if kept is None:
-                layer.grouped.invalidate(layer.n_used)
-            else:  # the step wrote the new cell's grouped key: slots [0, n_used] are current
-                layer.grouped.valid = layer.n_used + 1
-            layer.n_used += 1
-            layer.next_pos += 1
+            logits = self._run(held.io, caches, grouped, stored)
+        for cache, kept_by_layer in zip(caches, stored, strict=True):
+            for layer, kept in zip(cache.layers, kept_by_layer, strict=True):
+                if kept is None:
+                    layer.grouped.invalidate(layer.n_used)
+                else:  # the step wrote the new cell's grouped key: slots [0, n_used] are current
+                    layer.grouped.valid = layer.n_used + 1
+                layer.n_used += 1
+                layer.next_pos += 1
         return logits
 
 
