@@ -54,19 +54,26 @@ def _teacher_forced(gpu: torch.nn.Module, cpu: torch.nn.Module, prompt: list[int
 
 
 def _slot_times(model: torch.nn.Module, prompt: list[int]) -> dict[str, float]:
-    """Milliseconds a step for two slots: in one pass of the direct step's rows (the server's batched step
-    where slots share a model, uncaptured) against each written alone (through the captured step on a
-    GPU), median of 16 steps after 4: which one the server should take there."""
+    """Milliseconds a step for two slots: both in one replay of the captured step (what the server takes on
+    a GPU: ``BatchedDecode``), both in one uncaptured pass of the direct step's rows (what it took before),
+    and each written alone (a replay each); median of 16 steps after 4."""
     out = {}
-    for label, shared_from in (("rows_ms", 2), ("alone_ms", 3)):
-        batched = BatchedDecode(model, shared_from=shared_from)
+    batched = BatchedDecode(model)
+    ways = {
+        "captured_rows_ms": lambda gens, t: batched([(x, t) for x in gens]),
+        "direct_rows_ms": lambda gens, t: gens[0].step.rows([t, t], [x.cache for x in gens]),
+        "alone_ms": lambda gens, t: [x.write([t]) for x in gens],
+    }
+    for label, step in ways.items():
         gens = [_generator(model) for _ in range(2)]
         for x in gens:
             x.feed(prompt[:20])
         times = []
         for i in range(20):
+            for x in gens:
+                x.make_room(1)
             start = time.perf_counter()
-            batched([(x, 100 + i) for x in gens])
+            step(gens, 100 + i)
             if model.device.type == "cuda":
                 torch.cuda.synchronize()
             times.append((time.perf_counter() - start) * 1e3)
