@@ -135,8 +135,8 @@ def _two_slots(report: Callable[..., None], gpu_model: torch.nn.Module, prompt: 
     through a shift."""
     batched = BatchedDecode(gpu_model, shared_from=2)
     gens, alone = [_generator(gpu_model) for _ in range(2)], [_generator(gpu_model) for _ in range(2)]
-    logits = [x.feed(prompt[:n]) for x, n in zip(gens, (50, 45), strict=True)]
-    solo = [x.feed(prompt[:n]) for x, n in zip(alone, (50, 45), strict=True)]
+    logits = [x.feed(prompt[:n]) for x, n in zip(gens, (56, 52), strict=True)]
+    solo = [x.feed(prompt[:n]) for x, n in zip(alone, (56, 52), strict=True)]
     worst = 0.0
     for _ in range(TOKENS):
         tokens = [int(x.argmax()) for x in logits]
