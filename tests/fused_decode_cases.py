@@ -18,11 +18,11 @@ from types import SimpleNamespace
 
 import torch
 
-import selfextend.generation.compiled as compiled
+import selfextend.generation.step_attention as step_attention
 from selfextend.core.decode_query import grouped_keys
 from selfextend.core.fused_decode import DecodeConfig, fused_decode_attention
-from selfextend.generation.compiled import GroupedRotations, attend
 from selfextend.generation.graphed import UNREACHED
+from selfextend.generation.step_attention import GroupedRotations, attend
 
 TOL = 1e-5  # both sides compute in float32 from the same inputs, whatever their dtype
 SMALL = DecodeConfig(16, 32, 4)  # tiles of 16 cells, runs of 32: several runs to merge, tiles cut by n
@@ -153,13 +153,13 @@ def static_step(family: str) -> dict[str, object]:
 def main() -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
     calls = []
-    fused = compiled.fused_decode_attention
+    fused = step_attention.fused_decode_attention
 
     def counted(*args: object, **kwargs: object) -> torch.Tensor:
         calls.append(1)
         return fused(*args, **kwargs)
 
-    compiled.fused_decode_attention = counted
+    step_attention.fused_decode_attention = counted
     for case in CASES:
         print(json.dumps(run(case)), flush=True)
     dispatched = len(calls)

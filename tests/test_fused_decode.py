@@ -16,8 +16,8 @@ import torch
 
 import selfextend.core.fused_decode as fused_decode
 import selfextend.core.fused_prefill as fused_prefill
-import selfextend.generation.compiled as compiled
-from selfextend.generation.compiled import attend
+import selfextend.generation.step_attention as step_attention
+from selfextend.generation.step_attention import attend
 
 ROOT = Path(__file__).resolve().parents[1]
 CASES = ROOT / "tests" / "fused_decode_cases.py"
@@ -88,7 +88,7 @@ def test_attend_dispatch(monkeypatch):
     q, k, v = torch.randn(1, 4, 1, 16), torch.randn(1, 2, 9, 16), torch.randn(1, 2, 9, 16)
     positions, pos = torch.arange(9), torch.tensor([8])
     params = SimpleNamespace(group_size=2, window=4, inv_freq=1.0 / (10000 ** (torch.arange(0, 16, 2) / 16)))
-    grouped = compiled.GroupedRotations.build(16, params)
+    grouped = step_attention.GroupedRotations.build(16, params)
     taken = []
 
     def kernel(q, k, v, positions, pos, scale, window, q_g=None, keys=None, group_window=0, stored=None):
@@ -98,10 +98,10 @@ def test_attend_dispatch(monkeypatch):
 
     kept = []
 
-    monkeypatch.setattr(compiled, "fused_decode_attention", kernel)
-    monkeypatch.setattr(compiled, "fused_decode_applies", lambda q, k, v: False)
+    monkeypatch.setattr(step_attention, "fused_decode_attention", kernel)
+    monkeypatch.setattr(step_attention, "fused_decode_applies", lambda q, k, v: False)
     assert attend(q, k, v, positions, pos, 0.25, None, grouped).abs().max() > 0 and taken == []
-    monkeypatch.setattr(compiled, "fused_decode_applies", lambda q, k, v: True)
+    monkeypatch.setattr(step_attention, "fused_decode_applies", lambda q, k, v: True)
     assert attend(q, k, v, positions, pos, 0.25, 5, None).abs().max() == 0
     attend(q, k, v, positions, pos, 0.25, None, grouped)
     assert taken == [(5, None, None, 0), (None, (torch.float32, (1, 4, 1, 16)), grouped.keys, 4)]

@@ -38,8 +38,8 @@ import torch.nn.functional as F
 
 from selfextend.core.decode_query import grouped_keys
 from selfextend.core.fused_decode import DecodeConfig, default_config, fused_decode_attention
-from selfextend.generation.compiled import GroupedRotations, attend
 from selfextend.generation.graphed import UNREACHED
+from selfextend.generation.step_attention import GroupedRotations, attend
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from check_fused_prefill import ms  # noqa: E402  (CUDA events around calls, one way of timing)

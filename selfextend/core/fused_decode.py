@@ -1,6 +1,6 @@
 """One query token's attention over a layer's cells in two Triton kernels (split-K), where it can run.
 
-The decode step's attention in plain tensor ops (``generation.compiled.attend``) makes float32 copies of
+The decode step's attention in plain tensor ops (``generation.step_attention.attend``) makes float32 copies of
 the keys, of both kinds of scores (plain and, with Self-Extend, grouped: every key rotated by its
 position's row of a table) and of the probabilities, and reads the cells several times; the step captured
 as a CUDA graph runs it over every cell of the buffers, those not in use too. On an 8B shape at 32k cells

@@ -1,20 +1,14 @@
 """A decode step that ``torch.compile`` takes: one graph for every layer, fill, shift and Self-Extend group.
 
-The step reads the model's modules and writes each layer's new key and value into the cache's cells;
-attention is plain tensor ops the compiler fuses. Shapes that change from token to token (the cells in
-use) are dynamic, positions are tensors, and which cells a query sees comes from their positions:
-
-- a cell at position ``j`` is visible to the query at ``p`` iff ``j <= p`` (and ``p - j < window`` on a
-  sliding layer, whose cells may be in any order);
-- with Self-Extend, the score of a key with ``p - j >= W`` uses the grouped positions of
-  :mod:`selfextend.core.positions`: the cached key (rotated at ``j``) is rotated by ``j // G - j`` and
-  the query by its grouped offset, from tables of float32 factors computed once in float64.
-
-So a context shift (done by the cache, outside the step) and Self-Extend's grouping never change the
-graph. Families: Llama, Mistral, Qwen2, Qwen3 and Gemma 3. What is compiled is one decoder layer
-(:func:`layer_rows`), called for every layer with its weights: all layers share its graph (one per kind of
-attention: sliding, full, grouped), so the first compile traces one layer, not the model. Run eagerly for
-one row, an int8 output head is the native one (native/decode.py).
+The step reads the model's modules and writes each layer's new key and value into the cache's cells
+(:func:`~selfextend.generation.layer.layer_rows`); attention is
+:func:`~selfextend.generation.step_attention.attend`, plain tensor ops the compiler fuses, which cells a
+query sees coming from their positions. Shapes that change from token to token (the cells in use) are
+dynamic and positions are tensors, so a context shift (done by the cache, outside the step) and
+Self-Extend's grouping never change the graph. Families: Llama, Mistral, Qwen2, Qwen3 and Gemma 3. What is
+compiled is one decoder layer, called for every layer with its weights: all layers share its graph (one
+per kind of attention: sliding, full, grouped), so the first compile traces one layer, not the model. Run
+eagerly for one row, an int8 output head is the native one (native/decode.py).
 """
 
 from __future__ import annotations
@@ -24,20 +18,17 @@ import sys
 import weakref
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 from torch import nn
 from torch.fx.experimental import _config as fx_config
 
-from selfextend.core.fused_decode import fused_decode_applies, fused_decode_attention
-from selfextend.core.positions import grouped_key_positions, grouped_query_positions, is_neighbor
-from selfextend.core.rope import Rotation
 from selfextend.generation.cells import Cells, StepCells
 from selfextend.generation.decode import ATTENTION, fuse_projections, why_not
-from selfextend.generation.products import direct, product_of, project
+from selfextend.generation.layer import LayerCells, layer_rows
+from selfextend.generation.products import direct, product_of
 from selfextend.generation.rotary import rope_by_kind, rotations_at
+from selfextend.generation.step_attention import GroupedRotations
 from selfextend.hf.facts import layer_kinds, sliding_windows
 from selfextend.hf.patch import IMPLEMENTATION, SelfExtendParams
 from selfextend.kv.cache import ContextShiftCache
@@ -53,87 +44,6 @@ def compile_pays(model: nn.Module) -> bool:
     if os.environ.get("SELFEXTEND_COMPILE") != "1":
         return False
     return next(model.parameters()).device.type == "cpu" and why_not(model) is None
-
-
-@dataclass(frozen=True)
-class GroupedRotations:
-    """Self-Extend's extra rotations by position, float32 factors (1, 1, n, rot_dim) computed in float64:
-    ``keys[j]`` turns a key cached at ``j`` into one at ``j // G``, ``queries[p]`` the query at ``p`` into
-    one at its grouped position."""
-
-    keys: Rotation
-    queries: Rotation
-    window: int
-
-    @classmethod
-    def build(cls, n: int, params: SelfExtendParams) -> GroupedRotations:
-        """The tables for positions ``[0, n)`` under ``params`` (group size, window, frequencies)."""
-        g, w, inv_freq = params.group_size, params.window, params.inv_freq
-        at = torch.arange(n, device=inv_freq.device)
-        keys = Rotation.of(grouped_key_positions(at, g) - at, inv_freq)
-        queries = Rotation.of(grouped_query_positions(at, g, w) - at, inv_freq)
-        return cls(keys, queries, w)
-
-    def query_at(self, pos: torch.Tensor) -> Rotation:
-        """The rotation (1, 1, 1, rot_dim) turning the query at ``pos`` (1,) into one at its grouped
-        position (indexed on the device: nothing read on the host)."""
-        return Rotation(self.queries.cos[:, :, pos], self.queries.sin[:, :, pos])
-
-
-def attend(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    positions: torch.Tensor,
-    pos: torch.Tensor,
-    scale: float,
-    window: int | None,
-    grouped: GroupedRotations | None,
-    fused: bool = True,
-    stored: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """One query row over a layer's cells: q (1, H, 1, D) at ``pos`` (1,), k and v (1, Hkv, n, D) at
-    ``positions`` (n,) -> (1, 1, H * D) in float32. One softmax over neighbor and grouped scores, the grouped
-    keys rotated here or ``stored`` (1, Hkv, n, D) as the cache keeps them (:mod:`selfextend.kv.grouped`).
-    On CUDA (or under Triton's interpreter) with triton installed, the fused kernels of
-    :mod:`~selfextend.core.fused_decode` compute the same, reading each cell once (``fused`` False: the
-    tensor ops anyway, what the kernels are checked and timed against)."""
-    if fused and fused_decode_applies(q, k, v):
-        if grouped is None:
-            return fused_decode_attention(q, k, v, positions, pos, scale, window)
-        q_g = grouped.query_at(pos).apply(q.float())  # (1, H, 1, D) float32
-        keys, w = grouped.keys, grouped.window
-        return fused_decode_attention(q, k, v, positions, pos, scale, window, q_g, keys, w, stored=stored)
-    b, hkv, _, d = k.shape
-    qf = q.float().reshape(b, hkv, -1, d)  # (B, Hkv, H / Hkv, D): the heads sharing a KV head as rows
-    kf = k.float()
-    fused = torch.compiler.is_compiling()
-    scores = _row_scores(qf, kf, fused)  # (B, Hkv, H / Hkv, n)
-    distance = pos - positions  # (n,)
-    visible = distance >= 0
-    if window is not None:
-        visible = visible & (distance < window)
-    if grouped is not None:
-        rk = grouped.keys
-        at = positions.clamp(max=rk.cos.shape[2] - 1)  # a cell not in use (past every query) is masked below
-        k_g = Rotation(rk.cos[:, :, at], rk.sin[:, :, at]).apply(kf) if stored is None else stored.float()
-        q_g = grouped.query_at(pos).apply(qf)
-        scores = torch.where(is_neighbor(distance, grouped.window), scores, _row_scores(q_g, k_g, fused))
-    scores = (scores * scale).masked_fill(~visible, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    if fused:
-        out = (probs.unsqueeze(-1) * v.float().unsqueeze(-3)).sum(-2)  # (B, Hkv, H / Hkv, D)
-    else:
-        out = probs @ v.float()  # (B, Hkv, H / Hkv, D)
-    return out.reshape(b, 1, -1)
-
-
-def _row_scores(q: torch.Tensor, k: torch.Tensor, fused: bool) -> torch.Tensor:
-    """q (B, Hkv, R, D) against k (B, Hkv, n, D) -> (B, Hkv, R, n); ``fused`` (compiling): a reduction the
-    compiler fuses into one pass over the keys, not a matrix product of a few rows."""
-    if fused:
-        return (q.unsqueeze(-2) * k.unsqueeze(-3)).sum(-1)  # (B, Hkv, R, n, D) summed over D
-    return q @ k.transpose(-1, -2)
 
 
 class CompiledStep:
@@ -222,71 +132,6 @@ class CompiledStep:
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
-
-
-class LayerCells(NamedTuple):
-    """One row's cells in one layer: keys and values (1, Hkv, capacity, D), positions (n,) of the first
-    ``n`` slots, the new token's slot (1,), and the keys at grouped positions the cache keeps, or None."""
-
-    keys: torch.Tensor
-    values: torch.Tensor
-    positions: torch.Tensor
-    slot: torch.Tensor
-    grouped: torch.Tensor | None = None
-
-
-def layer_rows(
-    layer: nn.Module,
-    qkv_parts: tuple[nn.Module, ...],
-    gate_up_parts: tuple[nn.Module, ...],
-    x: torch.Tensor,
-    rot: Rotation,
-    pos: torch.Tensor,
-    cells: list[LayerCells],
-    window: int | None,
-    grouped: GroupedRotations | None,
-) -> torch.Tensor:
-    """One decoder layer for B rows: the residual stream ``x`` (B, 1, hidden) after the layer, each row's
-    key and value written into its ``cells``. The unit that is compiled: every layer of a model has the
-    same code and the same shapes, so one graph serves them all (the layer's weights are its inputs), and
-    compiling it costs one layer's trace, not the whole model's."""
-    attn = layer.self_attn
-    b_rows, d = x.shape[0], attn.head_dim
-    h = layer.input_layernorm(x)
-    qkv = project(qkv_parts, h).view(b_rows, 1, -1, d)  # (B, 1, H + 2 Hkv, D)
-    n_kv = cells[0].keys.shape[1]
-    q, k, v = qkv.split([qkv.shape[2] - 2 * n_kv, n_kv, n_kv], dim=2)
-    if hasattr(attn, "q_norm"):
-        q, k = attn.q_norm(q), attn.k_norm(k)
-    q, k = rot.apply(q.transpose(1, 2)), rot.apply(k.transpose(1, 2))  # (B, H, 1, D)
-    v = v.transpose(1, 2)  # (B, Hkv, 1, D)
-    outs = []
-    for b, c in enumerate(cells):
-        n, at, stored = c.positions.shape[0], pos[b : b + 1], None
-        key = k[b : b + 1].to(c.keys.dtype)
-        c.keys.index_copy_(2, c.slot, key)
-        c.values.index_copy_(2, c.slot, v[b : b + 1].to(c.values.dtype))
-        if c.grouped is not None:  # the new key at its grouped position too, rounded as the cache keeps it
-            rk = grouped.keys
-            c.grouped.index_copy_(2, c.slot, Rotation(rk.cos[:, :, at], rk.sin[:, :, at]).apply(key))
-            stored = c.grouped[:, :, :n]
-        kb, vb = c.keys[:, :, :n], c.values[:, :, :n]  # (1, Hkv, n, D): the cells in use, the new one too
-        outs.append(
-            attend(q[b : b + 1], kb, vb, c.positions, at, attn.scaling, window, grouped, stored=stored)
-        )
-    out = outs[0] if len(outs) == 1 else torch.cat(outs)  # (B, 1, H * D)
-    out = attn.o_proj(out.to(x.dtype))
-    if hasattr(layer, "pre_feedforward_layernorm"):  # Gemma: norms after attention and MLP too
-        x = x + layer.post_attention_layernorm(out)
-        h = layer.pre_feedforward_layernorm(x)
-    else:
-        x = x + out
-        h = layer.post_attention_layernorm(x)
-    gate, up = project(gate_up_parts, h).chunk(2, dim=-1)
-    out = layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
-    if hasattr(layer, "post_feedforward_layernorm"):
-        out = layer.post_feedforward_layernorm(out)
-    return x + out
 
 
 def no_duck_shapes() -> AbstractContextManager:

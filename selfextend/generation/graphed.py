@@ -30,8 +30,9 @@ import torch
 from torch import nn
 
 from selfextend.generation.cells import Cells
-from selfextend.generation.compiled import FastDecode, GroupedRotations, _stderr
+from selfextend.generation.compiled import FastDecode, _stderr
 from selfextend.generation.rotary import static_rope
+from selfextend.generation.step_attention import GroupedRotations
 from selfextend.kv.cache import ContextShiftCache
 from selfextend.kv.sliding import SlidingShiftLayer
 
