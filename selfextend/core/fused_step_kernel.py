@@ -22,6 +22,26 @@ except ModuleNotFoundError:  # no triton: nothing here runs, :func:`fused_step.f
 
 
 @_jit
+def _round(x, dtype: tl.constexpr):
+    """``x`` rounded to ``dtype``, to nearest with ties to even, as a GPU's conversion rounds: a bfloat16 by
+    its float32 bits (Triton's interpreter truncates a bfloat16 conversion instead; these are the GPU's
+    numbers on both), others by conversion."""
+    if dtype == tl.bfloat16:
+        bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
+        bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
+        out = bits.to(tl.float32, bitcast=True).to(tl.bfloat16)
+    else:
+        out = x.to(dtype)
+    return out
+
+
+@_jit
+def _snap(x, dtype: tl.constexpr):
+    """``x`` rounded to ``dtype`` (:func:`_round`), back in float32: what the next operation reads."""
+    return _round(x, dtype).to(tl.float32)
+
+
+@_jit
 def _tanh(x):
     """tanh through exp (stable for large |x|; no tanh among the long-stable tl ops)."""
     e = tl.exp(-2.0 * tl.abs(x))
@@ -56,7 +76,7 @@ def rms_norm_kernel(
     x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
     if ADD:
         y = tl.load(y_ptr + row * stride_y + cols, mask=ok, other=0.0)
-        x = (x.to(tl.float32) + y.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        x = _round(x.to(tl.float32) + y.to(tl.float32), x_ptr.dtype.element_ty)
         tl.store(sum_ptr + row * stride_s + cols, x, mask=ok)
     xf = x.to(tl.float32)
     h = xf * tl.rsqrt(tl.sum(xf * xf, 0) / n + eps)
@@ -64,8 +84,8 @@ def rms_norm_kernel(
     if OFFSET:
         out = h * (1.0 + w)
     else:
-        out = h.to(x_ptr.dtype.element_ty).to(tl.float32) * w
-    tl.store(out_ptr + row * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=ok)
+        out = _snap(h, x_ptr.dtype.element_ty) * w
+    tl.store(out_ptr + row * stride_o + cols, _round(out, out_ptr.dtype.element_ty), mask=ok)
 
 
 @_jit
@@ -81,8 +101,8 @@ def gated_kernel(y_ptr, out_ptr, n, stride_y, stride_o, GELU: tl.constexpr, BLOC
         a = 0.5 * g * (1.0 + _tanh(0.7978845608028654 * (g + 0.044715 * g * g * g)))
     else:
         a = g / (1.0 + tl.exp(-g))
-    a = a.to(out_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, (a * up).to(out_ptr.dtype.element_ty), mask=ok)
+    a = _snap(a, out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * stride_o + cols, _round(a * up, out_ptr.dtype.element_ty), mask=ok)
 
 
 @_jit
@@ -107,11 +127,11 @@ def _head(
         wa = tl.load(norm_ptr + offs_d, mask=d_ok, other=0.0).to(tl.float32)
         wb = tl.load(norm_ptr + partner, mask=d_ok, other=0.0).to(tl.float32)
         if NORM_OFFSET:
-            af = (af * inv * (1.0 + wa)).to(a.dtype).to(tl.float32)
-            bf = (bf * inv * (1.0 + wb)).to(a.dtype).to(tl.float32)
+            af = _snap(af * inv * (1.0 + wa), a.dtype)
+            bf = _snap(bf * inv * (1.0 + wb), a.dtype)
         else:
-            af = ((af * inv).to(a.dtype).to(tl.float32) * wa).to(a.dtype).to(tl.float32)
-            bf = ((bf * inv).to(a.dtype).to(tl.float32) * wb).to(a.dtype).to(tl.float32)
+            af = _snap(_snap(af * inv, a.dtype) * wa, a.dtype)
+            bf = _snap(_snap(bf * inv, a.dtype) * wb, a.dtype)
     return af, bf
 
 
@@ -183,13 +203,13 @@ def rope_write_kernel(
             qkv_ptr + i * HEAD_DIM, offs_d, partner, d_ok, qn_ptr, eps, HEAD_NORM, NORM_OFFSET, HEAD_DIM
         )
         r_d, r_p = _turn(a, b, cos_ptr, sin_ptr, offs_d, partner, rotated)
-        r_d = r_d.to(q_ptr.dtype.element_ty)
+        r_d = _round(r_d, q_ptr.dtype.element_ty)
         tl.store(q_ptr + i * HEAD_DIM + offs_d, r_d, mask=d_ok)
         if GROUPED:
             row = pos * s_table
             g_d, _ = _turn(
                 r_d.to(tl.float32),
-                r_p.to(q_ptr.dtype.element_ty).to(tl.float32),
+                _snap(r_p, q_ptr.dtype.element_ty),
                 qcos_ptr + row,
                 qsin_ptr + row,
                 offs_d,
@@ -203,19 +223,23 @@ def rope_write_kernel(
         a, b = _head(src, offs_d, partner, d_ok, kn_ptr, eps, HEAD_NORM, NORM_OFFSET, HEAD_DIM)
         r_d, r_p = _turn(a, b, cos_ptr, sin_ptr, offs_d, partner, rotated)
         cell = k_ptr.dtype.element_ty
-        r_d = r_d.to(qkv_ptr.dtype.element_ty).to(cell)
+        r_d = _round(_snap(r_d, qkv_ptr.dtype.element_ty), cell)
         tl.store(k_ptr + j * s_kh + slot * s_kn + offs_d, r_d, mask=d_ok)
         v = tl.load(src + n_kv * HEAD_DIM + offs_d, mask=d_ok, other=0.0)
-        tl.store(v_ptr + j * s_vh + slot * s_vn + offs_d, v.to(v_ptr.dtype.element_ty), mask=d_ok)
+        tl.store(
+            v_ptr + j * s_vh + slot * s_vn + offs_d,
+            _round(v.to(tl.float32), v_ptr.dtype.element_ty),
+            mask=d_ok,
+        )
         if STORE_G:
             row = pos * s_table
             g_d, _ = _turn(
                 r_d.to(tl.float32),
-                r_p.to(qkv_ptr.dtype.element_ty).to(cell).to(tl.float32),
+                _snap(_snap(r_p, qkv_ptr.dtype.element_ty), cell),
                 kcos_ptr + row,
                 ksin_ptr + row,
                 offs_d,
                 partner,
                 rotated,
             )
-            tl.store(g_ptr + j * s_gh + slot * s_gn + offs_d, g_d.to(cell), mask=d_ok)
+            tl.store(g_ptr + j * s_gh + slot * s_gn + offs_d, _round(g_d, cell), mask=d_ok)
