@@ -43,6 +43,14 @@ HOST_READS = {
 }
 
 
+# what launches no GPU kernel: views, allocations, a Python scalar wrapped as a tensor
+NO_KERNEL = {
+    "view", "_unsafe_view", "slice", "select", "transpose", "t", "permute", "unsqueeze", "squeeze", "expand",
+    "split", "split_with_sizes", "unbind", "chunk", "alias", "as_strided", "detach", "reshape",
+    "empty", "empty_like", "empty_strided", "scalar_tensor", "promote_types",
+}  # fmt: skip
+
+
 class Made(NamedTuple):
     """A tensor made inside the region: output ``out`` (flattened) of recorded call ``call``."""
 
@@ -90,6 +98,13 @@ class RecordedGraph(TorchDispatchMode):
         self.launches += 1
         with _disable_current_modes():
             return run(fn, *args, **kwargs)
+
+    def kernels(self) -> list[str]:
+        """The recorded calls that launch work on a GPU, in order: aten operations by name (those of
+        :data:`NO_KERNEL` left out) and ``triton`` for each Triton launch."""
+        names = [getattr(func, "__name__", "") for func, _, _ in self.calls]
+        names = ["triton" if name == "<lambda>" else name.split(".")[0] for name in names]
+        return [name for name in names if name not in NO_KERNEL]
 
     def record(self, region: Callable[[], torch.Tensor]) -> torch.Tensor:
         """Run ``region`` once, recording it; its result is refreshed by each :meth:`replay`."""

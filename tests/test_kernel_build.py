@@ -25,6 +25,9 @@ CASES = [
     "decode bf16 d128 stored gqa4",  # the 8B shape's captured decode step with Self-Extend
     "decode bf16 d128 grouped gqa4",  # grouped keys rotated in the kernel (a cache not keeping them)
     "decode f32 d128 sliding gqa1",  # a sliding layer's cells, no shared KV heads
+    "step norm bf16 4096 add",  # the step's elementwise kernels on the 8B shape's rows
+    "step gated bf16 14336",
+    "step rope bf16 d128 se norms",
 ]
 
 
@@ -42,10 +45,16 @@ def test_the_fused_kernels_compile_for_a_gpu(arch: int) -> None:
     built = [KERNEL.search(line) for line in rows]
     assert None not in built, rows
     kernels = {m["kernel"] for m in built}  # each kernel was built
-    assert kernels == {"self_extend_prefill_kernel", "decode_partials_kernel", "decode_merge_kernel"}, rows
+    walking = {"self_extend_prefill_kernel", "decode_partials_kernel"}  # the kernels with a loop
+    assert kernels == walking | {
+        "decode_merge_kernel",
+        "rms_norm_kernel",
+        "gated_kernel",
+        "rope_write_kernel",
+    }
     assert {case for case in CASES if any(line.startswith(case) for line in rows)} == set(CASES)
     for m in built:  # registers a thread, read from the cubin: a real program, within the hardware's 255
         assert 0 < int(m["regs"]) <= 255, m.string
     for m in built:  # the kernels that walk cells or keys have a loop, and it holds instructions
-        if m["kernel"] != "decode_merge_kernel":
+        if m["kernel"] in walking:
             assert m["loops"] and min(map(int, m["loops"].split("/"))) > 50, m.string

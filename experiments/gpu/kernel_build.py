@@ -5,7 +5,8 @@ kernel that cannot compile for a GPU (a tile the hardware's matrix units refuse,
 or that compiles into a program spilling registers to local memory, passes every test and fails or crawls
 on the first GPU. Triton's compiler itself needs no GPU: its wheel carries ``ptxas``. This script calls
 the real wrappers (:func:`~selfextend.core.fused_prefill.fused_self_extend_prefill`,
-:func:`~selfextend.core.fused_decode.fused_decode_attention`) on small CPU tensors with every launch
+:func:`~selfextend.core.fused_decode.fused_decode_attention`, the step's of
+:mod:`~selfextend.core.fused_step`) on small CPU tensors with every launch
 turned into a compile for a GPU target (``sm_90``: H100/H200 unless ``--arch`` says), so the kernels see
 the launches' own arguments, strides and specializations, and reads each program's resources from the
 cubin (``cuobjdump``, also in the wheel):
@@ -54,6 +55,7 @@ import triton.language as tl
 import selfextend.core.fused_prefill as fused_prefill
 from selfextend.core.fused_decode import DecodeConfig, fused_decode_attention
 from selfextend.core.fused_prefill import BlockConfig, fused_self_extend_prefill
+from selfextend.core.fused_step import KeyWrite, RowNorm, fused_gated, fused_rms_norm, fused_rope_write
 from selfextend.core.rope import Rotation
 
 REGISTERS, WARPS = 65536, 64  # a multiprocessor's, Ampere to Hopper
@@ -233,6 +235,29 @@ def decode(
 DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}
 
 
+def step(kind: str, dtype: torch.dtype, n: int, extra: str = "") -> Callable[[], object]:
+    """A launch of the decode step's fused elementwise kernels (selfextend/core/fused_step.py) on the 8B
+    shape's rows: ``norm`` (``add``: the residual's add first; ``gemma``: 1 + w), ``gated`` (``gelu``),
+    ``rope`` (heads of ``n``, 32/8; ``se``: Self-Extend's grouped query and stored key; ``norms``: Qwen3's
+    q/k norms)."""
+    if kind == "norm":
+        x, w = torch.zeros(1, 1, n, dtype=dtype), torch.ones(n, dtype=dtype)
+        norm = RowNorm(w, 1e-5, "gemma" in extra)
+        return lambda: fused_rms_norm(x, norm, add=x if "add" in extra else None)
+    if kind == "gated":
+        y = torch.zeros(1, 1, 2 * n, dtype=dtype)
+        return lambda: fused_gated(y, "gelu_pytorch_tanh" if "gelu" in extra else "silu")
+    h, hkv, cells = 32, 8, 64
+    qkv = torch.zeros((h + 2 * hkv) * n, dtype=dtype)
+    keys, values, kept = (torch.zeros(1, hkv, cells, n, dtype=dtype) for _ in range(3))
+    turn = Rotation(torch.ones(n), torch.zeros(n))
+    table = Rotation(torch.ones(1, 1, cells, n), torch.zeros(1, 1, cells, n))
+    grouped = (table, table) if "se" in extra else None
+    norms = (RowNorm(torch.ones(n, dtype=dtype), 1e-6, False),) * 2 if "norms" in extra else None
+    write = KeyWrite(keys, values, torch.tensor([3]), kept if "se" in extra else None)
+    return lambda: fused_rope_write(qkv, h, n, turn, torch.tensor([9]), write, grouped, norms)
+
+
 def defaults() -> dict[str, Callable[[], object]]:
     """The launches the code's own tile choices make: the prefill at head sizes 64-256 in each dtype (80:
     a padded head; softcap: Gemma 2), the decode plain, sliding and grouped at GQA 4 and 1."""
@@ -249,6 +274,16 @@ def defaults() -> dict[str, Callable[[], object]]:
                 cases[f"decode {name} d128 {kind} gqa{n_rep}"] = decode(DTYPES[name], 128, n_rep, kind, None)
     cases["decode bf16 d256 grouped gqa2"] = decode(torch.bfloat16, 256, 2, "grouped", None)
     cases["decode bf16 d256 stored gqa2"] = decode(torch.bfloat16, 256, 2, "stored", None)
+    cases["step norm bf16 4096"] = step("norm", torch.bfloat16, 4096)
+    cases["step norm bf16 4096 add"] = step("norm", torch.bfloat16, 4096, "add")
+    cases["step norm bf16 5376 add gemma"] = step("norm", torch.bfloat16, 5376, "add gemma")
+    cases["step norm f32 8192 add"] = step("norm", torch.float32, 8192, "add")
+    cases["step gated bf16 14336"] = step("gated", torch.bfloat16, 14336)
+    cases["step gated bf16 21504 gelu"] = step("gated", torch.bfloat16, 21504, "gelu")
+    cases["step rope bf16 d128"] = step("rope", torch.bfloat16, 128)
+    cases["step rope bf16 d128 se"] = step("rope", torch.bfloat16, 128, "se")
+    cases["step rope bf16 d128 se norms"] = step("rope", torch.bfloat16, 128, "se norms")
+    cases["step rope f32 d256 se norms"] = step("rope", torch.float32, 256, "se norms")
     return cases
 
 
@@ -305,7 +340,9 @@ def main() -> int:
             failed += 1
             print(f"{name:44} FAILED {b}")
             continue
-        tiles = ",".join(f"{k[6:].lower()}={v}" for k, v in b.constexprs.items() if k.startswith("BLOCK_"))
+        tiles = ",".join(
+            f"{k[6:].lower() or 'n'}={v}" for k, v in b.constexprs.items() if k.startswith("BLOCK")
+        )
         body = "/".join(map(str, b.loops))
         print(f"{name:44} {b.name:26} {tiles:26} {b.regs:4} {b.stack:5} {b.smem:6} {b.per_sm():6} {body}")
         spilled += b.stack > 0
