@@ -21,7 +21,6 @@ import torch
 import selfextend.generation.step_attention as step_attention
 from selfextend.core.decode_query import grouped_keys
 from selfextend.core.fused_decode import DecodeConfig, fused_decode_attention
-from selfextend.generation.graphed import UNREACHED
 from selfextend.generation.step_attention import GroupedRotations, attend
 
 TOL = 1e-5  # both sides compute in float32 from the same inputs, whatever their dtype
@@ -29,7 +28,8 @@ SMALL = DecodeConfig(16, 32, 4)  # tiles of 16 cells, runs of 32: several runs t
 
 # (name, H, Hkv, D, n, dtype, G, W, sliding window, layout, rot_dim, tiles): G 1 = plain; layout "ordered"
 # (positions 100 + slot), "ring" (a sliding ring: the same positions rolled), "unused" (the last third of
-# the cells at UNREACHED, as the static step leaves them); rot_dim None = D; tiles None = through attend's
+# the slots past the last in use, holding stale positions, as the static step leaves them); rot_dim None =
+# D; tiles None = through attend's
 # dispatch with the default tiles
 CASES = [
     ("plain 4/1 d16 37", 4, 1, 16, 37, torch.float32, 1, 0, None, "ordered", None, SMALL),
@@ -59,12 +59,14 @@ def problem(case: tuple) -> dict[str, object]:
     k_buf, v_buf = (torch.randn(1, hkv, n + 5, d).to(dtype) for _ in range(2))  # 5 cells of capacity more
     positions = 100 + torch.arange(n)
     last = positions[-1].clone()  # the new token's cell (distance 0)
+    in_use = None  # every cell in use
     if layout == "ring":
         positions = positions.roll(n // 3)
-    elif layout == "unused":
+    elif layout == "unused":  # the static step's buffers: stale positions after the slots in use
         used = n - n // 3
         last = positions[used - 1].clone()
-        positions[used:] = UNREACHED
+        positions[used:] = 90 + torch.arange(n - used)  # visible, were they read
+        in_use = torch.tensor([used - 1])
     grouped, params = None, None
     if group > 1:
         rot = rot_dim or d
@@ -72,7 +74,7 @@ def problem(case: tuple) -> dict[str, object]:
         params = SimpleNamespace(group_size=group, window=window, inv_freq=inv_freq)
         grouped = GroupedRotations.build(int(last) + 3, params)
     args = (q, k_buf[:, :, :n], v_buf[:, :, :n], positions, last.view(1), d**-0.5, sliding, grouped)
-    return {"args": args, "tiles": tiles, "params": params}
+    return {"args": args, "tiles": tiles, "params": params, "in_use": in_use}
 
 
 # cases run again with the grouped keys stored (as a cache keeps them: rotated, rounded to the cells' type)
@@ -94,15 +96,16 @@ def run(case: tuple, stored: bool = False) -> dict[str, object]:
     kept = None
     if stored:  # the cells' keys at grouped positions, by the cache's own function (cells not in use too)
         kept = grouped_keys(k, positions, p["params"].group_size, p["params"].inv_freq)
-    want = attend(*args, fused=False, stored=kept)
+    last = p["in_use"]
+    want = attend(*args, fused=False, stored=kept, last=last)
     if p["tiles"] is None:
-        got = attend(*args, stored=kept)
+        got = attend(*args, stored=kept, last=last)
     else:
         extra = ()
         if grouped is not None:  # the grouped query as attend makes it
             extra = (grouped.query_at(pos).apply(q.float()), grouped.keys, grouped.window)
         got = fused_decode_attention(
-            q, k, v, positions, pos, scale, sliding, *extra, config=p["tiles"], stored=kept
+            q, k, v, positions, pos, scale, sliding, *extra, config=p["tiles"], stored=kept, last=last
         )
     assert got.shape == want.shape and got.dtype == torch.float32
     error = ((got - want).abs().max() / want.abs().max()).item()

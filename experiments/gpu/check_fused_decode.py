@@ -2,10 +2,10 @@
 step's tensor ops (``attend`` with the kernels refused) and SDPA's plain decode. For whoever has a CUDA GPU.
 
 One layer of the Llama-3.1-8B shape (32 query / 8 KV heads, head 128, bfloat16 cells), plain and
-Self-Extend G=32 W=2048 (issue 48's setting), at 8k and 32k cells, and 8k cells in use of 32k (the rest at
-UNREACHED, as the CUDA-graph step leaves them). Each path is captured as a CUDA graph (as the decode step
-is) and replayed; rounds interleaved, the median of each, in ms and in GB/s of the cells' keys and values
-in use:
+Self-Extend G=32 W=2048 (issue 48's setting), at 8k and 32k cells, and 8k cells in use of 32k (the rest
+holding stale positions, read no further than the last in use, as the CUDA-graph step leaves them). Each
+path is captured as a CUDA graph (as the decode step is) and replayed; rounds interleaved, the median of
+each, in ms and in GB/s of the cells' keys and values in use:
 
 - ``fused``: ``attend`` as the step calls it (the grouped query rotated, then the kernels reading the
   grouped keys the cache keeps);
@@ -38,7 +38,6 @@ import torch.nn.functional as F
 
 from selfextend.core.decode_query import grouped_keys
 from selfextend.core.fused_decode import DecodeConfig, default_config, fused_decode_attention
-from selfextend.generation.graphed import UNREACHED
 from selfextend.generation.step_attention import GroupedRotations, attend
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -82,15 +81,15 @@ def problem(cells: int, used: int, self_extend: bool, inv_freq: torch.Tensor) ->
     q = torch.randn(1, H, 1, D, device=DEVICE, generator=gen).bfloat16()
     k, v = (torch.randn(1, HKV, cells, D, device=DEVICE, generator=gen).bfloat16() for _ in range(2))
     positions = torch.arange(cells, device=DEVICE)
-    positions[used:] = UNREACHED
+    positions[used:] = torch.arange(cells - used, device=DEVICE)  # stale: visible, were they read
     pos = torch.tensor([used - 1], device=DEVICE)
     params = SimpleNamespace(group_size=GROUP, window=WINDOW, inv_freq=inv_freq)
     grouped = GroupedRotations.build(cells, params) if self_extend else None
     stored = grouped_keys(k, positions, GROUP, inv_freq) if self_extend else None
-    return (q, k, v, positions, pos, D**-0.5, None, grouped), stored
+    return (q, k, v, positions, pos, D**-0.5, None, grouped), stored, pos.clone()
 
 
-def tiles(args: tuple, stored: torch.Tensor, gb: float, rounds: int) -> None:
+def tiles(args: tuple, stored: torch.Tensor, last: torch.Tensor, gb: float, rounds: int) -> None:
     """Time the kernels alone (the grouped keys stored, as the captured step reads them) with each of
     CONFIGS and name the fastest."""
     q, k, v, positions, pos, scale, _, grouped = args
@@ -101,7 +100,7 @@ def tiles(args: tuple, stored: torch.Tensor, gb: float, rounds: int) -> None:
         def run(cfg: DecodeConfig = cfg) -> torch.Tensor:
             extra = (q_g, grouped.keys, grouped.window)
             return fused_decode_attention(
-                q, k, v, positions, pos, scale, None, *extra, config=cfg, stored=stored
+                q, k, v, positions, pos, scale, None, *extra, config=cfg, stored=stored, last=last
             )
 
         try:
@@ -118,17 +117,17 @@ def tiles(args: tuple, stored: torch.Tensor, gb: float, rounds: int) -> None:
 
 def one_setting(cells: int, used: int, self_extend: bool, inv_freq: torch.Tensor, rounds: int) -> None:
     """Each path's speed for one setting, rounds interleaved; the fused path's error; tiles at 32k SE."""
-    args, stored = problem(cells, used, self_extend, inv_freq)
+    args, stored, last = problem(cells, used, self_extend, inv_freq)
     q, k, v = args[:3]
     k_used, v_used = k[:, :, :used], v[:, :, :used]
     gb = 2 * k_used.numel() * k.element_size() / 1e6  # MB of keys and values in use: MB / ms = GB/s
     paths: dict[str, Callable[[], object]] = {
-        "fused": lambda: attend(*args, stored=stored),
-        "attend": lambda: attend(*args, fused=False, stored=stored),
+        "fused": lambda: attend(*args, stored=stored, last=last),
+        "attend": lambda: attend(*args, fused=False, stored=stored, last=last),
         "sdpa": lambda: F.scaled_dot_product_attention(q, k_used, v_used, scale=D**-0.5, enable_gqa=True),
     }
     if stored is not None:  # the grouped keys rotated in the kernel each step instead (a cache keeping none)
-        paths["fused, keys rotated"] = lambda: attend(*args)
+        paths["fused, keys rotated"] = lambda: attend(*args, last=last)
     replay = {name: graphed(fn) for name, fn in paths.items()}
     times: dict[str, list[float]] = {name: [] for name in paths}
     for _ in range(rounds):
@@ -140,11 +139,11 @@ def one_setting(cells: int, used: int, self_extend: bool, inv_freq: torch.Tensor
         f"{cells:>6} cells ({used} in use), {kind}: "
         + ", ".join(f"{n} {t:.3f} ms ({gb / t:.0f} GB/s)" for n, t in med.items())
     )
-    want = attend(*args, fused=False, stored=stored)
-    diff = (attend(*args, stored=stored) - want).abs().max()
+    want = attend(*args, fused=False, stored=stored, last=last)
+    diff = (attend(*args, stored=stored, last=last) - want).abs().max()
     print(f"  fused vs tensor ops: max abs {diff:.2e} (the output's largest {want.abs().max():.2f})")
     if self_extend and cells == used == 32768:
-        tiles(args, stored, gb, rounds)
+        tiles(args, stored, last, gb, rounds)
 
 
 def main() -> int:

@@ -105,6 +105,7 @@ def fused_decode_attention(
     group_window: int = 0,
     config: DecodeConfig | None = None,
     stored: torch.Tensor | None = None,
+    last: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``attend`` in two kernels: q (1, H, 1, D) at ``pos`` (1,) over k and v (1, Hkv, n, D) (any strides;
     query head ``h`` reads KV head ``h // (H / Hkv)``) at ``positions`` (n,) -> (1, 1, H * D) float32.
@@ -114,7 +115,9 @@ def fused_decode_attention(
     rot_dim) turning a key cached at ``j`` into one at ``j // G`` (rows past N - 1 clamped, as ``attend``
     does): cells at distance >= ``group_window`` score ``q_g`` against their rotated key, or against
     ``stored`` (1, Hkv, n, D), the cells' keys already at their grouped positions (the cache's, in the
-    cells' type): then a grouped cell is read in place of its key, no rotation and no table row.
+    cells' type): then a grouped cell is read in place of its key, no rotation and no table row. ``last``
+    (1,) int64: the cells in use are the first ``last + 1`` (those after it are not read, whatever their
+    positions: the static step's buffers), else all ``n``.
     """
     from selfextend.core.fused_decode_kernel import decode_merge_kernel, decode_partials_kernel
 
@@ -142,13 +145,14 @@ def fused_decode_attention(
     block_d = max(16, _pow2(d))
     with torch.cuda.device(q.device) if q.device.type == "cuda" else contextlib.nullcontext():
         decode_partials_kernel[(hkv, n_splits)](
-            q, q_g, k, stored, v, pos, positions, cos, sin, acc, m, l_sum,
+            q, q_g, k, stored, v, pos, pos if last is None else last, positions, cos, sin, acc, m, l_sum,
             q.stride(1), q.stride(3), q_g.stride(1), q_g.stride(3),
             k.stride(1), k.stride(2), k.stride(3), stored.stride(1), stored.stride(2), stored.stride(3),
             v.stride(1), v.stride(2), v.stride(3),
             positions.stride(0), cos.stride(-2), cos.stride(-1), sin.stride(-2), sin.stride(-1),
             n, n_rep, n_splits, cfg.split, window or 0, group_window, cos.shape[-2], float(scale),
             SLIDING=window is not None,
+            LIMITED=last is not None,
             GROUPED=grouped,
             STORED=on_stored,
             LOW=q.dtype == k.dtype == v.dtype and q.dtype != torch.float32,

@@ -73,6 +73,7 @@ def decode_partials_kernel(
     kg_ptr,
     v_ptr,
     pos_ptr,
+    last_ptr,
     cell_ptr,
     cos_ptr,
     sin_ptr,
@@ -106,6 +107,7 @@ def decode_partials_kernel(
     n_table,
     scale,
     SLIDING: tl.constexpr,
+    LIMITED: tl.constexpr,
     GROUPED: tl.constexpr,
     STORED: tl.constexpr,
     LOW: tl.constexpr,
@@ -121,9 +123,10 @@ def decode_partials_kernel(
     Writes acc (H, n_splits, D), m and l (H, n_splits) at its rows: unnormalised output, running max (-inf
     where nothing was visible) and running sum of the scaled scores' exponentials.
 
-    Every load of a cell is masked by its visibility rather than skipped by a branch, so the loop's loads
-    are pipelined and a cell not visible (not in use, outside a sliding window) costs its position only: a
-    masked lane reads no memory."""
+    Where ``LIMITED``, the cells in use are the slots up to the one at ``last_ptr`` (read on the device):
+    a program past them reads nothing. Every load of a cell is masked by its visibility rather than skipped
+    by a branch, so the loop's loads are pipelined and a cell not visible (outside a sliding window, at a
+    later position) costs its position only: a masked lane reads no memory."""
     hk = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     offs_r = tl.arange(0, BLOCK_R)
@@ -154,9 +157,12 @@ def decode_partials_kernel(
     l_i = tl.zeros([BLOCK_R], dtype=tl.float32)
     acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
     lo = s * split
-    for start in range(lo, tl.minimum(lo + split, n_cells), BLOCK_N):
+    n_in = n_cells
+    if LIMITED:
+        n_in = tl.minimum(n_cells, tl.load(last_ptr) + 1)
+    for start in range(lo, tl.minimum(lo + split, n_in), BLOCK_N):
         cells = (start + offs_n).to(tl.int64)  # (BLOCK_N,) slots (int64: offsets past 2**31 elements)
-        in_range = cells < n_cells
+        in_range = cells < n_in
         at = tl.load(cell_ptr + cells * s_cell, mask=in_range, other=0)  # (BLOCK_N,) int64 positions
         distance = p - at
         visible = in_range & (distance >= 0)

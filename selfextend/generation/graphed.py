@@ -3,11 +3,11 @@
 A step of an 8B model launches about a thousand small kernels; on a GPU, launching them from Python costs
 more than the arithmetic (issue 48 measured 67 ms a token through transformers' forward on an H200 where
 reading the weights takes 3.4 ms). :class:`GraphedDecode` runs the compiled step's layer
-(:class:`~selfextend.generation.compiled.CompiledStep`: the one description of the step's math that the
-compiled and batched paths run) over *every* cell of each layer's buffers: a cell not in use gets a
-position after every query (:data:`UNREACHED`), so it is masked by the same rule that masks by position,
-and every token has the same shapes. Per token the host writes one int64 row (the token, its position,
-each layer's slot) into a buffer the graph reads; the new cells' positions are written inside the graph.
+(:func:`~selfextend.generation.layer.layer_rows`: the one description of the step's math that the
+compiled and batched paths run) over each layer's whole buffers, the cells in use being the slots up to
+the new token's (attention reads no further, whatever the later slots hold), so every token has the same
+shapes. Per token the host writes one int64 row (the token, its position, each layer's slot) into a
+buffer the graph reads; the new cells' positions are written inside the graph.
 Context shifts edit the same buffers in place (their addresses never change), so a graph stays valid
 through them; Self-Extend's rotation tables are built once for the cache's size.
 
@@ -36,7 +36,6 @@ from selfextend.generation.step_attention import GroupedRotations
 from selfextend.kv.cache import ContextShiftCache
 from selfextend.kv.sliding import SlidingShiftLayer
 
-UNREACHED = 1 << 62  # the position of a cell not in use: later than any query, so never visible
 GRAPHS_PER_CACHE = 8  # graphs a cache holds, one per set of caches it was stepped with (oldest dropped)
 
 
@@ -139,15 +138,12 @@ class GraphedDecode(FastDecode):
         tokens, pos, slots = io[:b].view(b, 1), io[b : 2 * b], io[2 * b :].view(b, -1)  # slots: (B, layers)
         cells = []
         for j, cache in enumerate(caches):
-            keys, values, seen = [], [], []
             for i, layer in enumerate(cache.layers):
-                slot = slots[j, i : i + 1]
-                layer.positions.index_copy_(0, slot, pos[j : j + 1])
-                in_use = torch.arange(layer.capacity, device=io.device) <= slot  # (capacity,)
-                seen.append(torch.where(in_use, layer.positions, UNREACHED))
-                keys.append(layer.keys)
-                values.append(layer.values)
-            cells.append(Cells(keys, values, seen, slots[j], stored[j]))
+                layer.positions.index_copy_(0, slots[j, i : i + 1], pos[j : j + 1])
+            layers = cache.layers
+            keys, values = [x.keys for x in layers], [x.values for x in layers]
+            # every slot's position, those after the new token's stale: attention reads up to its slot
+            cells.append(Cells(keys, values, [x.positions for x in layers], slots[j], stored[j]))
         return self.step.rows(tokens, pos, cells, grouped)
 
     def _key(self, caches: Sequence[ContextShiftCache], grouped: list, stored: list[list]) -> tuple:

@@ -164,7 +164,11 @@ def layer_rows(
     ):
         n = c.positions.shape[0]
         kb, vb = c.keys[:, :, :n], c.values[:, :, :n]  # (1, Hkv, n, D): the cells in use, the new one too
-        outs.append(attend(q, kb, vb, c.positions, at, attn.scaling, window, grouped, stored=stored, q_g=q_g))
+        outs.append(
+            attend(
+                q, kb, vb, c.positions, at, attn.scaling, window, grouped, stored=stored, q_g=q_g, last=c.slot
+            )
+        )
     out = outs[0] if len(outs) == 1 else torch.cat(outs)  # (B, 1, H * D)
     out = attn.o_proj(out.to(x.dtype))
     if hasattr(layer, "pre_feedforward_layernorm"):  # Gemma: norms after attention and MLP too

@@ -58,6 +58,7 @@ def attend(
     fused: bool = True,
     stored: torch.Tensor | None = None,
     q_g: torch.Tensor | None = None,
+    last: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query row over a layer's cells: q (1, H, 1, D) at ``pos`` (1,), k and v (1, Hkv, n, D) at
     ``positions`` (n,) -> (1, 1, H * D) in float32. One softmax over neighbor and grouped scores, the grouped
@@ -65,14 +66,18 @@ def attend(
     On CUDA (or under Triton's interpreter) with triton installed, the fused kernels of
     :mod:`~selfextend.core.fused_decode` compute the same, reading each cell once (``fused`` False: the
     tensor ops anyway, what the kernels are checked and timed against). ``q_g``: the query at its grouped
-    position (1, H, 1, D) float32 where the caller made it (the fused step's rotation), else made here."""
+    position (1, H, 1, D) float32 where the caller made it (the fused step's rotation), else made here.
+    ``last`` (1,): the cells in use are the first ``last + 1`` (a static step's buffers hold stale positions
+    after them), else all."""
     if fused and fused_decode_applies(q, k, v):
         if grouped is None:
-            return fused_decode_attention(q, k, v, positions, pos, scale, window)
+            return fused_decode_attention(q, k, v, positions, pos, scale, window, last=last)
         if q_g is None:
             q_g = grouped.query_at(pos).apply(q.float())  # (1, H, 1, D) float32
         keys, w = grouped.keys, grouped.window
-        return fused_decode_attention(q, k, v, positions, pos, scale, window, q_g, keys, w, stored=stored)
+        return fused_decode_attention(
+            q, k, v, positions, pos, scale, window, q_g, keys, w, stored=stored, last=last
+        )
     b, hkv, _, d = k.shape
     qf = q.float().reshape(b, hkv, -1, d)  # (B, Hkv, H / Hkv, D): the heads sharing a KV head as rows
     kf = k.float()
@@ -80,6 +85,8 @@ def attend(
     scores = _row_scores(qf, kf, fused)  # (B, Hkv, H / Hkv, n)
     distance = pos - positions  # (n,)
     visible = distance >= 0
+    if last is not None:
+        visible = visible & (torch.arange(positions.shape[0], device=positions.device) <= last)
     if window is not None:
         visible = visible & (distance < window)
     if grouped is not None:
