@@ -184,10 +184,42 @@ def static_step() -> dict[str, object]:
     return {"static_step": "llama bf16", "error": error, "shifts": shifts, "fused_norms": len(launches)}
 
 
+def rows_step() -> dict[str, object]:
+    """Two caches in one pass of the static step (a GPU server's slots: GraphedDecode.rows), a bf16 Qwen2
+    (q/k/v biases) with Self-Extend, with the fused step kernels and without: the largest logit difference
+    over 10 tokens."""
+    from conftest import make_model
+
+    from selfextend.generation.graphed import GraphedDecode
+    from selfextend.hf.patch import apply_self_extend
+    from selfextend.kv.cache import ContextShiftCache
+
+    model = make_model("qwen2").to(torch.bfloat16)
+    apply_self_extend(model, group_size=2, window=4)
+    applies = layer_module.fused_step_applies
+    runs = []
+    for fused in (True, False):
+        layer_module.fused_step_applies = applies if fused else (lambda x: False)
+        graphed = GraphedDecode(model, capture=False, notify=print)
+        caches = [ContextShiftCache(model, 40, n_keep=4, dtype=torch.bfloat16) for _ in range(2)]
+        for cache, n in zip(caches, (9, 15), strict=True):  # prompts written one token at a time
+            for t in range(n):
+                if cache.n_past < 2:
+                    model(torch.tensor([[3 + t]]), past_key_values=cache, use_cache=True)
+                else:
+                    graphed.rows([3 + t], [cache])
+        steps = [graphed.rows([40 + t, 50 + t], caches) for t in range(10)]
+        runs.append(torch.stack(steps).float())
+    layer_module.fused_step_applies = applies
+    got, want = runs
+    return {"rows_step": "qwen2 bf16", "error": float((got - want).abs().max() / want.abs().max())}
+
+
 def main() -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
     for row in norms() + gated() + [r for case in ROPE_CASES for r in rope(case)]:
         print(json.dumps(row), flush=True)
+    print(json.dumps(rows_step()), flush=True)
     print(json.dumps(static_step()), flush=True)
 
 

@@ -27,7 +27,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_kernels_equal_the_operations_they_replace_in_the_interpreter() -> None:
     """16-bit norms and rotations bit for bit but for an element a sum's order rounds the other way (at
     most 1 in 100, 3 in all); float32 within 1e-6 of the largest value, the activations too; the bf16
-    static step's logits through a shift equal."""
+    static step's logits through a shift equal, and two caches' rows in one pass (each projection written
+    into its columns of one output)."""
     pytest.importorskip("triton", minversion="3.9")  # 3.6's interpreter fails our loops under numpy 2.4
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
@@ -40,7 +41,7 @@ def test_kernels_equal_the_operations_they_replace_in_the_interpreter() -> None:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    cases, static = rows[:-1], rows[-1]
+    cases, together, static = rows[:-2], rows[-2], rows[-1]
     assert len(cases) >= 100
     wide = [r for r in cases if r["dtype"] == "torch.float32"]
     # GeGLU's tail (x << 0) cancels in 1 + tanh: a tanh a unit apart moves a tiny value a unit in bf16
@@ -50,6 +51,7 @@ def test_kernels_equal_the_operations_they_replace_in_the_interpreter() -> None:
     assert [r for r in narrow if not (r["error"] < 1e-2 and r["differ"] <= r["n"] // 100)] == []
     assert sum(r["differ"] for r in narrow) <= 3  # rounded where the operations round
     assert static["error"] == 0.0 and static["shifts"] >= 1 and static["fused_norms"] >= 20, static
+    assert together == {"rows_step": "qwen2 bf16", "error": 0.0}  # two caches' rows, q/k/v with biases
 
 
 def _like(device: str, dtype: torch.dtype = torch.bfloat16) -> SimpleNamespace:

@@ -106,9 +106,10 @@ def fused_decode_attention(
     config: DecodeConfig | None = None,
     stored: torch.Tensor | None = None,
     last: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """``attend`` in two kernels: q (1, H, 1, D) at ``pos`` (1,) over k and v (1, Hkv, n, D) (any strides;
-    query head ``h`` reads KV head ``h // (H / Hkv)``) at ``positions`` (n,) -> (1, 1, H * D) float32.
+    query head ``h`` reads KV head ``h // (H / Hkv)``) at ``positions`` (n,) -> (1, 1, H * D).
 
     A cell at ``j`` is visible iff ``0 <= pos - j`` (``< window`` on a sliding layer). With Self-Extend,
     ``q_g`` (1, H, 1, D) float32 is the query at its grouped position and ``keys`` the table (1, 1, N,
@@ -117,7 +118,8 @@ def fused_decode_attention(
     ``stored`` (1, Hkv, n, D), the cells' keys already at their grouped positions (the cache's, in the
     cells' type): then a grouped cell is read in place of its key, no rotation and no table row. ``last``
     (1,) int64: the cells in use are the first ``last + 1`` (those after it are not read, whatever their
-    positions: the static step's buffers), else all ``n``.
+    positions: the static step's buffers), else all ``n``. The output is rounded to ``out_dtype`` (the
+    next product's input type) as the merge writes it.
     """
     from selfextend.core.fused_decode_kernel import decode_merge_kernel, decode_partials_kernel
 
@@ -141,7 +143,7 @@ def fused_decode_attention(
     acc = torch.empty(h, n_splits, d, device=q.device, dtype=torch.float32)
     m = torch.empty(h, n_splits, device=q.device, dtype=torch.float32)
     l_sum = torch.empty_like(m)
-    out = torch.empty(1, 1, h * d, device=q.device, dtype=torch.float32)
+    out = torch.empty(1, 1, h * d, device=q.device, dtype=out_dtype)
     block_d = max(16, _pow2(d))
     with torch.cuda.device(q.device) if q.device.type == "cuda" else contextlib.nullcontext():
         decode_partials_kernel[(hkv, n_splits)](

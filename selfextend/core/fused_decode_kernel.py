@@ -33,6 +33,9 @@ except ModuleNotFoundError:  # no triton: nothing here runs, :func:`fused_decode
         return fn
 
 
+from selfextend.core.fused_step_kernel import _round  # noqa: E402 (after the no-triton stand-ins)
+
+
 @_jit
 def _dot(a, b, acc, LOW: tl.constexpr, UPCAST: tl.constexpr):
     """``acc + a @ b`` in float32 on the matrix units: 16-bit operands as they are where ``LOW`` (their
@@ -231,7 +234,7 @@ def decode_merge_kernel(
     BLOCK_D: tl.constexpr,
 ):
     """Grid (H,): head ``h``'s runs merged, ``o[h * D:(h + 1) * D] = sum_s e^(m_s - M) acc_s / sum_s
-    e^(m_s - M) l_s`` with ``M`` the largest max (runs that saw nothing weigh 0)."""
+    e^(m_s - M) l_s`` with ``M`` the largest max (runs that saw nothing weigh 0), rounded to o's type."""
     h = tl.program_id(0).to(tl.int64)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
@@ -253,4 +256,4 @@ def decode_merge_kernel(
         part = acc_ptr + (h * n_splits + runs)[:, None] * HEAD_DIM + offs_d[None, :]
         acc = tl.load(part, mask=ok[:, None] & d_ok[None, :], other=0.0)  # (BLOCK_S, BLOCK_D)
         out += tl.sum(acc * w[:, None], 0)
-    tl.store(o_ptr + h * HEAD_DIM + offs_d, out / tl.sum(den, 0), mask=d_ok)
+    tl.store(o_ptr + h * HEAD_DIM + offs_d, _round(out / tl.sum(den, 0), o_ptr.dtype.element_ty), mask=d_ok)

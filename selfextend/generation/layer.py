@@ -64,6 +64,29 @@ def _add_norm(module: nn.Module, x: torch.Tensor, y: torch.Tensor, fused: bool) 
     return fused_rms_norm(x, spec, add=y)
 
 
+def _project(parts: tuple[nn.Module, ...], h: torch.Tensor, fused: bool) -> torch.Tensor:
+    """The projections' outputs side by side (..., N). Where the fused kernels run and the parts are plain
+    float layers of h's type, each product writes straight into its columns of one output (a matrix with a
+    row stride: no copy), not concatenated after: a launch fewer."""
+    if (
+        not fused
+        or len(parts) == 1
+        or any(type(p) is not nn.Linear or p.weight.dtype != h.dtype for p in parts)
+    ):
+        return project(parts, h)
+    rows = h.reshape(-1, h.shape[-1])  # (M, hidden)
+    out = torch.empty(rows.shape[0], sum(p.out_features for p in parts), dtype=h.dtype, device=h.device)
+    at = 0
+    for p in parts:
+        cols = out[:, at : at + p.out_features]  # (M, n): row stride N
+        if p.bias is None:
+            torch.mm(rows, p.weight.t(), out=cols)
+        else:
+            torch.addmm(p.bias, rows, p.weight.t(), out=cols)
+        at += p.out_features
+    return out.view(*h.shape[:-1], -1)
+
+
 def _gated(mlp: nn.Module, y: torch.Tensor, fused: bool) -> torch.Tensor:
     """``act(gate) * up`` of [gate, up] (..., 2I)."""
     name = activation_name(mlp)
@@ -157,7 +180,7 @@ def layer_rows(
     compiling it costs one layer's trace, not the whole model's."""
     attn = layer.self_attn
     fused = fused_step_applies(x)
-    qkv = project(qkv_parts, _norm(layer.input_layernorm, x, fused))  # (B, 1, (H + 2 Hkv) * D)
+    qkv = _project(qkv_parts, _norm(layer.input_layernorm, x, fused), fused)  # (B, 1, (H + 2 Hkv) * D)
     outs = []
     for (q, q_g, stored), c, at in zip(
         _rotated_rows(attn, qkv, rot, pos, cells, grouped, fused), cells, pos.split(1), strict=True
@@ -166,18 +189,19 @@ def layer_rows(
         kb, vb = c.keys[:, :, :n], c.values[:, :, :n]  # (1, Hkv, n, D): the cells in use, the new one too
         outs.append(
             attend(
-                q, kb, vb, c.positions, at, attn.scaling, window, grouped, stored=stored, q_g=q_g, last=c.slot
+                q, kb, vb, c.positions, at, attn.scaling, window, grouped,
+                stored=stored, q_g=q_g, last=c.slot, out_dtype=x.dtype,
             )
-        )
+        )  # fmt: skip
     out = outs[0] if len(outs) == 1 else torch.cat(outs)  # (B, 1, H * D)
-    out = attn.o_proj(out.to(x.dtype))
+    out = attn.o_proj(out)
     if hasattr(layer, "pre_feedforward_layernorm"):  # Gemma: norms after attention and MLP too
         x, h = _add_norm(
             layer.pre_feedforward_layernorm, x, _norm(layer.post_attention_layernorm, out, fused), fused
         )
     else:
         x, h = _add_norm(layer.post_attention_layernorm, x, out, fused)
-    out = layer.mlp.down_proj(_gated(layer.mlp, project(gate_up_parts, h), fused))
+    out = layer.mlp.down_proj(_gated(layer.mlp, _project(gate_up_parts, h, fused), fused))
     if hasattr(layer, "post_feedforward_layernorm"):
         out = _norm(layer.post_feedforward_layernorm, out, fused)
     return x + out

@@ -59,24 +59,39 @@ def attend(
     stored: torch.Tensor | None = None,
     q_g: torch.Tensor | None = None,
     last: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """One query row over a layer's cells: q (1, H, 1, D) at ``pos`` (1,), k and v (1, Hkv, n, D) at
-    ``positions`` (n,) -> (1, 1, H * D) in float32. One softmax over neighbor and grouped scores, the grouped
-    keys rotated here or ``stored`` (1, Hkv, n, D) as the cache keeps them (:mod:`selfextend.kv.grouped`).
-    On CUDA (or under Triton's interpreter) with triton installed, the fused kernels of
-    :mod:`~selfextend.core.fused_decode` compute the same, reading each cell once (``fused`` False: the
-    tensor ops anyway, what the kernels are checked and timed against). ``q_g``: the query at its grouped
+    ``positions`` (n,) -> (1, 1, H * D) in ``out_dtype``. One softmax over neighbor and grouped scores, the
+    grouped keys rotated here or ``stored`` (1, Hkv, n, D) as the cache keeps them
+    (:mod:`selfextend.kv.grouped`). On CUDA (or under Triton's interpreter) with triton installed, the fused
+    kernels of :mod:`~selfextend.core.fused_decode` compute the same, reading each cell once (``fused`` False:
+    the tensor ops anyway, what the kernels are checked and timed against). ``q_g``: the query at its grouped
     position (1, H, 1, D) float32 where the caller made it (the fused step's rotation), else made here.
     ``last`` (1,): the cells in use are the first ``last + 1`` (a static step's buffers hold stale positions
-    after them), else all."""
+    after them), else all. Computed in float32, rounded to ``out_dtype`` (the next product's input type)."""
     if fused and fused_decode_applies(q, k, v):
         if grouped is None:
-            return fused_decode_attention(q, k, v, positions, pos, scale, window, last=last)
+            return fused_decode_attention(
+                q, k, v, positions, pos, scale, window, last=last, out_dtype=out_dtype
+            )
         if q_g is None:
             q_g = grouped.query_at(pos).apply(q.float())  # (1, H, 1, D) float32
         keys, w = grouped.keys, grouped.window
         return fused_decode_attention(
-            q, k, v, positions, pos, scale, window, q_g, keys, w, stored=stored, last=last
+            q,
+            k,
+            v,
+            positions,
+            pos,
+            scale,
+            window,
+            q_g,
+            keys,
+            w,
+            stored=stored,
+            last=last,
+            out_dtype=out_dtype,
         )
     b, hkv, _, d = k.shape
     qf = q.float().reshape(b, hkv, -1, d)  # (B, Hkv, H / Hkv, D): the heads sharing a KV head as rows
@@ -103,7 +118,7 @@ def attend(
         out = (probs.unsqueeze(-1) * v.float().unsqueeze(-3)).sum(-2)  # (B, Hkv, H / Hkv, D)
     else:
         out = probs @ v.float()  # (B, Hkv, H / Hkv, D)
-    return out.reshape(b, 1, -1)
+    return out.reshape(b, 1, -1).to(out_dtype)
 
 
 def _row_scores(q: torch.Tensor, k: torch.Tensor, fused: bool) -> torch.Tensor:
