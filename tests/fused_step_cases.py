@@ -144,7 +144,7 @@ def rope(case: tuple) -> list[dict[str, object]]:
         if grouped is not None:
             wq_g = grouped.query_at(pos[b : b + 1]).apply(wq.float())
             results.append(_compare(f"rope {name} q_g", q_g, wq_g))
-        for what in ("keys", "values", "grouped"):
+        for what in ("keys", "values", "positions", "grouped"):
             a, w = getattr(got_cells[b], what), getattr(want_cells[b], what)
             if a is not None:
                 results.append(_compare(f"rope {name} {what}", a, w))

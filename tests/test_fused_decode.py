@@ -91,11 +91,9 @@ def test_attend_dispatch(monkeypatch):
     grouped = step_attention.GroupedRotations.build(16, params)
     taken = []
 
-    def kernel(
-        q, k, v, positions, pos, scale, window, q_g=None, keys=None, group_window=0, stored=None, last=None
-    ):
+    def kernel(q, k, v, positions, pos, scale, window, q_g=None, keys=None, group_window=0, **given):
         taken.append((window, None if q_g is None else (q_g.dtype, tuple(q_g.shape)), keys, group_window))
-        kept.append(stored)
+        kept.append(given.get("stored"))
         return torch.zeros(1, 1, 64)
 
     kept = []

@@ -254,7 +254,9 @@ def step(kind: str, dtype: torch.dtype, n: int, extra: str = "") -> Callable[[],
     table = Rotation(torch.ones(1, 1, cells, n), torch.zeros(1, 1, cells, n))
     grouped = (table, table) if "se" in extra else None
     norms = (RowNorm(torch.ones(n, dtype=dtype), 1e-6, False),) * 2 if "norms" in extra else None
-    write = KeyWrite(keys, values, torch.tensor([3]), kept if "se" in extra else None)
+    write = KeyWrite(
+        keys, values, torch.zeros(cells, dtype=torch.long), torch.tensor([3]), kept if "se" in extra else None
+    )
     return lambda: fused_rope_write(qkv, h, n, turn, torch.tensor([9]), write, grouped, norms)
 
 

@@ -43,11 +43,13 @@ class RowNorm(NamedTuple):
 
 
 class KeyWrite(NamedTuple):
-    """Where :func:`fused_rope_write` writes one row's key and value: the cells' keys and values (1, Hkv,
-    capacity, D), the slot (1,) int64, and the grouped keys (1, Hkv, capacity, D) or None."""
+    """Where :func:`fused_rope_write` writes one row's key, value and position: the cells' keys and values
+    (1, Hkv, capacity, D), their positions (capacity,) int64, the slot (1,) int64, and the grouped keys
+    (1, Hkv, capacity, D) or None."""
 
     keys: torch.Tensor
     values: torch.Tensor
+    positions: torch.Tensor
     slot: torch.Tensor
     grouped: torch.Tensor | None
 
@@ -125,7 +127,8 @@ def fused_rope_write(
     """One row's projections ``qkv`` ((H + 2 Hkv) * D,) contiguous, at position ``pos`` (1,) int64:
     the queries and keys through their head norms (``norms``: q's and k's, or None) and rotated by
     ``rotation`` (cos and sin (rot_dim,) float32, sin signed as :class:`Rotation` keeps it); the key and
-    value written at ``cells``' slot (the key also at its grouped position where ``cells.grouped``).
+    value written at ``cells``' slot with the position (the key also at its grouped position where
+    ``cells.grouped``).
     Returns the rotated queries (1, H, 1, D) in qkv's type and, with Self-Extend (``grouped``: the key and
     query tables, each (1, 1, N, rot_dim)), the grouped queries (1, H, 1, D) float32, else None."""
     from selfextend.core.fused_step_kernel import rope_write_kernel
@@ -144,8 +147,8 @@ def fused_rope_write(
     qn, kn = norms if norms is not None else (RowNorm(cos, 0.0, False),) * 2
     with _on(qkv.device):
         rope_write_kernel[(n_heads + n_kv,)](
-            qkv, q, q if q_g is None else q_g, cells.keys, cells.values, store, pos, cells.slot,
-            cos, sin, queries_t.cos, queries_t.sin, keys_t.cos, keys_t.sin, qn.weight, kn.weight,
+            qkv, q, q if q_g is None else q_g, cells.keys, cells.values, store, cells.positions, pos,
+            cells.slot, cos, sin, queries_t.cos, queries_t.sin, keys_t.cos, keys_t.sin, qn.weight, kn.weight,
             cells.keys.stride(1), cells.keys.stride(2), cells.values.stride(1), cells.values.stride(2),
             store.stride(1), store.stride(2), keys_t.cos.stride(-2) if grouped is not None else 0, qn.eps,
             n_heads, n_kv,

@@ -155,6 +155,7 @@ def rope_write_kernel(
     k_ptr,
     v_ptr,
     g_ptr,
+    positions_ptr,
     pos_ptr,
     slot_ptr,
     cos_ptr,
@@ -189,7 +190,7 @@ def rope_write_kernel(
     A KV head: the key normed (k_norm), rotated, rounded to the model's then the cells' type and written at
     the cells' ``slot``, the value too; where ``STORE_G``, the stored key turned by the key table's row at
     the position and written into the grouped keys ``g`` (its grouped position, in the cells' type).
-    The position and the slot are read on the device (capturable)."""
+    Program 0 writes the cell's position. The position and the slot are read on the device (capturable)."""
     i = tl.program_id(0)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
@@ -198,6 +199,8 @@ def rope_write_kernel(
     partner = tl.where(rotated, tl.where(offs_d < half, offs_d + half, offs_d - half), offs_d)
     pos = tl.load(pos_ptr)
     slot = tl.load(slot_ptr)
+    if i == 0:
+        tl.store(positions_ptr + slot, pos)
     if i < n_heads:
         a, b = _head(
             qkv_ptr + i * HEAD_DIM, offs_d, partner, d_ok, qn_ptr, eps, HEAD_NORM, NORM_OFFSET, HEAD_DIM

@@ -7,7 +7,8 @@ reading the weights takes 3.4 ms). :class:`GraphedDecode` runs the compiled step
 compiled and batched paths run) over each layer's whole buffers, the cells in use being the slots up to
 the new token's (attention reads no further, whatever the later slots hold), so every token has the same
 shapes. Per token the host writes one int64 row (the token, its position, each layer's slot) into a
-buffer the graph reads; the new cells' positions are written inside the graph.
+buffer the graph reads; the new cells' positions are written inside the graph (by the layers, with the
+keys and values).
 Context shifts edit the same buffers in place (their addresses never change), so a graph stays valid
 through them; Self-Extend's rotation tables are built once for the cache's size.
 
@@ -138,8 +139,6 @@ class GraphedDecode(FastDecode):
         tokens, pos, slots = io[:b].view(b, 1), io[b : 2 * b], io[2 * b :].view(b, -1)  # slots: (B, layers)
         cells = []
         for j, cache in enumerate(caches):
-            for i, layer in enumerate(cache.layers):
-                layer.positions.index_copy_(0, slots[j, i : i + 1], pos[j : j + 1])
             layers = cache.layers
             keys, values = [x.keys for x in layers], [x.values for x in layers]
             # every slot's position, those after the new token's stale: attention reads up to its slot

@@ -32,7 +32,8 @@ from selfextend.generation.step_attention import GroupedRotations, attend
 
 class LayerCells(NamedTuple):
     """One row's cells in one layer: keys and values (1, Hkv, capacity, D), positions (n,) of the first
-    ``n`` slots, the new token's slot (1,), and the keys at grouped positions the cache keeps, or None."""
+    ``n`` slots, the new token's slot (1,) (where the layer writes its key, value and position), and the
+    keys at grouped positions the cache keeps, or None."""
 
     keys: torch.Tensor
     values: torch.Tensor
@@ -118,10 +119,10 @@ def _rotated_rows(
     grouped: GroupedRotations | None,
     fused: bool,
 ) -> list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]]:
-    """Per row ``b`` of ``qkv`` (B, 1, (H + 2 Hkv) * D): its key and value written into ``cells[b]`` (and
-    the key at its grouped position where the cells keep those), and ``(q, q_g, stored)``: its rotated
-    queries (1, H, 1, D), the grouped ones where the fused kernel made them, and the grouped keys of the
-    cells in use."""
+    """Per row ``b`` of ``qkv`` (B, 1, (H + 2 Hkv) * D): its key, value and position written into
+    ``cells[b]`` (and the key at its grouped position where the cells keep those), and ``(q, q_g,
+    stored)``: its rotated queries (1, H, 1, D), the grouped ones where the fused kernel made them, and the
+    grouped keys of the cells in use."""
     b_rows, d = qkv.shape[0], attn.head_dim
     n_kv = cells[0].keys.shape[1]
     n_heads = qkv.shape[-1] // d - 2 * n_kv
@@ -137,7 +138,7 @@ def _rotated_rows(
                 d,
                 Rotation(rot.cos[at], rot.sin[at]),
                 pos[b : b + 1],
-                KeyWrite(c.keys, c.values, c.slot, c.grouped),
+                KeyWrite(c.keys, c.values, c.positions, c.slot, c.grouped),
                 tables,
                 norms,
             )
@@ -152,6 +153,7 @@ def _rotated_rows(
     v = v.transpose(1, 2)  # (B, Hkv, 1, D)
     for b, c in enumerate(cells):
         at, stored = pos[b : b + 1], None
+        c.positions.index_copy_(0, c.slot, at)
         key = k[b : b + 1].to(c.keys.dtype)
         c.keys.index_copy_(2, c.slot, key)
         c.values.index_copy_(2, c.slot, v[b : b + 1].to(c.values.dtype))
