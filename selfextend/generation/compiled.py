@@ -23,9 +23,10 @@ import torch
 from torch import nn
 from torch.fx.experimental import _config as fx_config
 
+from selfextend.core.fused_step import fused_step_applies
 from selfextend.generation.cells import Cells, StepCells
 from selfextend.generation.decode import ATTENTION, fuse_projections, why_not
-from selfextend.generation.layer import LayerCells, layer_rows
+from selfextend.generation.layer import LayerCells, add_norm, layer_rows
 from selfextend.generation.products import direct, product_of
 from selfextend.generation.rotary import rope_by_kind, rotations_at
 from selfextend.generation.step_attention import GroupedRotations
@@ -107,6 +108,9 @@ class CompiledStep:
         layer goes through :attr:`layer_fn` (:func:`layer_rows`, or its compiled form)."""
         x = self.embed(tokens)  # (B, 1, hidden)
         rotations = rotations_at(self.rotary, self.kinds, self.rope_by_kind, x, pos)
+        pending = torch.zeros_like(
+            x
+        )  # what the layer before left to add (a tensor for every layer: one graph)
         for i, layer in enumerate(self.layers):
             layer_cells = [
                 LayerCells(
@@ -114,7 +118,7 @@ class CompiledStep:
                 )
                 for c in cells
             ]
-            x = self.layer_fn(
+            x, pending = self.layer_fn(
                 layer,
                 self.qkv[i],
                 self.gate_up[i],
@@ -124,11 +128,13 @@ class CompiledStep:
                 layer_cells,
                 self.windows[i],
                 grouped[i],
+                pending,
             )
+        _, h = add_norm(self.norm, x, pending, fused_step_applies(x))
         if self.head_row is not None and x.shape[0] == 1:  # (the head is never inside a compiled graph)
-            logits = self.head_row(self.norm(x).view(1, -1)).to(x.dtype)  # (1, hidden) -> (1, vocab)
+            logits = self.head_row(h.view(1, -1)).to(x.dtype)  # (1, hidden) -> (1, vocab)
         else:
-            logits = self.head(self.norm(x))[:, -1]  # (B, vocab)
+            logits = self.head(h)[:, -1]  # (B, vocab)
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits

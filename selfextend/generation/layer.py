@@ -56,8 +56,9 @@ def _norm(module: nn.Module, x: torch.Tensor, fused: bool) -> torch.Tensor:
     return module(x) if spec is None else fused_rms_norm(x, spec)[1]
 
 
-def _add_norm(module: nn.Module, x: torch.Tensor, y: torch.Tensor, fused: bool) -> tuple[torch.Tensor, ...]:
-    """``(x + y, norm(x + y))``: the residual stream after a block and the next block's normed input."""
+def add_norm(module: nn.Module, x: torch.Tensor, y: torch.Tensor, fused: bool) -> tuple[torch.Tensor, ...]:
+    """``(x + y, norm(x + y))``: the residual stream after a block and the next block's normed input (one
+    kernel where ``fused``: :func:`~selfextend.core.fused_step.fused_step_applies`)."""
     spec = row_norm(module) if fused and y.dtype == x.dtype and y.shape == x.shape else None
     if spec is None:
         s = x + y
@@ -175,14 +176,18 @@ def layer_rows(
     cells: list[LayerCells],
     window: int | None,
     grouped: GroupedRotations | None,
-) -> torch.Tensor:
-    """One decoder layer for B rows: the residual stream ``x`` (B, 1, hidden) after the layer, each row's
-    key and value written into its ``cells``. The unit that is compiled: every layer of a model has the
-    same code and the same shapes, so one graph serves them all (the layer's weights are its inputs), and
-    compiling it costs one layer's trace, not the whole model's."""
+    pending: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decoder layer for B rows, the residual stream (B, 1, hidden) before it being ``x + pending``:
+    returns ``(x', pending')`` whose sum is the stream after it (the last block's output left to add, so
+    that the next layer adds it in the kernel of its first norm), each row's key, value and position written
+    into its ``cells``. The unit that is compiled: every layer of a model has the same code and the same
+    shapes, so one graph serves them all (the layer's weights are its inputs), and compiling it costs one
+    layer's trace, not the whole model's."""
     attn = layer.self_attn
     fused = fused_step_applies(x)
-    qkv = _project(qkv_parts, _norm(layer.input_layernorm, x, fused), fused)  # (B, 1, (H + 2 Hkv) * D)
+    x, h = add_norm(layer.input_layernorm, x, pending, fused)
+    qkv = _project(qkv_parts, h, fused)  # (B, 1, (H + 2 Hkv) * D)
     outs = []
     for (q, q_g, stored), c, at in zip(
         _rotated_rows(attn, qkv, rot, pos, cells, grouped, fused), cells, pos.split(1), strict=True
@@ -198,12 +203,12 @@ def layer_rows(
     out = outs[0] if len(outs) == 1 else torch.cat(outs)  # (B, 1, H * D)
     out = attn.o_proj(out)
     if hasattr(layer, "pre_feedforward_layernorm"):  # Gemma: norms after attention and MLP too
-        x, h = _add_norm(
+        x, h = add_norm(
             layer.pre_feedforward_layernorm, x, _norm(layer.post_attention_layernorm, out, fused), fused
         )
     else:
-        x, h = _add_norm(layer.post_attention_layernorm, x, out, fused)
+        x, h = add_norm(layer.post_attention_layernorm, x, out, fused)
     out = layer.mlp.down_proj(_gated(layer.mlp, _project(gate_up_parts, h, fused), fused))
     if hasattr(layer, "post_feedforward_layernorm"):
         out = _norm(layer.post_feedforward_layernorm, out, fused)
-    return x + out
+    return x, out
