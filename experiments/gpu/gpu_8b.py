@@ -6,12 +6,14 @@ shape against a CPU copy (:mod:`gpu_8b_runs`)."""
 from __future__ import annotations
 
 import statistics
+import time
 from collections.abc import Callable
 
 import torch
 from gpu_8b_runs import runs
 from transformers import LlamaConfig, LlamaForCausalLM
 
+import selfextend.generation.layer as layer_module
 from selfextend.bench.runner import (
     BenchConfig,
     MemoryMeter,
@@ -115,3 +117,54 @@ def decode(report: Callable[..., None], model: torch.nn.Module, gpu: str, k: int
             limit_ms=round(limit_ms, 2),
             gpu=gpu,
         )
+    # the same at 32k cells with the step's elementwise work in torch's operations (the fused step kernels
+    # off): what the fused kernels save a token, against what a small kernel costs in a graph here
+    applies = layer_module.fused_step_applies
+    layer_module.fused_step_applies = lambda x: False
+    try:
+        cfg.decode_lengths = cells[1:]
+        rows = list(bench_decode(model, cfg))
+    finally:
+        layer_module.fused_step_applies = applies
+    torch_ops = {
+        v: statistics.median(r["ms_per_token"] for r in rows if r["variant"] == v)
+        for v in ("plain", "selfextend")
+    }
+    report(
+        f"8b engine decode {cells[1] * k // 1024}k cells, step in torch ops",
+        plain_ms=round(torch_ops["plain"], 2),
+        selfextend_ms=round(torch_ops["selfextend"], 2),
+        small_kernel_us=round(graph_launch_us(next(model.parameters()).device), 2),
+        gpu=gpu,
+    )
+
+
+def graph_launch_us(device: torch.device, n: int = 1000) -> float:
+    """Microseconds a small kernel takes inside a CUDA graph here: ``n`` in-place adds on 4 KiB captured
+    and replayed, the best of 5 (eagerly off a GPU): times the step's kernel count, what its launches
+    cost a token (experiments/gpu/step_launches.py counts them)."""
+    x = torch.zeros(1024, device=device)
+
+    def adds() -> None:
+        for _ in range(n):
+            x.add_(1.0)
+
+    run = adds
+    if device.type == "cuda":
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            adds()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            adds()
+        run = graph.replay
+    best = float("inf")
+    for _ in range(5):
+        torch.cuda.synchronize(device) if device.type == "cuda" else None
+        start = time.perf_counter()
+        run()
+        torch.cuda.synchronize(device) if device.type == "cuda" else None
+        best = min(best, time.perf_counter() - start)
+    return best / n * 1e6
