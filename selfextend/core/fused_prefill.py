@@ -95,7 +95,8 @@ def default_config(
     yet timed on a GPU: ``experiments/gpu/check_fused_prefill.py`` times them). float32 (tests, and CUDA
     float32 models) multiplies in float32 without tensor cores and takes smaller tiles; ``softcap`` (Gemma 2)
     keeps more values live a tile; an A100 or an Ada card (whose matrix products read their operands from
-    registers, where Hopper's read shared memory) spills at Hopper's tiles and takes smaller ones."""
+    registers, where Hopper's read shared memory) spills at Hopper's tiles and takes smaller ones (head 64:
+    2 stages; on Hopper 8 warps for every head size up to 128: 4 spilled at head 64)."""
     if dtype == torch.float32:
         if head_dim <= 64:
             return BlockConfig(32, 32, 4, 2)
@@ -103,8 +104,8 @@ def default_config(
     if head_dim > 128:
         return BlockConfig(64, 16, 8, 2) if softcap else BlockConfig(64, 32, 8, 2)
     if arch < HOPPER:
-        return BlockConfig(64, 32, 4, 3)
-    return BlockConfig(128, 64, 4, 3) if head_dim <= 64 else BlockConfig(128, 64, 8, 3)
+        return BlockConfig(64, 32, 4, 2) if head_dim <= 64 else BlockConfig(64, 32, 4, 3)
+    return BlockConfig(128, 64, 8, 3)
 
 
 def fused_self_extend_prefill(
