@@ -38,6 +38,7 @@ import torch.nn.functional as F
 
 from selfextend.core.decode_query import grouped_keys
 from selfextend.core.fused_decode import DecodeConfig, default_config, fused_decode_attention
+from selfextend.generation.graphed import cuda_graph
 from selfextend.generation.step_attention import GroupedRotations, attend
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -58,16 +59,10 @@ CONFIGS = [
 
 
 def graphed(fn: Callable[[], object]) -> Callable[[], object]:
-    """``fn`` captured as a CUDA graph (after a warm-up run), or ``fn`` itself where capture fails."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
+    """``fn`` captured as a CUDA graph as the decode step is (``cuda_graph``: warm-up runs first), or
+    ``fn`` itself where capture fails."""
     try:
-        with torch.cuda.graph(graph):
-            fn()
+        graph, _ = cuda_graph(fn)
     except RuntimeError as e:
         print(f"  not captured, timed eagerly: {str(e).splitlines()[0][:100]}")
         return fn

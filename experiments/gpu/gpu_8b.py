@@ -20,6 +20,7 @@ from selfextend.bench.runner import (
     bench_decode,
     bench_prefill,
 )
+from selfextend.generation.graphed import cuda_graph
 
 G, W = 32, 2048
 SHAPE = dict(
@@ -149,17 +150,7 @@ def graph_launch_us(device: torch.device, n: int = 1000) -> float:
         for _ in range(n):
             x.add_(1.0)
 
-    run = adds
-    if device.type == "cuda":
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            adds()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            adds()
-        run = graph.replay
+    run = cuda_graph(adds)[0].replay if device.type == "cuda" else adds
     best = float("inf")
     for _ in range(5):
         torch.cuda.synchronize(device) if device.type == "cuda" else None
