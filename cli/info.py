@@ -40,6 +40,34 @@ def _generate_weights(model: str, table) -> list[tuple[str, str]]:
     return rows
 
 
+def _gpu() -> tuple[str, str]:
+    """The row saying what ``--device cuda`` would run here: the GPU torch sees, and whether the fused
+    Triton kernels (Self-Extend prefill, the decode step's) take it or the tensor operations run."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return (
+            "GPU",
+            "none that torch sees (--device cuda needs one; this torch is " + torch.__version__ + ")",
+        )
+    from selfextend.core.fused_prefill import AMPERE, compute_capability, kernels_run_on, triton_available
+
+    device = torch.device("cuda")
+    cc = compute_capability(device)
+    if kernels_run_on(device):
+        import triton
+
+        kernels = f"the fused Triton kernels run (triton {triton.__version__})"
+    elif not triton_available():
+        kernels = "the fused kernels do not run: triton is not installed (pip install triton)"
+    else:
+        kernels = f"the fused kernels do not run: they need compute capability {AMPERE // 10}.0 or more"
+    return (
+        "GPU",
+        f"{torch.cuda.get_device_name(device)}, compute capability {cc // 10}.{cc % 10}: {kernels}",
+    )
+
+
 def _kv(config, tokens: int, cells: str) -> str:
     """A context-shift cache's bytes at ``tokens`` cells of type ``cells`` (bf16 or f32), and the all-layers
     size where smaller."""
@@ -64,8 +92,8 @@ def _kv(config, tokens: int, cells: str) -> str:
 )
 @self_extend_options(group_size=4, window=1024)
 def info(model_arg: str | None, model_opt: str | None, group_size: int, window: int) -> None:
-    """Print layers, heads, head dim, RoPE, trained window, weights and KV-cache memory, and the
-    Self-Extend reach.
+    """Print layers, heads, head dim, RoPE, trained window, weights and KV-cache memory, the
+    Self-Extend reach, and the GPU here (whether the fused kernels take it).
 
     Reads only the config (no weights). Weights: the bytes of the loaded model in each --weights /
     --dtype form (int8: 1 byte per linear weight + a bfloat16 scale per row, the rest float32), and the
@@ -148,6 +176,7 @@ def info(model_arg: str | None, model_opt: str | None, group_size: int, window: 
             ),
             (f"KV cache at {reach:,} tokens", _kv(config, reach, cells)),
         ]
+    rows.append(_gpu())
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         click.echo(f"{k:<{width}}  {v}")

@@ -198,3 +198,30 @@ def test_missing_gguf_refused_before_torch_is_imported(args, tmp_path):
     r = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=120)
     assert r.stdout.split() == ["2", "False"], (r.stdout, r.stderr)
     assert r.stderr.count("\n") == 1 and "no such file" in r.stderr, r.stderr
+
+
+def test_info_says_what_a_gpu_here_would_run(tiny_dir, monkeypatch):
+    """The GPU row: none on this machine; on a GPU its name and whether the fused kernels take it (triton
+    present and compute capability 8.0 or more), each reason said (a GPU simulated: none here)."""
+    import torch
+
+    from selfextend.core import fused_prefill
+
+    def gpu_line():
+        r = invoke("info", tiny_dir, "-g", "4", "-w", "64")
+        assert r.exit_code == 0, r.stderr
+        return next(x for x in r.stdout.splitlines() if x.startswith("GPU "))
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert "none that torch sees" in gpu_line()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    monkeypatch.setattr(fused_prefill, "compute_capability", lambda device: 90)
+    monkeypatch.setattr(fused_prefill, "triton_available", lambda: True)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    line = gpu_line()
+    assert "NVIDIA H200, compute capability 9.0: the fused Triton kernels run (triton " in line, line
+    monkeypatch.setattr(fused_prefill, "compute_capability", lambda device: 75)
+    assert gpu_line().endswith("they need compute capability 8.0 or more")
+    monkeypatch.setattr(fused_prefill, "triton_available", lambda: False)
+    assert "triton is not installed" in gpu_line()
