@@ -83,3 +83,34 @@ def test_the_layer_keeps_what_the_kernels_do_not_know() -> None:
     attn.k_norm = LlamaRMSNorm(8, eps=1e-5)
     assert _head_norms(attn, torch.float32) is False
     assert _head_norms(SimpleNamespace(head_dim=8), torch.float32) is None
+
+
+def test_float_projections_fuse_into_views_where_the_kernels_run(monkeypatch) -> None:
+    """On a GPU (simulated) a layer's q/k/v become one product whose weight the model's own projections
+    now view (no second copy, the same values and outputs, biases too); on the CPU they stay as they are."""
+    from conftest import make_model
+
+    from selfextend.core import fused_prefill
+    from selfextend.generation.decode import fuse_projections
+
+    model = make_model("qwen2")  # q/k/v with biases
+    attn = model.model.layers[0].self_attn
+    parts = [attn.q_proj, attn.k_proj, attn.v_proj]
+    x = torch.randn(3, model.config.hidden_size)
+    want = torch.cat([p(x) for p in parts], dim=-1)
+    before = [p.weight.clone() for p in parts]
+    other = model.model.layers[1].self_attn
+    cpu = [other.q_proj, other.k_proj, other.v_proj]
+    assert fuse_projections(cpu) == tuple(cpu)  # the CPU: the modules themselves
+    monkeypatch.setattr(fused_prefill, "kernels_run_on", lambda device: True)
+    mlp = model.model.layers[1].mlp
+    (fused,) = fuse_projections(parts)
+    assert isinstance(fused, torch.nn.Linear) and fused.bias is not None
+    torch.testing.assert_close(fused(x), want, rtol=0, atol=0)
+    storage = fused.weight.untyped_storage().data_ptr()
+    for p, w in zip(parts, before, strict=True):
+        assert p.weight.untyped_storage().data_ptr() == storage and torch.equal(p.weight, w)
+    torch.testing.assert_close(torch.cat([p(x) for p in parts], dim=-1), want, rtol=0, atol=0)
+    assert fuse_projections(parts)[0] is fused  # fused once
+    (gate_up,) = fuse_projections([mlp.gate_proj, mlp.up_proj])
+    assert gate_up.bias is None and gate_up.out_features == 2 * mlp.up_proj.out_features

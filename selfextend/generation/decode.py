@@ -33,7 +33,7 @@ from selfextend.core.cells import cells_of
 from selfextend.core.decode_query import grouped_decode_keys, self_extend_decode
 from selfextend.core.rope import Rotation
 from selfextend.generation.native_layers import native_layers
-from selfextend.generation.products import LayerPlan, direct, each, each_add, norm_of, product_of
+from selfextend.generation.products import LayerPlan, direct, each, each_add, fuse_float, norm_of, product_of
 from selfextend.generation.rotary import PositionRotations, rope_by_kind, rotations_at
 from selfextend.generation.step_rows import RowBatch, query_rotation, row_positions, rows_of_a_cache
 from selfextend.hf.facts import layer_kinds, sliding_windows
@@ -53,13 +53,14 @@ ATTENTION = ("sdpa", "eager", IMPLEMENTATION)  # one math (attention soft-cappin
 
 def fuse_projections(projections: list[nn.Module]) -> tuple[nn.Module, ...]:
     """One fused projection when all are int8, or all int4 in blocks that concatenate (no second copy of
-    the weights); GGUF block layers fused by runs of one type; else all of them.
+    the weights); GGUF block layers fused by runs of one type; float layers on a GPU (:func:`fuse_float`:
+    the model's weights re-pointed at views of the fused one); else all of them.
 
     Fused once per set of layers (remembered on the first one): a second decode step over the same model
     gets the same fused layer, where fusing the views again would copy the weights.
     """
     kinds = {type(p) for p in projections}
-    fusers = {Int8Linear: fuse_int8, Int4Linear: fuse_int4, BlockLinear: fuse_blocks}
+    fusers = {Int8Linear: fuse_int8, Int4Linear: fuse_int4, BlockLinear: fuse_blocks, nn.Linear: fuse_float}
     fuse = fusers.get(kinds.pop()) if len(kinds) == 1 else None
     if fuse is None:
         return tuple(projections)

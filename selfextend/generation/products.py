@@ -53,6 +53,42 @@ def norm_factors(module: nn.Module | None, dtype: torch.dtype) -> tuple[torch.Te
     return (1.0 + weight if RMS_NORMS[name] else weight).detach().contiguous(), float(eps)
 
 
+def fuse_float(projections: list[nn.Module]) -> nn.Linear | None:
+    """One ``nn.Linear`` over float projections' weights side by side (q/k/v, or gate/up), each
+    projection's own weight (and bias) re-pointed at its rows of it: views, so no second copy and the same
+    values, the model's modules and their forwards unchanged. Only where the fused step kernels run (a
+    GPU: a product is a launch, and a small one, such as an 8B model's 8 MB k or v projection, reads below
+    the memory's rate), for plain layers of one type and device; else None (the CPU keeps its modules)."""
+    from selfextend.core.fused_prefill import kernels_run_on
+
+    first = projections[0]
+    same = all(
+        type(p) is nn.Linear
+        and p.weight.dtype == first.weight.dtype
+        and p.weight.device == first.weight.device
+        and p.in_features == first.in_features
+        and (p.bias is None) == (first.bias is None)
+        for p in projections
+    )
+    if not same or first.weight.device.type == "meta" or not kernels_run_on(first.weight.device):
+        return None
+    with torch.no_grad():
+        weight = torch.cat([p.weight for p in projections])  # (N, K)
+        bias = None if first.bias is None else torch.cat([p.bias for p in projections])
+        at = 0
+        for p in projections:
+            n = p.out_features
+            p.weight.data = weight[at : at + n]
+            if bias is not None:
+                p.bias.data = bias[at : at + n]
+            at += n
+    fused = nn.Linear(first.in_features, weight.shape[0], bias=bias is not None, device="meta")
+    fused.weight = nn.Parameter(weight, requires_grad=False)
+    if bias is not None:
+        fused.bias = nn.Parameter(bias, requires_grad=False)
+    return fused
+
+
 def project(parts: tuple[nn.Module, ...], x: torch.Tensor) -> torch.Tensor:
     """The outputs of the projections ``parts`` (a fused one, or several) side by side."""
     return parts[0].forward(x) if len(parts) == 1 else torch.cat([p.forward(x) for p in parts], dim=-1)
