@@ -66,29 +66,6 @@ def add_norm(module: nn.Module, x: torch.Tensor, y: torch.Tensor, fused: bool) -
     return fused_rms_norm(x, spec, add=y)
 
 
-def _project(parts: tuple[nn.Module, ...], h: torch.Tensor, fused: bool) -> torch.Tensor:
-    """The projections' outputs side by side (..., N). Where the fused kernels run and the parts are plain
-    float layers of h's type, each product writes straight into its columns of one output (a matrix with a
-    row stride: no copy), not concatenated after: a launch fewer."""
-    if (
-        not fused
-        or len(parts) == 1
-        or any(type(p) is not nn.Linear or p.weight.dtype != h.dtype for p in parts)
-    ):
-        return project(parts, h)
-    rows = h.reshape(-1, h.shape[-1])  # (M, hidden)
-    out = torch.empty(rows.shape[0], sum(p.out_features for p in parts), dtype=h.dtype, device=h.device)
-    at = 0
-    for p in parts:
-        cols = out[:, at : at + p.out_features]  # (M, n): row stride N
-        if p.bias is None:
-            torch.mm(rows, p.weight.t(), out=cols)
-        else:
-            torch.addmm(p.bias, rows, p.weight.t(), out=cols)
-        at += p.out_features
-    return out.view(*h.shape[:-1], -1)
-
-
 def _gated(mlp: nn.Module, y: torch.Tensor, fused: bool) -> torch.Tensor:
     """``act(gate) * up`` of [gate, up] (..., 2I)."""
     name = activation_name(mlp)
@@ -187,7 +164,7 @@ def layer_rows(
     attn = layer.self_attn
     fused = fused_step_applies(x)
     x, h = add_norm(layer.input_layernorm, x, pending, fused)
-    qkv = _project(qkv_parts, h, fused)  # (B, 1, (H + 2 Hkv) * D)
+    qkv = project(qkv_parts, h)  # (B, 1, (H + 2 Hkv) * D)
     outs = []
     for (q, q_g, stored), c, at in zip(
         _rotated_rows(attn, qkv, rot, pos, cells, grouped, fused), cells, pos.split(1), strict=True
@@ -208,7 +185,7 @@ def layer_rows(
         )
     else:
         x, h = add_norm(layer.post_attention_layernorm, x, out, fused)
-    out = layer.mlp.down_proj(_gated(layer.mlp, _project(gate_up_parts, h, fused), fused))
+    out = layer.mlp.down_proj(_gated(layer.mlp, project(gate_up_parts, h), fused))
     if hasattr(layer, "post_feedforward_layernorm"):
         out = _norm(layer.post_feedforward_layernorm, out, fused)
     return x, out
