@@ -27,8 +27,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_kernels_equal_the_operations_they_replace_in_the_interpreter() -> None:
     """16-bit norms and rotations bit for bit but for an element a sum's order rounds the other way (at
     most 1 in 100, 3 in all); float32 within 1e-6 of the largest value, the activations too; the bf16
-    static step's logits through a shift equal, and two caches' rows in one pass (each projection written
-    into its columns of one output)."""
+    static step's logits through a shift equal, and two caches' rows in one pass (q/k/v with biases, fused
+    into one product)."""
     pytest.importorskip("triton", minversion="3.9")  # 3.6's interpreter fails our loops under numpy 2.4
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
