@@ -21,13 +21,12 @@ sm_80 by ``experiments/gpu/kernel_build.py``.
 
 from __future__ import annotations
 
-import contextlib
 from functools import lru_cache
 from typing import NamedTuple
 
 import torch
 
-from selfextend.core.fused_prefill import DTYPES, MAX_HEAD_DIM, interpreting, kernels_run_on
+from selfextend.core.fused_prefill import DTYPES, MAX_HEAD_DIM, interpreting, kernels_run_on, on_device, pow2
 from selfextend.core.rope import Rotation
 
 
@@ -54,11 +53,6 @@ def fused_decode_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> b
         and q.shape[-1] <= MAX_HEAD_DIM
         and kernels_run_on(q.device)
     )
-
-
-def _pow2(n: int) -> int:
-    """The smallest power of two >= n (tile sizes must be powers of two)."""
-    return 1 << max(0, n - 1).bit_length()
 
 
 @lru_cache(maxsize=8)
@@ -144,8 +138,8 @@ def fused_decode_attention(
     m = torch.empty(h, n_splits, device=q.device, dtype=torch.float32)
     l_sum = torch.empty_like(m)
     out = torch.empty(1, 1, h * d, device=q.device, dtype=out_dtype)
-    block_d = max(16, _pow2(d))
-    with torch.cuda.device(q.device) if q.device.type == "cuda" else contextlib.nullcontext():
+    block_d = max(16, pow2(d))
+    with on_device(q.device):
         decode_partials_kernel[(hkv, n_splits)](
             q, q_g, k, stored, v, pos, pos if last is None else last, positions, cos, sin, acc, m, l_sum,
             q.stride(1), q.stride(3), q_g.stride(1), q_g.stride(3),
@@ -161,13 +155,13 @@ def fused_decode_attention(
             UPCAST=interpreting(),
             HEAD_DIM=d,
             ROT_DIM=cos.shape[-1] if grouped else d,
-            BLOCK_R=max(16, _pow2(n_rep)),
+            BLOCK_R=max(16, pow2(n_rep)),
             BLOCK_N=cfg.block_n,
             BLOCK_D=block_d,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         )  # fmt: skip
         decode_merge_kernel[(h,)](
-            acc, m, l_sum, out, n_splits, HEAD_DIM=d, BLOCK_S=min(16, _pow2(n_splits)), BLOCK_D=block_d
+            acc, m, l_sum, out, n_splits, HEAD_DIM=d, BLOCK_S=min(16, pow2(n_splits)), BLOCK_D=block_d
         )
     return out

@@ -73,6 +73,17 @@ def kernels_run_on(device: torch.device) -> bool:
     return device.type == "cuda" and triton_available() and compute_capability(device) >= AMPERE
 
 
+def pow2(n: int) -> int:
+    """The smallest power of two >= n (a Triton tile's sizes are powers of two)."""
+    return 1 << max(0, n - 1).bit_length()
+
+
+def on_device(device: torch.device) -> contextlib.AbstractContextManager:
+    """Where a launch's tensors are: their CUDA device made current (Triton launches on the current one),
+    nothing for CPU tensors (the interpreter)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
 def fused_prefill_applies(q: torch.Tensor, k: torch.Tensor, cells: KeyCells) -> bool:
     """Whether :func:`fused_self_extend_prefill` takes this prefill: gapless keys (slot arithmetic gives
     the distances), a device the kernels run on (:func:`kernels_run_on`), a dtype and head size they take.
@@ -143,7 +154,7 @@ def fused_self_extend_prefill(
     block_d = max(16, 1 << (d - 1).bit_length())  # tl.dot wants 16 or more, a power of two
     out = torch.empty_like(q)
     grid = (b * h, -(-lq // cfg.block_m))  # heads vary fastest: every head's longest row blocks run first
-    with torch.cuda.device(q.device) if q.device.type == "cuda" else contextlib.nullcontext():
+    with on_device(q.device):
         self_extend_prefill_kernel[grid](
             q, q_g, k, k_g, v, out,
             *q.stride(), *q_g.stride(), *k.stride(), *k_g.stride(), *v.stride(), *out.stride(),

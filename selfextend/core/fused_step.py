@@ -22,12 +22,11 @@ Where they run: :func:`fused_step_applies` (CUDA with compute capability 8.0 or 
 
 from __future__ import annotations
 
-import contextlib
 from typing import NamedTuple
 
 import torch
 
-from selfextend.core.fused_prefill import DTYPES, interpreting, kernels_run_on
+from selfextend.core.fused_prefill import DTYPES, interpreting, kernels_run_on, on_device, pow2
 from selfextend.core.rope import Rotation
 
 ACTIVATIONS = {"silu": False, "gelu_pytorch_tanh": True}  # transformers' names: whether it is GELU's
@@ -62,14 +61,6 @@ def fused_step_applies(x: torch.Tensor) -> bool:
     return x.dtype in DTYPES and kernels_run_on(x.device)
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
-def _on(device: torch.device):
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-
-
 def fused_rms_norm(
     x: torch.Tensor, norm: RowNorm, add: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,8 +79,8 @@ def fused_rms_norm(
     summed = rows if add is None else torch.empty_like(rows)
     dtype = x.dtype if norm.offset else torch.promote_types(norm.weight.dtype, x.dtype)
     out = torch.empty(rows.shape, dtype=dtype, device=x.device)
-    block = _pow2(n)
-    with _on(x.device):
+    block = pow2(n)
+    with on_device(x.device):
         rms_norm_kernel[(rows.shape[0],)](
             rows, adds, norm.weight, summed, out, n,
             rows.stride(0), adds.stride(0), summed.stride(0), out.stride(0), norm.eps,
@@ -106,8 +97,8 @@ def fused_gated(y: torch.Tensor, activation: str) -> torch.Tensor:
     n = y.shape[-1] // 2
     rows = y.reshape(-1, 2 * n).contiguous()
     out = torch.empty(rows.shape[0], n, dtype=y.dtype, device=y.device)
-    block = min(1024, _pow2(n))
-    with _on(y.device):
+    block = min(1024, pow2(n))
+    with on_device(y.device):
         gated_kernel[(rows.shape[0], -(-n // block))](
             rows, out, n, rows.stride(0), out.stride(0), GELU=ACTIVATIONS[activation], BLOCK=block
         )
@@ -145,7 +136,7 @@ def fused_rope_write(
     keys_t, queries_t = grouped if grouped is not None else (rotation, rotation)
     store = cells.grouped if grouped is not None and cells.grouped is not None else cells.keys
     qn, kn = norms if norms is not None else (RowNorm(cos, 0.0, False),) * 2
-    with _on(qkv.device):
+    with on_device(qkv.device):
         rope_write_kernel[(n_heads + n_kv,)](
             qkv, q, q if q_g is None else q_g, cells.keys, cells.values, store, cells.positions, pos,
             cells.slot, cos, sin, queries_t.cos, queries_t.sin, keys_t.cos, keys_t.sin, qn.weight, kn.weight,
@@ -158,7 +149,7 @@ def fused_rope_write(
             STORE_G=grouped is not None and cells.grouped is not None,
             HEAD_DIM=head_dim,
             ROT_DIM=rot_dim,
-            BLOCK_D=_pow2(head_dim),
+            BLOCK_D=pow2(head_dim),
             num_warps=1 if interpreting() else 2,
         )  # fmt: skip
     return q, q_g
