@@ -75,7 +75,7 @@ class CompiledStep:
             fuse_projections([a.q_proj, a.k_proj, a.v_proj]) for a in (m.self_attn for m in self.layers)
         ]
         self.gate_up = [fuse_projections([m.mlp.gate_proj, m.mlp.up_proj]) for m in self.layers]
-        self.layer_fn: Callable[..., torch.Tensor] = layer_rows
+        self.layer_fn: Callable[..., tuple[torch.Tensor, torch.Tensor]] = layer_rows
         self.head_row = product_of((self.head,), native_kernels()) if direct((self.head,)) else None
 
     def supported(self) -> bool:
