@@ -22,6 +22,7 @@ use another path. Forward hooks on the submodules are not run.
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Sequence
 from functools import partial
 
@@ -51,13 +52,17 @@ FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 ATTENTION = ("sdpa", "eager", IMPLEMENTATION)  # one math (attention soft-capping is refused by why_not)
 
 
+_FUSED: weakref.WeakKeyDictionary[nn.Module, tuple] = weakref.WeakKeyDictionary()  # (ids, fused) by first
+
+
 def fuse_projections(projections: list[nn.Module]) -> tuple[nn.Module, ...]:
     """One fused projection when all are int8, or all int4 in blocks that concatenate (no second copy of
     the weights); GGUF block layers fused by runs of one type; float layers on a GPU (:func:`fuse_float`:
     the model's weights re-pointed at views of the fused one); else all of them.
 
-    Fused once per set of layers (remembered on the first one): a second decode step over the same model
-    gets the same fused layer, where fusing the views again would copy the weights.
+    Fused once per set of layers (remembered for the first one, outside the model: a deep copy of it fuses
+    its own): a second decode step over the same model gets the same fused layer, where fusing the views
+    again would copy the weights.
     """
     kinds = {type(p) for p in projections}
     fusers = {Int8Linear: fuse_int8, Int4Linear: fuse_int4, BlockLinear: fuse_blocks, nn.Linear: fuse_float}
@@ -65,10 +70,9 @@ def fuse_projections(projections: list[nn.Module]) -> tuple[nn.Module, ...]:
     if fuse is None:
         return tuple(projections)
     ids = tuple(id(p) for p in projections)
-    found = getattr(projections[0], "_fused_with", None)
+    found = _FUSED.get(projections[0])
     if found is None or found[0] != ids:
-        found = (ids, fuse(projections))
-        projections[0]._fused_with = found  # a tuple: not registered as a submodule
+        found = _FUSED[projections[0]] = (ids, fuse(projections))
     fused = found[1]
     return tuple(projections) if fused is None else fused if isinstance(fused, tuple) else (fused,)
 
