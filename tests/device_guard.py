@@ -8,8 +8,8 @@ model's device (its parameters and buffers, tensors made with an explicit ``devi
 ``.to(...)``/``.cuda()``, and everything computed from them) and which were made on the host by default
 (a factory call without ``device=``, ``torch.from_numpy``). An operation that mixes a host tensor of more
 than one element with a device tensor is what CUDA refuses: it is recorded with the caller's line.
-0-dimensional host tensors pass (CUDA takes them as scalars), and so does indexing a device tensor with
-host indices (CUDA copies them over).
+0-dimensional host tensors pass (CUDA takes them as scalars), and so do indexing a device tensor with
+host indices (CUDA copies them over) and ``copy_`` from the host (a host-to-device copy).
 
 Why not the ``meta`` device: a generation loop reads values (the sampled token, positions) that meta
 tensors do not have, so it stops at the first ``.item()``; this guard runs the whole loop with real values.
@@ -40,6 +40,7 @@ FACTORIES = {
 }
 MOVES = {torch.Tensor.to, torch.Tensor.cuda}
 INDEXING = {torch.Tensor.__getitem__, torch.Tensor.__setitem__}
+CROSSING = INDEXING | {torch.Tensor.copy_}  # what CUDA takes across devices: host indices, a copy
 HOST, DEVICE = "host", "device"
 
 
@@ -84,7 +85,7 @@ class DeviceGuard(TorchFunctionMode):
             return out
         tags = {_tag(t) for t in inputs if t.dim() > 0 or _tag(t) == DEVICE}
         if DEVICE in tags:
-            if HOST in tags and func not in INDEXING:
+            if HOST in tags and func not in CROSSING:
                 self.mixed.append((getattr(func, "__name__", str(func)), _caller()))
             _set(out, DEVICE)
         elif HOST in tags:

@@ -159,11 +159,17 @@ class GraphedDecode(FastDecode):
         return buffers, kept, tables, self.step.config._attn_implementation
 
     def _captured(
-        self, caches: Sequence[ContextShiftCache], io: torch.Tensor, grouped: list, stored: list[list]
+        self,
+        caches: Sequence[ContextShiftCache],
+        io: torch.Tensor,
+        device: torch.device,
+        grouped: list,
+        stored: list[list],
     ) -> _Captured:
-        """The caches' graph, captured now where there is none for its current key (``io`` holds these
-        tokens: the warm-up runs are their step). Held by the first cache, for each set of others (at most
-        :data:`GRAPHS_PER_CACHE`: a server's slots come and go in any combination)."""
+        """The caches' graph, captured now where there is none for its current key (``io``, on the host,
+        holds these tokens: the warm-up runs are their step; copied to ``device`` only for a new graph).
+        Held by the first cache, for each set of others (at most :data:`GRAPHS_PER_CACHE`: a server's slots
+        come and go in any combination)."""
         key = self._key(caches, grouped, stored)
         others = tuple(id(c) for c in caches[1:])
         found = self.held.setdefault(caches[0], {})
@@ -172,8 +178,8 @@ class GraphedDecode(FastDecode):
             return held
         capture = self.capture
         if capture is None:
-            capture = cuda_graph if io.device.type == "cuda" else False
-        static = io.clone()
+            capture = cuda_graph if device.type == "cuda" else False
+        static = io.to(device, copy=True)  # the row the graph reads (copied over only when one is made)
         held = _Captured(key, static, None, None)
         if capture:
             try:  # the warm-up runs are this step: each writes the same cells
@@ -214,7 +220,7 @@ class GraphedDecode(FastDecode):
         io = torch.tensor([*tokens, *(c.n_past for c in caches), *slots], dtype=torch.long)
         grouped = self.grouped_tables(max(c.n_ctx for c in caches))
         stored = [self._stored(cache, grouped) for cache in caches]
-        held = self._captured(caches, io.to(device), grouped, stored)
+        held = self._captured(caches, io, device, grouped, stored)
         held.io.copy_(io, non_blocking=True)
         if held.graph is not None:
             held.graph.replay()
