@@ -231,7 +231,7 @@ def decode_options(f: Callable) -> Callable:
         default=None,
         help="Decode through the torch.compile'd step (one decoder layer compiled, its graph kept on disk "
         "for later runs). Default: off (SELFEXTEND_COMPILE=1 turns it on for a CPU); falls back to eager "
-        "with a warning if compiling fails.",
+        "with a warning if compiling fails. On a GPU the step is captured as a CUDA graph instead.",
     )(f)
     return f
 

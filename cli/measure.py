@@ -12,6 +12,7 @@ from selfextend.cli.options import (
     POSITIVE,
     SEED,
     device_map_option,
+    dtype_default,
     model_options,
     run_name,
     weights_option,
@@ -41,10 +42,11 @@ def _progress_bar(total: int, desc: str, procs=None):
     )
 
 
-def _join(out: str, key):
+def _join(out: str, key, dtype: str):
     """Join the sweep's processes (one, or those a launcher started), merging leftover rank files first.
 
-    Returns the processes and the device this one uses (``--device`` if given, else its own).
+    Returns the processes, the device this one uses (``--device`` if given, else its own) and the dtype it
+    runs in (``--dtype`` if given, else the default for that device: a launched process's own GPU too).
     """
     from selfextend.evaluation.distributed import merge, processes
 
@@ -57,12 +59,13 @@ def _join(out: str, key):
         if added:
             click.echo(f"merged {added} records left by an earlier run into {out}", err=True)
     procs.wait()
-    asked = (
-        None
-        if ctx.get_parameter_source("device") == click.core.ParameterSource.DEFAULT
-        else ctx.params["device"]
-    )
-    return procs, procs.device(asked)
+    defaulted = {
+        n for n in ("device", "dtype") if ctx.get_parameter_source(n) == click.core.ParameterSource.DEFAULT
+    }
+    device = procs.device(None if "device" in defaulted else ctx.params["device"])
+    if "dtype" in defaulted:
+        dtype = dtype_default(device, ctx.meta.get("device_map"))
+    return procs, device, dtype
 
 
 def _finish(procs, out: str, key) -> None:
@@ -182,7 +185,7 @@ def ppl(
     from selfextend.cli.options import load_with_self_extend
     from selfextend.evaluation.sweep import point_key, run_cost
 
-    procs, device = _join(out, point_key)
+    procs, device, dtype = _join(out, point_key, dtype)
     name = run_name(model, weights, device)
     runs = plan(name, list(texts), parsed_methods, parsed_lengths, out, dtype_name(dtype))
     if not runs:
@@ -261,7 +264,7 @@ def passkey(
         raise click.BadParameter("depths must lie in [0, 1]", param_hint="--depths")
     if trials < 1:
         raise click.BadParameter("at least 1", param_hint="--trials")
-    procs, device = _join(out, point_key)
+    procs, device, dtype = _join(out, point_key, dtype)
     name = run_name(model, weights, device)
     done = len(read_jsonl(out))
     points = passkey_plan(

@@ -102,18 +102,37 @@ def gguf_must_exist(ctx: click.Context, param: click.Parameter, value: str | Non
     return value
 
 
+def dtype_default(device: str, device_map: str | None) -> str:
+    """--dtype's default on ``device`` (or over ``device_map``'s devices), as the option spells it."""
+    from selfextend.models import default_dtype
+
+    return str(default_dtype(device, device_map)).removeprefix("torch.")
+
+
+def _device_dtype(ctx: click.Context, param: click.Parameter, value: str | None) -> str:
+    """--dtype as given, else the default for --device (or --device-map; both read first, being eager)."""
+    if value is not None:
+        return value
+    return dtype_default(ctx.params.get("device", "cpu"), ctx.meta.get("device_map"))
+
+
 def model_options(f: Callable) -> Callable:
     """--model, --dtype, --device, --threads."""
     f = threads_option(f)
     f = click.option(
-        "--device", default="cpu", show_default=True, help="torch device: cpu, cuda, cuda:1, mps."
+        "--device",
+        default="cpu",
+        show_default=True,
+        is_eager=True,  # read before --dtype, whose default follows it
+        help="torch device: cpu, cuda, cuda:1, mps.",
     )(f)
     f = click.option(
         "--dtype",
-        default="float32",
-        show_default=True,
+        default=None,
+        callback=_device_dtype,
         help="Weights and activations: float32, bfloat16, float16, or auto (a checkpoint's own dtype; "
-        "float32 for a GGUF).",
+        "float32 for a GGUF). Default: float32 on the CPU, bfloat16 on a GPU (float16 on one older than "
+        "compute capability 8.0).",
     )(f)
     f = click.option(
         "-m",
@@ -228,6 +247,7 @@ def device_map_option(f: Callable) -> Callable:
         type=click.Choice(DEVICE_MAPS),
         default=None,
         expose_value=False,
+        is_eager=True,  # read before --dtype, whose default follows it
         callback=remember,
         help="Place the layers of a model too big for one device over several (accelerate's device_map; "
         "auto: GPUs first, then CPU memory, then disk). Replaces --device. Multi-GPU placement is untested.",

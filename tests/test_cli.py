@@ -225,3 +225,36 @@ def test_info_says_what_a_gpu_here_would_run(tiny_dir, monkeypatch):
     assert gpu_line().endswith("they need compute capability 8.0 or more")
     monkeypatch.setattr(fused_prefill, "triton_available", lambda: False)
     assert "triton is not installed" in gpu_line()
+
+
+def test_dtype_default_follows_the_device(monkeypatch):
+    """--dtype unset: float32 on the CPU, bfloat16 on a GPU (float16 on one below compute capability 8.0),
+    whichever order --device comes in; a --dtype given wins. A GPU simulated (none here)."""
+    import click
+    import torch
+
+    from selfextend.cli.options import device_map_option, model_options
+    from selfextend.models import default_dtype
+
+    @click.command()
+    @model_options
+    @device_map_option
+    def show(model, dtype, device):
+        click.echo(dtype)
+
+    def said(*args):
+        r = CliRunner().invoke(show, list(args))
+        assert r.exit_code == 0, r.output
+        return r.output.strip()
+
+    assert said() == said("--device", "cpu") == "float32"
+    assert said("--device", "cuda") == "bfloat16"  # no GPU here: loading would then say so
+    assert said("--dtype", "float16", "--device", "cuda") == said("--device", "cuda:1", "--dtype", "float16")
+    assert said("--device", "cuda", "--dtype", "float32") == "float32"
+    assert said("--device-map", "auto") == "float32"  # no CUDA: the map places on the CPU
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert said("--device-map", "auto") == said("--device", "cuda") == "bfloat16"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))  # a T4
+    assert said("--device", "cuda") == "float16" and default_dtype("cuda:0") == torch.float16
+    assert default_dtype("cpu") == default_dtype("mps") == default_dtype("no such") == torch.float32

@@ -253,6 +253,20 @@ def test_decode_settings_defaults() -> None:
         decode_settings(model, True, "q8_0")
 
 
+def test_compile_on_a_gpu_is_the_captured_step(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """--compile on a GPU, where the step is captured as a CUDA graph (simulated: the captured step said
+    to serve the model): not compiled, said once on stderr; on the CPU it is compiled as asked."""
+    from selfextend.generation import graphed
+    from selfextend.generation.settings import decode_settings
+
+    model = make_model("llama")
+    assert decode_settings(model, True)[0] and not capsys.readouterr().err
+    monkeypatch.setattr(graphed, "graphed_decode_for", lambda m: graphed.GraphedDecode(m, capture=False))
+    assert decode_settings(model, True) == (False, decode_settings(model, False)[1])
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--compile is for the CPU" in err, err
+
+
 def test_compile_default_is_opt_in_and_only_for_served_families(monkeypatch: pytest.MonkeyPatch) -> None:
     from selfextend.generation.compiled import compile_pays
 

@@ -15,7 +15,8 @@ from pathlib import Path
 
 from server_util import free_port, request, wait_healthy
 
-COMMON = ["--temperature", "0", "--cache-type", "f32"]
+FLOAT = ["--dtype", "float32"]  # on both devices (a GPU's default is bfloat16): tokens equal in float32
+COMMON = ["--temperature", "0", "--cache-type", "f32", *FLOAT]
 DEVICES = ["cpu", "cuda"]  # against the CPU: the device under test (check.py --dry-run: the CPU again)
 
 
@@ -49,9 +50,9 @@ def cli_checks(report: Callable[..., None], root: Path, device: str = "cuda") ->
     with tempfile.TemporaryDirectory() as tmp:
         corpus = Path(tmp) / "corpus.txt"
         corpus.write_text((root / "README.md").read_text(encoding="utf-8"), encoding="utf-8")
-        keyed = ["passkey", "-m", model, "--lengths", "200", "--depths", "0.5", "--trials", "2"]
+        keyed = ["passkey", "-m", model, *FLOAT, "--lengths", "200", "--depths", "0.5", "--trials", "2"]
         keyed += ["--method", "selfextend:G=2,W=32", "--method", "shift:ctx=96,keep=4"]
-        scored = ["ppl", "-m", model, "--corpus", str(corpus), "--lengths", "128,400"]
+        scored = ["ppl", "-m", model, *FLOAT, "--corpus", str(corpus), "--lengths", "128,400"]
         scored += ["--method", "plain", "--method", "selfextend:G=2,W=32"]
         generate = ["generate", "-m", model, "-p", "The sea is", "-n", "90", "--ctx", "64", "--ignore-eos"]
         commands = {  # name: (arguments, stdin, whether it writes records with -o)
@@ -115,7 +116,7 @@ def serve_check(report: Callable[..., None], root: Path, model: str) -> None:
     for device in DEVICES:
         port = free_port()
         cmd = [sys.executable, str(root / "experiments/gpu/cli.py"), "serve", "-m", model, "--device", device]
-        cmd += ["--parallel", "2", "--ctx", "64", "--port", str(port), "--cache-type", "f32"]
+        cmd += ["--parallel", "2", "--ctx", "64", "--port", str(port), "--cache-type", "f32", *FLOAT]
         proc = subprocess.Popen(cmd, env=_env(root), stderr=subprocess.PIPE, text=True)
         servers.append((device, f"http://127.0.0.1:{port}", proc))
     replies = []

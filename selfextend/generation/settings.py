@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from selfextend.core.validate import ValidationError
-from selfextend.generation import compiled, decode
+from selfextend.generation import compiled, decode, graphed
 from selfextend.native.decode import native_kernels
 
 CACHE_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}  # llama.cpp's names
@@ -42,11 +42,19 @@ def decode_settings(
     model: nn.Module, compile: bool | None = None, cache_type: str | None = None
 ) -> tuple[bool, torch.dtype | None]:
     """(compile, KV cache dtype) from the command-line choices, None meaning the default: compile where it
-    pays (:func:`~selfextend.generation.compiled.compile_pays`); the cache in the model's dtype with the
-    compiled step (slower over bf16 and f16 cells than over f32), else :func:`default_cache_dtype` (``model``
-    as it will run). What the reduced types cost in perplexity and K-shift drift is in the README
-    (``experiments/quality/cache_type_ppl.py``, ``experiments/quality/decode_cache_nll.py``)."""
+    pays (:func:`~selfextend.generation.compiled.compile_pays`), never where the step is captured as a
+    CUDA graph (a model on a GPU: asked for there, it is said once and not done); the cache in the model's
+    dtype with the compiled step (slower over bf16 and f16 cells than over f32), else
+    :func:`default_cache_dtype` (``model`` as it will run). What the reduced types cost in perplexity and
+    K-shift drift is in the README (``experiments/quality/cache_type_ppl.py``,
+    ``experiments/quality/decode_cache_nll.py``)."""
     compile = compiled.compile_pays(model) if compile is None else compile
+    if compile and graphed.graphed_decode_for(model) is not None:  # a model on a GPU the captured step serves
+        compiled._stderr(
+            "note: --compile is for the CPU: on a GPU the decode step is captured as a CUDA graph instead "
+            "(with the fused kernels; torch.compile's step would launch its kernels from Python each token)"
+        )
+        compile = False
     if cache_type is None:
         return compile, None if compile else default_cache_dtype(model)
     if cache_type not in CACHE_DTYPES:

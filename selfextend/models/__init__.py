@@ -18,7 +18,7 @@ from selfextend.models.diskcache import (
     run_form,
 )
 from selfextend.models.gguf import check_gguf
-from selfextend.models.load import load_config, load_model, parse_dtype
+from selfextend.models.load import default_dtype, load_config, load_model, parse_dtype
 from selfextend.models.sources import ALIASES, DEFAULT_MODEL, ModelSource, resolve_model
 
 __all__ = [
@@ -32,6 +32,7 @@ __all__ = [
     "check_gguf",
     "check_rope",
     "clear_cache",
+    "default_dtype",
     "ensure_converted",
     "gguf_cache_dir",
     "is_cached",

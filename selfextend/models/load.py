@@ -46,6 +46,24 @@ def _parse_device(device: str | torch.device) -> torch.device:
     return target
 
 
+def default_dtype(device: str | torch.device, device_map: object = None) -> torch.dtype:
+    """The dtype a model runs in where none is asked for: float32 on the CPU (exact, and its native kernels'
+    type); bfloat16 on a GPU (an 8B model's weights in 16 GB, read at the memory's rate; the fused kernels'
+    type), float16 on one without bfloat16 matrix units (compute capability below 8.0). A device map
+    counts as a GPU where CUDA is there."""
+    try:
+        target = torch.device(device)
+    except (RuntimeError, TypeError):  # an unknown device: _parse_device says so
+        return torch.float32
+    if target.type != "cuda" and (device_map is None or not torch.cuda.is_available()):
+        return torch.float32
+    if torch.cuda.is_available():
+        gpu = target if target.type == "cuda" else None
+        if torch.cuda.get_device_capability(gpu)[0] < 8:
+            return torch.float16
+    return torch.bfloat16
+
+
 def load_config(name_or_path: str = DEFAULT_MODEL) -> PretrainedConfig:
     """Read a model's config without loading weights (for ``info``), and check that it uses RoPE.
 
@@ -143,13 +161,15 @@ def attention_for(config: PretrainedConfig, wanted: str) -> str:
 
 def load_model(
     name_or_path: str = DEFAULT_MODEL,
-    dtype: torch.dtype | str = torch.float32,
+    dtype: torch.dtype | str | None = None,
     device: str | torch.device = "cpu",
     attn_implementation: str = "sdpa",
     weights: str = "float",
     device_map: str | dict[str, Any] | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a causal LM and its tokenizer, on ``device``, inference-ready: eval mode, gradients off.
+
+    ``dtype`` None is :func:`default_dtype`'s for the device: float32 on the CPU, bfloat16 on a GPU.
 
     ``device_map`` (``"auto"``, ``"balanced"``, ... or an explicit map) places the layers with
     accelerate's big-model loading instead of moving the whole model to ``device``.
@@ -185,6 +205,8 @@ def load_model(
 
     source = resolve_model(name_or_path)
     target = _parse_device(device)
+    if dtype is None:
+        dtype = default_dtype(target, device_map)
     form = run_form(auto_weights(weights, source, target), dtype)
     if form.weights in ("int4", "gguf") and target.type != "cpu":
         raise ModelError(f"--weights {form.weights} runs on the CPU only (its kernels), not on {target}")
