@@ -89,6 +89,8 @@ def main() -> int:
         from gpu_8b import eight_b
 
         eight_b(report, gpu, args.long, device, guarded)
+    if "kernel" in sections and device == "cuda":  # last: a read out of bounds would end the GPU's use
+        guarded("kernel prefill past 2**31 elements", prefill_past_int32)
     report("done", seconds=round(time.perf_counter() - t0, 1), failed=FAILED)
     return 1 if FAILED else 0
 
@@ -106,6 +108,14 @@ def guarded(name: str, check: Callable[..., object], *args: object) -> None:
         report(f"{name} raised", ok=False, error=f"{type(e).__name__}: {said}", at=where)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+def prefill_past_int32() -> None:
+    """The fused prefill's rows past 2**31 elements of q equal to the same rows computed alone."""
+    from check_fused_prefill import past_int32
+
+    found = past_int32()
+    report("kernel prefill past 2**31 elements", ok=found["equal"], **found)
 
 
 def kernel_check(device: str) -> None:

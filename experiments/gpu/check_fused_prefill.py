@@ -145,6 +145,27 @@ def one_length(length: int, inv_freq: torch.Tensor, rounds: int) -> None:
         tiles(p, reps, rounds)
 
 
+def past_int32(length: int = 4160 * 128, device: str = DEVICE) -> dict[str, object]:
+    """Rows whose offsets from q's start pass 2**31 elements (transformers' (B, L, H, D) layout at H * D =
+    4,096: from 524,288 tokens on), where the kernel's int32 offsets wrapped before it took each block's in
+    64 bits: one head of a 532,480-token layer (its row stride that of 32 heads; 7 GB in all), its last 128
+    rows against the same rows computed as a short query block (small offsets, the same tiles): equal.
+    Run last (check.py): an out-of-bounds read would leave the GPU unusable for what follows."""
+    gen = torch.Generator(device=device).manual_seed(1)  # (length: a multiple of every BLOCK_M)
+    full = torch.randn(1, length, H, D, device=device, dtype=torch.bfloat16, generator=gen)
+    kv = torch.randn(2, 1, length, HKV, D, device=device, dtype=torch.bfloat16, generator=gen)
+    q = full[:, :, :1].transpose(1, 2)  # (1, 1, L, D): row stride 4,096
+    k, v = (x[:, :, :1].transpose(1, 2) for x in kv)  # row stride 1,024
+    k_g = torch.randn(1, 1, length - WINDOW, D, device=device, dtype=torch.bfloat16, generator=gen)
+    big = fused_self_extend_prefill(q, k, v, q, k_g, WINDOW, D**-0.5)[:, :, -128:]
+    small = fused_self_extend_prefill(q[:, :, -128:], k, v, q[:, :, -128:], k_g, WINDOW, D**-0.5)
+    return {
+        "tokens": length,
+        "max_abs_difference": float((big.float() - small.float()).abs().max()),
+        "equal": bool(torch.equal(big, small)),
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", default="4096,32768,65536,131072")

@@ -111,7 +111,7 @@ def default_config(
     if dtype == torch.float32:
         if head_dim <= 64:
             return BlockConfig(32, 32, 4, 2)
-        return BlockConfig(32, 16, 4, 1) if head_dim <= 128 else BlockConfig(16, 32, 4, 1)
+        return BlockConfig(32, 16, 4, 1) if head_dim <= 128 else BlockConfig(16, 16, 4, 1)
     if head_dim > 128:
         return BlockConfig(64, 16, 8, 2) if softcap else BlockConfig(64, 32, 8, 2)
     if arch < HOPPER:

@@ -106,8 +106,9 @@ def _key_range(
     d_row = (offs_d < HEAD_DIM)[None, :]  # (1, BLOCK_D): for value tiles
     for start in range(lo, hi, BLOCK_N):
         cols = start + offs_n  # (BLOCK_N,) key slots
+        at = tl.cast(start, tl.int64)  # the block's first slot: 64-bit offsets (int32 wraps past 2**31)
         k_t = _load(
-            k_base + cols[None, :] * stride_kn + offs_d[:, None] * stride_kd,
+            k_base + at * stride_kn + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd,
             (cols < n_keys)[None, :],
             d_col,
             MASKED,
@@ -146,7 +147,7 @@ def _key_range(
             ones = tl.full([BLOCK_N, 16], 1.0, dtype=v_base.dtype.element_ty)
             l_i = _dot(p, ones, l_i * alpha[:, None], IEEE, UPCAST)
         v = _load(
-            v_base + cols[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+            v_base + at * stride_vn + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
             (cols < lk)[:, None],
             d_row,
             MASKED,
@@ -220,10 +221,12 @@ def self_extend_prefill_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     rows = off + offs_m  # (BLOCK_M,) the rows' slots
     q_ok = (offs_m < lq)[:, None] & (offs_d < HEAD_DIM)[None, :]  # (BLOCK_M, BLOCK_D)
-    q_tile = offs_m[:, None] * s_qm + offs_d[None, :] * s_qd
-    g_tile = offs_m[:, None] * s_gm + offs_d[None, :] * s_gd
-    q_base = q_ptr + b * s_qb + h * s_qh
-    qg_base = qg_ptr + b * s_gb + h * s_gh
+    at = m0.to(tl.int64)  # the block's first row: offsets in 64 bits (a 512k-token q at 4096 a row: 2**31)
+    in_m = tl.arange(0, BLOCK_M)[:, None]  # (BLOCK_M, 1) rows within the block
+    q_tile = in_m * s_qm + offs_d[None, :] * s_qd
+    g_tile = in_m * s_gm + offs_d[None, :] * s_gd
+    q_base = q_ptr + b * s_qb + h * s_qh + at * s_qm
+    qg_base = qg_ptr + b * s_gb + h * s_gh + at * s_gm
     k_base = k_ptr + b * s_kb + hk * s_kh
     kg_base = kg_ptr + b * s_cb + hk * s_ch
     v_base = v_ptr + b * s_vb + hk * s_vh
@@ -271,5 +274,5 @@ def self_extend_prefill_kernel(
         False, True, SOFTCAP, PAD_D, IEEE, UPCAST, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D,
     )  # fmt: skip
     out = acc / tl.max(l_i, 1)[:, None]  # (its columns are equal)
-    o_ptrs = o_ptr + b * s_ob + h * s_oh + offs_m[:, None] * s_om + offs_d[None, :] * s_od
+    o_ptrs = o_ptr + b * s_ob + h * s_oh + at * s_om + in_m * s_om + offs_d[None, :] * s_od
     tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=q_ok)

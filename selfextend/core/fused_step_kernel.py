@@ -221,7 +221,7 @@ def rope_write_kernel(
             )
             tl.store(qg_ptr + i * HEAD_DIM + offs_d, g_d, mask=d_ok)
     else:
-        j = i - n_heads
+        j = (i - n_heads).to(tl.int64)  # (j * s_kh: past 2**31 elements in a long cache's later heads)
         src = qkv_ptr + (n_heads + j) * HEAD_DIM
         a, b = _head(src, offs_d, partner, d_ok, kn_ptr, eps, HEAD_NORM, NORM_OFFSET, HEAD_DIM)
         r_d, r_p = _turn(a, b, cos_ptr, sin_ptr, offs_d, partner, rotated)
