@@ -65,6 +65,7 @@ class CompiledStep:
         inner = model.model
         self.embed, self.norm, self.rotary = inner.embed_tokens, inner.norm, inner.rotary_emb
         self.layers = list(inner.layers)
+        self.attentions = [m.self_attn for m in self.layers]  # (read each token: no Module.__getattr__)
         self.head = model.lm_head
         config = model.config.get_text_config()
         self.kinds = layer_kinds(model)
@@ -86,7 +87,7 @@ class CompiledStep:
         """Each layer's Self-Extend parameters under the ``selfextend`` attention, else None."""
         if self.config._attn_implementation != IMPLEMENTATION:
             return [None] * len(self.layers)
-        found = [getattr(m.self_attn, "self_extend", None) for m in self.layers]
+        found = [vars(a).get("self_extend") for a in self.attentions]
         return [p if isinstance(p, SelfExtendParams) else None for p in found]
 
     def __call__(
@@ -140,6 +141,22 @@ class CompiledStep:
         return logits
 
 
+def frequencies(params: list[SelfExtendParams | None]) -> list[torch.Tensor | None]:
+    """Each layer's inverse frequencies as its Self-Extend ``params`` read them now, each rotary module's
+    read once (every layer of most models shares one: a decode token's host time is the token's too)."""
+    seen: dict[tuple[int, str], torch.Tensor] = {}
+    out: list[torch.Tensor | None] = []
+    for p in params:
+        if p is None:
+            out.append(None)
+            continue
+        where = (id(p.rotary.module), p.rotary.attr)
+        if where not in seen:
+            seen[where] = p.inv_freq
+        out.append(seen[where])
+    return out
+
+
 def no_duck_shapes() -> AbstractContextManager:
     """While compiling: no equality guards between dimensions that happen to be equal at the first call
     (a full and a sliding layer's cells in use), which would recompile when they part."""
@@ -187,18 +204,21 @@ class FastDecode:
         self.tables: dict[tuple, GroupedRotations] = {}
         self.cells: StepCells | None = None
 
-    def grouped_tables(self, n: int) -> list[GroupedRotations | None]:
-        """Each layer's Self-Extend tables for positions below ``n`` (built once per setting and size)."""
+    def grouped_tables(
+        self, n: int, params: list[SelfExtendParams | None] | None = None
+    ) -> list[GroupedRotations | None]:
+        """Each layer's Self-Extend tables for positions below ``n`` (built once per setting and size), for
+        its ``params`` (:meth:`CompiledStep.self_extend`'s, read here where not given)."""
+        params = self.step.self_extend() if params is None else params
         out: list[GroupedRotations | None] = []
-        for params in self.step.self_extend():
-            if params is None:
+        for p, inv_freq in zip(params, frequencies(params), strict=True):
+            if p is None:
                 out.append(None)
                 continue
-            inv_freq = params.inv_freq
-            key = (params.group_size, params.window, inv_freq.data_ptr(), inv_freq._version)
+            key = (p.group_size, p.window, inv_freq.data_ptr(), inv_freq._version)
             found = self.tables.get(key)
             if found is None or found.keys.cos.shape[2] < n:
-                found = self.tables[key] = GroupedRotations.build(n, params)
+                found = self.tables[key] = GroupedRotations.build(n, p)
             out.append(found)
         return out
 

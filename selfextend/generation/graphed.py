@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from selfextend.generation.cells import Cells
-from selfextend.generation.compiled import FastDecode, _stderr
+from selfextend.generation.compiled import FastDecode, _stderr, frequencies
 from selfextend.generation.rotary import static_rope
 from selfextend.generation.step_attention import GroupedRotations
 from selfextend.kv.cache import ContextShiftCache
@@ -106,18 +106,18 @@ class GraphedDecode(FastDecode):
             slots.append(layer.n_used)
         return slots
 
-    def _stored(self, cache: ContextShiftCache, grouped: list[GroupedRotations | None]) -> list:
+    def _stored(self, cache: ContextShiftCache, grouped: list[GroupedRotations | None], params: list) -> list:
         """Per layer the cache's keys at Self-Extend's grouped positions (a full layer's
         :class:`~selfextend.kv.grouped.GroupedKeys` buffer), made current for the cells in use (rotated here,
         eagerly, only where cells changed since: after a prompt, a context shift), or None (no grouping, a
         sliding layer: the step rotates them). The step reads them instead of rotating every grouped key
         each token, and writes the new cell's (``layer_rows``)."""
         out = []
-        for layer, table, params in zip(cache.layers, grouped, self.step.self_extend(), strict=True):
-            if table is None or params is None or isinstance(layer, SlidingShiftLayer):
+        for layer, table, p, inv_freq in zip(cache.layers, grouped, params, frequencies(params), strict=True):
+            if table is None or p is None or isinstance(layer, SlidingShiftLayer):
                 out.append(None)
                 continue
-            g, inv_freq, n = params.group_size, params.inv_freq, layer.n_used
+            g, n = p.group_size, layer.n_used
             if (
                 layer.grouped.held(layer.keys, n, g, inv_freq) is None
             ):  # (a few attribute reads where current)
@@ -218,8 +218,9 @@ class GraphedDecode(FastDecode):
             slots += found
         device = caches[0].layers[0].keys.device
         io = torch.tensor([*tokens, *(c.n_past for c in caches), *slots], dtype=torch.long)
-        grouped = self.grouped_tables(max(c.n_ctx for c in caches))
-        stored = [self._stored(cache, grouped) for cache in caches]
+        params = self.step.self_extend()  # (read once a token: the host's time is the token's too)
+        grouped = self.grouped_tables(max(c.n_ctx for c in caches), params)
+        stored = [self._stored(cache, grouped, params) for cache in caches]
         held = self._captured(caches, io, device, grouped, stored)
         held.io.copy_(io, non_blocking=True)
         if held.graph is not None:
