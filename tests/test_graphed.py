@@ -121,6 +121,45 @@ def test_a_step_reading_the_host_is_not_captured(monkeypatch) -> None:
     assert gen.fast.capture is False
 
 
+def test_capture_and_replay_run_with_the_caches_device_current(monkeypatch) -> None:
+    """A CUDA graph records the current device's stream and replays on it: a model on cuda:1 with cuda:0
+    current would run its kernels eagerly past the capture (an empty graph, the same logits every token).
+    Each capture and replay runs inside the caches' device made current (on_device, recorded here: the
+    CPU has no current device)."""
+    import contextlib
+
+    import selfextend.generation.graphed as graphed_module
+
+    current: list[torch.device] = []
+
+    @contextlib.contextmanager
+    def on_device(device):
+        current.append(device)
+        yield
+        current.pop()
+
+    seen = []
+
+    class Graph:
+        def __init__(self, graph):
+            self.graph = graph
+
+        def replay(self):
+            seen.append(("replay", list(current)))
+            self.graph.replay()
+
+    def capture(run):
+        seen.append(("capture", list(current)))
+        graph, logits = recorded(run)
+        return Graph(graph), logits
+
+    monkeypatch.setattr(graphed_module, "on_device", on_device)
+    model = _model("llama", False)
+    _greedy(model, graphed=True, n=5, capture=capture)
+    cpu = [torch.device("cpu")]
+    assert seen[0] == ("capture", cpu) and seen[1:] and all(x == ("replay", cpu) for x in seen[1:]), seen
+
+
 def test_the_static_step_makes_nothing_on_the_host(monkeypatch: pytest.MonkeyPatch) -> None:
     """Under the guard, with the native kernels off as on a GPU (the direct step takes the tokens the
     static one leaves: a layer's last free slot)."""

@@ -30,6 +30,7 @@ from typing import Literal, NamedTuple, Protocol
 import torch
 from torch import nn
 
+from selfextend.core.fused_prefill import on_device
 from selfextend.generation.cells import Cells
 from selfextend.generation.compiled import FastDecode, _stderr, frequencies
 from selfextend.generation.rotary import static_rope
@@ -182,8 +183,11 @@ class GraphedDecode(FastDecode):
         static = io.to(device, copy=True)  # the row the graph reads (copied over only when one is made)
         held = _Captured(key, static, None, None)
         if capture:
-            try:  # the warm-up runs are this step: each writes the same cells
-                graph, logits = capture(lambda: self._run(static, caches, grouped, stored))
+            try:  # the warm-up runs are this step: each writes the same cells; on the caches' GPU (made
+                # current: a capture records the current device's stream, and cuda:1's kernels would run
+                # eagerly past a capture on cuda:0's, leaving an empty graph)
+                with on_device(device):
+                    graph, logits = capture(lambda: self._run(static, caches, grouped, stored))
                 held = _Captured(key, static, graph, logits)
             except RuntimeError as e:  # a kernel that cannot be captured: the same step, eagerly
                 self.capture = False
@@ -224,7 +228,8 @@ class GraphedDecode(FastDecode):
         held = self._captured(caches, io, device, grouped, stored)
         held.io.copy_(io, non_blocking=True)
         if held.graph is not None:
-            held.graph.replay()
+            with on_device(device):  # (a graph replays on the current device's stream)
+                held.graph.replay()
             logits = held.logits.clone()
         else:
             logits = self._run(held.io, caches, grouped, stored)
