@@ -11,8 +11,8 @@ One layer of the Llama-3.1-8B shape (32 query / 8 KV heads, head 128, bfloat16),
 
 Then the kernel's tiles: a few configurations timed at 32k, the fastest named (to make it the default in
 ``fused_prefill.default_config``). Errors: the fused path against the full-matrix reference at 4k (L x L
-in float32: only small lengths) and against the two-pass path at 32k. Under 90 s on an H200; exits 2 with
-one line where there is no CUDA GPU or no triton.
+in float32), and at 32k against the two-pass path and against the reference for the last 256 rows. Under
+90 s on an H200; exits 2 with one line where there is no CUDA GPU or no triton.
 
     PYTHONPATH=. python experiments/gpu/check_fused_prefill.py [--lengths 4096,32768,65536,131072]
 """
@@ -142,6 +142,12 @@ def one_length(length: int, inv_freq: torch.Tensor, rounds: int) -> None:
     elif length == 32768:
         diff = (fused - two_pass(*se).float()).abs().max()
         print(f"{length:>6} tokens: fused vs two-pass max abs {diff:.2e}")
+        last = 256  # the reference's L x L scores for the last rows only (each against all 32k keys)
+        ref = self_extend_attention_reference(
+            p["q0"][..., -last:, :], p["k0"], v.float(), pos[:, -last:], pos, GROUP, WINDOW, inv_freq
+        )
+        worst = (fused[..., -last:, :] - ref).abs().max()
+        print(f"{length:>6} tokens: fused vs reference (float32), last {last} rows: max abs {worst:.2e}")
         tiles(p, reps, rounds)
 
 

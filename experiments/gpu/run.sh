@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a GPU machine, from the repository root: install the carried wheels (.gpu/wheels, made by prepare.sh)
 # into .gpu/site without touching the machine's own packages, then run every GPU check.
-#   bash experiments/gpu/run.sh [--long] [--only parity,cli,8b,kernel]
+#   bash experiments/gpu/run.sh [--short] [--only parity,cli,8b,kernel]
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 python -m pip install -q --no-deps --no-index --find-links .gpu/wheels --target .gpu/site \
