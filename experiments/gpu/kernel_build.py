@@ -54,12 +54,11 @@ import triton.language as tl
 
 import selfextend.core.fused_prefill as fused_prefill
 from selfextend.core.fused_decode import DecodeConfig, fused_decode_attention
-from selfextend.core.fused_prefill import BlockConfig, fused_self_extend_prefill
+from selfextend.core.fused_prefill import BlockConfig, fused_self_extend_prefill, shared_kib
 from selfextend.core.fused_step import KeyWrite, RowNorm, fused_gated, fused_rms_norm, fused_rope_write
 from selfextend.core.rope import Rotation
 
 REGISTERS, WARPS = 65536, 64  # a multiprocessor's, Ampere to Hopper
-SHARED_KIB = {90: 227, 80: 163}  # shared memory a program may take: H100/H200, A100; the others 99
 RESOURCES = re.compile(r"Function (\w+):\s*REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
 SASS = re.compile(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);")  # an instruction: its address, its text
 BRANCH = re.compile(r"BRA\s+(?:`\()?0x([0-9a-f]+)")
@@ -81,7 +80,7 @@ class Built:
     def per_sm(self) -> int:
         """Programs one multiprocessor holds at once (registers are given out per warp, 256 at a time)."""
         by_regs = REGISTERS // (-(-self.regs * 32 // 256) * 256 * self.num_warps)
-        by_smem = SHARED_KIB.get(self.arch, 99) * 1024 // (self.smem + 1024)  # the driver reserves 1 KiB
+        by_smem = shared_kib(self.arch) * 1024 // (self.smem + 1024)  # the driver reserves 1 KiB
         return min(by_regs, by_smem, WARPS // self.num_warps)
 
 

@@ -26,7 +26,17 @@ from typing import NamedTuple
 
 import torch
 
-from selfextend.core.fused_prefill import DTYPES, MAX_HEAD_DIM, interpreting, kernels_run_on, on_device, pow2
+from selfextend.core import fused_prefill
+from selfextend.core.fused_prefill import (
+    AMPERE,
+    DTYPES,
+    MAX_HEAD_DIM,
+    interpreting,
+    kernels_run_on,
+    on_device,
+    pow2,
+    shared_kib,
+)
 from selfextend.core.rope import Rotation
 
 
@@ -77,12 +87,18 @@ def default_config(
     that compiles without spilling registers for sm_90 and sm_80 (experiments/gpu/kernel_build.py; grouped
     float32 cells and 256-wide grouped heads spill 40-128 bytes a thread), not yet timed
     (experiments/gpu/check_fused_decode.py times others); runs of cells long enough to fill the device
-    once (at least 4 tiles, so a program's setup is paid back)."""
+    once (at least 4 tiles, so a program's setup is paid back). On the cards with 99 KiB of shared memory
+    a program (8.6, 8.9: RTX 30/40, A10, L4) the 16-cell tile of grouped 256-wide keys takes 112 KiB at 2
+    or 3 tiles in flight and its launch is refused: there one tile at a time, 8 warps (56 KiB; 56 bytes
+    spilled a thread, where 4 warps spill 144)."""
     wide = head_dim > 128
     block_n = 16 if grouped and wide else 32 if grouped or wide else 64
     block_n = max(16, block_n // 2) if dtype == torch.float32 else block_n
     per_head = -(-n_cells * n_kv // _programs(device))  # cells a program takes to fill the device once
     split = -(-max(per_head, 4 * block_n) // block_n) * block_n
+    small = shared_kib(fused_prefill.compute_capability(device)) < shared_kib(AMPERE)
+    if grouped and wide and small:
+        return DecodeConfig(block_n, split, 8, 1)
     return DecodeConfig(block_n, split, 4)
 
 

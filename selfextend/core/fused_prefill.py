@@ -51,6 +51,13 @@ def interpreting() -> bool:
 
 
 HOPPER, AMPERE = 90, 80  # compute capability x 10: H100/H200, A100 (and what the kernels need)
+SHARED_KIB = {75: 64, 80: 163, 90: 227, 100: 227}  # a program's shared memory: T4, A100, H100/H200, B200
+
+
+def shared_kib(arch: int) -> int:
+    """KiB of shared memory one program may take on a GPU of compute capability ``arch`` x 10: 99 on the
+    others of 8.0 or more (RTX 30/40, A10, L4, L40S: 8.6, 8.9), whose tiles must be smaller."""
+    return SHARED_KIB.get(arch, 99)
 
 
 @lru_cache(maxsize=8)
@@ -107,7 +114,8 @@ def default_config(
     float32 models) multiplies in float32 without tensor cores and takes smaller tiles; ``softcap`` (Gemma 2)
     keeps more values live a tile; an A100 or an Ada card (whose matrix products read their operands from
     registers, where Hopper's read shared memory) spills at Hopper's tiles and takes smaller ones (head 64:
-    2 stages; on Hopper 8 warps for every head size up to 128: 4 spilled at head 64)."""
+    2 stages; on Hopper 8 warps for every head size up to 128: 4 spilled at head 64); the cards with 99 KiB
+    of shared memory a program (8.6, 8.9) spill 8 bytes at the A100's 3 stages and take 2."""
     if dtype == torch.float32:
         if head_dim <= 64:
             return BlockConfig(32, 32, 4, 2)
@@ -115,7 +123,8 @@ def default_config(
     if head_dim > 128:
         return BlockConfig(64, 16, 8, 2) if softcap else BlockConfig(64, 32, 8, 2)
     if arch < HOPPER:
-        return BlockConfig(64, 32, 4, 2) if head_dim <= 64 else BlockConfig(64, 32, 4, 3)
+        small = head_dim <= 64 or shared_kib(arch) < shared_kib(AMPERE)
+        return BlockConfig(64, 32, 4, 2) if small else BlockConfig(64, 32, 4, 3)
     return BlockConfig(128, 64, 8, 3)
 
 
