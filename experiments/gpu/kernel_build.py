@@ -321,8 +321,9 @@ def main() -> int:
         "--arch",
         type=int,
         default=90,
-        choices=[75, 80, 86, 89, 90],
-        help="compute capability x10: 90 H100/H200, 89 L4/L40S, 86 A10/RTX 30, 80 A100, 75 T4",
+        choices=[75, 80, 86, 89, 90, 100, 120],
+        help="compute capability x10: 120 RTX 50, 100 B200, 90 H100/H200, 89 L4/L40S/RTX 40, 86 A10/RTX 30, "
+        "80 A100, 75 T4",
     )
     every = {**defaults(), **tilings()}
     parser.add_argument(

@@ -115,16 +115,17 @@ def default_config(
     keeps more values live a tile; an A100 or an Ada card (whose matrix products read their operands from
     registers, where Hopper's read shared memory) spills at Hopper's tiles and takes smaller ones (head 64:
     2 stages; on Hopper 8 warps for every head size up to 128: 4 spilled at head 64); the cards with 99 KiB
-    of shared memory a program (8.6, 8.9) spill 8 bytes at the A100's 3 stages and take 2."""
+    of shared memory a program (8.6, 8.9; 12.0, which spilled 192 bytes at Hopper's tiles) spill 8 bytes at
+    the A100's 3 stages and take 2."""
     if dtype == torch.float32:
         if head_dim <= 64:
             return BlockConfig(32, 32, 4, 2)
         return BlockConfig(32, 16, 4, 1) if head_dim <= 128 else BlockConfig(16, 16, 4, 1)
     if head_dim > 128:
         return BlockConfig(64, 16, 8, 2) if softcap else BlockConfig(64, 32, 8, 2)
-    if arch < HOPPER:
-        small = head_dim <= 64 or shared_kib(arch) < shared_kib(AMPERE)
-        return BlockConfig(64, 32, 4, 2) if small else BlockConfig(64, 32, 4, 3)
+    small_shared = shared_kib(arch) < shared_kib(AMPERE)  # 99 KiB: 8.6, 8.9, and 12.0 (RTX 50)
+    if arch < HOPPER or small_shared:
+        return BlockConfig(64, 32, 4, 2) if head_dim <= 64 or small_shared else BlockConfig(64, 32, 4, 3)
     return BlockConfig(128, 64, 8, 3)
 
 
