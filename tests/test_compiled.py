@@ -261,7 +261,7 @@ def test_compile_on_a_gpu_is_the_captured_step(monkeypatch: pytest.MonkeyPatch, 
 
     model = make_model("llama")
     assert decode_settings(model, True)[0] and not capsys.readouterr().err
-    monkeypatch.setattr(graphed, "graphed_decode_for", lambda m: graphed.GraphedDecode(m, capture=False))
+    monkeypatch.setattr(graphed, "graphed_serves", lambda m: True)
     assert decode_settings(model, True) == (False, decode_settings(model, False)[1])
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--compile is for the CPU" in err, err

@@ -28,14 +28,13 @@ import torch
 
 from selfextend.core import fused_prefill
 from selfextend.core.fused_prefill import (
-    AMPERE,
     DTYPES,
     MAX_HEAD_DIM,
     interpreting,
     kernels_run_on,
     on_device,
     pow2,
-    shared_kib,
+    small_shared,
 )
 from selfextend.core.rope import Rotation
 
@@ -96,8 +95,7 @@ def default_config(
     block_n = max(16, block_n // 2) if dtype == torch.float32 else block_n
     per_head = -(-n_cells * n_kv // _programs(device))  # cells a program takes to fill the device once
     split = -(-max(per_head, 4 * block_n) // block_n) * block_n
-    small = shared_kib(fused_prefill.compute_capability(device)) < shared_kib(AMPERE)
-    if grouped and wide and small:
+    if grouped and wide and small_shared(fused_prefill.compute_capability(device)):
         return DecodeConfig(block_n, split, 8, 1)
     return DecodeConfig(block_n, split, 4)
 

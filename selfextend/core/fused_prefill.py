@@ -56,8 +56,13 @@ SHARED_KIB = {75: 64, 80: 163, 90: 227, 100: 227}  # a program's shared memory: 
 
 def shared_kib(arch: int) -> int:
     """KiB of shared memory one program may take on a GPU of compute capability ``arch`` x 10: 99 on the
-    others of 8.0 or more (RTX 30/40, A10, L4, L40S: 8.6, 8.9), whose tiles must be smaller."""
+    others of 8.0 or more (RTX 30/40/50, A10, L4, L40S: 8.6, 8.9, 12.0), whose tiles must be smaller."""
     return SHARED_KIB.get(arch, 99)
+
+
+def small_shared(arch: int) -> bool:
+    """Whether a GPU gives a program less shared memory than an A100 (the 99 KiB cards)."""
+    return shared_kib(arch) < shared_kib(AMPERE)
 
 
 @lru_cache(maxsize=8)
@@ -123,9 +128,9 @@ def default_config(
         return BlockConfig(32, 16, 4, 1) if head_dim <= 128 else BlockConfig(16, 16, 4, 1)
     if head_dim > 128:
         return BlockConfig(64, 16, 8, 2) if softcap else BlockConfig(64, 32, 8, 2)
-    small_shared = shared_kib(arch) < shared_kib(AMPERE)  # 99 KiB: 8.6, 8.9, and 12.0 (RTX 50)
-    if arch < HOPPER or small_shared:
-        return BlockConfig(64, 32, 4, 2) if head_dim <= 64 or small_shared else BlockConfig(64, 32, 4, 3)
+    small = small_shared(arch)
+    if arch < HOPPER or small:
+        return BlockConfig(64, 32, 4, 2) if head_dim <= 64 or small else BlockConfig(64, 32, 4, 3)
     return BlockConfig(128, 64, 8, 3)
 
 

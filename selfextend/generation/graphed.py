@@ -244,13 +244,16 @@ class GraphedDecode(FastDecode):
         return logits
 
 
-def graphed_decode_for(model: nn.Module) -> GraphedDecode | None:
-    """The static step for ``model`` on a GPU where it serves the model (the compiled step's families; RoPE
-    whose factors depend on the position alone), else None."""
+def graphed_serves(model: nn.Module) -> bool:
+    """Whether the static step serves ``model``: on a GPU, of the compiled step's families, with RoPE whose
+    factors depend on the position alone (asked without building the step)."""
     from selfextend.generation.decode import why_not
 
     if next(model.parameters()).device.type != "cuda" or why_not(model) is not None:
-        return None
-    if not static_rope(model.model.rotary_emb):
-        return None
-    return GraphedDecode(model)
+        return False
+    return static_rope(model.model.rotary_emb)
+
+
+def graphed_decode_for(model: nn.Module) -> GraphedDecode | None:
+    """The static step for ``model`` where :func:`graphed_serves`, else None."""
+    return GraphedDecode(model) if graphed_serves(model) else None

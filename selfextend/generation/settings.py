@@ -49,7 +49,7 @@ def decode_settings(
     K-shift drift is in the README (``experiments/quality/cache_type_ppl.py``,
     ``experiments/quality/decode_cache_nll.py``)."""
     compile = compiled.compile_pays(model) if compile is None else compile
-    if compile and graphed.graphed_decode_for(model) is not None:  # a model on a GPU the captured step serves
+    if compile and graphed.graphed_serves(model):  # a model on a GPU: the captured step runs there
         compiled._stderr(
             "note: --compile is for the CPU: on a GPU the decode step is captured as a CUDA graph instead "
             "(with the fused kernels; torch.compile's step would launch its kernels from Python each token)"
