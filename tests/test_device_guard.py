@@ -122,7 +122,12 @@ def test_the_gpu_check_script_runs_dry(tmp_path) -> None:
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "ok   parity two slots" in done.stdout and "failed=[]" in done.stdout
-    for check in ("8b generate self-extend", "8b two slots", "8b ppl selfextend"):  # the 8B runs, small
+    for check in (
+        "8b generate self-extend",
+        "8b two slots",
+        "8b ppl selfextend",
+        "8b chat",
+    ):  # the 8B runs, small
         assert f"ok   {check}" in done.stdout, done.stdout
     assert (tmp_path / "gpu_check.jsonl").read_text().count('"ok": true') >= 10
 

@@ -37,7 +37,8 @@ DECODE_TOKENS = 32
 HBM_GBS = 4800  # an H200's HBM3e read rate, the decode limit's denominator
 
 
-DRY = dict(SHAPE, vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=2)
+# small enough to run on the CPU; the chat's tokenizer has 49,152 ids
+DRY = dict(SHAPE, vocab_size=49152, hidden_size=256, intermediate_size=512, num_hidden_layers=2)
 DRY_SCALE = 64  # --dry-run: lengths and G, W divided by this
 
 

@@ -1,13 +1,14 @@
 """check.py's 8b section, second half: the engine's paths run with the Llama-3.1-8B shape on the GPU, each
 against the same model on the CPU to bfloat16's tolerance (issue 48: "generate (with a context shift),
 serve with 2 slots, ppl and passkey each run on --device cuda ... with the 8B shape; their outputs equal the
-CPU path's to bf16 tolerance").
+CPU path's to bf16 tolerance"; chat the same).
 
 Random weights give near-flat logits, so two devices' greedy tokens part at the first near-tie: the CPU is
 fed the GPU's tokens (teacher forcing) and the logits of every step are compared, as the largest difference
 over the largest logit. The CPU copy of the model takes about 16 GB of host memory and a few seconds a
-token (14 tokens a run: 8 to the shift, 6 after). ``chat`` needs a tokenizer the random shape lacks: the
-tiny model's CLI check covers it.
+token (14 tokens a run: 8 to the shift, 6 after). ``chat`` takes the default model's tokenizer and chat
+template (``.gpu/tiny``'s, else the installed default model's): its 49,152 ids are all rows of the shape's
+128,256; the ids past them that the random model picks decode to no text, as a padded vocabulary's do.
 """
 
 from __future__ import annotations
@@ -16,9 +17,12 @@ import copy
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
+from transformers import AutoTokenizer
 
+from selfextend.chat.session import ChatSession
 from selfextend.evaluation.methods import Method, applied, parse_method
 from selfextend.evaluation.nll import token_nll
 from selfextend.evaluation.passkey import answer
@@ -28,6 +32,9 @@ from selfextend.kv.cache import ContextShiftCache
 
 CTX, KEEP, PROMPT_LEN, TOKENS = 64, 4, 56, 14  # a context shift after 8 tokens
 TOLERANCE = 2e-2  # bfloat16 keeps 8 bits; 32 layers of differently ordered sums
+CHAT_CTX, CHAT_TOKENS = 64, 8  # the second turn shifts the first exchange out
+TURNS = ("Hello! What is a rotary position embedding?", "And what does a context shift drop?")
+TINY = Path(__file__).resolve().parents[2] / ".gpu" / "tiny"  # prepare.sh's tiny model: the tokenizer
 
 
 def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -108,6 +115,7 @@ def runs(
     for method in ("plain", spec):
         guarded(f"8b ppl {method}", _ppl, report, gpu_model, cpu, prompt, method, gpu)
     guarded(f"8b passkey answer {spec}", _passkey, report, gpu_model, cpu, prompt, spec, gpu)
+    guarded("8b chat", _chat, report, gpu_model, cpu, gpu)
     del cpu
 
 
@@ -184,3 +192,44 @@ def _passkey(
     same = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
     same = min(len(a), len(b)) if same is None and len(a) != len(b) else same
     report(f"8b passkey answer {spec}", tokens=len(a), first_difference=same, gpu=gpu)
+
+
+def _tokenizer():
+    """The default model's tokenizer: the copy prepare.sh carries (a GPU machine has no gguf to read the
+    default model's file), else the installed default model's."""
+    if TINY.exists():
+        return AutoTokenizer.from_pretrained(TINY)
+    from selfextend.models import ensure_converted, resolve_model
+
+    return AutoTokenizer.from_pretrained(ensure_converted(resolve_model("smollm2-135m")))
+
+
+def _chat_turns(model: torch.nn.Module, tokenizer, forced: list[int] | None = None):
+    """Two chat turns through a shift, greedy (or ``forced``: the tokens to write, teacher forcing): every
+    step's logits on the host, the tokens, the replies' texts and the cache's shifts."""
+    session = ChatSession(model, tokenizer, CHAT_CTX, max_new_tokens=CHAT_TOKENS, ignore_eos=True)
+    seen: list[torch.Tensor] = []
+    tokens: list[int] = []
+    greedy = session.gen.next_token
+
+    def next_token(logits: torch.Tensor) -> int:
+        seen.append(logits.float().cpu())
+        tokens.append(greedy(logits) if forced is None else forced[len(tokens)])
+        return tokens[-1]
+
+    session.gen.next_token = next_token  # the session's one choice of a token, recorded
+    replies = ["".join(session.reply(text)) for text in TURNS]
+    return seen, tokens, replies, session.cache.shifts
+
+
+def _chat(report: Callable[..., None], gpu_model: torch.nn.Module, cpu: torch.nn.Module, gpu: str) -> None:
+    """``chat``'s session on the GPU (greedy) and on the CPU written the same tokens: every step's logits
+    to bfloat16's tolerance, the same replies' text and shifts."""
+    tokenizer = _tokenizer()
+    a_logits, tokens, a_replies, a_shifts = _chat_turns(gpu_model, tokenizer)
+    b_logits, _, b_replies, b_shifts = _chat_turns(cpu, tokenizer, forced=tokens)
+    worst = max(_relative(x, y) for x, y in zip(a_logits, b_logits, strict=True))
+    ok = worst < TOLERANCE and a_replies == b_replies and a_shifts == b_shifts >= 1
+    report(
+        "8b chat", ok=ok, worst_relative_logit=f"{worst:.1e}", tokens=len(tokens), shifts=a_shifts, gpu=gpu
+    )
