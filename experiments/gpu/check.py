@@ -9,8 +9,9 @@
    exist: speed against the paths they replace, tiles, errors (skipped in a dry run: they need CUDA).
 4. **8b** (a Llama-3.1-8B shape, random bf16 weights): prefill plain against Self-Extend at 16k-128k (to
    64k with ``--short``) with peak memory; our engine's decode ms/token at 8k and 32k cells, plain and
-   Self-Extend; then generate through a context shift (plain and Self-Extend), two batched slots, ``ppl``
-   and ``passkey`` with that shape, against a CPU copy to bfloat16's tolerance (``gpu_8b_runs.py``).
+   Self-Extend; then generate through a context shift (plain and Self-Extend), two batched slots, ``ppl``,
+   ``passkey`` and two ``chat`` turns through a shift with that shape, against a CPU copy to bfloat16's
+   tolerance (``gpu_8b_runs.py``).
 
     bash experiments/gpu/prepare.sh          # here, once: wheels and the tiny model into .gpu/
     # on the GPU machine (the device tool: carry [".gpu"]):
