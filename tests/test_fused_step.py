@@ -114,3 +114,10 @@ def test_float_projections_fuse_into_views_where_the_kernels_run(monkeypatch) ->
     assert fuse_projections(parts)[0] is fused  # fused once
     (gate_up,) = fuse_projections([mlp.gate_proj, mlp.up_proj])
     assert gate_up.bias is None and gate_up.out_features == 2 * mlp.up_proj.out_features
+    parts[1].weight.data.mul_(2)  # an edit in place: the fused layer views it
+    assert fuse_projections(parts)[0] is fused
+    torch.testing.assert_close(fused(x), torch.cat([p(x) for p in parts], dim=-1), rtol=0, atol=0)
+    parts[0].weight = torch.nn.Parameter(-parts[0].weight, requires_grad=False)  # replaced: fused again
+    (again,) = fuse_projections(parts)
+    assert again is not fused
+    torch.testing.assert_close(again(x), torch.cat([p(x) for p in parts], dim=-1), rtol=0, atol=0)

@@ -89,6 +89,36 @@ def test_the_captured_step_replays_the_direct_steps_math(family: str, self_exten
     torch.testing.assert_close(torch.stack(got), torch.stack(want), atol=2e-5, rtol=1e-5)
 
 
+def test_a_weight_replaced_between_prompts_is_read(monkeypatch) -> None:
+    """A captured step replays what it read at capture (a CUDA graph: the weights' addresses; the stand-in:
+    the tensors), so a weight replaced by another tensor (a library user's edit, ``model.to``) would be read
+    stale, or as freed memory on a GPU. The generator's next prompt makes its steps again: its logits then
+    equal a generator's that reads the modules live (the direct step on the CPU)."""
+    import selfextend.generation.backends as backends
+
+    model = _model("llama", True)
+    live = Generator(model, ContextShiftCache(model, 40, n_keep=4, dtype=torch.float32))
+    monkeypatch.setattr(backends, "graphed_decode_for", lambda m: GraphedDecode(m, capture=recorded))
+    gen = Generator(model, ContextShiftCache(model, 40, n_keep=4, dtype=torch.float32))
+    assert live.fast is None and isinstance(gen.fast, GraphedDecode)
+
+    def both(prompt: list[int], n: int = 3) -> float:
+        a, b = gen.feed(prompt), live.feed(prompt)
+        worst = float((a - b).abs().max())
+        for _ in range(n):
+            token = int(b.argmax())
+            a, b = gen.write([token]), live.write([token])
+            worst = max(worst, float((a - b).abs().max()))
+        return worst
+
+    assert both(PROMPT) < 2e-5  # captured at the first token, then replayed
+    captured = gen.fast
+    for layer in model.model.layers:
+        o = layer.self_attn.o_proj
+        o.weight = torch.nn.Parameter(2 * o.weight, requires_grad=False)
+    assert both([7, 8, 9]) < 2e-5 and gen.fast is not captured
+
+
 def test_a_step_reading_the_host_is_not_captured(monkeypatch) -> None:
     """What the replay stand-in catches: a position taken from the cache as a Python int is right eagerly
     and baked into the recording; reading a device value on the host cannot be captured (said, run

@@ -23,9 +23,10 @@ from typing import NamedTuple
 
 from torch import nn
 
+from selfextend.core.fused_prefill import kernels_run_on
 from selfextend.generation.compiled import FastDecode, fast_decode_for
 from selfextend.generation.decode import DecodeStep, decode_step_for
-from selfextend.generation.graphed import graphed_decode_for
+from selfextend.generation.graphed import GraphedDecode, graphed_decode_for
 
 
 class DecodeBackends(NamedTuple):
@@ -34,6 +35,17 @@ class DecodeBackends(NamedTuple):
 
     rows: DecodeStep | None
     single: FastDecode | None
+
+
+def weight_owners(model: nn.Module, single: FastDecode | None) -> list[nn.Module]:
+    """The modules whose tensors the steps hold on to: every module where the single-token step is a
+    captured one (a CUDA graph replays the addresses it read, which a replaced tensor may free) or float
+    projections are fused (on a GPU, or under Triton's interpreter: the fused layer holds their values);
+    none elsewhere (the CPU's steps read the modules as they are at each call). Their
+    :func:`~selfextend.generation.decode.tensors_key` changes when a weight is replaced
+    (``module.weight = ...``, ``model.to(...)``): the steps are then made again."""
+    held = isinstance(single, GraphedDecode) or kernels_run_on(next(model.parameters()).device)
+    return list(model.modules()) if held else []
 
 
 def decode_backends(model: nn.Module, direct: bool = True, compile: bool = False) -> DecodeBackends:

@@ -52,7 +52,20 @@ FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 ATTENTION = ("sdpa", "eager", IMPLEMENTATION)  # one math (attention soft-capping is refused by why_not)
 
 
-_FUSED: weakref.WeakKeyDictionary[nn.Module, tuple] = weakref.WeakKeyDictionary()  # (ids, fused) by first
+# (the projections' ids, where their tensors were once fused, the fused layer) by the first projection
+_FUSED: weakref.WeakKeyDictionary[nn.Module, tuple] = weakref.WeakKeyDictionary()
+
+
+def tensors_key(modules: Sequence[nn.Module]) -> tuple:
+    """Where the modules' own parameters and buffers live (address, type, device): a tensor replaced by
+    another (``module.weight = ...``, ``model.to(...)``) changes it, an edit in place does not."""
+    return tuple(
+        (t.data_ptr(), t.dtype, t.device)
+        for m in modules
+        for owned in (m._parameters, m._buffers)  # the modules' own, without named_parameters' walk
+        for t in owned.values()
+        if t is not None
+    )
 
 
 def fuse_projections(projections: list[nn.Module]) -> tuple[nn.Module, ...]:
@@ -62,7 +75,8 @@ def fuse_projections(projections: list[nn.Module]) -> tuple[nn.Module, ...]:
 
     Fused once per set of layers (remembered for the first one, outside the model: a deep copy of it fuses
     its own): a second decode step over the same model gets the same fused layer, where fusing the views
-    again would copy the weights.
+    again would copy the weights. Fused again where a projection's weight was replaced since (a fused
+    float layer holds the old values: a step made after the edit would read them).
     """
     kinds = {type(p) for p in projections}
     fusers = {Int8Linear: fuse_int8, Int4Linear: fuse_int4, BlockLinear: fuse_blocks, nn.Linear: fuse_float}
@@ -71,9 +85,10 @@ def fuse_projections(projections: list[nn.Module]) -> tuple[nn.Module, ...]:
         return tuple(projections)
     ids = tuple(id(p) for p in projections)
     found = _FUSED.get(projections[0])
-    if found is None or found[0] != ids:
-        found = _FUSED[projections[0]] = (ids, fuse(projections))
-    fused = found[1]
+    if found is None or found[:2] != (ids, tensors_key(projections)):
+        fused = fuse(projections)  # re-points a float layer's weights: the key is taken after
+        found = _FUSED[projections[0]] = (ids, tensors_key(projections), fused)
+    fused = found[2]
     return tuple(projections) if fused is None else fused if isinstance(fused, tuple) else (fused,)
 
 

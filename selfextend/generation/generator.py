@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from selfextend.core.validate import ValidationError, check_int, check_seed, plural
-from selfextend.generation.backends import decode_backends
+from selfextend.generation.backends import decode_backends, weight_owners
+from selfextend.generation.decode import tensors_key
 from selfextend.generation.grammar import Grammar, GrammarMask, NoTokenLeft
 from selfextend.generation.sampling import SamplingParams, any_left, distribution, sample
 from selfextend.generation.speculative import Drafter, DraftOdds, speculates, speculative_decode
@@ -100,8 +101,20 @@ class Generator:
             self.rng.seed()
         self.device = next(self.model.parameters()).device
         single = self.cache.layers[0].keys.shape[0] == 1
-        direct, compile = self.direct_decode and single, self.compile and single
-        self.step, self.fast = decode_backends(self.model, direct, compile)
+        self._asked = (self.direct_decode and single, self.compile and single)  # decode_backends' flags
+        self._make_steps()
+
+    def _make_steps(self) -> None:
+        self.step, self.fast = decode_backends(self.model, *self._asked)
+        self._owners = weight_owners(self.model, self.fast)  # none on the CPU: nothing to check
+        self._weights = tensors_key(self._owners)
+
+    def refresh(self) -> None:
+        """Make the decode steps again if a weight of the model was replaced (not edited in place) since they
+        were made: on a GPU they read fused copies and a captured graph's addresses of the old tensors.
+        Every :meth:`feed` asks first, so an edit between prompts is read (not one between tokens)."""
+        if tensors_key(self._owners) != self._weights:
+            self._make_steps()
 
     def make_room(self, n: int) -> None:
         """Shift the cache if ``n`` more tokens do not fit, forgetting the tokens it discards."""
@@ -163,6 +176,7 @@ class Generator:
         """
         if not ids:
             raise ValueError("nothing to feed: empty prompt")
+        self.refresh()
         step = chunk or self.cache.max_chunk()
         logits = None
         for a in range(0, len(ids), step):
