@@ -21,7 +21,10 @@ DEVICES = ["cpu", "cuda"]  # against the CPU: the device under test (check.py --
 
 
 def _env(root: Path) -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(root), "HF_HUB_OFFLINE": "1", "SELFEXTEND_COMPILE": "0"}
+    """This process's environment with the checkout on the path after what is there (run.sh's .gpu/site:
+    the carried packages a GPU machine lacks)."""
+    path = os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(root)]))
+    return {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1", "SELFEXTEND_COMPILE": "0"}
 
 
 def _cli(root: Path, args: list[str], stdin: str | None = None) -> subprocess.CompletedProcess:
@@ -126,7 +129,8 @@ def serve_check(report: Callable[..., None], root: Path, model: str) -> None:
                 wait_healthy(base, 180, proc)
                 replies.append((_replies(base, prompts, True), _replies(base, prompts, False)))
             except (RuntimeError, TimeoutError, OSError) as e:
-                report(f"cli serve {device}", ok=False, error=str(e).splitlines()[0][:300])
+                lines = str(e).strip().splitlines() or [""]  # a traceback's last line says what failed
+                report(f"cli serve {device}", ok=False, error=lines[0][:200], last=lines[-1][:300])
                 return
     finally:
         for _, _, proc in servers:

@@ -10,7 +10,7 @@ PY=.venv/bin/python
 rm -rf .gpu && mkdir -p .gpu/wheels
 version() { "$PY" -c "import importlib.metadata as m; print(m.version('$1'))"; }
 pins=()
-for name in transformers huggingface-hub tokenizers safetensors llguidance gguf fastapi starlette uvicorn \
+for name in transformers tokenizers safetensors llguidance gguf fastapi opentelemetry-api starlette uvicorn \
     h11 annotated-types typing-inspection annotated-doc pydantic; do
     pins+=("$name==$(version "$name")")
 done
