@@ -1,16 +1,19 @@
 #!/usr/bin/env bash
 # Everything the GPU checks need that a bare GPU machine lacks, into ./.gpu (ignored by git, carried to the
 # device by the device tool's `carry`): wheels of the library's pure-Python and abi3 dependencies at this
-# venv's versions (the GPU machine has torch, numpy, click, accelerate, but an older transformers and no
-# gguf/llguidance/fastapi), and a tiny model with the default model's tokenizer and chat template, for the
-# CLI's commands. Run from the repository root after `make install`:  bash experiments/gpu/prepare.sh
+# venv's versions (the GPU machine has torch, numpy, click, accelerate and huggingface_hub 1.33, which
+# transformers 5.24 takes, but transformers 5.17 and no gguf/llguidance/fastapi; fastapi needs
+# opentelemetry-api, pydantic a typing-extensions >= 4.16), and a tiny model with the default model's
+# tokenizer and chat template, for the CLI's commands. Not huggingface_hub: ours (2.x) needs httpx2, which
+# the machine lacks. machine_venv.sh runs the whole flow in a venv of the machine's packages.
+# Run from the repository root after `make install`:  bash experiments/gpu/prepare.sh
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=.venv/bin/python
 rm -rf .gpu && mkdir -p .gpu/wheels
 version() { "$PY" -c "import importlib.metadata as m; print(m.version('$1'))"; }
 pins=()
-for name in transformers tokenizers safetensors llguidance gguf fastapi opentelemetry-api starlette uvicorn \
+for name in transformers tokenizers safetensors llguidance gguf fastapi opentelemetry-api typing-extensions starlette uvicorn \
     h11 annotated-types typing-inspection annotated-doc pydantic; do
     pins+=("$name==$(version "$name")")
 done
