@@ -76,7 +76,8 @@ from selfextend.core.validate import plural
     default="int8,int4,gguf",
     show_default=True,
     help="Weight forms the generate and first-token cases time (a GGUF; other models: int8 only), e.g. "
-    "gguf,int4 where int8 is slow to load on a large model.",
+    "gguf,int4 where int8 is slow to load on a large model. On a GPU: the loaded --weights only (the int8, "
+    "int4 and block products are the CPU's kernels).",
 )
 @server_options
 @speculative_options
@@ -214,7 +215,8 @@ def bench(
         if gguf is None or not llamacpp_available():
             click.echo("llama.cpp: skipped (needs a GGUF model and llama-cpp-python installed)", err=True)
         loaded = {}
-        for form in timed_forms if gguf is not None else ("int8",):
+        forms = timed_forms if gguf is not None else ("int8",)
+        for form in forms if lm.device.type == "cpu" else (weights,):
             loaded[form] = (
                 lm if form == weights else load_with_self_extend(model, dtype, device, None, None, form)[0]
             )

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import torch
 from server_util import free_port, request, wait_healthy
 
 FLOAT = ["--dtype", "float32"]  # on both devices (a GPU's default is bfloat16): tokens equal in float32
@@ -69,13 +70,19 @@ def cli_checks(report: Callable[..., None], root: Path, device: str = "cuda") ->
             "cli passkey": (keyed, None, True),
             "cli ppl": (scored, None, True),
         }
+        benched = Path(tmp) / "bench.jsonl"  # every case but llama.cpp's, small, on the device under test
+        bench = ["bench", "-m", model, "--device", device, "--lengths", "256", "--decode-lengths", "256"]
+        bench += ["--reference-max", "256", "--ctx", "128", "--endless-tokens", "64", "-g", "2", "-w", "32"]
+        bench += ["--repeats", "1", "--cases", "prefill,decode,endless,generate", "-o", str(benched)]
         jobs = {}
-        with ThreadPoolExecutor(len(commands) * len(DEVICES)) as pool:
+        with ThreadPoolExecutor(len(commands) * len(DEVICES) + 1) as pool:
             for name, (args, stdin, written) in commands.items():
                 for i, d in enumerate(DEVICES):  # (a dry run's two devices are both the CPU: files by index)
                     extra = ["-o", str(Path(tmp) / f"{name.split()[1]}-{i}.jsonl")] if written else []
                     jobs[name, i] = pool.submit(_cli, root, [*args, "--device", d, *extra], stdin)
+            jobs["cli bench", 1] = pool.submit(_cli, root, bench)
         runs = {key: job.result() for key, job in jobs.items()}
+        _bench(report, runs["cli bench", 1], benched, device)
         for name in ("cli generate", "cli generate -g 2 -w 32", "cli chat"):
             pair = (runs[name, 0], runs[name, 1])
             _said(report, name, pair, pair[0].stdout == pair[1].stdout)
@@ -88,6 +95,23 @@ def cli_checks(report: Callable[..., None], root: Path, device: str = "cuda") ->
         pair = (runs["cli ppl", 0], runs["cli ppl", 1])
         _said(report, f"cli ppl (worst relative difference {worst:.1e})", pair, worst < 1e-4)
     serve_check(report, root, model)
+
+
+def _bench(report: Callable[..., None], run: subprocess.CompletedProcess, records: Path, device: str) -> None:
+    """``bench`` on the device: it ran every case asked, and each row names the device's GPU (the CPU's
+    model in a dry run)."""
+    rows = list(map(json.loads, records.read_text().splitlines())) if records.exists() else []
+    cases = sorted({r.get("case") for r in rows if "case" in r})
+    named = {r.get("device") for r in rows if "case" in r}
+    want = torch.cuda.get_device_name(device) if device.startswith("cuda") else None
+    ok = (
+        run.returncode == 0 and {"prefill", "decode", "endless", "generate"} <= set(cases) and len(named) == 1
+    )
+    ok = ok and (want is None or named == {want})
+    tail = run.stderr.strip().splitlines()[-1:] if run.returncode else []
+    report(
+        "cli bench", ok=ok, exit_code=run.returncode, cases=cases, device=sorted(map(str, named)), said=tail
+    )
 
 
 def _replies(base: str, prompts: list[str], together: bool) -> list[str]:

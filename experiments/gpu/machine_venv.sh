@@ -3,14 +3,17 @@
 # machine's own packages, as the device tool's KINDS.md lists them: torch 2.11.0 (a CUDA build, with triton
 # 3.6.0), transformers 5.17.0, huggingface_hub 1.33.0, accelerate 1.15.0, tokenizers 0.23.2, safetensors
 # 0.8.0, and no datasets, gguf, llguidance, fastapi or default model. What a GPU session meets first, but
-# CUDA: a package the machine lacks, or one of the wrong version, fails here at no device time. (The machine's
-# Python is 3.12; this one is the python3 here.) The venv's first build downloads about 4.5 GB.
+# CUDA: a package the machine lacks, or one of the wrong version, fails here at no device time. The machine's
+# Python is 3.12: python3.12 where there is one, else python3. The venv's first build downloads about 4.5 GB.
 #   bash experiments/gpu/prepare.sh; bash experiments/gpu/machine_venv.sh [--only parity,cli,8b]
-# VENV=DIR picks the venv's folder (default /tmp/gpu-machine-venv, kept for the next run).
+# VENV=DIR picks the venv's folder (default /tmp/gpu-machine-venv, kept for the next run); PYTHON its Python.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 VENV=${VENV:-/tmp/gpu-machine-venv}
-[ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
+if [ -z "${PYTHON:-}" ]; then  # a python3.12 that runs (a pyenv shim may name a version not selected)
+    PYTHON=python3; python3.12 -c "" 2>/dev/null && PYTHON=python3.12
+fi
+[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 "$VENV/bin/pip" install -q torch==2.11.0 accelerate==1.15.0 huggingface_hub==1.33.0 transformers==5.17.0 \
     tokenizers==0.23.2 safetensors==0.8.0 numpy click tqdm psutil matplotlib jinja2 pyyaml regex requests \
     httpx anyio typer sentencepiece 2>&1 | grep -v "^WARNING" || true
