@@ -16,6 +16,6 @@ fi
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 "$VENV/bin/pip" install -q torch==2.11.0 accelerate==1.15.0 huggingface_hub==1.33.0 transformers==5.17.0 \
     tokenizers==0.23.2 safetensors==0.8.0 numpy click tqdm psutil matplotlib jinja2 pyyaml regex requests \
-    httpx anyio typer sentencepiece 2>&1 | grep -v "^WARNING" || true
+    httpx anyio typer sentencepiece pytest 2>&1 | grep -v "^WARNING" || true
 rm -rf .gpu/site  # run.sh installs the carried wheels afresh, as on a bare machine
 PATH="$VENV/bin:$PATH" bash experiments/gpu/run.sh --dry-run "$@"
