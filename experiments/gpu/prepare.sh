@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything the GPU checks need that a bare GPU machine lacks, into ./.gpu (ignored by git, carried to the
-# device by the device tool's `carry`): wheels of the library's pure-Python and abi3 dependencies at this
+# device by the device tool's `carry`): wheels of the library's dependencies named in carried.txt at this
 # venv's versions (the GPU machine has torch, numpy, click, accelerate and huggingface_hub 1.33, which
 # transformers 5.24 takes, but transformers 5.17 and no gguf/llguidance/fastapi; fastapi needs
 # opentelemetry-api, pydantic a typing-extensions >= 4.16), and a tiny model with the default model's
@@ -13,9 +13,8 @@ PY=.venv/bin/python
 rm -rf .gpu && mkdir -p .gpu/wheels
 version() { "$PY" -c "import importlib.metadata as m; print(m.version('$1'))"; }
 pins=()
-for name in transformers tokenizers safetensors llguidance gguf fastapi opentelemetry-api typing-extensions starlette uvicorn \
-    h11 annotated-types typing-inspection annotated-doc pydantic; do
-    pins+=("$name==$(version "$name")")
+for name in $(grep -v '^#' experiments/gpu/carried.txt); do
+    [ "$name" = pydantic-core ] || pins+=("$name==$(version "$name")")
 done
 "$PY" -m pip download -q --no-deps --only-binary=:all: -d .gpu/wheels "${pins[@]}"
 # pydantic-core is built per Python version: one wheel for each the GPU machine might have

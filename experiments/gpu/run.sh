@@ -5,8 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 python -m pip install -q --no-deps --no-index --find-links .gpu/wheels --target .gpu/site \
-    transformers tokenizers safetensors llguidance gguf fastapi opentelemetry-api typing-extensions starlette \
-    uvicorn h11 annotated-types typing-inspection annotated-doc pydantic pydantic-core 2>&1 | grep -v "^WARNING" || true
+    $(grep -v '^#' experiments/gpu/carried.txt) 2>&1 | grep -v "^WARNING" || true
 export PYTHONPATH="$PWD/.gpu/site:$PWD" HF_HUB_OFFLINE=1 SELFEXTEND_COMPILE=0 PYTHONUNBUFFERED=1
 # the whole output also into $OUT/check.log (the device tool returns only the output's tail, and what is
 # under $OUT even when the run is cut off)
