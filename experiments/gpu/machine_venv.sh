@@ -21,5 +21,6 @@ machine=$(for n in torch accelerate huggingface-hub transformers tokenizers safe
 "$VENV/bin/pip" install -q $machine \
     numpy click tqdm psutil matplotlib jinja2 pyyaml regex requests httpx anyio typer sentencepiece pytest \
     2>&1 | grep -v "^WARNING" || true
-rm -rf .gpu/site  # run.sh installs the carried wheels afresh, as on a bare machine
+rm -rf .gpu/site  # run.sh installs the carried wheels afresh, as on a bare machine; gone after too (carry
+trap 'rm -rf .gpu/site' EXIT  # [".gpu"] sends the folder, 64 MiB at most with the tree: the wheels, not both)
 PATH="$VENV/bin:$PATH" bash experiments/gpu/run.sh --dry-run "$@"

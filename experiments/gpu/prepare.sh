@@ -24,3 +24,7 @@ for v in 3.10 3.11 3.12 3.13; do
 done
 "$PY" experiments/gpu/tiny_model.py .gpu/tiny
 du -sh .gpu/wheels .gpu/tiny
+# what the device tool sends with carry [".gpu"]: the tracked tree and .gpu, 64 MiB at most
+total=$(( $(git ls-files -z | xargs -0 du -cb | tail -1 | cut -f1) + $(du -sb .gpu | cut -f1) ))
+echo "the tree and .gpu: $((total / 1048576)) MiB of the 64 MiB the device tool sends"
+[ "$total" -le $((64 * 1048576)) ] || { echo "error: over the device tool's 64 MiB" >&2; exit 1; }
