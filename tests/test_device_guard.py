@@ -132,6 +132,28 @@ def test_the_gpu_check_script_runs_dry(tmp_path) -> None:
     assert (tmp_path / "gpu_check.jsonl").read_text().count('"ok": true') >= 10
 
 
+def test_the_gpu_kernel_scripts_run_dry(tmp_path) -> None:
+    """check.py's kernel section: check_fused_prefill.py and check_fused_decode.py (a GPU session's numbers
+    for the fused kernels) run whole here, their dry runs in Triton's interpreter on a small shape."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton", minversion="3.9")  # 3.6's interpreter fails our loops under numpy 2.4
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run(
+        [sys.executable, str(root / "experiments/gpu/check.py"), "--dry-run", "--only", "kernel"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OUT": str(tmp_path), "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"},
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "ok   kernel prefill" in done.stdout and "ok   kernel decode" in done.stdout, done.stdout
+    assert "fused vs reference (float32), last 256 rows" in done.stdout and "fastest tiles" in done.stdout
+
+
 def test_a_gpu_check_that_raises_is_reported_and_the_run_goes_on(tmp_path, monkeypatch, capsys) -> None:
     """check.py's guard: the device's minutes are few, so one broken path costs its own check only."""
     import importlib.util

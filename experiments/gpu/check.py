@@ -6,7 +6,8 @@
 2. **cli** (``.gpu/tiny``, made by prepare.sh): ``generate`` (with a shift, and with ``-g/-w``), ``chat``,
    ``passkey``, ``ppl`` and ``serve`` with 2 slots on ``--device cuda`` against ``--device cpu``.
 3. **kernel**: the fused Triton kernels' own checks (Self-Extend prefill, decode attention) where they
-   exist: speed against the paths they replace, tiles, errors (skipped in a dry run: they need CUDA).
+   exist: speed against the paths they replace, tiles, errors (in a dry run with
+   ``TRITON_INTERPRET=1``, their own dry runs: small, in the interpreter; else skipped).
 4. **8b** (a Llama-3.1-8B shape, random bf16 weights): prefill plain against Self-Extend at 16k-128k (to
    64k with ``--short``) with peak memory; our engine's decode ms/token at 8k and 32k cells, plain and
    Self-Extend; then generate through a context shift (plain and Self-Extend), two batched slots, ``ppl``,
@@ -120,16 +121,20 @@ def prefill_past_int32() -> None:
 
 
 def kernel_check(device: str) -> None:
-    """The fused kernels' own scripts (prefill, decode), those this checkout has; none in a dry run. Each
-    runs with its own defaults (``sys.argv`` holds check.py's flags, which its parser would refuse)."""
+    """The fused kernels' own scripts (prefill, decode), those this checkout has. Each runs with its own
+    defaults (``sys.argv`` holds check.py's flags, which its parser would refuse); in a dry run with
+    ``TRITON_INTERPRET=1``, their own dry runs (small, in the interpreter), else none."""
     import runpy
 
+    from selfextend.core.fused_prefill import interpreting
+
+    dry = device != "cuda"
     for kernel in ("prefill", "decode"):
         script = Path(__file__).with_name(f"check_fused_{kernel}.py")
-        if device != "cuda" or not script.exists():
-            report(f"kernel {kernel}", note="skipped (a dry run, or no script in this checkout)")
+        if (dry and not interpreting()) or not script.exists():
+            report(f"kernel {kernel}", note="skipped (a dry run without TRITON_INTERPRET=1, or no script)")
             continue
-        argv, sys.argv = sys.argv, [str(script)]
+        argv, sys.argv = sys.argv, [str(script), *(["--dry-run"] if dry else [])]
         try:
             guarded(f"kernel {kernel}", runpy.run_path, str(script), None, "__main__")
         except SystemExit as e:

@@ -20,6 +20,9 @@ Then the kernels' tiles timed at 32k cells with Self-Extend, the fastest named (
 Under a minute on an H200; says it skips and exits 0 where there is no CUDA GPU or no triton.
 
     PYTHONPATH=. python experiments/gpu/check_fused_decode.py [--rounds 5]
+
+``--dry-run`` (with ``TRITON_INTERPRET=1``): every step of it on the CPU, in Triton's interpreter, on a
+small shape, uncaptured (times meaningless), so the script a GPU session starts with is not broken on arrival.
 """
 
 from __future__ import annotations
@@ -38,15 +41,17 @@ import torch.nn.functional as F
 
 from selfextend.core.decode_query import grouped_keys
 from selfextend.core.fused_decode import DecodeConfig, default_config, fused_decode_attention
+from selfextend.core.fused_prefill import interpreting
 from selfextend.generation.graphed import cuda_graph
 from selfextend.generation.step_attention import GroupedRotations, attend
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from check_fused_prefill import ms  # noqa: E402  (CUDA events around calls, one way of timing)
+import check_fused_prefill  # noqa: E402  (its ms: CUDA events around calls, one way of timing)
 
 H, HKV, D, GROUP, WINDOW = 32, 8, 128, 32, 2048
 DEVICE = "cuda"
 SETTINGS = [(8192, 8192), (32768, 32768), (32768, 8192)]  # (cells, cells in use)
+TILES_AT, REPS = 32768, 50  # the cells whose tiles are timed (Self-Extend, all in use); calls a timing
 # (block_n, split, warps, stages) whose program compiles for sm_90 without spilling (kernel_build.py)
 CONFIGS = [
     DecodeConfig(64, 512, 4, 3),
@@ -58,9 +63,23 @@ CONFIGS = [
 ]
 
 
+def dry_run() -> None:
+    """The small shape and the CPU of ``--dry-run`` (Triton's interpreter runs the kernels)."""
+    global H, HKV, D, GROUP, WINDOW, DEVICE, SETTINGS, TILES_AT, REPS
+    H, HKV, D, GROUP, WINDOW, DEVICE = 4, 2, 32, 4, 64, "cpu"
+    SETTINGS, TILES_AT, REPS = [(256, 256), (512, 512), (512, 256)], 512, 1
+    check_fused_prefill.dry_run()  # its ms() times on the host
+
+
+def ms(fn: Callable[[], object], reps: int) -> float:
+    return check_fused_prefill.ms(fn, reps)
+
+
 def graphed(fn: Callable[[], object]) -> Callable[[], object]:
     """``fn`` captured as a CUDA graph as the decode step is (``cuda_graph``: warm-up runs first), or
-    ``fn`` itself where capture fails."""
+    ``fn`` itself where capture fails (or off a GPU)."""
+    if DEVICE != "cuda":
+        return fn
     try:
         graph, _ = cuda_graph(fn)
     except RuntimeError as e:
@@ -100,7 +119,7 @@ def tiles(args: tuple, stored: torch.Tensor, last: torch.Tensor, gb: float, roun
 
         try:
             fn = graphed(run)
-            found[cfg] = min(ms(fn, 50) for _ in range(rounds))
+            found[cfg] = min(ms(fn, REPS) for _ in range(rounds))
         except Exception as e:  # a tile the GPU's registers or shared memory cannot hold
             print(f"  tiles {tuple(cfg)}: refused ({str(e).splitlines()[0][:100]})")
     for cfg, t in found.items():
@@ -127,7 +146,7 @@ def one_setting(cells: int, used: int, self_extend: bool, inv_freq: torch.Tensor
     times: dict[str, list[float]] = {name: [] for name in paths}
     for _ in range(rounds):
         for name, fn in replay.items():
-            times[name].append(ms(fn, 50))
+            times[name].append(ms(fn, REPS))
     med = {name: statistics.median(t) for name, t in times.items()}
     kind = f"SE G={GROUP} W={WINDOW}" if self_extend else "plain"
     print(
@@ -137,31 +156,39 @@ def one_setting(cells: int, used: int, self_extend: bool, inv_freq: torch.Tensor
     want = attend(*args, fused=False, stored=stored, last=last)
     diff = (attend(*args, stored=stored, last=last) - want).abs().max()
     print(f"  fused vs tensor ops: max abs {diff:.2e} (the output's largest {want.abs().max():.2f})")
-    if self_extend and cells == used == 32768:
+    if self_extend and cells == used == TILES_AT:
         tiles(args, stored, last, gb, rounds)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--dry-run", action="store_true", help="on the CPU in Triton's interpreter, small")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("check_fused_decode: no CUDA GPU here, skipped")
-        return 0
     if importlib.util.find_spec("triton") is None:
         print("check_fused_decode: triton is not installed, skipped")
+        return 0
+    if args.dry_run:
+        if not interpreting():
+            print("check_fused_decode: --dry-run needs TRITON_INTERPRET=1", file=sys.stderr)
+            return 2
+        dry_run()
+        args.rounds = 1
+    elif not torch.cuda.is_available():
+        print("check_fused_decode: no CUDA GPU here, skipped")
         return 0
     import triton
 
     t0 = time.perf_counter()
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
+    where = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (dry run: Triton's interpreter)"
+    print(f"{where}, torch {torch.__version__}, triton {triton.__version__}")
     print(f"one layer's decode attention: {H} q / {HKV} kv heads, head {D}, bfloat16 cells")
     inv_freq = 1.0 / (500000.0 ** (torch.arange(0, D, 2, device=DEVICE).float() / D))
     with torch.no_grad():
         for cells, used in SETTINGS:
             for self_extend in (False, True):
                 one_setting(cells, used, self_extend, inv_freq, args.rounds)
-    peak = torch.cuda.max_memory_allocated() / 2**30
+    peak = torch.cuda.max_memory_allocated() / 2**30 if DEVICE == "cuda" else 0.0
     print(f"peak GPU memory {peak:.1f} GiB, {time.perf_counter() - t0:.0f} s")
     return 0
 

@@ -15,6 +15,9 @@ in float32), and at 32k against the two-pass path and against the reference for 
 90 s on an H200; exits 2 with one line where there is no CUDA GPU or no triton.
 
     PYTHONPATH=. python experiments/gpu/check_fused_prefill.py [--lengths 4096,32768,65536,131072]
+
+``--dry-run`` (with ``TRITON_INTERPRET=1``): every step of it on the CPU, in Triton's interpreter, on a
+small shape (times meaningless), so the script a GPU session starts with is not broken on arrival.
 """
 
 from __future__ import annotations
@@ -37,12 +40,15 @@ from selfextend.core.fused_prefill import (
     compute_capability,
     default_config,
     fused_self_extend_prefill,
+    interpreting,
 )
 from selfextend.core.positions import grouped_query_positions
 from selfextend.core.rope import rotate
 
 H, HKV, D, GROUP, WINDOW = 32, 8, 128, 32, 2048
 DEVICE = "cuda"
+REFERENCE_AT, COMPARE_AT = 4096, 32768  # lengths whose errors are measured (the reference's, the 32k ones)
+REPS = None  # calls a timing (None: by length)
 CONFIGS = [  # tiles whose program compiles for sm_90 without spilling (experiments/gpu/kernel_build.py)
     BlockConfig(128, 64, 8, 3),
     BlockConfig(128, 64, 8, 4),
@@ -53,8 +59,20 @@ CONFIGS = [  # tiles whose program compiles for sm_90 without spilling (experime
 ]
 
 
+def dry_run() -> None:
+    """The small shape and the CPU of ``--dry-run`` (Triton's interpreter runs the kernel)."""
+    global H, HKV, D, GROUP, WINDOW, DEVICE, REFERENCE_AT, COMPARE_AT, REPS
+    H, HKV, D, GROUP, WINDOW, DEVICE = 4, 2, 32, 4, 64, "cpu"
+    REFERENCE_AT, COMPARE_AT, REPS = 256, 512, 1
+
+
 def ms(fn: Callable[[], object], reps: int) -> float:
-    """Milliseconds per call of ``fn`` (CUDA events around ``reps`` calls)."""
+    """Milliseconds per call of ``fn`` (CUDA events around ``reps`` calls; the host's clock off a GPU)."""
+    if DEVICE != "cuda":
+        t = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        return (time.perf_counter() - t) * 1e3 / reps
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(reps):
@@ -123,7 +141,7 @@ def one_length(length: int, inv_freq: torch.Tensor, rounds: int) -> None:
         "fused": lambda: self_extend_attention(*se),
         "two-pass": lambda: two_pass(*se),
     }
-    reps = max(1, min(20, int(5 * (32768 / length) ** 2)))  # about 5 flash calls' time at 32k
+    reps = REPS or max(1, min(20, int(5 * (32768 / length) ** 2)))  # about 5 flash calls' time at 32k
     times: dict[str, list[float]] = {name: [] for name in paths}
     for fn in paths.values():
         fn()  # compile, warm
@@ -136,10 +154,10 @@ def one_length(length: int, inv_freq: torch.Tensor, rounds: int) -> None:
         + ", ".join(f"{n} {t:.2f} ms ({t / med['flash']:.2f}x)" for n, t in med.items())
     )
     fused = self_extend_attention(*se).float()
-    if length <= 4096:
+    if length <= REFERENCE_AT:
         ref = self_extend_attention_reference(p["q0"], p["k0"], v.float(), pos, pos, GROUP, WINDOW, inv_freq)
         print(f"{length:>6} tokens: fused vs reference (float32) max abs {(fused - ref).abs().max():.2e}")
-    elif length == 32768:
+    elif length == COMPARE_AT:
         diff = (fused - two_pass(*se).float()).abs().max()
         print(f"{length:>6} tokens: fused vs two-pass max abs {diff:.2e}")
         last = 256  # the reference's L x L scores for the last rows only (each against all 32k keys)
@@ -176,26 +194,35 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", default="4096,32768,65536,131072")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--dry-run", action="store_true", help="on the CPU in Triton's interpreter, small")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("check_fused_prefill: no CUDA GPU here", file=sys.stderr)
-        return 2
     if importlib.util.find_spec("triton") is None:
         print("check_fused_prefill: triton is not installed", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        if not interpreting():
+            print("check_fused_prefill: --dry-run needs TRITON_INTERPRET=1", file=sys.stderr)
+            return 2
+        dry_run()
+        args.lengths, args.rounds = f"{REFERENCE_AT},{COMPARE_AT}", 1
+    elif not torch.cuda.is_available():
+        print("check_fused_prefill: no CUDA GPU here", file=sys.stderr)
         return 2
     import triton
 
     t0 = time.perf_counter()
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
+    where = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (dry run: Triton's interpreter)"
+    print(f"{where}, torch {torch.__version__}, triton {triton.__version__}")
     print(f"one layer: {H} q / {HKV} kv heads, head {D}, bfloat16, Self-Extend G={GROUP} W={WINDOW}")
     inv_freq = 1.0 / (500000.0 ** (torch.arange(0, D, 2, device=DEVICE).float() / D))
     for length in (int(n) for n in args.lengths.split(",")):
-        if time.perf_counter() - t0 > 75:
+        if time.perf_counter() - t0 > 75 and DEVICE == "cuda":
             print(f"stopping before {length} tokens: past 75 s")
             break
         one_length(length, inv_freq, args.rounds)
-        torch.cuda.empty_cache()
-    peak = torch.cuda.max_memory_allocated() / 2**30
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
+    peak = torch.cuda.max_memory_allocated() / 2**30 if DEVICE == "cuda" else 0.0
     print(f"peak GPU memory {peak:.1f} GiB, {time.perf_counter() - t0:.0f} s")
     return 0
 
