@@ -41,6 +41,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(Path(__file__).parent))
 
+SECTIONS = ("parity", "cli", "kernel", "8b")  # in the order they run
 FAILED: list[str] = []
 OUT = Path(os.environ.get("OUT") or ".") / "gpu_check.jsonl"
 
@@ -59,7 +60,7 @@ def report(check: str, ok: bool | None = None, **fields) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", default="parity,cli,8b,kernel", help="comma-separated sections")
+    parser.add_argument("--only", default=",".join(SECTIONS), help="comma-separated sections")
     parser.add_argument("--short", action="store_true", help="8b prefill to 64k only (128k: ~35 s more)")
     parser.add_argument(
         "--dry-run",
@@ -73,6 +74,10 @@ def main() -> int:
         print("error: torch sees no CUDA GPU", file=sys.stderr)
         return 2
     sections = set(args.only.split(","))
+    if sections - set(SECTIONS):
+        parser.error(
+            f"--only: unknown {', '.join(sorted(sections - set(SECTIONS)))} (of {', '.join(SECTIONS)})"
+        )
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text("")  # this run's records only
     gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu (dry run)"
