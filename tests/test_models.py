@@ -610,7 +610,9 @@ def test_real_default_model(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_real_cold_int8_load_within_memory_target(tmp_path: Path) -> None:
     """A cold int8 load of the default model (its conversion included, in a fresh process and an empty
     cache, measured by experiments/memory/load_cost.py) peaks within issue 11's target, 1.5x the run form +
-    400 MB for the imports, counted without file-backed pages (300 MB then), and greedy-decodes what a warm
+    400 MB for the imports, counted without file-backed pages (300 MB then) and less what the imports take
+    in that process (145 MB with torch's CPU build, 270 with its CUDA build, which a GPU user and PyPI's
+    torch have: 155 MB stay for the rest, the CPU build's margin unchanged), and greedy-decodes what a warm
     load does; the first tokens are those recorded for the path before (``before`` in the results; later
     ones may differ since the prompt's last token goes through the decode step)."""
     script = Path(__file__).parents[1] / "experiments" / "memory" / "load_cost.py"
@@ -623,7 +625,7 @@ def test_real_cold_int8_load_within_memory_target(tmp_path: Path) -> None:
     # the memory the process owns: file-backed pages (torch's libraries) are the page cache's, resident as
     # it happens to hold them (a fresh install's hot files took a cold load from ~750 to 813 MB of VmHWM on
     # a Xeon); their ~130-260 MB came out of the target's 400 MB allowance for the imports
-    assert cold["peak_anon_mb"] <= 1.5 * cold["run_form_mb"] + 300
+    assert cold["peak_anon_mb"] - cold["anon_imports_mb"] <= 1.5 * cold["run_form_mb"] + 155
     records = [json.loads(line) for line in (script.parent / "results" / "load_cost.jsonl").open()]
     before = next(
         r for r in records if (r["label"], r["model"], r["form"]) == ("before", DEFAULT_MODEL, "int8")

@@ -51,7 +51,7 @@ def worker(model: str, form: str) -> None:
 
     from selfextend.cli.options import load_with_self_extend
 
-    rss_imports = _vm("VmRSS")
+    rss_imports, anon_imports = _vm("VmRSS"), _vm("RssAnon")
     weights, dtype = (form, "float32") if form in ("int8", "int4") else ("float", form)
     start, cpu_start = time.perf_counter(), time.process_time()
     lm, tokenizer = load_with_self_extend(model, dtype, "cpu", None, None, weights)
@@ -76,6 +76,8 @@ def worker(model: str, form: str) -> None:
         # depends on the page cache (a fresh install's files are hot), not on the load
         "peak_anon_mb": round((peak - file_backed) / 1024, 1),
         "rss_imports_mb": round(rss_imports / 1024, 1),
+        # of them the process's own (a CUDA build of torch takes ~125 MB more than the CPU build)
+        "anon_imports_mb": round(anon_imports / 1024, 1),
         "run_form_mb": round(run_bytes / 2**20, 1),
         "tokens": tokens,
         "text": tokenizer.decode(tokens),
