@@ -3,9 +3,9 @@
 1. **parity** (tiny random models, float32): generate through two context shifts (Llama, Qwen3, Gemma 3;
    plain and Self-Extend), greedy and seeded, on ``cuda`` against the CPU; two batched slots against each
    alone; ``ppl``'s scores and ``passkey``'s answers.
-2. **cli** (``.gpu/tiny``, made by prepare.sh): ``generate`` (with a shift, and with ``-g/-w``), ``chat``,
-   ``passkey``, ``ppl`` and ``serve`` with 2 slots on ``--device cuda`` against ``--device cpu``; ``bench``
-   (every case but llama.cpp's) on ``cuda``, each row naming the GPU.
+2. **cli** (``.gpu/tiny``, made by prepare.sh): ``generate`` (with a shift, with ``-g/-w``, on a GGUF),
+   ``chat``, ``passkey``, ``ppl`` and ``serve`` with 2 slots on ``--device cuda`` against ``--device cpu``;
+   ``bench`` (every case but llama.cpp's) on ``cuda``, each row naming the GPU.
 3. **kernel**: the fused Triton kernels' own checks (Self-Extend prefill, decode attention) where they
    exist: speed against the paths they replace, tiles, errors (in a dry run with
    ``TRITON_INTERPRET=1``, their own dry runs: small, in the interpreter; else skipped).

@@ -59,6 +59,8 @@ def cli_checks(report: Callable[..., None], root: Path, device: str = "cuda") ->
         scored = ["ppl", "-m", model, *FLOAT, "--corpus", str(corpus), "--lengths", "128,400"]
         scored += ["--method", "plain", "--method", "selfextend:G=2,W=32"]
         generate = ["generate", "-m", model, "-p", "The sea is", "-n", "90", "--ctx", "64", "--ignore-eos"]
+        gguf = ["generate", "-m", str(root / "tests/data/llama_server/tiny-chat.gguf"), "-p", "The sea is"]
+        gguf += ["-n", "40", "--ctx", "32", "--ignore-eos", "--weights", "float"]
         commands = {  # name: (arguments, stdin, whether it writes records with -o)
             "cli generate": ([*generate, *COMMON], None, False),
             "cli generate -g 2 -w 32": ([*generate, "-g", "2", "-w", "32", *COMMON], None, False),
@@ -67,6 +69,7 @@ def cli_checks(report: Callable[..., None], root: Path, device: str = "cuda") ->
                 "Hello there\n/stats\nTell me about the sea\n",
                 False,
             ),
+            "cli generate gguf": ([*gguf, *COMMON], None, False),  # dequantized at load, on both devices
             "cli passkey": (keyed, None, True),
             "cli ppl": (scored, None, True),
         }
@@ -83,7 +86,7 @@ def cli_checks(report: Callable[..., None], root: Path, device: str = "cuda") ->
             jobs["cli bench", 1] = pool.submit(_cli, root, bench)
         runs = {key: job.result() for key, job in jobs.items()}
         _bench(report, runs["cli bench", 1], benched, device)
-        for name in ("cli generate", "cli generate -g 2 -w 32", "cli chat"):
+        for name in ("cli generate", "cli generate -g 2 -w 32", "cli generate gguf", "cli chat"):
             pair = (runs[name, 0], runs[name, 1])
             _said(report, name, pair, pair[0].stdout == pair[1].stdout)
         answers = [_records(Path(tmp) / f"passkey-{i}.jsonl", "answer") for i in range(2)]

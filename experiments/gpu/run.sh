@@ -4,6 +4,11 @@
 #   bash experiments/gpu/run.sh [--short] [--only parity,cli,8b,kernel]
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+if [ ! -d .gpu/wheels ] || [ ! -d .gpu/tiny ]; then
+    echo "error: no .gpu/wheels or .gpu/tiny: run experiments/gpu/prepare.sh where selfextend is installed," \
+        "then carry .gpu" >&2
+    exit 2
+fi
 python -m pip install -q --no-deps --no-index --find-links .gpu/wheels --target .gpu/site \
     $(grep -v '^#' experiments/gpu/carried.txt) 2>&1 | grep -v "^WARNING" || true
 export PYTHONPATH="$PWD/.gpu/site:$PWD" HF_HUB_OFFLINE=1 SELFEXTEND_COMPILE=0 PYTHONUNBUFFERED=1
