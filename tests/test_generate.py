@@ -103,16 +103,30 @@ def test_draws_after_top_k_are_from_the_same_distribution(vocab):
 
 
 def test_greedy_argmax_is_torch_argmax_with_ties_infinities_and_nan():
-    """The greedy pick (NumPy's argmax on the CPU) is ``torch.argmax``'s: the first of tied maxima, a NaN
-    above every number, +-inf, strided rows, float64 and bfloat16 (which goes through torch)."""
+    """The greedy pick (NumPy's argmax on the CPU) is ``torch.argmax``'s with NaNs taken as -inf: the first
+    of tied maxima, +-inf, strided rows, float64 and bfloat16 (which goes through torch); a row with no
+    number above -inf but NaNs (a broken model's logits: greedy read them as token 0 before) is refused."""
     g = torch.Generator().manual_seed(0)
     for trial in range(500):
         x = torch.randint(-3, 4, (int(torch.randint(1, 200, (1,), generator=g)),), generator=g).float()
         for special in (math.nan, math.inf, -math.inf):
             x[torch.rand(x.numel(), generator=g) < 0.05] = special
         for row in (x, x[::3], x.double(), x.bfloat16()):
-            assert argmax(row) == int(torch.argmax(row)), (trial, row)
+            numbers = torch.where(row.isnan(), float("-inf"), row)
+            if row.isnan().any() and not bool((numbers > float("-inf")).any()):
+                with pytest.raises(ValueError, match="no logit is a finite number"):
+                    argmax(row)
+                continue
+            assert argmax(row) == int(torch.argmax(numbers)), (trial, row)
+    for row in (
+        torch.full((9,), math.nan),
+        torch.tensor([-math.inf, math.nan]),
+        torch.full((3,), math.nan).bfloat16(),
+    ):
+        with pytest.raises(ValueError, match="no logit is a finite number"):
+            argmax(row)
     assert sample(torch.tensor([1.0, 3.0, 3.0, -math.inf]), SamplingParams(), NONE) == 1
+    assert sample(torch.tensor([1.0, math.nan, 3.0]), SamplingParams(temperature=0), NONE) == 2
 
 
 def test_nan_logits_are_skipped_or_refused():

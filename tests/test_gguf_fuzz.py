@@ -4,8 +4,9 @@ From one small valid file (:func:`test_models.write_tiny_gguf`, Q8_0, 2 layers),
 made deterministically by editing its bytes where gguf's own reader says each field lies: the file cut
 short (in its header, metadata, tensor table and data), each tensor's dimensions swapped (the same byte
 count, the wrong shape), halved, doubled, zero, not whole blocks, huge or overflowing int64, its type and
-offset changed, and the metadata lying (feed-forward length, KV and query heads, width, layers, vocabulary
-size); and the issue's own case, a token list of 4M entries over a table of 8 rows, written whole.
+offset changed (off the file's alignment too), and the metadata lying (feed-forward length, KV and query
+heads, width, layers, vocabulary size, trained window, special token ids past the token list, a name that
+is not UTF-8); and the issue's own case, a token list of 4M entries over a table of 8 rows, written whole.
 
 Each is loaded as a conversion loads it (:func:`~selfextend.models.gguf.read_gguf`, then the tensors into
 ``--weights gguf`` layers), then, if it loads, run: a forward over three tokens and a decode step through
@@ -139,7 +140,8 @@ def variants(base: Path) -> list[tuple[str, bytes, tuple[str, ...], bool]]:
             out.append((f"{name} {label} {new}", dims_to(new), (name,), new != dims))
         for kind in (Q4_0, F32, 99):
             out.append((f"{name} type {kind}", _put(data, t["type_at"], kind, "<u4"), (name,), kind == 99))
-        for offset, must in ((t["data"] - start + 32, False), (1 << 63, True), (len(data), True)):
+        moved = t["data"] - start
+        for offset, must in ((moved + 32, False), (moved + 2, True), (1 << 63, True), (len(data), True)):
             edited = _put(data, t["offset_at"], offset, "<u8")
             out.append((f"{name} offset {offset}", edited, (name,), must))
     lies = {
@@ -149,10 +151,17 @@ def variants(base: Path) -> list[tuple[str, bytes, tuple[str, ...], bool]]:
         "llama.embedding_length": ((32, 128), ("token_embd", "attn", "norm", "head")),
         "llama.block_count": ((3, 0), ("blk.", "missing", "block_count")),
         "llama.vocab_size": ((8, 300, 4_000_000), ("token_embd", "vocab_size")),
+        "llama.context_length": ((0,), ("context_length",)),
+        "tokenizer.ggml.bos_token_id": ((262, 99_999), ("bos_token_id",)),
+        "tokenizer.ggml.eos_token_id": ((4_000_000_000,), ("eos_token_id",)),
+        "tokenizer.ggml.padding_token_id": ((1 << 31,), ("padding_token_id",)),
     }
     for key, (values, names) in lies.items():
         for value in values:
             out.append((f"{key} = {value}", _put(data, keys[key], value, "<u4"), names, True))
+    name_at = keys["general.name"] + 8  # the string's bytes, after its length
+    not_utf8 = data[:name_at] + b"\xff\xfe" + data[name_at + 2 :]
+    out.append(("general.name not UTF-8", not_utf8, ("general.name",), True))
     return out
 
 

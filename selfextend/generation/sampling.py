@@ -152,12 +152,27 @@ def any_left(logits: torch.Tensor, params: SamplingParams, recent: torch.Tensor)
 
 
 def argmax(scores: torch.Tensor) -> int:
-    """The index of the highest of ``scores`` (vocab,), the first one where several tie, a NaN above any
-    number (as ``torch.argmax``). On the CPU through NumPy: its vectorized argmax over a 262k-entry
-    vocabulary takes ~40 us where ``torch.argmax`` takes ~650 (a greedy Gemma 3 token is ~20 ms)."""
+    """The index of the highest of ``scores`` (vocab,), the first one where several tie; a NaN is never
+    picked (as sampling never draws one), and ``ValueError`` where no score is above -inf but NaNs (a broken
+    model's output). On the CPU through NumPy: its vectorized argmax over a 262k-entry vocabulary takes
+    ~40 us where ``torch.argmax`` takes ~650 (a greedy Gemma 3 token is ~20 ms); on a GPU the id and its
+    score come back in one copy."""
     if scores.device.type == "cpu" and scores.dtype in (torch.float32, torch.float64):
-        return int(scores.detach().numpy().argmax())
-    return int(scores.argmax())
+        values = scores.detach().numpy()
+        index = int(values.argmax())
+        top = float(values[index])
+    else:
+        at = scores.argmax()
+        index, top = torch.stack((at.double(), scores[at].double())).tolist()
+        index = int(index)
+    if top != top:  # NaN, which an argmax takes as the highest: the highest number instead
+        numbers = torch.where(scores.isnan(), float("-inf"), scores)
+        index = int(numbers.argmax())
+        if not float(numbers[index]) > float("-inf"):
+            raise ValueError(
+                "cannot pick a token: no logit is a finite number (the model's output is broken)"
+            )
+    return index
 
 
 def _scores(logits: torch.Tensor, params: SamplingParams, recent: torch.Tensor) -> torch.Tensor:

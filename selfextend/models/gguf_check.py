@@ -5,8 +5,9 @@ past 2^64 wraps), a zero or huge dimension is a shape like any other, and it bui
 every string of the vocabulary (a minute for 4M tokens) before anyone can look at the table. This walk
 reads only counts and lengths, refusing in one line naming the key or tensor: anything that ends past the
 end of the file, an unknown type, a dimension that is zero or makes the tensor's byte count overflow,
-rows that are not whole blocks of the tensor's type, a tensor named twice, and a vocabulary longer than
-the embedding table (a token id past the table's rows would read memory past it). What it accepts,
+rows that are not whole blocks of the tensor's type, data not at the file's alignment, a tensor named
+twice, a metadata string that is not UTF-8, a special token's id past the token list, and a vocabulary
+longer than the embedding table (a token id past the table's rows would read memory past it). What it accepts,
 ``gguf``'s reader then parses (:func:`~selfextend.models.gguf.checked_reader`).
 """
 
@@ -23,6 +24,7 @@ MAX_BYTES = 1 << 62  # no tensor's byte count (nor offset) can reach it: the sum
 _SCALARS = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # value type -> bytes
 STRING, ARRAY, U32, U64 = 8, 9, 4, 10
 TOKENS, EMBEDDING = "tokenizer.ggml.tokens", "token_embd.weight"
+SPECIAL_TOKENS = ("bos", "eos", "unknown", "padding")  # the ids transformers looks up in the token list
 
 
 class _Walk:
@@ -46,7 +48,10 @@ class _Walk:
     def string(self, what: str) -> str:
         n = self.u64(what)
         start = self.take(n, what)
-        return bytes(self.data[start : start + n]).decode("utf-8", errors="replace")
+        try:
+            return bytes(self.data[start : start + n]).decode("utf-8")
+        except UnicodeDecodeError:
+            raise ModelError(f"{self.path}: {what} is not UTF-8 text (GGUF strings are UTF-8)") from None
 
     def value(self, kind: int, what: str) -> int | str | tuple | None:
         """Skip (or read: an integer, a string) one value of GGUF type ``kind``; ("array", its count)."""
@@ -89,6 +94,8 @@ def check_table(path: Path) -> None:
         for _ in range(n_kv):
             key = walk.string("a metadata key")
             values[key] = walk.value(walk.u32(f"metadata key {key}"), f"metadata key {key}")
+        alignment = values.get("general.alignment")
+        alignment = alignment if isinstance(alignment, int) and alignment > 0 else 32
         seen: dict[str, tuple[int, ...]] = {}
         ends: dict[str, int] = {}  # each tensor's end in the data section
         for _ in range(n_tensors):
@@ -116,11 +123,16 @@ def check_table(path: Path) -> None:
             count = 1
             for n in dims:
                 count *= n  # Python integers: no wrap
-            if count // values_per_block * block_bytes >= MAX_BYTES or offset >= MAX_BYTES:
+            if count // values_per_block * block_bytes >= MAX_BYTES:
                 raise ModelError(f"{path}: tensor {name}'s dimensions {dims} overflow its byte count")
+            if offset >= MAX_BYTES:
+                raise ModelError(f"{path}: tensor {name}'s data offset {offset} lies past any file")
+            if offset % alignment:  # llama.cpp refuses it too; the reader would read shifted bytes
+                raise ModelError(
+                    f"{path}: tensor {name}'s data offset {offset} is not a multiple of the file's "
+                    f"alignment ({alignment})"
+                )
             seen[name], ends[name] = dims, offset + count // values_per_block * block_bytes
-        alignment = values.get("general.alignment")
-        alignment = alignment if isinstance(alignment, int) and alignment > 0 else 32
         start = (walk.at + alignment - 1) // alignment * alignment
         for name, end in ends.items():
             if start + end > len(data):
@@ -131,7 +143,15 @@ def check_table(path: Path) -> None:
 
 def _check_vocabulary(path: Path, values: dict, tensors: dict[str, tuple[int, ...]]) -> None:
     """ModelError where the vocabulary (the token list, or the architecture's ``vocab_size`` key) is longer
-    than the embedding table's rows: the tokenizer, and a client, could then name a row it does not hold."""
+    than the embedding table's rows: the tokenizer, and a client, could then name a row it does not hold;
+    or where a special token's id (BOS, EOS, ...) is past the token list."""
+    listed = values.get(TOKENS)
+    if isinstance(listed, tuple):
+        for name in SPECIAL_TOKENS:
+            key = f"tokenizer.ggml.{name}_token_id"
+            token = values.get(key)
+            if isinstance(token, int) and token >= listed[1]:
+                raise ModelError(f"{path}: {key} is {token}, past the {listed[1]} tokens of {TOKENS}")
     table = tensors.get(EMBEDDING)
     if table is None or len(table) < 2:
         return
@@ -157,7 +177,8 @@ SIZES = (
 
 
 def _check_sizes(path: Path, values: dict, tensors: dict[str, tuple[int, ...]]) -> None:
-    """ModelError naming the key where a size the config is made from is zero, or larger than every dimension
+    """ModelError naming the key where a size the config is made from (the trained window too) is zero, or
+    larger than every dimension
     of every tensor (no tensor can then have the shape it implies: refused before a model of that size is
     built), where the block count passes the tensors, or the query heads are no multiple of the KV heads."""
     arch = values.get("general.architecture")
@@ -167,6 +188,8 @@ def _check_sizes(path: Path, values: dict, tensors: dict[str, tuple[int, ...]]) 
         bound = len(tensors) if name == "block_count" else largest
         if isinstance(value, int) and not 1 <= value <= bound:
             raise ModelError(f"{path}: {key} is {value}, where the tensors allow 1 to {bound}")
+    if values.get(f"{arch}.context_length") == 0:
+        raise ModelError(f"{path}: {arch}.context_length is 0 (the trained window must be a length)")
     heads, kv = (values.get(f"{arch}.attention.{k}") for k in ("head_count", "head_count_kv"))
     if isinstance(heads, int) and isinstance(kv, int) and heads % kv:
         raise ModelError(f"{path}: {arch}.attention.head_count_kv {kv} does not divide head_count {heads}")

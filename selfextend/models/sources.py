@@ -126,7 +126,10 @@ def resolve_model(name_or_path: str) -> ModelSource:
     path = Path(text).expanduser()
     if text.lower().endswith(".gguf"):
         if not path.is_file():
-            raise ModelError(f"no such file: {text}")
+            if not path.exists():
+                raise ModelError(f"no such file: {text}")
+            kind = "a directory" if path.is_dir() else "not a regular file"
+            raise ModelError(f"{text} is {kind}, not a GGUF file")
         path = path.resolve()
         return ModelSource("gguf", str(path.parent), path.name, path.name)
     if path.is_dir():
