@@ -340,6 +340,39 @@ def test_slot_save_restore(server, client, tiny):
     assert request(base, "POST", "/slots/1?action=restore", {"filename": "missing.bin"})[0] == 404
     assert request(base, "POST", "/slots/1?action=fly", {"filename": "x"})[0] == 400
     assert request(base, "POST", "/slots/7?action=erase")[0] == 404
+    for name in ("e" * 255, "f" * 252):  # a name near the file system's 255 bytes: was a 500 (its ".tmp")
+        status, out = request(base, "POST", "/slots/1?action=save", {"filename": name})
+        assert status == 200 and out["filename"] == name, out
+    assert request(base, "POST", "/slots/1?action=erase", {})[0] == 200  # erase reads no body
+    status, out = request(base, "POST", "/slots/1?action=save", b"")
+    assert status == 400 and out["error"]["param"] == "filename", out
+    form = {"Content-Type": "application/x-www-form-urlencoded"}  # curl -d's: the body is JSON all the same
+    status, out = request(base, "POST", "/slots/1?action=restore", {"filename": "talk.bin"}, form)
+    assert status == 200 and out["n_restored"] == saved["n_saved"], out
+
+
+def test_max_completion_tokens_is_max_tokens(server, client):
+    """OpenAI's newer name for ``max_tokens`` (the ``openai`` client's ``max_completion_tokens=``) limits the
+    reply as ``max_tokens`` does (it was ignored: replies ran to the server's default), within the same
+    bound; both given must agree."""
+    base, _ = server
+    messages = [{"role": "user", "content": "Write a long story about the sea."}]
+    reply = client.chat.completions.create(
+        model="tiny",
+        messages=messages,
+        max_completion_tokens=3,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert reply.usage.completion_tokens == 3 and reply.choices[0].finish_reason == "length"
+    for body, param in (
+        ({"max_completion_tokens": 10**12}, "max_completion_tokens"),
+        ({"max_completion_tokens": 3, "max_tokens": 4}, "max_completion_tokens"),
+        ({"max_completion_tokens": 0}, "max_completion_tokens"),
+        ({"logit_bias": {"": -100}}, "logit_bias"),
+    ):
+        status, out = request(base, "POST", "/v1/chat/completions", {"messages": messages, **body})
+        assert status == 400 and out["error"]["param"] == param, (body, out)
 
 
 def test_api_key(tiny):

@@ -56,6 +56,22 @@ def test_tokenize_and_detokenize_round_trip(server):
     assert status == 200 and back == {"content": text}
 
 
+def test_bodies_are_json_whatever_the_content_type(server):
+    """``curl -d`` sends a form's content type; llama-server reads the body as JSON all the same (these
+    endpoints refused it: "Input should be a valid dictionary"), as the completion endpoints do here."""
+    base, _, tok = server
+    form = {"Content-Type": "application/x-www-form-urlencoded"}
+    status, body = request(base, "POST", "/tokenize", {"content": "Hello world"}, form)
+    assert status == 200 and body["tokens"] == tok("Hello world", add_special_tokens=False).input_ids
+    assert request(base, "POST", "/detokenize", {"tokens": body["tokens"]}, form)[1] == {
+        "content": "Hello world"
+    }
+    messages = [{"role": "user", "content": "hi"}]
+    assert request(base, "POST", "/apply-template", {"messages": messages}, form)[0] == 200
+    status, out = request(base, "POST", "/tokenize", b"{not json", form)
+    assert status == 400 and out["error"]["code"] == "invalid_json"
+
+
 @pytest.mark.parametrize(
     "path,body,param",
     [
@@ -64,6 +80,7 @@ def test_tokenize_and_detokenize_round_trip(server):
         ("/detokenize", {"tokens": "12"}, "tokens"),
         ("/tokenize", {"content": 5}, "content"),
         ("/tokenize", {}, "content"),
+        ("/tokenize", {"content": "a\x00b"}, "content"),
         ("/apply-template", {"messages": []}, "messages"),
     ],
 )

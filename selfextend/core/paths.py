@@ -1,4 +1,5 @@
-"""Where the library may write: the cache root (converted GGUFs, compiled kernels, inductor's code).
+"""Where the library may write: the cache root (converted GGUFs, compiled kernels, inductor's code), and
+the name a file is written under before it replaces the old one whole.
 
 Here, at the bottom of the import order, because the native kernels' build (:mod:`selfextend.native`)
 and the model loading (:mod:`selfextend.models`) both write under it.
@@ -7,6 +8,7 @@ and the model loading (:mod:`selfextend.models`) both write under it.
 from __future__ import annotations
 
 import os
+import secrets
 from pathlib import Path
 
 
@@ -19,3 +21,11 @@ def cache_root() -> Path:
     xdg = os.environ.get("XDG_CACHE_HOME")
     base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
     return base / "selfextend"
+
+
+def temporary_beside(path: Path) -> Path:
+    """A fresh name in ``path``'s folder to write ``path`` under before ``os.replace`` puts it in place (a
+    reader never sees half a file): hidden, at most 214 bytes (``path.name + ".tmp"`` passes the 255 a
+    file name may hold where ``path``'s is near them)."""
+    stem = path.name.encode()[:200].decode(errors="ignore")
+    return path.with_name(f".{stem}.{secrets.token_hex(4)}.tmp")

@@ -15,6 +15,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from selfextend.core.paths import temporary_beside
+
 
 class ResultsWarning(UserWarning):
     """A line of a results file that is not a record and was skipped (or set aside)."""
@@ -90,9 +92,12 @@ def repair_tail(path: str | Path) -> None:
             f.write(f"{p.name}:{i}: ".encode() + line + b"\n")
     bad_numbers = {i for i, _ in bad}
     kept = [line for i, line in enumerate(lines, 1) if i not in bad_numbers]
-    tmp = p.with_name(p.name + ".tmp")
-    tmp.write_bytes(b"".join(line + b"\n" for line in kept))
-    os.replace(tmp, p)
+    tmp = temporary_beside(p)
+    try:
+        tmp.write_bytes(b"".join(line + b"\n" for line in kept))
+        os.replace(tmp, p)
+    finally:
+        tmp.unlink(missing_ok=True)
     warnings.warn(
         f"{p}: {len(bad)} line(s) that are not records moved to {rejected_path(p)}",
         ResultsWarning,

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from selfextend.core.paths import temporary_beside
 from selfextend.kv.cache import ContextShiftCache
 from selfextend.models.quantize import weight_format
 
@@ -82,9 +83,12 @@ def save(
     if extra is not None:
         payload["extra"] = json.dumps(extra)
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(payload, tmp)
-    os.replace(tmp, path)
+    tmp = temporary_beside(path)
+    try:
+        torch.save(payload, tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def snapshot(cache: ContextShiftCache, n: int) -> tuple[list[torch.Tensor], ...]:

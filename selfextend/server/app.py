@@ -35,7 +35,16 @@ from selfextend.generation.sampling import SamplingParams
 from selfextend.server.engine import Engine, Job, Stopped
 from selfextend.server.guard import APIError, Guard, error_body, install_error_handlers
 from selfextend.server.llama_api import add_llama_routes
-from selfextend.server.prompts import Body, Prompt, chat_prompt, completion_prompt, read_body, too_long
+from selfextend.server.prompts import (
+    Body,
+    Prompt,
+    chat_prompt,
+    completion_prompt,
+    parse_json,
+    read_body,
+    too_long,
+    validated,
+)
 from selfextend.server.schemas import (
     ChatRequest,
     CompletionRequest,
@@ -120,8 +129,11 @@ def create_app(engine: Engine, settings: Settings) -> FastAPI:
         return engine.info()
 
     @app.post("/slots/{slot_id}")
-    async def slot(slot_id: int, action: str, body: SlotFile | None = None) -> dict[str, Any]:
-        return await slot_action(engine, settings.slot_save_path, slot_id, action, body, settings.model_name)
+    async def slot(slot_id: int, action: str, raw: Request) -> dict[str, Any]:
+        body = await raw.body()  # save and restore: a file's name (JSON, any content type); erase: none read
+        wants_name = action in ("save", "restore") and body.strip()
+        named = validated(parse_json(body), SlotFile) if wants_name else None
+        return await slot_action(engine, settings.slot_save_path, slot_id, action, named, settings.model_name)
 
     add_llama_routes(app, engine, settings.model_name, dataclasses.asdict(settings.sampling))
     return app
@@ -164,9 +176,10 @@ def _prepare(
 def _check(engine: Engine, settings: Settings, request: Sampling, prompt: Prompt) -> int:
     """Refuse what no slot can do; returns ``max_tokens``."""
     limit = settings.max_tokens
-    max_tokens = request.max_tokens or (settings.default_max_tokens if prompt.chat else 16)
+    asked, field = request.token_limit()
+    max_tokens = asked or (settings.default_max_tokens if prompt.chat else 16)
     if max_tokens > limit:
-        raise APIError(400, f"max_tokens must be at most {limit}, got {max_tokens}", "max_tokens")
+        raise APIError(400, f"{field} must be at most {limit}, got {max_tokens}", field)
     if not prompt.ids:
         raise APIError(400, "the prompt is empty", "prompt")
     if prompt.n_keep > engine.n_ctx - 2:

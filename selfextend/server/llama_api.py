@@ -4,6 +4,7 @@
 Bodies and answers follow llama-server's: ``/tokenize`` takes ``content`` (and ``add_special``,
 ``with_pieces``) and answers ``tokens``; ``/detokenize`` takes ``tokens`` and answers ``content``;
 ``/apply-template`` takes chat ``messages`` and answers the ``prompt`` text the chat endpoint would read.
+A body is JSON whatever its content type says, as there.
 Tokenising (and decoding each token's piece) runs on a worker thread, so a large body does not hold up
 other requests.
 """
@@ -13,14 +14,14 @@ from __future__ import annotations
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse
 from pydantic import Field
 from starlette.concurrency import run_in_threadpool
 
 from selfextend.server.engine import Engine
 from selfextend.server.guard import APIError
-from selfextend.server.prompts import render_chat
+from selfextend.server.prompts import Model, check_text, parse_json, render_chat, validated
 from selfextend.server.schemas import Message, Strict
 
 
@@ -43,8 +44,14 @@ def add_llama_routes(app: FastAPI, engine: Engine, model_name: str, defaults: di
     that ``/props`` reports."""
     tokenizer = engine.tokenizer
 
+    async def body(raw: Request, kind: type[Model]) -> Model:
+        return validated(parse_json(await raw.body()), kind)
+
     @app.post("/tokenize")
-    async def tokenize(request: TokenizeRequest) -> dict[str, Any]:
+    async def tokenize(raw: Request) -> dict[str, Any]:
+        request = await body(raw, TokenizeRequest)
+        check_text(request.content, "content")
+
         def run() -> list[int] | list[dict[str, Any]]:
             ids = list(tokenizer(request.content, add_special_tokens=request.add_special).input_ids)
             return [{"id": t, "piece": tokenizer.decode([t])} for t in ids] if request.with_pieces else ids
@@ -52,13 +59,15 @@ def add_llama_routes(app: FastAPI, engine: Engine, model_name: str, defaults: di
         return {"tokens": await run_in_threadpool(run) if request.content else []}
 
     @app.post("/detokenize")
-    async def detokenize(request: DetokenizeRequest) -> dict[str, Any]:
+    async def detokenize(raw: Request) -> dict[str, Any]:
+        request = await body(raw, DetokenizeRequest)
         if any(not 0 <= t < len(tokenizer) for t in request.tokens):
             raise APIError(400, f"token ids must be in [0, {len(tokenizer)})", "tokens")
         return {"content": await run_in_threadpool(tokenizer.decode, request.tokens)}
 
     @app.post("/apply-template")
-    async def apply_template(request: TemplateRequest) -> dict[str, Any]:
+    async def apply_template(raw: Request) -> dict[str, Any]:
+        request = await body(raw, TemplateRequest)
         try:
             _, text = await run_in_threadpool(render_chat, tokenizer, request.messages)
         except ValueError as e:

@@ -16,7 +16,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import pydantic
 from fastapi.exceptions import RequestValidationError
@@ -28,6 +28,7 @@ from selfextend.server.guard import APIError
 from selfextend.server.schemas import Message, Sampling
 
 Body = TypeVar("Body", bound=Sampling)
+Model = TypeVar("Model", bound=pydantic.BaseModel)
 
 
 @dataclass
@@ -48,21 +49,33 @@ def too_long(n: int, limit: int) -> APIError:
     )
 
 
+def parse_json(body: bytes) -> Any:
+    """A request's ``body`` as JSON whatever its content type says (llama-server's clients, and curl's
+    ``-d``, send JSON as a form): :class:`APIError` where it does not parse."""
+    try:
+        return json.loads(body)
+    except (ValueError, RecursionError):  # bad JSON, bytes that are not UTF-8, arrays nested 1,000 deep
+        raise APIError(400, "the request body is not valid JSON", None, "invalid_json") from None
+
+
+def validated(data: Any, kind: type[Model]) -> Model:
+    """Parsed JSON as ``kind``: ``RequestValidationError`` (a 400 naming the field) for fields of the wrong
+    type or range."""
+    try:
+        return kind.model_validate(data)
+    except pydantic.ValidationError as e:
+        raise RequestValidationError(e.errors(include_url=False, include_input=False)) from None
+
+
 def read_body(body: bytes, kind: type[Body], max_prompt: int) -> Body:
     """The request ``body`` (JSON) as ``kind``: :class:`APIError` for JSON that does not parse or a prompt
     of more than ``max_prompt`` token ids (counted before the validation, which takes seconds on millions),
     ``RequestValidationError`` for fields of the wrong type or range."""
-    try:
-        data = json.loads(body)
-    except (ValueError, RecursionError):  # bad JSON, bytes that are not UTF-8, arrays nested 1,000 deep
-        raise APIError(400, "the request body is not valid JSON", None, "invalid_json") from None
+    data = parse_json(body)
     ids = data.get("prompt") if isinstance(data, dict) else None
     if isinstance(ids, list) and len(ids) > max_prompt:
         raise too_long(len(ids), max_prompt)
-    try:
-        request = kind.model_validate(data)
-    except pydantic.ValidationError as e:
-        raise RequestValidationError(e.errors(include_url=False, include_input=False)) from None
+    request = validated(data, kind)
     for i, stop in enumerate(request.stops()):
         check_text(stop, "stop" if isinstance(request.stop, str) else f"stop.{i}")
     return request

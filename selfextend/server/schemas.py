@@ -73,6 +73,7 @@ class Sampling(Strict):
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name for it
     temperature: Finite | None = Field(None, ge=0.0, le=100.0)
     top_p: Finite | None = Field(None, ge=0.0, le=1.0)
     top_k: int | None = Field(None, ge=0)
@@ -116,6 +117,8 @@ class Sampling(Strict):
             number = isinstance(bias, (int, float)) and not isinstance(bias, bool)
             if not isinstance(key, (int, str)) or isinstance(key, bool) or not (number or bias is False):
                 raise PydanticCustomError("logit_bias", "entries are [token id or text, bias]")
+            if key == "":
+                raise PydanticCustomError("logit_bias", "a key is empty text (no token to bias)")
             if number and not (math.isfinite(bias) and -100 <= bias <= 100):
                 raise PydanticCustomError("logit_bias", f"biases must be in [-100, 100] or false, got {bias}")
         return pairs
@@ -127,6 +130,16 @@ class Sampling(Strict):
         if value is not None and value not in neutral:
             raise PydanticCustomError("unsupported", f"this server does not implement {what}")
         return value
+
+    def token_limit(self) -> tuple[int | None, str]:
+        """(the most tokens the reply may have, None where unsaid; the field that said it): ``max_tokens`` or
+        OpenAI's ``max_completion_tokens``, a 400 where both are given and differ."""
+        ours, theirs = self.max_tokens, self.max_completion_tokens
+        if ours is not None and theirs is not None and ours != theirs:
+            raise APIError(
+                400, f"max_tokens {ours} and max_completion_tokens {theirs} differ", "max_completion_tokens"
+            )
+        return (ours, "max_tokens") if theirs is None else (theirs, "max_completion_tokens")
 
     def stops(self) -> tuple[str, ...]:
         if self.stop is None:
