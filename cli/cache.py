@@ -21,8 +21,10 @@ def cache() -> None:
 
 @cache.command("list")
 def list_() -> None:
-    """One line per entry: size, form (stale: from an older version, never read), source GGUF."""
+    """One line per entry: size, form (stale: from an older version, never read; not selfextend's: left
+    alone by clear), source GGUF."""
     from selfextend.models import cache_entries, cache_root
+    from selfextend.models.diskcache import FOREIGN
 
     entries = cache_entries()
     click.echo(f"cache: {cache_root()}")
@@ -30,15 +32,24 @@ def list_() -> None:
         click.echo("(empty)")
         return
     for e in entries:
-        form = "assembled GGUF" if e.form is None else e.form + ("" if e.usable else " (stale)")
+        form = (
+            "assembled GGUF"
+            if e.form is None
+            else e.form + ("" if e.usable or e.form == FOREIGN else " (stale)")
+        )
         click.echo(f"{_mb(e.bytes):>12}  {form:<22}  {e.source}")
     click.echo(f"{_mb(sum(e.bytes for e in entries)):>12}  total")
 
 
 @cache.command()
 def clear() -> None:
-    """Delete every entry (conversions and assembled GGUFs); they are rebuilt when next needed."""
-    from selfextend.models import cache_root, clear_cache
+    """Delete every entry selfextend wrote (conversions, assembled GGUFs, compiled kernels); they are rebuilt
+    when next needed. Files it did not write are left where they are."""
+    from selfextend.models import cache_entries, cache_root, clear_cache
+    from selfextend.models.diskcache import FOREIGN
 
     freed = clear_cache()
     click.echo(f"freed {_mb(freed)} in {cache_root()}")
+    kept = [e.path.name for e in cache_entries() if e.form == FOREIGN]
+    if kept:
+        click.echo(f"left {len(kept)} not written by selfextend: {', '.join(kept)}")

@@ -155,14 +155,24 @@ def test_cache_list_and_clear(tmp_path, monkeypatch):
     load_model(str(gguf), dtype="bfloat16")
     listed = invoke("cache", "list").stdout
     assert "int8-float32" in listed and "float-bfloat16" in listed and str(gguf) in listed
+    mine = tmp_path / "cache" / "notes.txt"  # $SELFEXTEND_CACHE may name a shared folder: clear kept it?
+    mine.write_text("my notes")
+    (tmp_path / "cache" / "photos").mkdir()
+    (tmp_path / "cache" / "photos" / "a.jpg").write_bytes(b"jpeg")
     r = invoke("cache", "clear")
-    assert r.exit_code == 0 and r.stdout.startswith("freed ")
-    assert "(empty)" in invoke("cache", "list").stdout
+    assert r.exit_code == 0 and r.stdout.startswith("freed "), r.output
+    assert "left 2 not written by selfextend: " in r.stdout and "notes.txt" in r.stdout, r.output
+    assert (
+        mine.read_text() == "my notes" and (tmp_path / "cache" / "photos" / "a.jpg").read_bytes() == b"jpeg"
+    )
+    left = invoke("cache", "list").stdout
+    assert "int8-float32" not in left and "float-bfloat16" not in left and "tokenizer" not in left, left
+    assert left.count("not selfextend's") == 2 and "stale" not in left, left
 
 
 def test_cache_list_names_compiled_kernels_not_a_stale_conversion(tmp_path, monkeypatch):
     """The folder the native build compiles into is listed as compiled kernels (it used to read as a stale
-    ``float-float32`` conversion), and a conversion-less unknown folder as unknown."""
+    ``float-float32`` conversion), and a conversion-less unknown folder as not selfextend's."""
     from selfextend.native.build import ENV, kernels
 
     monkeypatch.setenv("SELFEXTEND_CACHE", str(tmp_path / "cache"))
@@ -178,7 +188,7 @@ def test_cache_list_names_compiled_kernels_not_a_stale_conversion(tmp_path, monk
     lines = r.output.splitlines()
     built = [line for line in lines if line.rstrip().endswith(str(library.parent))]
     assert len(built) == 1 and "compiled kernels" in built[0] and "stale" not in built[0], r.output
-    assert any("unknown (stale)" in line and line.rstrip().endswith("leftover") for line in lines), r.output
+    assert any("not selfextend's" in line and line.rstrip().endswith("leftover") for line in lines), r.output
 
 
 MISSING = [["info", "{m}"], ["info", "-m", "{m}"], ["generate", "-m", "{m}", "-p", "x"]]

@@ -50,6 +50,7 @@ _TOKENIZERS = "tokenizer"  # cache subfolder: each GGUF's converted tokenizer, s
 # cache subfolders that hold compiled code, not conversions (native.build's kernels, torch.compile's)
 _BUILDS = {"kernels": "compiled kernels", "inductor": "torch.compile code"}
 _STALE_TMP_S = 6 * 3600
+FOREIGN = "not selfextend's"  # the form of an entry selfextend did not write: listed, never deleted
 
 
 _DTYPES: dict[str, torch.dtype | str] = {
@@ -337,8 +338,8 @@ def cache_entries() -> list[CacheEntry]:
                 found.append(CacheEntry(folder, str(marker.get("source", "?")), "tokenizer", size, usable))
             continue
         marker = _marker(path)
-        if marker is None:  # compiled code (rebuilt when deleted), or not ours to read: never a conversion
-            what = _BUILDS.get(path.name, "unknown")
+        if marker is None:  # compiled code (rebuilt when deleted), or not ours: never a conversion
+            what = _BUILDS.get(path.name, FOREIGN)
             found.append(CacheEntry(path, str(path), what, size, path.name in _BUILDS))
             continue
         usable = is_complete(path) and marker.get("format") == _CACHE_FORMAT
@@ -348,9 +349,13 @@ def cache_entries() -> list[CacheEntry]:
 
 
 def clear_cache() -> int:
-    """Delete everything in the cache (it is rebuilt on the next load); returns the bytes freed."""
+    """Delete what selfextend wrote into the cache (it is rebuilt on the next load): conversions, tokenizers,
+    assembled GGUFs, compiled code; files and folders it did not write (``$SELFEXTEND_CACHE`` may name a
+    shared folder) stay. Returns the bytes freed."""
     freed = 0
     for entry in cache_entries():
+        if entry.form == FOREIGN:
+            continue
         freed += entry.bytes
         if entry.path.is_dir():
             shutil.rmtree(entry.path, ignore_errors=True)
