@@ -282,7 +282,12 @@ class Repl:
 
         s = self.session
         if not line.startswith("/"):
-            self._stream(s.reply(line))
+            try:
+                self._stream(s.reply(line))
+            except ChatError as e:  # text no tokenizer takes: at a prompt it is said, from a pipe it ends
+                if not self.interactive:
+                    raise
+                click.echo(f"error: {e}; not sent", err=True)
             return not self.terminated
         command, _, arg = line.strip().partition(" ")
         arg = arg.strip()

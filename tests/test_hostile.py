@@ -280,18 +280,25 @@ def test_bad_files_and_models(args, message, files, tiny_dir):
     assert not any((files.parent / "cache").glob("*/model.safetensors")), "a broken model was cached"
 
 
-def test_non_utf8_stdin_subprocess(tiny_dir, tmp_path):
+@pytest.mark.parametrize(
+    "command,stdin,message",
+    [
+        ("generate", b"caf\xe9\n", "standard input is not UTF-8"),
+        ("chat", b"hello\ncaf\xe9\n", "bytes that are not UTF-8"),  # was a TypeError's traceback
+    ],
+)
+def test_non_utf8_stdin_subprocess(command, stdin, message, tiny_dir, tmp_path):
     before = snapshot(tmp_path)
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     r = subprocess.run(
-        [sys.executable, "-m", "selfextend", "generate", "-m", str(tiny_dir), "-n", "2"],
-        input=b"caf\xe9\n",
+        [sys.executable, "-m", "selfextend", command, "-m", str(tiny_dir), "-n", "2"],
+        input=stdin,
         capture_output=True,
         cwd=tmp_path,
         env=env,
         timeout=300,
     )
-    assert_one_line_error(r.returncode, r.stderr.decode(), before, "standard input is not UTF-8")
+    assert_one_line_error(r.returncode, r.stderr.decode(), before, message)
 
 
 def test_truncated_gguf_subprocess(real_gguf, tmp_path):

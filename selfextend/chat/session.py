@@ -173,12 +173,14 @@ class ChatSession:
             closing, turn = "", self.template.first_turn(user)
         else:
             closing, turn = self.template.next_turn(self.exchanges[-1], user)
-        if closing and not self.closed:
-            self._prefill(self.template.ids(closing))
+        closing_ids = self.template.ids(closing) if closing and not self.closed else []
+        turn_ids = self.template.ids(turn)  # (text it cannot take is refused before anything is written)
+        if closing_ids:
+            self._prefill(closing_ids)
         exchange = Exchange(user, start=self.cache.n_past)
         self.exchanges.append(exchange)
         self.closed = False
-        logits = self._prefill(self.template.ids(turn))
+        logits = self._prefill(turn_ids)
         exchange.reply_start = self.cache.n_past
         yield from self._generate(exchange, logits)
 

@@ -87,5 +87,13 @@ class ChatTemplate:
         return _after(closed, written), _after(turn, closed)
 
     def ids(self, text: str) -> list[int]:
-        """Token ids of a piece; the template's own markers (BOS, turn tokens) are already in its text."""
+        """Token ids of a piece; the template's own markers (BOS, turn tokens) are already in its text.
+        :class:`~selfextend.chat.sessionfile.ChatError` where the text holds what no tokenizer takes: a lone
+        surrogate (bytes that were not UTF-8, read with ``surrogateescape`` as standard input is)."""
+        from selfextend.chat.sessionfile import ChatError
+
+        try:
+            text.encode()
+        except UnicodeEncodeError:
+            raise ChatError("the text holds bytes that are not UTF-8") from None
         return list(self.tokenizer(text, add_special_tokens=False).input_ids) if text else []
