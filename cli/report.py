@@ -67,7 +67,10 @@ def _records(results: str, trained_window: int | None, field: str = "ppl_last", 
 @click.command()
 @click.argument("results", type=click.Path(exists=True, dir_okay=False))
 @click.option(
-    "-o", "--out", type=click.Path(dir_okay=False), help="PNG to write (default: RESULTS with .png)."
+    "-o",
+    "--out",
+    type=click.Path(dir_okay=False),
+    help="PNG to write (default: RESULTS with .png; .png added to a name without a suffix).",
 )
 @summary_options
 @click.option("--per-doc", is_flag=True, help="Perplexity: one panel per document instead of the aggregate.")
@@ -88,8 +91,12 @@ def plot(
     """
     from selfextend.evaluation.plot import plot_bench, plot_passkey, plot_ppl
 
+    target = Path(out) if out else Path(results).with_suffix(".png")
+    if not target.suffix:  # matplotlib would add it: the name written is said as written
+        target = target.with_name(target.name + ".png")
+    if target.resolve() == Path(results).resolve():
+        raise click.UsageError(f"the picture would overwrite the results {results}: name another with -o")
     records, kind, trained_window = _records(results, trained_window, field)
-    target = Path(out or Path(results).with_suffix(".png"))
     if kind == "ppl":
         plot_ppl(records, target, trained_window, field, stat, per_doc, ratio, reference)
     elif kind == "passkey":

@@ -161,6 +161,15 @@ def test_table_and_plot_commands(tmp_path):
         ["plot", str(path), "--trained-window", "2048", "--stat", "median", "-o", str(tmp_path / "x.png")],
     )
     assert r.exit_code == 0 and (tmp_path / "x.png").stat().st_size > 10000
+    r = runner.invoke(main, ["plot", str(path), "--trained-window", "2048", "-o", str(tmp_path / "noext")])
+    assert r.exit_code == 0 and r.output.strip() == f"wrote {tmp_path / 'noext.png'}", r.output  # as written
+    assert (tmp_path / "noext.png").stat().st_size > 10000 and not (tmp_path / "noext").exists()
+    named_png = tmp_path / "results.png"  # results under a .png name: its default picture was itself
+    named_png.write_bytes(path.read_bytes())
+    for args in ([str(named_png)], [str(path), "-o", str(path)]):
+        r = runner.invoke(main, ["plot", *args, "--trained-window", "2048"])
+        assert r.exit_code == 2 and "would overwrite the results" in r.stderr, r.output
+    assert named_png.read_bytes() == path.read_bytes()
     r = runner.invoke(main, ["table", str(path), "--ratio", "--reference", "999"])
     assert r.exit_code == 2 and "reference length 999 was not measured" in r.stderr
     bench = tmp_path / "bench.jsonl"

@@ -30,6 +30,8 @@ def _parse(line: bytes) -> dict[str, Any] | str:
         return "not UTF-8"
     except json.JSONDecodeError:
         return "not JSON (cut off?)"
+    except RecursionError:
+        return "JSON nested too deep"
     if not isinstance(value, dict):
         return f"JSON but not an object ({type(value).__name__})"
     return value
