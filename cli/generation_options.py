@@ -18,6 +18,7 @@ from selfextend.cli.options import (
     self_extend_options,
     weights_option,
 )
+from selfextend.core.validate import MAX_TEMPERATURE, PENALTY_RANGE
 
 CACHE_TYPES = ("f32", "bf16", "f16")  # generation.settings.CACHE_DTYPES's names
 
@@ -130,10 +131,10 @@ def sampling_options(f: Callable) -> Callable:
         [
             click.option(
                 "--temperature",
-                type=number(0.0),
+                type=number(0.0, MAX_TEMPERATURE),
                 default=0.8,
                 show_default=True,
-                help="0 = greedy; applied after the filters, as llama.cpp does.",
+                help="0 = greedy (as is below 1e-4); applied after the filters, as llama.cpp does.",
             ),
             click.option(
                 "--top-k",
@@ -158,7 +159,7 @@ def sampling_options(f: Callable) -> Callable:
             ),
             click.option(
                 "--repeat-penalty",
-                type=number(0.0, lo_open=True),
+                type=number(*PENALTY_RANGE),
                 default=1.0,
                 show_default=True,
                 help="Penalty for tokens among the last --repeat-last-n (1 = off).",

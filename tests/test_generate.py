@@ -129,6 +129,18 @@ def test_greedy_argmax_is_torch_argmax_with_ties_infinities_and_nan():
     assert sample(torch.tensor([1.0, math.nan, 3.0]), SamplingParams(temperature=0), NONE) == 2
 
 
+def test_a_temperature_or_top_p_near_zero_is_greedy():
+    """Below 1e-4 (the server's rule, now the library's: 1e-45 overflowed the draw, torch's "probability
+    tensor contains inf" after the model loaded) the settings are greedy's; 0 keeps the given top_p."""
+    for params in (SamplingParams(temperature=1e-45), SamplingParams(temperature=1.0, top_p=5e-324)):
+        params.validate()
+        assert (params.temperature, params.top_p) == (0.0, 1.0)
+        assert sample(LOGITS, params, NONE) == int(LOGITS.argmax())
+    greedy = SamplingParams(temperature=0, top_p=0.9)
+    greedy.validate()
+    assert greedy.top_p == 0.9
+
+
 def test_nan_logits_are_skipped_or_refused():
     """A NaN logit is never drawn, however many there are; logits that are all NaN raise a ValueError that
     says so."""

@@ -18,6 +18,11 @@ from typing import Any
 MAX_INT = 2**31 - 1
 """Upper bound of counts (tokens, documents, repeats...) unless a check says otherwise."""
 MAX_SEED = 2**63 - 1
+GREEDY_BELOW = 1e-4
+"""A temperature or top_p under this is greedy: dividing logits by a smaller temperature overflows float32
+(and the distribution is one-hot to float precision anyway); a smaller top_p keeps only the top token."""
+MAX_TEMPERATURE = 100.0  # past it the distribution is uniform to float precision; at inf, -inf / inf is NaN
+PENALTY_RANGE = (0.01, 100.0)  # a repeat penalty near 0 divides a logit into an overflow
 
 
 class ValidationError(ValueError):

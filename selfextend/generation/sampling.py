@@ -31,7 +31,7 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from selfextend.core.validate import check_float, check_int
+from selfextend.core.validate import GREEDY_BELOW, MAX_TEMPERATURE, PENALTY_RANGE, check_float, check_int
 
 
 @dataclass
@@ -50,12 +50,15 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Refuse settings that cannot work (:class:`~selfextend.core.validate.ValidationError`) and store
-        them as plain Python numbers (NumPy scalars become ``int``/``float``)."""
-        self.temperature = check_float(self.temperature, "temperature", 0.0)
+        them as plain Python numbers (NumPy scalars become ``int``/``float``); a temperature or top_p under
+        :data:`~selfextend.core.validate.GREEDY_BELOW` is greedy (temperature 0, top_p 1)."""
+        self.temperature = check_float(self.temperature, "temperature", 0.0, MAX_TEMPERATURE)
         self.top_k = check_int(self.top_k, "top-k", 0)
-        self.top_p = check_float(self.top_p, "top-p", 0.0, 1.0, lo_open=True)
+        self.top_p = check_float(self.top_p, "top-p", 0.0, 1.0)
+        if 0 < self.temperature < GREEDY_BELOW or self.top_p < GREEDY_BELOW:  # greedy, as near as it gets
+            self.temperature, self.top_p = 0.0, 1.0
         self.min_p = check_float(self.min_p, "min-p", 0.0, 1.0, hi_open=True)
-        self.repetition_penalty = check_float(self.repetition_penalty, "repeat penalty", 0.0, lo_open=True)
+        self.repetition_penalty = check_float(self.repetition_penalty, "repeat penalty", *PENALTY_RANGE)
         self.repeat_last_n = check_int(self.repeat_last_n, "repeat-last-n", -1)
         self.frequency_penalty = check_float(self.frequency_penalty, "frequency penalty", -2.0, 2.0)
         self.presence_penalty = check_float(self.presence_penalty, "presence penalty", -2.0, 2.0)

@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
 
-from selfextend.core.validate import MAX_SEED
+from selfextend.core.validate import MAX_SEED, MAX_TEMPERATURE, PENALTY_RANGE
 from selfextend.generation.grammar import Grammar
 from selfextend.generation.sampling import SamplingParams
 from selfextend.server.guard import APIError
@@ -74,11 +74,11 @@ class Sampling(Strict):
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name for it
-    temperature: Finite | None = Field(None, ge=0.0, le=100.0)
+    temperature: Finite | None = Field(None, ge=0.0, le=MAX_TEMPERATURE)
     top_p: Finite | None = Field(None, ge=0.0, le=1.0)
     top_k: int | None = Field(None, ge=0)
     min_p: Finite | None = Field(None, ge=0.0, lt=1.0)
-    repeat_penalty: Finite | None = Field(None, ge=0.01, le=100.0)  # a penalty near 0 overflows the logits
+    repeat_penalty: Finite | None = Field(None, ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1])
     repeat_last_n: int | None = Field(None, ge=-1)
     frequency_penalty: Finite | None = Field(None, ge=-2.0, le=2.0)
     presence_penalty: Finite | None = Field(None, ge=-2.0, le=2.0)
@@ -174,10 +174,6 @@ class SlotFile(Strict):
     filename: str = Field(min_length=1, max_length=255)
 
 
-GREEDY_BELOW = 1e-4
-"""A temperature or top_p under this is greedy: dividing logits by a smaller temperature overflows float32
-(and the distribution is one-hot to float precision anyway); a smaller top_p keeps only the top token."""
-
 REQUEST_FIELDS = {
     "temperature": "temperature",
     "top_k": "top_k",
@@ -223,14 +219,13 @@ def response_grammar(request: Sampling, tokenizer, eos: tuple[int, ...]) -> Gram
 
 
 def sampling_params(request: Sampling, defaults: SamplingParams, tokenizer) -> SamplingParams:
-    """The request's sampling settings over the server's ``defaults``, validated."""
+    """The request's sampling settings over the server's ``defaults``, validated (a temperature or top_p
+    near 0 made greedy: :data:`~selfextend.core.validate.GREEDY_BELOW`)."""
     changes: dict[str, Any] = {
         target: getattr(request, name)
         for name, target in REQUEST_FIELDS.items()
         if getattr(request, name) is not None
     }
-    if changes.get("temperature", 1.0) < GREEDY_BELOW or changes.get("top_p", 1.0) < GREEDY_BELOW:
-        changes["temperature"], changes["top_p"] = 0.0, 1.0
     if request.logit_bias:
         changes["logit_bias"] = logit_bias(request, tokenizer)
     params = dataclasses.replace(defaults, **changes)
