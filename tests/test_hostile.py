@@ -219,6 +219,10 @@ def files(tmp_path, tiny_dir, real_gguf, monkeypatch) -> Path:
         "list": "[1, 2]",
         "notype": '{"hidden_size": 8}',
         "latin1": '{"model_type": "llama", "x": "\xe9"}',
+        "zeroheads": '{"model_type": "llama", "num_attention_heads": 0}',  # transformers divides by it
+        "minuslayers": '{"model_type": "llama", "num_hidden_layers": -1}',
+        "theta": '{"model_type": "llama", "rope_theta": "abc"}',
+        "kvheads": '{"model_type": "llama", "num_key_value_heads": 3}',
     }.items():
         (d / name).mkdir()
         (d / name / "config.json").write_bytes(
@@ -255,6 +259,10 @@ FILE_CASES = [
     (["info", "{in}/notype"], "model_type"),
     (["info", "{in}/latin1"], "not UTF-8"),
     (["info", "{in}/noconfig"], "no config.json"),
+    (["info", "{in}/zeroheads"], "num_attention_heads is 0"),  # was "integer division or modulo by zero"
+    (["info", "{in}/minuslayers"], "num_hidden_layers is -1"),  # was printed: "layers -1"
+    (["info", "{in}/theta"], "rope_theta is 'abc'"),
+    (["info", "{in}/kvheads"], "3 KV heads do not divide"),
     (["generate", "-m", "{in}/noweights", "-p", "x"], "cannot load"),
     (["generate", "-m", "{in}/cutweights", "-p", "x"], "cannot load"),
     (["generate", "-m", "{tiny}", "-f", "{in}/latin1.txt"], "not UTF-8"),
@@ -280,6 +288,15 @@ def test_bad_files_and_models(args, message, files, tiny_dir):
     code, stderr = invoke(args, files)
     assert_one_line_error(code, stderr, before, message)
     assert not any((files.parent / "cache").glob("*/model.safetensors")), "a broken model was cached"
+
+
+def test_info_counts_a_huge_model_without_allocating_it(tmp_path):
+    """``info`` reads only the config: a vocabulary of 20M (a 328 GB float32 table) is counted on the meta
+    device (each parameter was made on the CPU and then moved: "can't allocate memory")."""
+    (tmp_path / "config.json").write_text('{"model_type": "llama", "vocab_size": 20000000}')
+    r = CliRunner().invoke(main, ["info", str(tmp_path)])
+    assert r.exit_code == 0, r.output
+    assert "649,705.0 MiB (float32)" in r.stdout
 
 
 @pytest.mark.parametrize(

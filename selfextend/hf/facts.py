@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -78,7 +79,8 @@ def _rope_parameters(config: PretrainedConfig) -> dict[str, Any] | None:
 
 
 def check_rope(config: PretrainedConfig, name: str | None = None) -> None:
-    """Raise :class:`ModelError` unless the model uses rotary position embeddings.
+    """Raise :class:`ModelError` unless the model uses rotary position embeddings, and its sizes are usable
+    (:data:`SIZES`).
 
     Self-Extend and the context shift both work by remapping RoPE positions, so a model with learned,
     ALiBi or no positions cannot be used; ``name`` is only used in the message.
@@ -100,6 +102,43 @@ def check_rope(config: PretrainedConfig, name: str | None = None) -> None:
         raise ModelError(
             f"model '{label}' ({model_type}) has no rotary position embeddings; selfextend needs a RoPE model"
         )
+    _check_sizes(text, label)
+
+
+SIZES = (
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "hidden_size",
+    "intermediate_size",
+    "head_dim",
+    "vocab_size",
+    "max_position_embeddings",
+)
+"""Config fields that size the model: a whole number >= 1 where given (a config file can say anything)."""
+
+
+def check_size_fields(fields: dict[str, Any], label: str) -> None:
+    """:class:`ModelError` naming the first of :data:`SIZES` in ``fields`` (a config, or its JSON before
+    transformers divides by them) that is given and not a whole number >= 1."""
+    for name in SIZES:
+        value = fields.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ModelError(f"model '{label}': its config's {name} is {value!r}, not a whole number >= 1")
+
+
+def _check_sizes(text: Any, label: str) -> None:
+    """:class:`ModelError` naming the field where a size is not a whole number >= 1, the query heads are no
+    multiple of the KV heads, or the rotary base is not a positive number (each failed later as arithmetic:
+    "integer division or modulo by zero", "0.0 cannot be raised to a negative power")."""
+    check_size_fields({name: getattr(text, name, None) for name in SIZES}, label)
+    heads, kv = getattr(text, "num_attention_heads", None), _kv_heads(text)
+    if isinstance(heads, int) and isinstance(kv, int) and heads % kv:
+        raise ModelError(f"model '{label}': {kv} KV heads do not divide its {heads} attention heads")
+    theta = (_rope_parameters(text) or {}).get("rope_theta", getattr(text, "rope_theta", None))
+    number = isinstance(theta, (int, float)) and not isinstance(theta, bool)
+    if theta is not None and not (number and math.isfinite(theta) and theta > 0):
+        raise ModelError(f"model '{label}': its config's rope_theta is {theta!r}, not a positive number")
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from selfextend.core.paths import cache_root
 from selfextend.core.validate import first_line
-from selfextend.hf.facts import ModelError
+from selfextend.hf.facts import ModelError, check_size_fields
 
 if TYPE_CHECKING:
     pass
@@ -151,7 +151,8 @@ def resolve_model(name_or_path: str) -> ModelSource:
 
 
 def _check_config_json(path: Path) -> None:
-    """A model directory's config.json must be readable UTF-8 JSON holding an object with a model_type."""
+    """A model directory's config.json must be readable UTF-8 JSON holding an object with a model_type, its
+    sizes whole numbers >= 1 (transformers divides by some as it reads them)."""
     try:
         config = json.loads(path.read_bytes().decode("utf-8"))
     except OSError as exc:
@@ -164,6 +165,9 @@ def _check_config_json(path: Path) -> None:
         raise ModelError(f"{path} holds {type(config).__name__}, not a JSON object")
     if "model_type" not in config:
         raise ModelError(f"{path} has no model_type, so transformers cannot tell which model it is")
+    for part in (config, config.get("text_config")):
+        if isinstance(part, dict):
+            check_size_fields(part, str(path.parent))
 
 
 def _hub_offline() -> bool:

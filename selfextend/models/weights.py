@@ -387,7 +387,8 @@ def form_bytes(config: PretrainedConfig, form: RunForm) -> int:
     Linear weights: 1 byte per value + a bfloat16 scale per row in int8; the rest in ``form.dtype``.
     A tied output head counts once in float and as its own int8 copy in int8, as loading makes it.
     """
-    model = empty_model(config, form)
+    with torch.device("meta"):  # (init_empty_weights makes each parameter, then moves it: a config's huge
+        model = empty_model(config, form)  # table would be allocated first, and refused)
     _tie_head(model)
     total = 0
     seen: set[int] = set()
