@@ -359,6 +359,12 @@ def _prompt_cache_cases(good: dict) -> dict[str, object]:
         "bad-held": {**good, "held": [[[0, 999]] for _ in good["keys"]]},
         "other-model": {**good, "settings": good["settings"].replace('"model": "', '"model": "x')},
         "not-a-dict": [1, 2, 3],
+        "token-past-vocab": {
+            **good,
+            "tokens": good["tokens"].clone().index_fill_(0, torch.tensor([0]), 10**7),
+        },
+        "nan-key": {**good, "keys": [k.clone().fill_(float("nan")) for k in good["keys"]]},
+        "nan-logits": {**good, "logits": good["logits"].clone().fill_(float("nan"))},
     }
 
 
@@ -395,6 +401,9 @@ PROMPT_CACHE_CASES = [
     "bad-held",
     "other-model",
     "not-a-dict",
+    "token-past-vocab",  # these three were loaded: a NaN key answered with nothing
+    "nan-key",
+    "nan-logits",
 ]
 
 

@@ -230,6 +230,23 @@ def check(path: str | Path, payload: dict[str, Any], model: nn.Module, cache: Co
         )
         raise PromptCacheError(f"{path} was made with another model or settings ({diff})")
     _check_shapes(path, payload, cache)
+    _check_values(path, payload, model)
+
+
+def _check_values(path: str | Path, payload: dict, model: nn.Module) -> None:
+    """Token ids the embedding table has rows for (a later turn may feed them again), logits over the model's
+    vocabulary with no NaN, cells that are numbers (a NaN key reads as a reply of nothing)."""
+    rows = model.get_input_embeddings().num_embeddings
+    tokens = payload["tokens"]
+    if len(tokens) and not (int(tokens.min()) >= 0 and int(tokens.max()) < rows):
+        raise _bad(path, f"its token ids run {int(tokens.min())}..{int(tokens.max())}, the model has {rows}")
+    logits = payload["logits"]
+    if len(logits) and (len(logits) < rows or bool(logits.isnan().any())):
+        raise _bad(path, f"its logits are not {rows} numbers (NaN, or {len(logits)} of them)")
+    for name in ("keys", "values"):
+        for i, t in enumerate(payload[name]):
+            if not t.is_floating_point() or not bool(torch.isfinite(t).all()):
+                raise _bad(path, f"layer {i} {name} hold values that are not numbers")
 
 
 def describe(name: str, value: object) -> str:
