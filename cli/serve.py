@@ -91,7 +91,7 @@ if TYPE_CHECKING:
     type=COUNT,
     default=60,
     show_default=True,
-    help="Seconds SIGTERM waits for requests in flight before it cancels them.",
+    help="Seconds SIGTERM waits for requests in flight before it ends them (each with an error event).",
 )
 @cache_type_option
 @speculative_options
@@ -192,8 +192,18 @@ def serve(
             engine.stop()
 
     http = threading.Thread(target=listen, name="selfextend-http")
+    # just before uvicorn cancels what runs at the drain's end (cut off mid-stream, a traceback logged), the
+    # engine ends each request with an error event: a stream gets it, then [DONE]
+    deadline = threading.Timer(drain_timeout - min(1.0, drain_timeout / 4), engine.stop, kwargs={"now": True})
+    deadline.daemon = True
+
+    def on_signal(sig, frame) -> None:
+        server.handle_exit(sig, frame)  # stop taking requests; a second Ctrl-C cancels those running
+        if deadline.ident is None:  # (once: a thread starts once)
+            deadline.start()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, server.handle_exit)  # stop taking requests; a second Ctrl-C cancels those running
+        signal.signal(sig, on_signal)
     http.start()
     try:
         engine.run_loop()  # the model runs on the thread that loaded it (engine.py says why)

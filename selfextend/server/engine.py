@@ -1,22 +1,21 @@
 """The engine: the one thread that runs the model, every request on a slot, a token at a time.
 
-``serve`` runs it on the main thread (the one that loaded the model), the HTTP server beside it: OpenMP
-(libgomp: torch's and our kernels') keeps a worker pool per thread that starts parallel work, and once the
-pools hold more threads than there are cores, idle workers stop spinning and every parallel region waits
-for them to wake (a Gemma 3 token: 16 ms on a second thread, 10.5 ms on the main one, 2 cores).
+``serve`` runs it on the main thread (the one that loaded the model), the HTTP server beside it: libgomp
+keeps a worker pool per thread that starts parallel work, and with more pooled threads than cores every
+parallel region waits for sleeping workers (a Gemma 3 token: 16 ms on a second thread, 10.5 on the main).
 
 Requests wait in a queue until a slot is free (the one holding most of their prompt, :func:`pick`). Each
 turn of the loop writes one chunk of at most ``prefill_chunk`` prompt tokens (of the oldest request still
 reading its prompt; context shifts included), then gives every request past its prompt its next token,
 as llama-server splits prompts into batches between decode steps: a long new prompt delays the running
-streams by at most one chunk per token. A request's first token comes once its whole prompt is written.
+streams by at most one chunk per token (a request's first token comes once its whole prompt is written).
 The requests past their prompt decode together, in one batched forward where the model allows
 (:class:`~selfextend.generation.batched.BatchedDecode`: continuous batching), else one after the other.
 So ``--parallel N`` requests progress together, and a request whose client left (:attr:`Job.cancelled`)
 ends within a step and frees its slot. Results go back through each job's ``emit`` (thread-safe there).
 
-A failure (a step that raises, NaN logits) ends only the requests it belongs to, with an ``error`` event,
-and leaves their slots consistent (:meth:`Slot.recover`); whoever still waits when the loop ends is answered.
+A failure (a step that raises, NaN logits) ends only its requests, with an ``error`` event, their slots
+left consistent (:meth:`Slot.recover`); whoever still waits when the loop ends is answered.
 """
 
 from __future__ import annotations
@@ -69,13 +68,11 @@ class Engine:
         lookup: int = 0,
         draft: DraftModel | None = None,
     ) -> None:
-        """``lookup``: tokens drafted per slot and turn by prompt lookup (generation.speculative); ``draft``:
-        or by a draft model (each slot drafting from its own cache of it)."""
+        """``lookup``: tokens drafted per slot and turn by prompt lookup; ``draft``: by a draft model."""
         self.model, self.tokenizer, self.n_ctx = model, tokenizer, n_ctx
         self.most = lookup if draft is None else draft.most  # drafts per slot and pass at most
-        # the ids a prompt may hold: the tokenizer's, and never past the rows the embedding table stores
-        table = model.get_input_embeddings()
-        self.vocab = min(len(tokenizer), getattr(table, "num_embeddings", len(tokenizer)))
+        rows = getattr(model.get_input_embeddings(), "num_embeddings", len(tokenizer))
+        self.vocab = min(len(tokenizer), rows)  # ids a prompt may hold: never past the table's rows
         set_chunk_engine(model, default="int8")
         self.cache_reuse, self.max_queue, self.prefill_chunk = cache_reuse, max_queue, prefill_chunk
         self.eos = eos_token_ids(model, tokenizer)
@@ -92,6 +89,7 @@ class Engine:
         self.tasks: list[Callable[[], None]] = []  # work on idle slots (save, restore), run between steps
         self.wake = threading.Condition()
         self.stopping = False
+        self.hurry = False  # stop(now=True): the loop ends without finishing the jobs in hand
         self.closed = False  # the loop has ended: work handed in now is refused
         self.thread = threading.Thread(target=self.run_loop, name="selfextend-engine", daemon=True)
 
@@ -101,10 +99,12 @@ class Engine:
         """Run the engine on a thread of its own (:meth:`run_loop` runs it on the caller's)."""
         self.thread.start()
 
-    def stop(self) -> None:
-        """End the loop once the jobs in hand are done (waiting for it where it runs on its own thread)."""
+    def stop(self, now: bool = False) -> None:
+        """End the loop once the jobs in hand are done (joined where it runs on its own thread); ``now``: at
+        the next token, the jobs in hand each end with an error event (a stream gets it, then ``[DONE]``)."""
         with self.wake:
             self.stopping = True
+            self.hurry = self.hurry or now
             self.wake.notify()
         if self.thread.is_alive() and threading.current_thread() is not self.thread:
             self.thread.join()
@@ -188,7 +188,7 @@ class Engine:
             with self.wake:
                 while not (self.queue or self.running or self.tasks or self.stopping):
                     self.wake.wait()
-                if self.stopping and not (self.queue or self.running or self.tasks):
+                if self.stopping and (self.hurry or not (self.queue or self.running or self.tasks)):
                     return
                 starting = self._assign()
                 tasks, self.tasks = self.tasks, []
