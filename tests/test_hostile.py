@@ -243,6 +243,7 @@ def files(tmp_path, tiny_dir, real_gguf, monkeypatch) -> Path:
     (d / "empty.txt").write_text("  \n")
     (d / "emptydir").mkdir()
     (d / "out.jsonl").write_text('{"kept": true}\n')
+    (d / "notes.txt").write_text("my precious notes\nline two\n")
     return d
 
 
@@ -272,6 +273,20 @@ FILE_CASES = [
     (["ppl", "-m", "{tiny}", "--corpus", "{in}/latin1.txt", "-o", "{in}/out.jsonl"], "not UTF-8"),
     (["ppl", "-m", "{tiny}", "--corpus", "{in}/emptydir", "-o", "{in}/out.jsonl"], "no .txt files"),
     (["ppl", "-m", "{tiny}", "--docs", "nosuch", "-o", "{in}/out.jsonl"], "no document named"),
+    # a text file named as the results: was rewritten without its lines (moved to notes.txt.rejected)
+    (
+        ["ppl", "-m", "{tiny}", "--lengths", "64", "--max-docs", "1", "-o", "{in}/notes.txt"],
+        "holds no results",
+    ),
+    (
+        ["passkey", "-m", "{tiny}", "--lengths", "256", "--trials", "1", "-o", "{in}/notes.txt"],
+        "holds no results",
+    ),
+    # shorter than the task and question: the record said "length": 16 of a prompt of ~90 tokens
+    (
+        ["passkey", "-m", "{tiny}", "--lengths", "16", "--trials", "1", "-o", "{in}/pk.jsonl"],
+        "must be at least",
+    ),
     (["generate", "-m", "{tiny}", "-p", "x", "-g", "2", "-w", "256"], "trained window"),
     (["generate", "-m", "{tiny}", "-p", "x", "--ctx", "8", "--keep", "8"], "--keep"),
     (

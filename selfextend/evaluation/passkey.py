@@ -6,6 +6,7 @@ asked for it and answers greedily. Correct when the first number it writes is th
 
 from __future__ import annotations
 
+import math
 import random
 import re
 import time
@@ -35,13 +36,18 @@ ANSWER_TOKENS = 8
 
 
 def build_passkey_prompt(tokenizer, length: int, depth: float, key: int) -> list[int]:
-    """Token ids of about ``length`` tokens, ``key`` at relative ``depth`` of the filler (0 start, 1 end)."""
+    """Token ids of about ``length`` tokens, ``key`` at relative ``depth`` of the filler (0 start, 1 end).
+    :class:`~selfextend.core.validate.ValidationError` where ``length`` cannot hold the task, one filler
+    sentence, the key and the question (its record would name a length its prompt is not)."""
 
     def count(text: str) -> int:
         return len(tokenizer(text).input_ids)
 
     fixed = count(TASK + KEY.format(key=key) + QUESTION)
     per_filler = count(FILLER * 20) / 20
+    if length < fixed + per_filler:
+        least = math.ceil(fixed + per_filler)
+        raise ValidationError("lengths", f"must be at least {least} for a passkey prompt here, got {length}")
     n_filler = max(1, int((length - fixed) / per_filler))
     before = round(n_filler * depth)
     text = TASK + FILLER * before + KEY.format(key=key) + FILLER * (n_filler - before) + QUESTION

@@ -18,6 +18,10 @@ from typing import Any
 from selfextend.core.paths import temporary_beside
 
 
+class ResultsError(ValueError):
+    """A results file that cannot be used as one; the message is one line."""
+
+
 class ResultsWarning(UserWarning):
     """A line of a results file that is not a record and was skipped (or set aside)."""
 
@@ -75,7 +79,8 @@ def repair_tail(path: str | Path) -> None:
 
     Every record stays, a last one without its newline gets one. Lines that are not records are moved,
     with their line numbers, to :func:`rejected_path` (appended), and the file is rewritten atomically
-    without them. A file that is all records is left byte for byte as it was (apart from that newline).
+    without them. A file that is all records is left byte for byte as it was (apart from that newline); one
+    with no record at all (a text file named by mistake) is refused, :class:`ResultsError`, untouched.
     """
     p = Path(path)
     if not p.exists() or p.stat().st_size == 0:
@@ -84,6 +89,11 @@ def repair_tail(path: str | Path) -> None:
     if lines and lines[-1] == b"":
         lines.pop()  # the empty piece after the final newline
     bad = [(i, x) for i, x in enumerate(lines, 1) if x.strip() and not isinstance(_parse(x), dict)]
+    if bad and len(bad) == sum(1 for x in lines if x.strip()):
+        raise ResultsError(
+            f"{p} holds no results (none of its {len(bad)} lines is a JSON record), so it is not ours to "
+            "append to: name another file"
+        )
     if not bad:
         if not p.read_bytes().endswith(b"\n"):
             with p.open("ab") as f:
