@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
 from pathlib import Path
@@ -11,6 +10,7 @@ from typing import TYPE_CHECKING
 import click
 
 from selfextend.cli.generation_options import Speculation, generation_options
+from selfextend.cli.options import in_writable_folder
 from selfextend.core.validate import first_line, plural
 
 if TYPE_CHECKING:
@@ -40,6 +40,7 @@ class _Terminate(Exception):
     "--session",
     "session_file",
     type=click.Path(dir_okay=False),
+    callback=in_writable_folder,
     help="Session file: resumed at the start if it exists, with the model, --ctx, --keep, system prompt, "
     "-g/-w, --weights and --cache-type it was saved with (a flag that contradicts them is refused); "
     "written at the end (also on SIGTERM).",
@@ -95,10 +96,6 @@ def chat(
     from selfextend.generation.settings import decode_settings
 
     system = system_prompt(system, system_file)
-    if session_file:
-        folder = Path(session_file).absolute().parent
-        if not folder.is_dir() or not os.access(folder, os.W_OK):
-            raise click.BadParameter(f"no writable folder {folder} to save it in", param_hint="--session")
     if session_file and Path(session_file).exists():  # its settings, unless a flag contradicts them
         given = dict(
             model=model,

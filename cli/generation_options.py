@@ -12,6 +12,7 @@ import click
 from selfextend.cli.options import (
     COUNT,
     SEED,
+    in_writable_folder,
     integer,
     model_options,
     number,
@@ -204,6 +205,7 @@ def output_options(f: Callable) -> Callable:
         "-o",
         "--output",
         type=click.Path(dir_okay=False),
+        callback=in_writable_folder,
         help="Also append the generated text to this file, flushed as tokens arrive.",
     )(f)
     return f

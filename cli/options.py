@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable, Mapping, MutableMapping
 from pathlib import Path
@@ -99,6 +100,16 @@ def gguf_must_exist(ctx: click.Context, param: click.Parameter, value: str | Non
     if value is not None and value.strip().lower().endswith(".gguf"):
         if not Path(value.strip()).expanduser().is_file():
             raise click.BadParameter(f"no such file: {value.strip()}", ctx, param)
+    return value
+
+
+def in_writable_folder(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """A file to write, refused at once where its folder is missing or not writable (found otherwise when
+    the first token was written, after the seconds of loading the model)."""
+    if value is not None:
+        folder = Path(value).expanduser().absolute().parent
+        if not folder.is_dir() or not os.access(folder, os.W_OK):
+            raise click.BadParameter(f"no writable folder {folder} to write it in", ctx, param)
     return value
 
 

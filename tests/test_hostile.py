@@ -97,6 +97,8 @@ PARSE_CASES = [
     (["generate", "-p", "x", "--top-p", "inf"], "finite"),
     (["generate", "-p", "x", "--temperature", "1e308"], "--temperature"),  # was torch's "probability tensor"
     (["generate", "-p", "x", "--repeat-penalty", "1e-300"], "--repeat-penalty"),
+    (["generate", "-p", "x", "-o", "/no-such-folder/o.txt"], "no writable folder"),  # was after the load
+    (["chat", "--session", "/no-such-folder/s.pt"], "no writable folder"),
     (["generate", "-p", "x", "--min-p", "1"], "--min-p"),
     (["generate", "-p", "x", "--min-p", "nan"], "finite"),
     (["generate", "-p", "x", "--repeat-penalty", "0"], "--repeat-penalty"),
