@@ -34,6 +34,23 @@ def test_failed_save_keeps_the_session_and_the_session_file_is_written(tiny_dir,
     assert [e["user"] for e in saved_state(session)["exchanges"]] == ["Hello there", "Still here?"]
 
 
+def test_save_does_not_overwrite_a_file_that_is_not_a_session(tiny_dir, tmp_path):
+    """``/save notes.txt`` over a text file: refused, the file as it was (it was replaced by an archive); a
+    session file saved before is overwritten as ever."""
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes\n")
+    earlier = tmp_path / "earlier.pt"
+    session = tmp_path / "talk.pt"
+    assert chat(tiny_dir, earlier, ["Hello there"]).exit_code == 0
+    r = chat(tiny_dir, session, ["Hello there", f"/save {notes}", f"/save {earlier}", "Still here?"])
+    assert r.exit_code == 0, r.output
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "is not a saved session: not overwritten" in errors[0], r.stderr
+    assert notes.read_text() == "my notes\n"
+    assert [e["user"] for e in saved_state(earlier)["exchanges"]] == ["Hello there"]
+    assert [e["user"] for e in saved_state(session)["exchanges"]] == ["Hello there", "Still here?"]
+
+
 @pytest.mark.parametrize("how", ["quit", "error", "interrupt"])
 def test_session_file_written_however_the_chat_ends(tiny_dir, tmp_path, monkeypatch, how):
     session = tmp_path / "talk.pt"

@@ -276,11 +276,14 @@ class ChatSession:
     def save(self, path: str | Path) -> None:
         """Write the whole session: cells, token history, last logits, texts, kept count, settings.
 
-        A file that cannot be written raises :class:`ChatError` (one line) and leaves the session as it is.
+        A file that cannot be written, or one there that is not a saved cache (a text file named by mistake),
+        raises :class:`ChatError` (one line) and leaves the session and the file as they are.
         """
         folder = Path(path).absolute().parent
         if not folder.is_dir():
             raise ChatError(f"cannot save the session to {path}: no folder {folder}")
+        if not promptcache.may_replace(path):
+            raise ChatError(f"{path} is there and is not a saved session: not overwritten")
         logits = self.gen.last_logits if self.gen.last_logits is not None else torch.zeros(0)
         try:
             promptcache.save(path, self.model, self.cache, self.gen.tokens, logits, extra=self.state())

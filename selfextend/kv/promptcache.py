@@ -91,6 +91,18 @@ def save(
         tmp.unlink(missing_ok=True)
 
 
+def may_replace(path: str | Path) -> bool:
+    """Whether saving to ``path`` loses nothing that is not a saved cache: no file there, or one that
+    starts as ``torch.save``'s archives do (four bytes read; a text file named by mistake does not)."""
+    p = Path(path)
+    if not p.exists():
+        return True
+    if not p.is_file():
+        return False
+    with p.open("rb") as f:
+        return f.read(4) == b"PK\x03\x04"
+
+
 def snapshot(cache: ContextShiftCache, n: int) -> tuple[list[torch.Tensor], ...]:
     """(positions, keys, values) per layer: copies of the cells of the first ``n`` positions, in order of
     position (what :meth:`~selfextend.kv.cache.ContextShiftCache.load_prefix` puts back)."""
