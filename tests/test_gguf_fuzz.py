@@ -149,7 +149,7 @@ def variants(base: Path) -> list[tuple[str, bytes, tuple[str, ...], bool]]:
         "llama.attention.head_count_kv": ((1, 4, 3, 0), ("attn_k", "attn_v", "head")),
         "llama.attention.head_count": ((2, 8, 0), ("attn_q", "attn_output", "head", "rope")),
         "llama.embedding_length": ((32, 128), ("token_embd", "attn", "norm", "head")),
-        "llama.block_count": ((3, 0), ("blk.", "missing", "block_count")),
+        "llama.block_count": ((3, 0), ("tensor blk.2.", "block_count")),  # in the file's names
         "llama.vocab_size": ((8, 300, 4_000_000), ("token_embd", "vocab_size")),
         "llama.context_length": ((0,), ("context_length",)),
         "tokenizer.ggml.bos_token_id": ((262, 99_999), ("bos_token_id",)),
