@@ -278,6 +278,9 @@ def test_chat_refusals(server, client):
         base, "POST", "/v1/chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}
     )
     assert status == 400 and out["error"]["param"].startswith("messages.0")
+    for said in ({"role": "user"}, {"role": "user", "content": None}):  # was read as an empty turn
+        status, out = request(base, "POST", "/v1/chat/completions", {"messages": [said]})
+        assert status == 400 and out["error"]["param"] == "messages.0.content", out
     long_system = [{"role": "system", "content": "word " * 400}, {"role": "user", "content": "hi"}]
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="tiny", messages=long_system, max_tokens=2)

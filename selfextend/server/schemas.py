@@ -158,7 +158,14 @@ class TextPart(Strict):
 
 class Message(Strict):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart] | None = Field(None, validate_default=True)  # null: an assistant turn only
+
+    @field_validator("content")
+    @classmethod
+    def _said(cls, value: str | list[TextPart] | None, info: ValidationInfo) -> str | list[TextPart] | None:
+        if value is None and info.data.get("role") != "assistant":
+            raise PydanticCustomError("content", "a message needs content (null is an assistant turn's only)")
+        return value
 
     def text(self) -> str:
         if self.content is None:
