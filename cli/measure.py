@@ -179,7 +179,10 @@ def ppl(
         data_files=data_files,
         max_docs=max_docs,
     )
-    texts = select(texts, docs.split(",") if docs else None)
+    names = None if docs is None else [n.strip() for n in docs.split(",") if n.strip()]
+    if names == []:  # ('' read as all the documents)
+        raise click.BadParameter("names no document (leave it out for all)", param_hint="--docs")
+    texts = select(texts, names)
     if max_docs:
         texts = dict(list(texts.items())[:max_docs])
     from selfextend.cli.options import load_with_self_extend

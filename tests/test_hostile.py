@@ -275,6 +275,7 @@ FILE_CASES = [
     (["ppl", "-m", "{tiny}", "--corpus", "{in}/latin1.txt", "-o", "{in}/out.jsonl"], "not UTF-8"),
     (["ppl", "-m", "{tiny}", "--corpus", "{in}/emptydir", "-o", "{in}/out.jsonl"], "no .txt files"),
     (["ppl", "-m", "{tiny}", "--docs", "nosuch", "-o", "{in}/out.jsonl"], "no document named"),
+    (["ppl", "-m", "{tiny}", "--docs", " , ", "-o", "{in}/out.jsonl"], "names no document"),
     # a text file named as the results: was rewritten without its lines (moved to notes.txt.rejected)
     (
         ["ppl", "-m", "{tiny}", "--lengths", "64", "--max-docs", "1", "-o", "{in}/notes.txt"],
