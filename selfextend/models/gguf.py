@@ -190,7 +190,7 @@ def gguf_tensors(
     head = None if out_head is None else f"{module_names[id(out_head)]}.weight"
     held = linear | {embedding} if embedding_blocks else linear  # the weights that may keep their blocks
     shapes = {n: tuple(t.shape) for n, t in [*model.named_parameters(), *model.named_buffers()]}
-    _check_present(path, table, mapping, model)
+    _check_present(table, mapping, model)
 
     def checked(gguf_name: str, name: str, value: torch.Tensor | RowBlocks | GGUFBlocks) -> tuple[str, ...]:
         """``(name, value)``, or ModelError naming the GGUF tensor where its shape is not the config's."""
@@ -293,7 +293,7 @@ def gguf_tensors(
     return stream()
 
 
-def _check_present(path: str | Path, table: GGUFTable, mapping: dict[str, str], model: nn.Module) -> None:
+def _check_present(table: GGUFTable, mapping: dict[str, str], model: nn.Module) -> None:
     """ModelError naming the GGUF tensors the config asks for that the file lacks (the output head aside:
     a file may leave it to the embedding's), before any is read; in the file's names, not the model's."""
     present = {t.name for t in table.tensors}
