@@ -4,7 +4,7 @@ From one small valid file (:func:`test_models.write_tiny_gguf`, Q8_0, 2 layers),
 made deterministically by editing its bytes where gguf's own reader says each field lies: the file cut
 short (in its header, metadata, tensor table and data), each tensor's dimensions swapped (the same byte
 count, the wrong shape), halved, doubled, zero, not whole blocks, huge or overflowing int64, its type and
-offset changed (off the file's alignment too), and the metadata lying (feed-forward length, KV and query
+offset changed (onto the next tensor's data, off the file's alignment), and the metadata lying (feed-forward length, KV and query
 heads, width, layers, vocabulary size, trained window, special token ids past the token list, a name that
 is not UTF-8); and the issue's own case, a token list of 4M entries over a table of 8 rows, written whole.
 
@@ -141,7 +141,7 @@ def variants(base: Path) -> list[tuple[str, bytes, tuple[str, ...], bool]]:
         for kind in (Q4_0, F32, 99):
             out.append((f"{name} type {kind}", _put(data, t["type_at"], kind, "<u4"), (name,), kind == 99))
         moved = t["data"] - start
-        for offset, must in ((moved + 32, False), (moved + 2, True), (1 << 63, True), (len(data), True)):
+        for offset, must in ((moved + 32, True), (moved + 2, True), (1 << 63, True), (len(data), True)):
             edited = _put(data, t["offset_at"], offset, "<u8")
             out.append((f"{name} offset {offset}", edited, (name,), must))
     lies = {

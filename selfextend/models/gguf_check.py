@@ -5,10 +5,11 @@ past 2^64 wraps), a zero or huge dimension is a shape like any other, and it bui
 every string of the vocabulary (a minute for 4M tokens) before anyone can look at the table. This walk
 reads only counts and lengths, refusing in one line naming the key or tensor: anything that ends past the
 end of the file, an unknown type, a dimension that is zero or makes the tensor's byte count overflow,
-rows that are not whole blocks of the tensor's type, data not at the file's alignment, a tensor named
-twice, a metadata string that is not UTF-8, a special token's id past the token list, and a vocabulary
-longer than the embedding table (a token id past the table's rows would read memory past it). What it accepts,
-``gguf``'s reader then parses (:func:`~selfextend.models.gguf.checked_reader`).
+rows that are not whole blocks of the tensor's type, data not at the file's alignment or overlapping
+another tensor's, a tensor named twice, a metadata string that is not UTF-8, a special token's id past
+the token list, and a vocabulary longer than the embedding table (a token id past the table's rows would
+read memory past it). What it accepts, ``gguf``'s reader then parses
+(:func:`~selfextend.models.gguf.checked_reader`).
 """
 
 from __future__ import annotations
@@ -97,7 +98,8 @@ def check_table(path: Path) -> None:
         alignment = values.get("general.alignment")
         alignment = alignment if isinstance(alignment, int) and alignment > 0 else 32
         seen: dict[str, tuple[int, ...]] = {}
-        ends: dict[str, int] = {}  # each tensor's end in the data section
+        starts: dict[str, int] = {}  # each tensor's start and end in the data section
+        ends: dict[str, int] = {}
         for _ in range(n_tensors):
             name = walk.string("a tensor's name")
             what = f"tensor {name}'s entry"
@@ -133,12 +135,23 @@ def check_table(path: Path) -> None:
                     f"alignment ({alignment})"
                 )
             seen[name], ends[name] = dims, offset + count // values_per_block * block_bytes
+            starts[name] = offset
         start = (walk.at + alignment - 1) // alignment * alignment
         for name, end in ends.items():
             if start + end > len(data):
                 raise ModelError(f"{path} is truncated: tensor {name} ends past the end of the file")
+        _check_apart(path, starts, ends)
         _check_vocabulary(path, values, seen)
         _check_sizes(path, values, seen)
+
+
+def _check_apart(path: Path, starts: dict[str, int], ends: dict[str, int]) -> None:
+    """ModelError naming two tensors whose data overlap (one tensor's bytes read as another's; llama.cpp
+    refuses any layout but the tensors one after the other)."""
+    order = sorted(starts, key=starts.get)
+    for before, after in zip(order, order[1:], strict=False):
+        if starts[after] < ends[before]:
+            raise ModelError(f"{path}: tensors {before} and {after} share bytes (their data overlap)")
 
 
 def _check_vocabulary(path: Path, values: dict, tensors: dict[str, tuple[int, ...]]) -> None:
