@@ -4,9 +4,10 @@ From one small valid file (:func:`test_models.write_tiny_gguf`, Q8_0, 2 layers),
 made deterministically by editing its bytes where gguf's own reader says each field lies: the file cut
 short (in its header, metadata, tensor table and data), each tensor's dimensions swapped (the same byte
 count, the wrong shape), halved, doubled, zero, not whole blocks, huge or overflowing int64, its type and
-offset changed (onto the next tensor's data, off the file's alignment), and the metadata lying (feed-forward length, KV and query
-heads, width, layers, vocabulary size, trained window, special token ids past the token list, a name that
-is not UTF-8); and the issue's own case, a token list of 4M entries over a table of 8 rows, written whole.
+offset changed (onto the next tensor's data, off the file's alignment), and the metadata lying
+(feed-forward length, KV and query heads, width, layers, vocabulary size, trained window, special token
+ids past the token list, a name that is not UTF-8); and the issue's own case, a token list of 4M entries
+over a table of 8 rows, written whole.
 
 Each is loaded as a conversion loads it (:func:`~selfextend.models.gguf.read_gguf`, then the tensors into
 ``--weights gguf`` layers), then, if it loads, run: a forward over three tokens and a decode step through
