@@ -74,3 +74,13 @@ def test_held_bytes_are_the_loaded_models(mixed_gguf: Path, tmp_path: Path, monk
     assert form.split(None, 3)[-1] == "--weights gguf (auto, on the CPU)", form
     lines = {line.split()[0]: line for line in r.stdout.splitlines() if line.startswith("  ")}
     assert "2 matrices as stored" in lines["Q4_1"] and "the embedding table" in lines["Q8_0"]
+
+
+def test_info_names_a_tensor_the_file_lacks(mixed_gguf: Path, tmp_path: Path) -> None:
+    """A tensor the metadata asks for and the file lacks (here renamed): ``info`` says so in the file's names,
+    as a conversion does (it printed the model as if whole)."""
+    renamed = tmp_path / "renamed.gguf"
+    renamed.write_bytes(mixed_gguf.read_bytes().replace(b"blk.1.attn_q.weight", b"blk.1.attn_x.weight", 1))
+    r = CliRunner().invoke(main, ["info", str(renamed)])
+    assert r.exit_code == 2 and "tensor blk.1.attn_q.weight missing" in r.stderr, r.output
+    assert CliRunner().invoke(main, ["info", str(mixed_gguf), "-g", "2", "-w", "64"]).exit_code == 0

@@ -31,7 +31,7 @@ from selfextend.hf.facts import ModelError
 from selfextend.models.blocks import block_packable
 from selfextend.models.gguf_check import check_table
 from selfextend.models.gguf_config import gguf_config
-from selfextend.models.gguf_families import tensor_names
+from selfextend.models.gguf_families import check_present, tensor_names
 from selfextend.models.gguf_rope import GGUFRope
 from selfextend.models.quantize import int4_packable
 from selfextend.models.weights import GGUFBlocks, RowBlocks, RunForm, empty_model, fill, int8_placeholders
@@ -190,7 +190,7 @@ def gguf_tensors(
     head = None if out_head is None else f"{module_names[id(out_head)]}.weight"
     held = linear | {embedding} if embedding_blocks else linear  # the weights that may keep their blocks
     shapes = {n: tuple(t.shape) for n, t in [*model.named_parameters(), *model.named_buffers()]}
-    _check_present(table, mapping, model)
+    check_present(table, mapping, model)
 
     def checked(gguf_name: str, name: str, value: torch.Tensor | RowBlocks | GGUFBlocks) -> tuple[str, ...]:
         """``(name, value)``, or ModelError naming the GGUF tensor where its shape is not the config's."""
@@ -291,18 +291,6 @@ def gguf_tensors(
             yield checked(name, name, value)
 
     return stream()
-
-
-def _check_present(table: GGUFTable, mapping: dict[str, str], model: nn.Module) -> None:
-    """ModelError naming the GGUF tensors the config asks for that the file lacks (the output head aside:
-    a file may leave it to the embedding's), before any is read; in the file's names, not the model's."""
-    present = {t.name for t in table.tensors}
-    heads = {n for n, m in model.named_modules() if m is model.get_output_embeddings()}
-    whole = [(g, name) for g, name in mapping.items() if g.endswith((".weight", ".bias"))]  # (experts: stems)
-    missing = [g for g, name in whole if g not in present and name.rsplit(".", 1)[0] not in heads]
-    if missing:
-        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
-        raise ModelError(f"tensor {missing[0]}{more} missing, which the file's own metadata asks for")
 
 
 def _to_torch(*parts: Iterable[tuple[int, np.ndarray]]) -> Iterator[tuple[int, torch.Tensor]]:

@@ -21,9 +21,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from selfextend.hf.facts import ModelError
+
 if TYPE_CHECKING:
     from torch import nn
     from transformers import PretrainedConfig
+
+    from selfextend.models.gguf import GGUFTable
 
 _DENSE = {  # the keys every llama-like family writes (TextModel.set_gguf_parameters)
     "context_length": "max_position_embeddings",
@@ -187,3 +191,27 @@ class _MoeProcessor:
         if "ffn_gate_inp_shexp" in name:  # (1, hidden) in transformers, (hidden) or (1, hidden) stored
             return GGUFTensor(weights.reshape(1, -1), name, {})
         return self._experts.process(weights, name, **kwargs)
+
+
+def check_tensors_present(table: GGUFTable, config: PretrainedConfig) -> None:
+    """ModelError naming the tensors the file's metadata asks for and the file lacks, without reading any
+    weight (``info``: a conversion finds them too, seconds later)."""
+    import torch
+
+    from selfextend.models.weights import RunForm, empty_model
+
+    with torch.device("meta"):
+        model = empty_model(config, RunForm("float", torch.float32))
+    check_present(table, tensor_names(model, table.architecture)[1], model)
+
+
+def check_present(table: GGUFTable, mapping: dict[str, str], model: nn.Module) -> None:
+    """ModelError naming the GGUF tensors the config asks for that the file lacks (the output head aside:
+    a file may leave it to the embedding's), before any is read; in the file's names, not the model's."""
+    present = {t.name for t in table.tensors}
+    heads = {n for n, m in model.named_modules() if m is model.get_output_embeddings()}
+    whole = [(g, name) for g, name in mapping.items() if g.endswith((".weight", ".bias"))]  # (experts: stems)
+    missing = [g for g, name in whole if g not in present and name.rsplit(".", 1)[0] not in heads]
+    if missing:
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        raise ModelError(f"tensor {missing[0]}{more} missing, which the file's own metadata asks for")
