@@ -190,7 +190,7 @@ def gguf_tensors(
     head = None if out_head is None else f"{module_names[id(out_head)]}.weight"
     held = linear | {embedding} if embedding_blocks else linear  # the weights that may keep their blocks
     shapes = {n: tuple(t.shape) for n, t in [*model.named_parameters(), *model.named_buffers()]}
-    check_present(table, mapping, model)
+    check_present({t.name for t in table.tensors}, mapping, model)
 
     def checked(gguf_name: str, name: str, value: torch.Tensor | RowBlocks | GGUFBlocks) -> tuple[str, ...]:
         """``(name, value)``, or ModelError naming the GGUF tensor where its shape is not the config's."""

@@ -27,8 +27,6 @@ if TYPE_CHECKING:
     from torch import nn
     from transformers import PretrainedConfig
 
-    from selfextend.models.gguf import GGUFTable
-
 _DENSE = {  # the keys every llama-like family writes (TextModel.set_gguf_parameters)
     "context_length": "max_position_embeddings",
     "block_count": "num_hidden_layers",
@@ -193,22 +191,21 @@ class _MoeProcessor:
         return self._experts.process(weights, name, **kwargs)
 
 
-def check_tensors_present(table: GGUFTable, config: PretrainedConfig) -> None:
-    """ModelError naming the tensors the file's metadata asks for and the file lacks, without reading any
-    weight (``info``: a conversion finds them too, seconds later)."""
+def check_tensors_present(names: set[str], architecture: str, config: PretrainedConfig) -> None:
+    """ModelError naming the tensors a GGUF's metadata (``architecture``, ``config``) asks for and its
+    tensors (``names``) lack, without reading any weight (``info``: a conversion finds them too, later)."""
     import torch
 
     from selfextend.models.weights import RunForm, empty_model
 
     with torch.device("meta"):
         model = empty_model(config, RunForm("float", torch.float32))
-    check_present(table, tensor_names(model, table.architecture)[1], model)
+    check_present(names, tensor_names(model, architecture)[1], model)
 
 
-def check_present(table: GGUFTable, mapping: dict[str, str], model: nn.Module) -> None:
-    """ModelError naming the GGUF tensors the config asks for that the file lacks (the output head aside:
-    a file may leave it to the embedding's), before any is read; in the file's names, not the model's."""
-    present = {t.name for t in table.tensors}
+def check_present(present: set[str], mapping: dict[str, str], model: nn.Module) -> None:
+    """ModelError naming the GGUF tensors the config asks for that the file's (``present``) lack (the output
+    head aside: a file may leave it to the embedding's), before any is read; in the file's names."""
     heads = {n for n, m in model.named_modules() if m is model.get_output_embeddings()}
     whole = [(g, name) for g, name in mapping.items() if g.endswith((".weight", ".bias"))]  # (experts: stems)
     missing = [g for g, name in whole if g not in present and name.rsplit(".", 1)[0] not in heads]
