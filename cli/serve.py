@@ -7,6 +7,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -192,16 +193,21 @@ def serve(
             engine.stop()
 
     http = threading.Thread(target=listen, name="selfextend-http")
-    # just before uvicorn cancels what runs at the drain's end (cut off mid-stream, a traceback logged), the
-    # engine ends each request with an error event: a stream gets it, then [DONE]
-    deadline = threading.Timer(drain_timeout - min(1.0, drain_timeout / 4), engine.stop, kwargs={"now": True})
-    deadline.daemon = True
+    asked: list[int] = []  # the signals that asked to stop (the handler only appends: no lock, no thread)
+
+    def drain_deadline() -> None:
+        """Just before uvicorn cancels what still runs at the drain's end (a stream cut off mid-way, a
+        traceback logged), the engine ends each request with an error event: a stream gets it, then [DONE]."""
+        while not asked:
+            time.sleep(0.2)
+        time.sleep(drain_timeout - min(1.0, drain_timeout / 4))
+        engine.stop(now=True)
 
     def on_signal(sig, frame) -> None:
         server.handle_exit(sig, frame)  # stop taking requests; a second Ctrl-C cancels those running
-        if deadline.ident is None:  # (once: a thread starts once)
-            deadline.start()
+        asked.append(sig)
 
+    threading.Thread(target=drain_deadline, name="selfextend-drain", daemon=True).start()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
     http.start()
