@@ -439,6 +439,7 @@ def test_sigterm_past_the_drain_timeout_cancels_quietly(tiny_dir):
         first = response.readline()
         assert first.startswith(b"data: ")
         proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signal.SIGTERM)  # twice, as a supervisor and `timeout` do: the second a no-op
         events = [e for e in (first.decode() + response.read().decode()).split("\n\n") if e.strip()]
         assert events[-1] == "data: [DONE]", events[-3:]
         assert json.loads(events[-2][6:])["error"]["message"].endswith("the server is stopping"), events[-2]
