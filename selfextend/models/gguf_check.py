@@ -191,9 +191,9 @@ SIZES = (
 
 def _check_sizes(path: Path, values: dict, tensors: dict[str, tuple[int, ...]]) -> None:
     """ModelError naming the key where a size the config is made from (the trained window too) is zero, or
-    larger than every dimension
-    of every tensor (no tensor can then have the shape it implies: refused before a model of that size is
-    built), where the block count passes the tensors, or the query heads are no multiple of the KV heads."""
+    larger than every dimension of every tensor (no tensor can then have the shape it implies: refused
+    before a model of that size is built), where the block count passes the tensors, or the query heads are
+    no multiple of the KV heads."""
     arch = values.get("general.architecture")
     largest = max((n for dims in tensors.values() for n in dims), default=0)
     for name in (*SIZES, "block_count"):
