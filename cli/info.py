@@ -32,7 +32,7 @@ def _generate_weights(model: str, table) -> list[tuple[str, str]]:
         way = "as stored" if h.stored_as_is else "as int8"
         what = f"{h.matrices} matri{'x' if h.matrices == 1 else 'ces'} {way}"
         if h.embedding:
-            what += " (the embedding table)"
+            what += ", the embedding table among them" if h.matrices > 1 else " (the embedding table)"
         held_here = f"{what}: {_mib(h.held_bytes)} (file {_mib(h.file_bytes)})"
         rows.append((f"  {GGMLQuantizationType(h.kind).name}", held_here))
     total = sum(h.held_bytes for h in held), sum(h.file_bytes for h in held)

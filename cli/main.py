@@ -69,6 +69,9 @@ class Group(click.Group):
             return super().main(*args, **kwargs)
         except click.exceptions.Exit as e:
             sys.exit(e.exit_code)
+        except click.exceptions.NoArgsIsHelpError as e:  # a group without a command: its whole help
+            click.echo(e.format_message(), err=True)
+            sys.exit(e.exit_code)
         except click.ClickException as e:
             hint = (
                 f" (see '{e.ctx.command_path} --help')" if isinstance(e, click.UsageError) and e.ctx else ""

@@ -163,8 +163,9 @@ def ppl(
 ) -> None:
     """Perplexity against length for each document and method.
 
-    Records: model, doc, method, length, ppl (all tokens), ppl_last (the last quarter, where
-    extension methods differ), last_from, tokens, seconds.
+    Records: model, dtype, doc, method, length, ppl (all tokens), ppl_last (the last quarter, where
+    extension methods differ), last_from, tokens, seconds, forward_length (the forward it came from: one
+    forward scores every shorter length it covers).
     """
     from selfextend.evaluation.corpus import load_corpus, select
     from selfextend.evaluation.sweep import dtype_name, parse_lengths, plan, ppl_sweep, tokenize_docs

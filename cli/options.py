@@ -194,8 +194,8 @@ def weights_option(default: str) -> Callable[[Callable], Callable]:
         help="Linear-layer weights: auto (on the CPU: gguf for a GGUF, int4 there without a C compiler, "
         "int8 otherwise; on a GPU: float), float (as --dtype; a GGUF dequantized at load), "
         "int8 (per-row weight-only, bfloat16 products; decoding reads 4x fewer bytes than float32), int4 "
-        "(a GGUF's Q4_0/Q4_1/Q4_K weights repacked into torch's int4 layout) or gguf (a GGUF's "
-        "Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q5_K/Q6_K blocks as stored, native int8 dot products); int4 and gguf "
+        "(a GGUF's Q4_0/Q4_1/Q4_K weights repacked into torch's int4 layout) or gguf (a GGUF's matrices as "
+        "stored, native dot products: Q4_0-Q8_0, Q2_K-Q6_K, IQ4_NL/IQ4_XS, F16, BF16); int4 and gguf "
         "hold other linear layers int8 (a non-GGUF model: all int8).",
     )
 
@@ -261,7 +261,8 @@ def device_map_option(f: Callable) -> Callable:
         is_eager=True,  # read before --dtype, whose default follows it
         callback=remember,
         help="Place the layers of a model too big for one device over several (accelerate's device_map; "
-        "auto: GPUs first, then CPU memory, then disk). Replaces --device. Multi-GPU placement is untested.",
+        "auto: GPUs first, then CPU memory, then disk). Replaces --device; float weights only (--weights auto "
+        "is float with it). Multi-GPU placement is untested.",
     )(f)
 
 
@@ -284,9 +285,10 @@ def load_with_self_extend(
         raise click.UsageError("Self-Extend needs both --group-size and --window")
     ctx = click.get_current_context(silent=True)
     device_map = ctx.meta.get("device_map") if ctx else None
-    if device_map and weights != "float":
+    if device_map and weights not in ("auto", "float"):
         raise click.UsageError(
-            "--device-map needs --weights float (int8 and int4 layers are not placed by accelerate)"
+            f"--device-map needs float weights (--weights auto or float): {weights} layers are not placed "
+            "by accelerate"
         )
     transformers.utils.logging.disable_progress_bar()
     lm, tokenizer = load_model(model, dtype=dtype, device=device, weights=weights, device_map=device_map)

@@ -43,7 +43,7 @@ def summary_options(f):
         "--trained-window",
         type=integer(2),
         default=None,
-        help="The model's trained window in tokens (marked on plots, default reference of --ratio); "
+        help="The model's trained window in tokens (plot marks it; the default reference of --ratio); "
         "default: the model's, when it can be read.",
     )(f)
     return f

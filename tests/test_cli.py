@@ -143,6 +143,15 @@ def test_info_weights_equal_loaded_bytes(tiny_dir):
         assert f"{run_form_bytes(model) / 2**20:,.1f} MiB ({label})" in line
 
 
+def test_a_group_without_its_command_prints_its_help():
+    """``selfextend cache`` (and ``selfextend``) alone show what they hold, as click's groups do: the
+    commands to pick from, not just the usage line as an error."""
+    for args, command in ((["cache"], "clear"), ([], "generate")):
+        r = CliRunner().invoke(main, args)
+        assert r.exit_code == 2 and "error:" not in r.stderr, r.output
+        assert "Commands:" in r.stderr and f"  {command} " in r.stderr, r.output
+
+
 def test_cache_list_and_clear(tmp_path, monkeypatch):
     from test_models import write_tiny_gguf
 

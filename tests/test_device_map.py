@@ -91,7 +91,16 @@ def test_cli_device_map(tiny_dir, tmp_path):
     assert r.exit_code == 0, r.output
     assert [x["ppl"] for x in read_jsonl(a)] == [x["ppl"] for x in read_jsonl(b)]
     r = runner.invoke(main, [*args, "--device-map", "auto", "--weights", "int8", "-o", str(b)])
-    assert r.exit_code == 2 and "--device-map needs --weights float" in r.stderr
+    assert r.exit_code == 2 and "--device-map needs float weights" in r.stderr
+
+
+def test_generate_auto_weights_are_float_with_a_device_map(tiny_dir):
+    """generate's default --weights auto means int8 on the CPU, which accelerate cannot place: with a
+    device map it means float (it was refused, naming a --weights the user had not given)."""
+    args = ["generate", "-m", str(tiny_dir), "-p", "a b c", "-n", "3", "--ctx", "32", "--ignore-eos"]
+    r = CliRunner().invoke(main, [*args, "--device-map", "sequential"])
+    assert r.exit_code == 0, r.output
+    assert "3 tokens" in r.stderr
 
 
 def _text(tmp_path):

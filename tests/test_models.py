@@ -532,6 +532,7 @@ def test_cache_entries_and_clear(tiny_gguf: Path, cache: Path) -> None:
     assert all(e.usable and e.bytes > 0 and e.source == str(tiny_gguf.resolve()) for e in entries)
     assert models.clear_cache() == sum(e.bytes for e in entries)
     assert models.cache_entries() == [] and not is_cached(str(tiny_gguf))
+    assert list(cache.iterdir()) == []  # the tokenizers' folder too, once emptied
 
 
 def test_load_refuses_non_rope_directory(tmp_path: Path) -> None:

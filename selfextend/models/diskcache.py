@@ -8,6 +8,7 @@ interrupted conversion never leaves a half-written entry that a later load would
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import hashlib
 import json
@@ -361,4 +362,7 @@ def clear_cache() -> int:
             shutil.rmtree(entry.path, ignore_errors=True)
         else:
             entry.path.unlink(missing_ok=True)
+    for holder in (_TOKENIZERS, ASSEMBLED_DIR):  # the folders holding entries, gone when emptied
+        with contextlib.suppress(OSError):
+            (cache_root() / holder).rmdir()
     return freed

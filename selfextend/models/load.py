@@ -127,15 +127,16 @@ def _place(model: PreTrainedModel, device_map: str | dict[str, Any]) -> None:
     dispatch_model(model, device_map)
 
 
-def auto_weights(weights: str, source: ModelSource, device: torch.device) -> str:
-    """``weights`` itself, or for ``"auto"``: on a GPU ``float`` (a GGUF dequantized to ``--dtype`` at load:
+def auto_weights(weights: str, source: ModelSource, device: torch.device, placed: bool = False) -> str:
+    """``weights`` itself, or for ``"auto"``: ``float`` where accelerate places the layers (``placed``: a
+    device map; it places float layers only) or on a GPU (a GGUF dequantized to ``--dtype`` at load:
     the int8/int4/block products are CPU kernels, and the GPU's own matrix units read bf16 at the memory's
     rate); on the CPU, for a GGUF its blocks as stored (``gguf``: native int8 dot products, the fastest form
     there and within 0.3% of float perplexity), or ``int4`` (its 4-bit blocks repacked for torch's kernel)
     where the native products cannot be built; int8 otherwise."""
     if weights != "auto":
         return weights
-    if device.type != "cpu":
+    if placed or device.type != "cpu":
         return "float"
     if source.kind != "gguf":
         return "int8"
@@ -186,7 +187,7 @@ def load_model(
     exists in float32.
 
     ``weights="auto"`` is gguf (int4 without a C compiler) for a GGUF on the CPU, int8 for other sources on
-    the CPU, and float on a GPU (:func:`auto_weights`).
+    the CPU, and float on a GPU or with a device map (:func:`auto_weights`).
 
     ``weights="gguf"`` holds a GGUF's linear weights in the block formats the native products compute
     (:data:`~selfextend.native.blocktypes.BLOCK_TYPES`) as stored, in a
@@ -207,7 +208,7 @@ def load_model(
     target = _parse_device(device)
     if dtype is None:
         dtype = default_dtype(target, device_map)
-    form = run_form(auto_weights(weights, source, target), dtype)
+    form = run_form(auto_weights(weights, source, target, device_map is not None), dtype)
     if form.weights in ("int4", "gguf") and target.type != "cpu":
         raise ModelError(f"--weights {form.weights} runs on the CPU only (its kernels), not on {target}")
     if device_map is not None and form.quantized:
