@@ -261,8 +261,8 @@ def device_map_option(f: Callable) -> Callable:
         is_eager=True,  # read before --dtype, whose default follows it
         callback=remember,
         help="Place the layers of a model too big for one device over several (accelerate's device_map; "
-        "auto: GPUs first, then CPU memory, then disk). Replaces --device; float weights only (--weights auto "
-        "is float with it). Multi-GPU placement is untested.",
+        "auto: GPUs first, then CPU memory, then disk). Replaces --device; float weights only "
+        "(--weights auto is float with it). Multi-GPU placement is untested.",
     )(f)
 
 
