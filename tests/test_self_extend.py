@@ -10,7 +10,8 @@ from transformers import DynamicCache
 import selfextend
 from selfextend.core.attention import self_extend_attention, self_extend_attention_reference
 from selfextend.core.rope import rotate
-from selfextend.hf.facts import cache_kwargs
+from selfextend.core.validate import ValidationError
+from selfextend.hf.facts import ModelError, cache_kwargs
 from selfextend.hf.patch import REFERENCE_IMPLEMENTATION
 
 TOL = 1e-4
@@ -184,6 +185,50 @@ def test_max_usable_length():
     model = make_model("llama")
     assert selfextend.max_usable_length(model, 4, 16) == (TRAINED - 16) * 4 + 16
     assert selfextend.max_length(8192, 4, 1024) == 29696
+
+
+@pytest.mark.parametrize(
+    "args", [(8192, 0, 1024), (8192, -1, 1024), (8192, 4, 9000), (0, 4, 1024), (8192, 4.0, 1024),
+             (8192, float("nan"), 1024), (8192, True, 1024), (None, 4, 1024), ("8192", 4, 1024)]
+)  # fmt: skip
+def test_max_length_refuses_sizes_that_cannot_work(args):
+    """It answered 1024, -6144, 5768, nan... for these: the public formula checks what it is given."""
+    with pytest.raises(ValidationError):
+        selfextend.max_length(*args)
+
+
+def test_non_rope_models_refused_as_models():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=10, bos_token_id=0, eos_token_id=0)
+    with pytest.raises(ModelError, match="no rotary position embeddings"):
+        selfextend.max_usable_length(config, 4, 32)  # answered 416
+    with pytest.raises(ModelError, match="no rotary position embeddings"):
+        selfextend.apply_self_extend(GPT2LMHeadModel(config), 4, 32)
+
+
+def test_self_extend_blocks_nest():
+    """A block inside another (or inside ``apply_self_extend``) gives back the settings it found: it used
+    to leave the plain model, silently, for the rest of the outer block."""
+    model = make_model("llama")
+    ids = torch.randint(3, 97, (1, 150), generator=torch.Generator().manual_seed(0))
+
+    def logits():
+        return model(ids).logits
+
+    plain = logits()
+    with selfextend.self_extend(model, 4, 16):
+        outer = logits()
+        with selfextend.self_extend(model, 2, 8):
+            inner = logits()
+        assert torch.equal(logits(), outer)
+    assert torch.equal(logits(), plain) and not torch.equal(outer, plain) and not torch.equal(inner, outer)
+    selfextend.apply_self_extend(model, 4, 16)
+    with selfextend.self_extend(model, 2, 8):
+        pass
+    assert torch.equal(logits(), outer)
+    selfextend.remove_self_extend(model)
+    assert torch.equal(logits(), plain) and model.config._attn_implementation == "sdpa"
 
 
 def test_portable_kernel_equals_cpu_flash_kernel(monkeypatch):

@@ -32,7 +32,12 @@ def is_neighbor(distance: torch.Tensor, window: int) -> torch.Tensor:
 
 
 def max_length(trained_window: int, group_size: int, window: int) -> int:
-    """Longest sequence whose grouped distances stay inside the trained window: ``(L - W) * G + W``."""
+    """Longest sequence whose grouped distances stay inside the trained window: ``(L - W) * G + W``.
+
+    Raises :class:`~selfextend.core.validate.ValidationError` where the sizes cannot work (G and W
+    integers >= 1, W below the trained window L)."""
+    trained_window = check_int(trained_window, "trained window", 2)
+    group_size, window = validate(group_size, window, trained_window)
     return (trained_window - window) * group_size + window
 
 

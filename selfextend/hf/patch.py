@@ -43,7 +43,7 @@ from selfextend.core.cells import cells_of
 from selfextend.core.positions import max_length, validate
 from selfextend.core.rope import Frequencies, RotationTable, layer_frequencies, rotate
 from selfextend.core.validate import ValidationError
-from selfextend.hf.facts import ModelError, layer_kinds, trained_window
+from selfextend.hf.facts import ModelError, check_rope, layer_kinds, trained_window
 
 IMPLEMENTATION = "selfextend"
 REFERENCE_IMPLEMENTATION = "selfextend_reference"
@@ -289,16 +289,17 @@ def _check_module(model: Any, what: str) -> None:
 
 
 def _check_model(model: nn.Module) -> list[str]:
-    """The layer kinds, after refusing what Self-Extend cannot serve (one-line ``ValueError``)."""
+    """The layer kinds, after refusing what Self-Extend cannot serve (one-line :class:`ModelError`)."""
     config = model.config
+    check_rope(config)
     kinds = layer_kinds(model)
     unknown = sorted(set(kinds) - {"full_attention", "sliding_attention"})
     if unknown:
-        raise ValueError(
+        raise ModelError(
             f"{config.model_type} has {', '.join(unknown)} layers; selfextend does not support them"
         )
     if "full_attention" not in kinds:
-        raise ValueError(
+        raise ModelError(
             f"{config.model_type} uses sliding-window attention in every layer, so nothing attends far "
             "enough to extend (set config.sliding_window = None if the model allows it)"
         )
@@ -323,8 +324,8 @@ def apply_self_extend(
             "implementation",
             f"must be '{IMPLEMENTATION}' or '{REFERENCE_IMPLEMENTATION}', got {implementation!r}",
         )
-    group_size, window = validate(group_size, window, trained_window(model.config))
     kinds = _check_model(model)
+    group_size, window = validate(group_size, window, trained_window(model.config))
     modules = attention_modules(model)
     if not modules:
         raise ModelError(f"{type(model).__name__}: no attention modules found")
@@ -358,23 +359,31 @@ def remove_self_extend(model: nn.Module) -> nn.Module:
 
 @contextmanager
 def self_extend(model: nn.Module, group_size: int, window: int) -> Iterator[nn.Module]:
-    """``with self_extend(model, G, W):`` Self-Extend inside the block, the plain model after it."""
+    """``with self_extend(model, G, W):`` Self-Extend G, W inside the block; after it, the model as it was
+    before (plain, or with the Self-Extend settings it had: blocks nest)."""
+    _check_module(model, "self_extend")
+    before = {m: m.self_extend for m in attention_modules(model) if hasattr(m, "self_extend")}
+    implementation = model.config._attn_implementation
     apply_self_extend(model, group_size, window)
     try:
         yield model
     finally:
         remove_self_extend(model)
+        for m, params in before.items():
+            m.self_extend = params
+        if before:
+            model.set_attn_implementation(implementation)
 
 
 def max_usable_length(model_or_config: Any, group_size: int, window: int) -> int:
     """Largest length this model (or config) reaches with Self-Extend G, W: ``(L - W) * G + W``.
 
-    Refuses (:class:`~selfextend.core.validate.ValidationError`) a window not smaller than the trained one.
+    Refuses (:class:`~selfextend.core.validate.ValidationError`) a window not smaller than the trained one,
+    and (:class:`ModelError`) a model without rotary positions.
     """
     config = getattr(model_or_config, "config", model_or_config)
     if not hasattr(config, "max_position_embeddings"):
         got = type(model_or_config).__name__
         raise ModelError(f"max_usable_length needs a model or its config, got {got}")
-    trained = trained_window(config)
-    group_size, window = validate(group_size, window, trained)
-    return max_length(trained, group_size, window)
+    check_rope(config)
+    return max_length(trained_window(config), group_size, window)
