@@ -170,6 +170,27 @@ def test_generator_seed_repeats_and_differs(tiny_dir):
     assert tokens(7) != tokens(8)
 
 
+def test_a_reset_cache_starts_the_generator_afresh(tiny_dir):
+    """``cache.reset()`` (transformers' Cache method) empties the cells; the generator's tokens went on, so
+    the penalties read tokens no longer there and the output differed from a fresh run's."""
+    from selfextend.generation.generator import Generator, run
+    from selfextend.kv.cache import ContextShiftCache
+    from selfextend.models import load_model
+
+    model, _ = load_model(str(tiny_dir))
+    params = SamplingParams(repetition_penalty=1.5, repeat_last_n=-1)
+    prompt = list(range(5, 30))
+
+    def reply(gen: Generator) -> list[int]:
+        return [t for t, _ in run(gen, prompt, 12)]
+
+    fresh = reply(Generator(model, ContextShiftCache(model, 64), params))
+    gen = Generator(model, ContextShiftCache(model, 64), params)
+    reply(gen)
+    gen.cache.reset()
+    assert reply(gen) == fresh and len(gen.tokens) == gen.cache.n_past
+
+
 def test_stop_matcher_holds_back_partial_stop():
     m = StopMatcher(["END"])
     assert m.push("hello E") == ("hello ", False)

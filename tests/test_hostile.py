@@ -27,8 +27,9 @@ import openai
 import pytest
 import torch
 from click.testing import CliRunner
-from conftest import make_model
+from conftest import COMMON, make_model
 from server_util import connect, request, serving, side_by_side
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from selfextend import apply_self_extend, max_usable_length, remove_self_extend
 from selfextend.bench.runner import BenchConfig
@@ -39,12 +40,14 @@ from selfextend.evaluation.passkey import passkey_plan
 from selfextend.evaluation.results import ResultsWarning, read_jsonl, rejected_path, repair_tail
 from selfextend.evaluation.sweep import check_lengths, plan
 from selfextend.generation.decode import decode_step_for
+from selfextend.generation.draft import DraftModel
 from selfextend.generation.generator import Generator, run
 from selfextend.generation.sampling import SamplingParams
 from selfextend.kv.cache import ContextShiftCache
 from selfextend.kv.promptcache import PromptCacheError
 from selfextend.kv.promptcache import load as load_prompt_cache
 from selfextend.models import ModelError, check_gguf, load_config, load_model, resolve_model
+from selfextend.models.blocks import TokenIdError
 from selfextend.server import slotfiles
 from selfextend.server.engine import Engine, Job, Stopped
 from selfextend.server.jobs import Reply
@@ -509,6 +512,11 @@ def tiny_llama():
     return make_model("llama")
 
 
+def _llama_with(**overrides) -> torch.nn.Module:
+    """The tiny Llama with other sizes."""
+    return LlamaForCausalLM(LlamaConfig(**{**COMMON, **overrides})).eval()
+
+
 API_CASES = {
     "apply None": (lambda m: apply_self_extend(None, 4, 16), ModelError),
     "apply Linear": (lambda m: apply_self_extend(torch.nn.Linear(2, 2), 4, 16), ModelError),
@@ -543,6 +551,41 @@ API_CASES = {
     "cache ctx 1": (lambda m: ContextShiftCache(m, 1), ValidationError),
     "cache keep = ctx - 1": (lambda m: ContextShiftCache(m, 10, 9), ValidationError),
     "cache float ctx": (lambda m: ContextShiftCache(m, 10.0), ValidationError),
+    "cache of None": (lambda m: ContextShiftCache(None, 16), ModelError),
+    "cache of a Linear": (lambda m: ContextShiftCache(torch.nn.Linear(2, 2), 16), ModelError),
+    "cache int32 cells": (lambda m: ContextShiftCache(m, 16, dtype=torch.int32), ValidationError),
+    "cache dtype name": (lambda m: ContextShiftCache(m, 16, dtype="nope"), ValidationError),
+    "cache device name": (lambda m: ContextShiftCache(m, 16, device="nonsense"), ValidationError),
+    # 2**54 bytes a tensor, past any address space (overcommitted or not): was torch's allocator's message
+    "cache past memory": (lambda m: ContextShiftCache(m, 2**30, batch_size=2**17), ValidationError),
+    "cache truncate -5": (lambda m: ContextShiftCache(m, 16).truncate(-5), ValidationError),
+    "generator of None": (lambda m: Generator(None, ContextShiftCache(m, 16)), ModelError),
+    "generator sampling None": (
+        lambda m: Generator(m, ContextShiftCache(m, 16), sampling=None),
+        ValidationError,
+    ),
+    "generator draft text": (lambda m: Generator(m, ContextShiftCache(m, 16), draft="x"), ValidationError),
+    "generator lookup and draft": (
+        lambda m: Generator(m, ContextShiftCache(m, 16), lookup=4, draft=DraftModel(m)),
+        ValidationError,
+    ),
+    "generator draft of another vocabulary": (
+        lambda m: Generator(m, ContextShiftCache(m, 16), draft=DraftModel(_llama_with(vocab_size=300))),
+        ValidationError,
+    ),
+    "generator cache of another model": (
+        lambda m: Generator(m, ContextShiftCache(_llama_with(num_key_value_heads=4), 16)),
+        ValidationError,
+    ),
+    "generator rewind -3": (lambda m: Generator(m, ContextShiftCache(m, 16)).rewind(-3), ValidationError),
+    "run text": (lambda m: next(run(Generator(m, ContextShiftCache(m, 16)), "hello", 3)), TokenIdError),
+    "run None": (lambda m: next(run(Generator(m, ContextShiftCache(m, 16)), None, 3)), TokenIdError),
+    "run floats": (lambda m: next(run(Generator(m, ContextShiftCache(m, 16)), [1.5, 2], 3)), TokenIdError),
+    "run bools": (lambda m: next(run(Generator(m, ContextShiftCache(m, 16)), [True], 3)), TokenIdError),
+    "run id past the table": (
+        lambda m: next(run(Generator(m, ContextShiftCache(m, 16)), [5, 10**6], 3)),
+        TokenIdError,
+    ),
     "method missing W": (lambda m: Method("selfextend", {"G": 4}), MethodError),
     "method nan factor": (lambda m: Method("ntk", {"factor": float("nan")}), MethodError),
     "method bool G": (lambda m: Method("selfextend", {"G": True, "W": 8}), MethodError),

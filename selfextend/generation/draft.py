@@ -39,10 +39,10 @@ def vocabulary_problem(target: object, draft: object) -> str | None:
     never a wrong output: the check keeps the output the target's, a mismatch only wastes passes)."""
     target_vocab, draft_vocab = target.get_vocab(), draft.get_vocab()
     if target_vocab != draft_vocab:
-        only = len(set(target_vocab.items()) ^ set(draft_vocab.items()))
+        missing = len(set(target_vocab.items()) - set(draft_vocab.items()))
         return (
             f"the draft model's vocabulary differs from the target's ({len(draft_vocab)} against "
-            f"{len(target_vocab)} entries, {only} not shared)"
+            f"{len(target_vocab)} entries; {missing} of the target's are not the draft's)"
         )
     for name in ("bos_token_id", "eos_token_id"):
         if getattr(target, name, None) != getattr(draft, name, None):

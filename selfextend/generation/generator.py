@@ -14,14 +14,15 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from selfextend.core.validate import ValidationError, check_int, check_seed, plural
+from selfextend.core.validate import ValidationError, check_int, check_seed, first_line, plural
 from selfextend.generation.backends import decode_backends, weight_owners
 from selfextend.generation.decode import tensors_key
 from selfextend.generation.grammar import Grammar, GrammarMask, NoTokenLeft
 from selfextend.generation.sampling import SamplingParams, any_left, distribution, sample
 from selfextend.generation.speculative import Drafter, DraftOdds, speculates, speculative_decode
-from selfextend.hf.facts import cache_kwargs
+from selfextend.hf.facts import cache_kwargs, kv_shape, layer_kinds, require_model
 from selfextend.kv.cache import ContextShiftCache
+from selfextend.models.blocks import TokenIdError
 
 log = logging.getLogger(__name__)
 PREFILL_CHUNK = 512  # prompt pieces in run(): as llama.cpp's default micro-batch; also the progress step
@@ -60,6 +61,58 @@ class GenerationStats:
 
 
 _SAID: set[str] = set()
+_INTEGER_TYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+
+
+def token_ids(ids: Sequence[int] | torch.Tensor, rows: int) -> list[int]:
+    """``ids`` (a sequence of ints, or a 1-D integer tensor) as a list of ints, each a row of an embedding
+    table of ``rows``; :class:`~selfextend.models.blocks.TokenIdError` (a ValueError) for text (tokenize it
+    first), floats, bools, or an id outside ``[0, rows)``."""
+    if isinstance(ids, (str, bytes)):
+        raise TokenIdError(f"token ids must be integers, got {type(ids).__name__}: tokenize the text first")
+    try:
+        t = ids if isinstance(ids, torch.Tensor) else torch.tensor(list(ids), dtype=None)
+    except (TypeError, ValueError, RuntimeError, OverflowError) as exc:
+        raise TokenIdError(f"token ids must be a sequence of integers: {first_line(exc)}") from None
+    if t.numel() == 0:
+        return []
+    if t.dim() != 1 or t.dtype not in _INTEGER_TYPES:
+        got = f"{t.dim()}-D" if t.dim() != 1 else str(t.dtype).removeprefix("torch.")
+        raise TokenIdError(f"token ids must be a sequence of integers, got {got}")
+    if int(t.min()) < 0 or int(t.max()) >= rows:
+        raise TokenIdError(f"token ids must lie in [0, {rows}), got {int(t.min())}..{int(t.max())}")
+    return t.tolist()
+
+
+def _check_cells(model: nn.Module, cache: ContextShiftCache) -> None:
+    """Refuse a cache made for another model: its layers' cells must be this model's (kv heads, head size)."""
+    kv_heads, head_dim = kv_shape(model.config.get_text_config())
+    cells = [(layer.keys.shape[1], layer.keys.shape[3]) for layer in cache.layers]
+    if len(cells) != len(layer_kinds(model)) or set(cells) != {(kv_heads, head_dim)}:
+        raise ValidationError(
+            "cache",
+            f"holds {len(cells)} layers of {cells[0][0]} KV heads x {cells[0][1]}, made for another model "
+            f"(this one: {len(layer_kinds(model))} layers of {kv_heads} x {head_dim})",
+        )
+
+
+def _check_draft(draft: Drafter, model: nn.Module, lookup: int) -> None:
+    """Refuse drafts that cannot be the target's: not a drafter, drafts from the context too (one source),
+    or a draft model with another number of token ids (each reads the other's ids, and a sampled check
+    weighs the two distributions id by id; llama.cpp allows tables padded up to 128 ids apart, not done
+    here). The vocabularies themselves are compared by their tokenizers, which only the caller has
+    (:func:`~selfextend.generation.draft.vocabulary_problem`)."""
+    if not callable(getattr(draft, "propose", None)) or not callable(getattr(draft, "prepare", None)):
+        raise ValidationError("draft", f"must be a Drafter (a DraftModel), got {type(draft).__name__}")
+    if lookup:
+        raise ValidationError("draft", "and lookup are two sources of drafts: choose one")
+    draft_model = getattr(draft, "model", None)
+    if isinstance(draft_model, nn.Module):
+        rows = draft_model.get_input_embeddings().num_embeddings, model.get_input_embeddings().num_embeddings
+        if rows[0] != rows[1]:
+            raise ValidationError(
+                "draft", f"model has {rows[0]:,} token ids, the target {rows[1]:,}: not the same vocabulary"
+            )
 
 
 def _said_once(message: str) -> None:
@@ -89,10 +142,16 @@ class Generator:
     odds: DraftOdds = field(default_factory=DraftOdds)  # how many drafts the next check is worth
 
     def __post_init__(self) -> None:
+        require_model(self.model, "Generator")
         if not isinstance(self.cache, ContextShiftCache):
             raise ValidationError("cache", f"must be a ContextShiftCache, got {type(self.cache).__name__}")
+        _check_cells(self.model, self.cache)
+        if not isinstance(self.sampling, SamplingParams):
+            raise ValidationError("sampling", f"must be a SamplingParams, got {type(self.sampling).__name__}")
         self.sampling.validate()
         self.lookup = check_int(self.lookup, "lookup", 0)
+        if self.draft is not None:
+            _check_draft(self.draft, self.model, self.lookup)
         self.seed = check_seed(self.seed)
         self.rng = torch.Generator(device="cpu")
         if self.seed is not None:
@@ -108,6 +167,10 @@ class Generator:
         self.step, self.fast = decode_backends(self.model, *self._asked)
         self._owners = weight_owners(self.model, self.fast)  # none on the CPU: nothing to check
         self._weights = tensors_key(self._owners)
+
+    def checked(self, ids: Sequence[int] | torch.Tensor) -> list[int]:
+        """``ids`` as token ids of this model (:func:`token_ids`: TokenIdError for anything else)."""
+        return token_ids(ids, self.model.get_input_embeddings().num_embeddings)
 
     def refresh(self) -> None:
         """Make the decode steps again if a weight of the model was replaced (not edited in place) since they
@@ -153,6 +216,7 @@ class Generator:
         ones are recomputed from the tokens (the kept cells stay), which is what a fresh forward over the
         kept tokens gives, as after a context shift, and sets :attr:`last_logits`.
         """
+        n_past = check_int(n_past, "n_past", 0)
         tokens = self.tokens[:n_past]
         if self.cache.can_truncate(n_past):
             self.cache.truncate(n_past)
@@ -174,8 +238,11 @@ class Generator:
         Pieces are at most ``chunk`` tokens, by default the largest write one shift always makes room for;
         ``progress`` is called with each piece's length once it is written. A draft model reads them too.
         """
+        ids = self.checked(ids)
         if not ids:
             raise ValueError("nothing to feed: empty prompt")
+        if self.cache.n_past == 0 and self.tokens:  # the cache was emptied (its reset()): so are its tokens
+            self.tokens, self.last_logits = [], None
         self.refresh()
         step = chunk or self.cache.max_chunk()
         logits = None
@@ -271,6 +338,7 @@ def run(
     decode step round differently, and near-ties flip).
     """
     max_new_tokens = check_int(max_new_tokens, "max_new_tokens", -1)  # refused before the prefill
+    prompt_ids = generator.checked(prompt_ids)  # all of them, before the first is written
     stats = GenerationStats(prompt_tokens=len(prompt_ids), reused_tokens=reused, n_ctx=generator.cache.n_ctx)
     t0 = time.perf_counter()
     if reused == len(prompt_ids) and reused_logits is not None:

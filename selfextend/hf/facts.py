@@ -23,6 +23,16 @@ class ModelError(ValueError):
         super().__init__(one_line(message))
 
 
+def require_model(model: Any, what: str) -> None:
+    """Refuse anything that is not a transformers model (None, a plain module, a name) with a ModelError."""
+    from torch import nn
+
+    if not isinstance(model, nn.Module) or not hasattr(getattr(model, "config", None), "model_type"):
+        raise ModelError(
+            f"{what} needs a transformers model (a PreTrainedModel with a config), got {type(model).__name__}"
+        )
+
+
 # Model types whose positions are learned absolute embeddings, ALiBi, relative biases or none at all.
 NON_ROPE_MODEL_TYPES = frozenset(
     {

@@ -43,7 +43,7 @@ from selfextend.core.cells import cells_of
 from selfextend.core.positions import max_length, validate
 from selfextend.core.rope import Frequencies, RotationTable, layer_frequencies, rotate
 from selfextend.core.validate import ValidationError
-from selfextend.hf.facts import ModelError, check_rope, layer_kinds, trained_window
+from selfextend.hf.facts import ModelError, check_rope, layer_kinds, require_model, trained_window
 
 IMPLEMENTATION = "selfextend"
 REFERENCE_IMPLEMENTATION = "selfextend_reference"
@@ -280,14 +280,6 @@ def attention_modules(model: nn.Module) -> list[nn.Module]:
     ]
 
 
-def _check_module(model: Any, what: str) -> None:
-    """Refuse anything that is not a transformers model (None, a plain module) with a ModelError."""
-    if not isinstance(model, nn.Module) or not hasattr(getattr(model, "config", None), "model_type"):
-        raise ModelError(
-            f"{what} needs a transformers model (a PreTrainedModel with a config), got {type(model).__name__}"
-        )
-
-
 def _check_model(model: nn.Module) -> list[str]:
     """The layer kinds, after refusing what Self-Extend cannot serve (one-line :class:`ModelError`)."""
     config = model.config
@@ -318,7 +310,7 @@ def apply_self_extend(
     Raises :class:`~selfextend.core.validate.ValidationError` for bad G/W and
     :class:`~selfextend.models.ModelError` for a model it cannot patch (both ``ValueError``).
     """
-    _check_module(model, "apply_self_extend")
+    require_model(model, "apply_self_extend")
     if implementation not in (IMPLEMENTATION, REFERENCE_IMPLEMENTATION):
         raise ValidationError(
             "implementation",
@@ -346,7 +338,7 @@ def apply_self_extend(
 
 def remove_self_extend(model: nn.Module) -> nn.Module:
     """Undo ``apply_self_extend``: the previous attention implementation, no leftovers."""
-    _check_module(model, "remove_self_extend")
+    require_model(model, "remove_self_extend")
     modules = [m for m in attention_modules(model) if hasattr(m, "self_extend")]
     if not modules:
         return model
@@ -361,7 +353,7 @@ def remove_self_extend(model: nn.Module) -> nn.Module:
 def self_extend(model: nn.Module, group_size: int, window: int) -> Iterator[nn.Module]:
     """``with self_extend(model, G, W):`` Self-Extend G, W inside the block; after it, the model as it was
     before (plain, or with the Self-Extend settings it had: blocks nest)."""
-    _check_module(model, "self_extend")
+    require_model(model, "self_extend")
     before = {m: m.self_extend for m in attention_modules(model) if hasattr(m, "self_extend")}
     implementation = model.config._attn_implementation
     apply_self_extend(model, group_size, window)

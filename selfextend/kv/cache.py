@@ -27,10 +27,11 @@ from torch import nn
 from transformers.cache_utils import Cache
 
 from selfextend.core.rope import layer_frequencies
-from selfextend.core.validate import check_int
-from selfextend.hf.facts import kv_shape, sliding_windows
+from selfextend.core.validate import ValidationError, check_int, first_line
+from selfextend.hf.facts import kv_shape, require_model, sliding_windows
 from selfextend.kv.layers import CellLayer, ContextShiftLayer
 from selfextend.kv.sliding import SlidingShiftLayer
+from selfextend.models.diskcache import parse_dtype
 
 
 def discard_count(n_past: int, n_keep: int) -> int:
@@ -69,6 +70,25 @@ def cache_bytes(
     return 2 * bytes_per_value * kv_heads * head_dim * sum(layer_cells(config, n_ctx, n_keep, sliding))
 
 
+def _cell_dtype(dtype: Any) -> torch.dtype:
+    """The cells' type: a floating torch dtype or a name (``bf16``, ``float16``...); else ValidationError."""
+    try:
+        parsed = parse_dtype(dtype)
+    except ValueError:
+        parsed = None
+    if not isinstance(parsed, torch.dtype) or not parsed.is_floating_point:
+        raise ValidationError("cache dtype", f"must be a floating type (float32, bfloat16...), got {dtype!r}")
+    return parsed
+
+
+def _device(device: Any) -> torch.device:
+    """``device`` as a torch device; ValidationError for a name torch does not know."""
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValidationError("cache device", f"{device!r} is not a device: {first_line(exc)}") from None
+
+
 class ContextShiftCache(Cache):
     """A transformers ``Cache`` of fixed capacity ``n_ctx`` that keeps ``n_keep`` tokens and shifts the rest.
 
@@ -89,24 +109,36 @@ class ContextShiftCache(Cache):
         device: torch.device | str | None = None,
         sliding: bool = True,
     ) -> None:
+        require_model(model, "ContextShiftCache")
         n_ctx = check_int(n_ctx, "context size", 2)
         n_keep = check_int(n_keep, "n_keep (tokens kept at every shift)", 0, n_ctx - 2)
         batch_size = check_int(batch_size, "batch size", 1)
         config = model.config.get_text_config()
         kv_heads, head_dim = kv_shape(config)
         param = next(model.parameters())
-        dtype, device = dtype or param.dtype, device or param.device
+        dtype, device = _cell_dtype(dtype or param.dtype), _device(device or param.device)
         layers: list[CellLayer] = []
         windows = sliding_windows(config)
-        for cells, window in zip(layer_cells(config, n_ctx, n_keep, sliding), windows, strict=True):
-            shape = (batch_size, kv_heads, cells, head_dim)
-            k, v = (
-                torch.zeros(shape, dtype=dtype, device=device),
-                torch.zeros(shape, dtype=dtype, device=device),
-            )
-            layers.append(
-                ContextShiftLayer(k, v) if cells == n_ctx else SlidingShiftLayer(k, v, window, n_keep)
-            )
+        try:
+            for cells, window in zip(layer_cells(config, n_ctx, n_keep, sliding), windows, strict=True):
+                shape = (batch_size, kv_heads, cells, head_dim)
+                k, v = (
+                    torch.zeros(shape, dtype=dtype, device=device),
+                    torch.zeros(shape, dtype=dtype, device=device),
+                )
+                layers.append(
+                    ContextShiftLayer(k, v) if cells == n_ctx else SlidingShiftLayer(k, v, window, n_keep)
+                )
+        except (
+            RuntimeError,
+            MemoryError,
+        ):  # torch's allocator: "can't allocate memory", CUDA's out of memory
+            size = cache_bytes(config, n_ctx, n_keep, torch.empty((), dtype=dtype).element_size(), sliding)
+            raise ValidationError(
+                "context size",
+                f"({n_ctx:,} cells) needs {size * batch_size / 2**30:,.2f} GiB of keys and values, more than "
+                f"{device} could allocate",
+            ) from None
         super().__init__(layers=layers)
         self.frequencies = layer_frequencies(model)  # each layer's own (Gemma 3: local and global bases)
         self.n_ctx, self.n_keep = n_ctx, n_keep
@@ -143,6 +175,7 @@ class ContextShiftCache(Cache):
         """Forget every cell from ``n_past`` on (no shift, no rotation); ValueError, with nothing changed,
         unless :meth:`can_truncate` (see
         :meth:`selfextend.generation.generator.Generator.rewind` for what to do then)."""
+        n_past = check_int(n_past, "n_past", 0)
         if not self.can_truncate(n_past):
             raise ValueError(
                 f"cannot go back to {n_past} of {self.n_past} cells exactly: the sliding layers have dropped "
