@@ -11,6 +11,7 @@ from selfextend.cli.options import (
     POSITIVE,
     integer,
     model_options,
+    results_file,
     self_extend_options,
     weights_option,
 )
@@ -82,7 +83,11 @@ from selfextend.core.validate import plural
 @server_options
 @speculative_options
 @click.option(
-    "-o", "--out", type=click.Path(dir_okay=False), help="Also write every run and the summary as JSON Lines."
+    "-o",
+    "--out",
+    type=click.Path(dir_okay=False),
+    callback=results_file,
+    help="Also write every run and the summary as JSON Lines.",
 )
 def bench(
     model: str,
@@ -127,6 +132,12 @@ def bench(
     unknown = wanted - {"prefill", "decode", "endless", "generate", "first-token", "server", "speculative"}
     if unknown:
         raise click.BadParameter(f"unknown case {', '.join(sorted(unknown))}", param_hint="--cases")
+    if not wanted:
+        raise click.BadParameter("names no case", param_hint="--cases")
+    if out:
+        from selfextend.evaluation.results import repair_tail
+
+        repair_tail(out)  # a file of another kind (notes.txt) refused before anything is measured
     if "server" in wanted:  # subprocesses, before this process holds a model
         given = click.get_current_context().get_parameter_source("weights")
         ours = weights if given != click.core.ParameterSource.DEFAULT else None

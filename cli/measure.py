@@ -14,6 +14,7 @@ from selfextend.cli.options import (
     device_map_option,
     dtype_default,
     model_options,
+    results_file,
     run_name,
     weights_option,
 )
@@ -42,11 +43,12 @@ def _progress_bar(total: int, desc: str, procs=None):
     )
 
 
-def _join(out: str, key, dtype: str):
+def _join(out: str, key, dtype: str, model: str):
     """Join the sweep's processes (one, or those a launcher started), merging leftover rank files first.
 
     Returns the processes, the device this one uses (``--device`` if given, else its own) and the dtype it
-    runs in (``--dtype`` if given, else the default for that device: a launched process's own GPU too).
+    runs in (``--dtype`` if given, ``auto`` read as the model's own, else the default for that device: a
+    launched process's own GPU too): what its records will say, so that the finished ones are skipped.
     """
     from selfextend.evaluation.distributed import merge, processes
 
@@ -65,6 +67,10 @@ def _join(out: str, key, dtype: str):
     device = procs.device(None if "device" in defaulted else ctx.params["device"])
     if "dtype" in defaulted:
         dtype = dtype_default(device, ctx.meta.get("device_map"))
+    elif dtype == "auto":
+        from selfextend.models.load import checkpoint_dtype
+
+        dtype = str(checkpoint_dtype(model)).removeprefix("torch.")
     return procs, device, dtype
 
 
@@ -141,6 +147,7 @@ METHOD_HELP = (
     "-o",
     "--out",
     type=click.Path(dir_okay=False),
+    callback=results_file,
     required=True,
     help="JSON Lines file; records are appended as points finish, finished points are skipped.",
 )
@@ -189,9 +196,9 @@ def ppl(
     from selfextend.cli.options import load_with_self_extend
     from selfextend.evaluation.sweep import point_key, run_cost
 
-    procs, device, dtype = _join(out, point_key, dtype)
+    procs, device, dtype = _join(out, point_key, dtype, model)
     name = run_name(model, weights, device)
-    runs = plan(name, list(texts), parsed_methods, parsed_lengths, out, dtype_name(dtype))
+    runs = plan(name, texts, parsed_methods, parsed_lengths, out, dtype_name(dtype))
     if not runs:
         click.echo(f"all points already in {out}", err=True)
         return
@@ -235,6 +242,7 @@ def ppl(
     "-o",
     "--out",
     type=click.Path(dir_okay=False),
+    callback=results_file,
     required=True,
     help="JSON Lines file; one record per trial, appended as it finishes; finished trials are skipped.",
 )
@@ -268,7 +276,7 @@ def passkey(
         raise click.BadParameter("depths must lie in [0, 1]", param_hint="--depths")
     if trials < 1:
         raise click.BadParameter("at least 1", param_hint="--trials")
-    procs, device, dtype = _join(out, point_key, dtype)
+    procs, device, dtype = _join(out, point_key, dtype, model)
     name = run_name(model, weights, device)
     done = len(read_jsonl(out))
     points = passkey_plan(

@@ -71,6 +71,9 @@ def without_our_waits(environ: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in environ.items() if k not in QUIETED}
 
 
+MAX_THREADS = 1024  # -t 100000 made the tokenizer's thread pool panic, then a segmentation fault
+
+
 def _set_threads(ctx: click.Context, param: click.Parameter, value: int | None) -> None:
     if value is not None:
         import torch
@@ -83,7 +86,7 @@ def threads_option(f: Callable) -> Callable:
     return click.option(
         "-t",
         "--threads",
-        type=POSITIVE,
+        type=integer(1, hi=MAX_THREADS),
         default=None,
         expose_value=False,
         callback=_set_threads,
@@ -110,6 +113,27 @@ def in_writable_folder(ctx: click.Context, param: click.Parameter, value: str | 
         folder = Path(value).expanduser().absolute().parent
         if not folder.is_dir() or not os.access(folder, os.W_OK):
             raise click.BadParameter(f"no writable folder {folder} to write it in", ctx, param)
+    return value
+
+
+def results_file(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """A results file to append to, refused at once where it could not be written (found otherwise after
+    the first point was measured, and that point lost): an empty name, something other than a file, a file
+    or nearest existing folder not writable. Missing folders are made with the first record."""
+    if value is None:
+        return value
+    path = Path(value).expanduser().absolute()
+    if not value.strip():
+        raise click.BadParameter("names no file", ctx, param)
+    if path.exists():
+        if not path.is_file():
+            raise click.BadParameter(f"{value} is not a regular file", ctx, param)
+        if not os.access(path, os.W_OK):
+            raise click.BadParameter(f"{value} is not writable", ctx, param)
+        return value
+    folder = next(p for p in path.parents if p.exists())
+    if not folder.is_dir() or not os.access(folder, os.W_OK):
+        raise click.BadParameter(f"no writable folder {folder} to write it in", ctx, param)
     return value
 
 

@@ -122,6 +122,9 @@ PARSE_CASES = [
     (["ppl", "--max-docs", "0", "-o", "out.jsonl"], "--max-docs"),
     (["passkey", "--trials", "0", "-o", "out.jsonl"], "--trials"),
     (["passkey", "--seed", "-5", "-o", "out.jsonl"], "--seed"),
+    (["ppl", "-t", "100000", "-o", "out.jsonl"], "--threads"),  # was a thread pool's panic, then a segfault
+    (["ppl", "--lengths", "3", "-o", "out.jsonl"], "--lengths"),  # a last quarter of no token: NaN records
+    (["bench", "--cases", ""], "--cases"),
     (["plot", "results.jsonl", "--trained-window", "0"], "--trained-window"),
     (["table", "results.jsonl", "--reference", "-4"], "--reference"),
 ]
@@ -592,7 +595,7 @@ API_CASES = {
     "parse None": (lambda m: parse_method(None), MethodError),
     "methods twice": (lambda m: parse_methods(["ntk:factor=2", "ntk:factor=2.0"]), MethodError),
     "plan twice": (
-        lambda m: plan("m", ["d"], [Method("plain"), Method("plain")], [64], "/nonexistent/x.jsonl"),
+        lambda m: plan("m", {"d": "text"}, [Method("plain"), Method("plain")], [64], "/nonexistent/x.jsonl"),
         MethodError,
     ),
     "lengths bool": (lambda m: check_lengths([True]), ValidationError),

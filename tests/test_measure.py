@@ -340,3 +340,43 @@ def test_passkey_and_plots(tiny_dir, tmp_path):
     bad.write_text('{"x": 1}\n')
     r = invoke("plot", bad)
     assert r.exit_code != 0 and "unknown records" in r.stderr
+
+
+def test_sweeps_resume_their_own_points_only(tiny_dir, tmp_path):
+    """``--dtype auto`` resumes (its records say the dtype it meant, and it was looked for as "auto": every
+    run measured again and appended); another text under a document's name is another point; a passkey
+    sweep does not append to a ppl file (its points were counted as misses)."""
+    text = tmp_path / "a" / "book.txt"
+    other = tmp_path / "b" / "book.txt"
+    text.parent.mkdir(), other.parent.mkdir()
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 60)
+    other.write_text("A stitch in time saves nine, said the tailor twice. " * 60)
+    out = tmp_path / "ppl.jsonl"
+    args = ["ppl", "--model", tiny_dir, "--lengths", "64", "--dtype", "auto", "-o", out]
+    assert invoke(*args, "--corpus", text).exit_code == 0
+    r = invoke(*args, "--corpus", text)
+    assert r.exit_code == 0 and "all points already in" in r.stderr, r.stderr
+    r = invoke(*args, "--corpus", other)
+    assert r.exit_code == 0 and "all points already in" not in r.stderr, r.stderr
+    records = read_jsonl(out)
+    assert len(records) == 2 and records[0]["ppl"] != records[1]["ppl"]
+    assert records[0]["doc"] == records[1]["doc"] == "book" and records[0]["text"] != records[1]["text"]
+    before = out.read_bytes()
+    trial = ["--lengths", "128", "--depths", "0", "--trials", "1"]
+    r = invoke("passkey", "--model", tiny_dir, *trial, "-o", out)
+    assert r.exit_code == 2 and "2 ppl record(s)" in r.stderr and out.read_bytes() == before, r.stderr
+
+
+@pytest.mark.parametrize("out, message", [("", "names no file"), ("/dev/null", "not a regular file")])
+def test_results_files_that_cannot_be_written_are_refused_before_measuring(out, message):
+    """(/dev/full was read as a results file forever, /dev/zero too: table grew past 15 GB.)"""
+    r = invoke("ppl", "--lengths", "64", "-o", out)
+    assert r.exit_code == 2 and message in r.stderr, r.stderr
+
+
+def test_a_dataset_column_that_is_not_text(tiny_dir, tmp_path):
+    data = tmp_path / "num.jsonl"
+    data.write_text('{"body": 123}\n')
+    r = invoke("ppl", "--model", tiny_dir, "--dataset", "json", "--data-files", data, "--text-column", "body",
+               "--lengths", "64", "-o", tmp_path / "o.jsonl")  # fmt: skip
+    assert r.exit_code == 2 and "column 'body' holds int, not text" in r.stderr, r.output

@@ -241,3 +241,34 @@ def test_plot_of_mixed_documents_has_a_line_for_every_legend_entry(tmp_path, mon
     assert legend and set(legend) <= drawn
     if not kwargs:
         assert fig.axes[0].get_title() == "1 document: a"
+
+
+def test_table_keeps_models_and_dtypes_apart_and_counts_a_point_once(tmp_path):
+    """One point measured for two models and two dtypes in one file: three rows, not one row showing
+    whichever came last; a passkey file with every trial twice: each trial counted once."""
+    path = tmp_path / "models.jsonl"
+    base = {"doc": "a", "method": "plain", "length": 1024, "ppl": 5.0}
+    runs = [("smollm2", "float32", 10.0), ("gemma3", "float32", 100.0), ("smollm2", "bfloat16", 50.0)]
+    path.write_text(
+        "".join(json.dumps({**base, "model": m, "dtype": d, "ppl_last": v}) + "\n" for m, d, v in runs)
+    )
+    r = CliRunner().invoke(main, ["table", str(path), "--trained-window", "2048", "-f", "csv"])
+    assert r.exit_code == 0, r.output
+    rows = {line.split(",")[0]: float(line.split(",")[2]) for line in r.output.splitlines()[1:]}
+    assert rows == {f"{m} {d} plain": v for m, d, v in runs}
+    trials = tmp_path / "pk.jsonl"
+    pk = {"model": "m", "dtype": "float32", "seed": 0, "method": "plain", "length": 256, "depth": 0.5}
+    once = [{**pk, "trial": t, "correct": t == 0} for t in range(2)]
+    trials.write_text("".join(json.dumps(rec) + "\n" for rec in once + once))
+    r = CliRunner().invoke(main, ["table", str(trials), "--trained-window", "2048"])
+    assert r.exit_code == 0 and "1/2" in r.output and "2/4" not in r.output, r.output
+
+
+def test_a_byte_order_mark_costs_no_record(tmp_path):
+    path = tmp_path / "bom.jsonl"
+    records = [r for r in _records() if r["length"] == 1024 and r["method"] == "plain"]
+    path.write_bytes(b"\xef\xbb\xbf" + "".join(json.dumps(r) + "\n" for r in records).encode())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ResultsWarning)  # no line skipped
+        r = CliRunner().invoke(main, ["table", str(path), "--trained-window", "2048", "-f", "csv"])
+    assert r.exit_code == 0 and ",3\n" in r.output.replace("\r", ""), r.output  # all three documents

@@ -109,12 +109,23 @@ def read_dataset(
     except Exception as e:  # datasets raises many kinds for a missing name, file or split
         raise CorpusError(f"cannot load dataset '{name}': {first_line(e)}") from None
     docs: dict[str, str] = {}
-    for i, row in enumerate(ds):
-        if max_docs is not None and i >= max_docs:
-            break
-        if text_column not in row:
-            raise CorpusError(f"dataset '{name}' has no column '{text_column}' (columns: {', '.join(row)})")
-        docs[f"{split}-{i}"] = row[text_column]
+    try:
+        for i, row in enumerate(ds):
+            if max_docs is not None and i >= max_docs:
+                break
+            if text_column not in row:
+                columns = ", ".join(row)
+                raise CorpusError(f"dataset '{name}' has no column '{text_column}' (columns: {columns})")
+            if not isinstance(row[text_column], str):
+                got = type(row[text_column]).__name__
+                raise CorpusError(f"dataset '{name}' row {i}: column '{text_column}' holds {got}, not text")
+            docs[f"{split}-{i}"] = row[text_column]
+    except CorpusError:
+        raise
+    except Exception as e:  # reading the rows: a file not in its format, not UTF-8, ...
+        files = ", ".join(map(str, data_files)) if isinstance(data_files, list) else data_files
+        where = f" ({files})" if data_files else ""
+        raise CorpusError(f"cannot read dataset '{name}'{where}: {first_line(e)}") from None
     if not docs:
         raise CorpusError(f"dataset '{name}' split '{split}' has no rows")
     return docs

@@ -20,7 +20,7 @@ from torch import nn
 from selfextend.core.validate import MAX_SEED, ValidationError, check_float, check_int
 from selfextend.evaluation.methods import Method, applied, unique_methods
 from selfextend.evaluation.nll import dense_sliding_mask
-from selfextend.evaluation.results import append_jsonl, read_jsonl, repair_tail
+from selfextend.evaluation.results import append_jsonl, own_records, repair_tail
 from selfextend.evaluation.sweep import SCORING_CHUNK, check_lengths, dtype_name
 from selfextend.generation.generator import Generator
 from selfextend.kv.cache import ContextShiftCache
@@ -118,7 +118,7 @@ def passkey_plan(
     if not depths:
         raise ValidationError("depths", "needs at least one depth in [0, 1]")
     trials, seed = check_int(trials, "trials", 1), check_int(seed, "seed", 0, MAX_SEED)
-    done = {point_key(r) for r in read_jsonl(out)}
+    done = {point_key(r) for r in own_records(out, "passkey")}
     return [
         Point(method, length, depth, trial)
         for method in methods

@@ -12,6 +12,7 @@ from typing import Any
 
 from selfextend.core.validate import plural
 from selfextend.evaluation.aggregate import fmt_tokens, summarize
+from selfextend.evaluation.results import record_kind
 
 
 def _pyplot():
@@ -39,6 +40,7 @@ def _fits(record: dict[str, Any], kind: str, field: str) -> bool:
         value = record.get(name)
         if want is float:
             ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            ok = ok and (value >= 1 or name != field or kind != "ppl")  # a perplexity is at least 1
         elif want is int:
             ok = isinstance(value, int) and not isinstance(value, bool)
         else:
@@ -52,7 +54,7 @@ def records_kind(records: list[dict[str, Any]], source: str = "results") -> str:
     """``ppl``, ``passkey`` or ``bench``: the most common kind among ``records`` (ValueError if none)."""
     if not records:
         raise ValueError(f"{source}: no records to plot")
-    kinds = [k for r in records for k in [_kind_of(r)] if k]
+    kinds = [k for r in records for k in [record_kind(r)] if k]
     if not kinds:
         raise ValueError(f"{source}: unknown records (fields: {', '.join(sorted(records[0]))})")
     return max(_NEEDS, key=kinds.count)
@@ -70,8 +72,8 @@ def usable_records(
     from selfextend.evaluation.results import ResultsWarning
 
     kind = records_kind(records, source)
-    usable = [r for r in records if _kind_of(r) == kind and _fits(r, kind, field)]
-    other = len(records) - sum(k == kind for k in map(_kind_of, records))
+    usable = [r for r in records if record_kind(r) == kind and _fits(r, kind, field)]
+    other = len(records) - sum(k == kind for k in map(record_kind, records))
     broken = len(records) - other - len(usable)
     if other:
         warnings.warn(f"{source}: {other} record(s) not of kind {kind} skipped", ResultsWarning, stacklevel=2)
@@ -84,18 +86,30 @@ def usable_records(
         )
     if not usable:
         raise ValueError(f"{source}: no {kind} record has every field the plot needs")
-    return kind, usable
+    return kind, _one_per_point(_per_run(usable, kind), kind)
 
 
-def _kind_of(record: dict[str, Any]) -> str | None:
-    keys = set(record)
-    if {"ppl", "length", "method"} <= keys:
-        return "ppl"
-    if {"correct", "depth", "method"} <= keys:
-        return "passkey"
-    if {"case", "variant"} <= keys:
-        return "bench"
-    return None
+def _per_run(records: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    """``records`` with each method named with its model and dtype where the file holds several of those
+    (a sweep of another model appended to the same file: its own rows and lines, not averaged in)."""
+    if kind == "bench":
+        return records
+    runs = {(r.get("model"), r.get("dtype")) for r in records}
+    if len(runs) < 2:
+        return records
+    return [{**r, "method": f"{r.get('model')} {r.get('dtype')} {r['method']}"} for r in records]
+
+
+def _one_per_point(records: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    """The last record of each point (a point measured twice, as two runs appending to one file do, counts
+    once: a passkey trial twice would count twice in the accuracy)."""
+    if kind == "bench":
+        return records
+    from selfextend.evaluation.passkey import point_key as passkey_key
+    from selfextend.evaluation.sweep import point_key as ppl_key
+
+    key = ppl_key if kind == "ppl" else passkey_key
+    return list({key(r): r for r in records}.values())
 
 
 MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")

@@ -29,7 +29,7 @@ class ResultsWarning(UserWarning):
 def _parse(line: bytes) -> dict[str, Any] | str:
     """The record on ``line``, or why it is not one."""
     try:
-        value = json.loads(line.decode("utf-8"))
+        value = json.loads(line.decode("utf-8-sig"))  # a byte-order mark (Windows editors) is no character
     except UnicodeDecodeError:
         return "not UTF-8"
     except json.JSONDecodeError:
@@ -42,6 +42,8 @@ def _parse(line: bytes) -> dict[str, Any] | str:
 
 
 def _lines(p: Path) -> list[bytes]:
+    if p.exists() and not p.is_dir() and not p.is_file():  # /dev/zero would be read forever
+        raise ValueError(f"{p} is not a regular file, so not a results file")
     try:
         data = p.read_bytes()
     except IsADirectoryError:
@@ -65,6 +67,31 @@ def read_jsonl(path: str | Path, warn: bool = True) -> list[dict[str, Any]]:
             records.append(parsed)
         elif warn:
             warnings.warn(f"{p}:{i}: {parsed}, skipped", ResultsWarning, stacklevel=2)
+    return records
+
+
+def record_kind(record: dict[str, Any]) -> str | None:
+    """``ppl``, ``passkey`` or ``bench``: which command wrote ``record`` (None: none of them)."""
+    keys = set(record)
+    if {"ppl", "length", "method"} <= keys:
+        return "ppl"
+    if {"correct", "depth", "method"} <= keys:
+        return "passkey"
+    if {"case", "variant"} <= keys:
+        return "bench"
+    return None
+
+
+def own_records(path: str | Path, kind: str) -> list[dict[str, Any]]:
+    """The records of ``path``, a file a ``kind`` sweep appends to; :class:`ResultsError` where some are
+    another command's (a passkey sweep into a ppl file would count its points as misses)."""
+    records = read_jsonl(path)
+    others = [k for r in records for k in [record_kind(r)] if k not in (None, kind)]
+    if others:
+        raise ResultsError(
+            f"{path} holds {len(others)} {others[0]} record(s), so a {kind} sweep does not append to it: "
+            "name another file"
+        )
     return records
 
 

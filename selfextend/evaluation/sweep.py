@@ -8,6 +8,7 @@ per (document, method).
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -21,14 +22,16 @@ from selfextend.evaluation.corpus import CorpusError
 from selfextend.evaluation.distributed import forward_cost
 from selfextend.evaluation.methods import Method, applied, unique_methods
 from selfextend.evaluation.nll import dense_sliding_mask, segment_ppl, shift_nll, token_nll
-from selfextend.evaluation.results import append_jsonl, read_jsonl, repair_tail
+from selfextend.evaluation.results import append_jsonl, own_records, repair_tail
 
 MAX_LENGTH = 2**24
 """Longest context a sweep accepts (16M tokens): far beyond any model, short of absurd allocations."""
+MIN_LENGTH = 4  # the last quarter (ppl_last) of a shorter one holds no token
 
 
 def parse_lengths(spec: str, name: str = "lengths") -> list[int]:
-    """``"1k,2k,4096"`` -> [1024, 2048, 4096] (k = 1024 tokens), each in [2, MAX_LENGTH]; sorted, unique."""
+    """``"1k,2k,4096"`` -> [1024, 2048, 4096] (k = 1024 tokens), each in [MIN_LENGTH, MAX_LENGTH]; sorted,
+    unique."""
     lengths = []
     for part in filter(None, (p.strip().lower() for p in str(spec).split(","))):
         if part.endswith("k"):
@@ -38,17 +41,18 @@ def parse_lengths(spec: str, name: str = "lengths") -> list[int]:
             n = int(n)
         else:
             n = parse_int(part, f"{name} ({part})")
-        lengths.append(check_int(n, f"{name} ({part})", 2, MAX_LENGTH))
+        lengths.append(check_int(n, f"{name} ({part})", MIN_LENGTH, MAX_LENGTH))
     if not lengths:
         raise ValidationError(name, "needs at least one length, such as 2048 or 2k")
     return sorted(set(lengths))
 
 
 def check_lengths(lengths: list[int], name: str = "lengths") -> list[int]:
-    """Lengths given as numbers through the API: each an integer in [2, MAX_LENGTH]; sorted, unique."""
+    """Lengths given as numbers through the API: each an integer in [MIN_LENGTH, MAX_LENGTH]; sorted,
+    unique."""
     if isinstance(lengths, (str, bytes)) or not hasattr(lengths, "__iter__"):
         raise ValidationError(name, f"must be a list of token counts, got {type(lengths).__name__}")
-    checked = [check_int(n, name, 2, MAX_LENGTH) for n in lengths]
+    checked = [check_int(n, name, MIN_LENGTH, MAX_LENGTH) for n in lengths]
     if not checked:
         raise ValidationError(name, "needs at least one length")
     return sorted(set(checked))
@@ -101,6 +105,13 @@ class Run:
     method: Method
     length: int
     covers: list[int]
+    text: str | None = None  # the document's text_id
+
+
+def text_id(text: str) -> str:
+    """A document's text in a record (16 hex digits of its sha256): two texts under one name (a file of
+    the same stem elsewhere, another dataset's ``train-0``) are different points."""
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:16]
 
 
 LEGACY = {"dtype": "float32"}
@@ -110,10 +121,12 @@ LEGACY = {"dtype": "float32"}
 def point_key(record: dict) -> tuple:
     """What identifies a perplexity point: a resumed or merged sweep holds each key once.
 
-    Everything that changes the numbers: model (with its weight format), dtype, text, method, length.
-    A record missing a field gets None there, so it never stands in for a real point.
+    Everything that changes the numbers: model (with its weight format), dtype, the document (its name
+    and its text's :func:`text_id`), method, length. A record missing a field gets None there, so it never
+    stands in for a real point (records from before ``text`` was written are measured again).
     """
-    return tuple(record.get(f, LEGACY.get(f)) for f in ("model", "dtype", "doc", "method", "length"))
+    fields = ("model", "dtype", "doc", "text", "method", "length")
+    return tuple(record.get(f, LEGACY.get(f)) for f in fields)
 
 
 def run_cost(run: Run, hidden_size: int) -> float:
@@ -124,28 +137,30 @@ def run_cost(run: Run, hidden_size: int) -> float:
 
 def plan(
     model_name: str,
-    docs: list[str],
+    docs: dict[str, str],
     methods: list[Method],
     lengths: list[int],
     out: str | Path,
     dtype: str = "float32",
 ) -> list[Run]:
-    """The runs still needed: points already in ``out`` (same model, ``dtype``...) are skipped.
+    """The runs still needed for the documents ``docs`` (name: text): points already in ``out`` (same
+    model, ``dtype``, text...) are skipped.
 
     A method given twice is refused (:class:`~selfextend.evaluation.methods.MethodError`).
     """
     methods, lengths = unique_methods(list(methods)), check_lengths(lengths)
-    done = {point_key(r) for r in read_jsonl(out)}
+    done = {point_key(r) for r in own_records(out, "ppl")}
     runs = []
-    for doc in docs:
+    for doc, text in docs.items():
+        tid = text_id(text)
         for method in methods:
-            missing = [n for n in lengths if (model_name, dtype, doc, method.name, n) not in done]
+            missing = [n for n in lengths if (model_name, dtype, doc, tid, method.name, n) not in done]
             if not missing:
                 continue
             if method.length_independent:
-                runs.append(Run(doc, method, max(missing), missing))
+                runs.append(Run(doc, method, max(missing), missing, tid))
             else:
-                runs += [Run(doc, method, n, [n]) for n in missing]
+                runs += [Run(doc, method, n, [n], tid) for n in missing]
     return runs
 
 
@@ -185,6 +200,7 @@ def ppl_sweep(
                 "model": model_name,
                 "dtype": dtype_name(model),
                 "doc": run.doc,
+                "text": run.text,
                 "method": run.method.name,
                 "length": n,
                 "ppl": segment_ppl(nll, 0, n),

@@ -64,6 +64,18 @@ def default_dtype(device: str | torch.device, device_map: object = None) -> torc
     return torch.bfloat16
 
 
+def checkpoint_dtype(name_or_path: str) -> torch.dtype:
+    """What ``dtype="auto"`` loads a model in: float32 for a GGUF (its converted form), else the dtype its
+    config names (float32 where it names none), so that a sweep asked for ``auto`` knows which records are
+    its own before it loads anything."""
+    if resolve_model(name_or_path).kind == "gguf":
+        return torch.float32
+    config = load_config(name_or_path)
+    named = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    parsed = parse_dtype(named) if named is not None else torch.float32
+    return parsed if isinstance(parsed, torch.dtype) else torch.float32
+
+
 def load_config(name_or_path: str = DEFAULT_MODEL) -> PretrainedConfig:
     """Read a model's config without loading weights (for ``info``), and check that it uses RoPE.
 
