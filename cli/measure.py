@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import click
 
@@ -90,17 +91,19 @@ def _resuming(out: str, todo: int, total: int, what: str) -> None:
 
 
 @contextmanager
-def _resumable(out: str, what: str) -> Iterator[list[int]]:
-    """Around a sweep: Ctrl-C ends it with one line saying what is kept in ``out`` and how to go on.
+def _resumable(out: str, what: str, mine: Path) -> Iterator[list[int]]:
+    """Around a sweep: Ctrl-C ends it with one line saying what is kept (in ``mine``, this process's
+    output: ``out`` or, launched, its rank file, merged into ``out`` by the next run) and how to go on.
 
     Yields a one-element counter the caller increments per record written.
     """
     written = [0]
+    where = str(out) if str(mine) == str(out) else f"{mine} (merged into {out} by the next run)"
     try:
         yield written
     except KeyboardInterrupt:
         click.echo(
-            f"\ninterrupted: {out} keeps every {what} finished ({written[0]} new in this run; the one in "
+            f"\ninterrupted: {where} keeps every {what} finished ({written[0]} new in this run; the one in "
             "progress is lost). Run the same command again to resume: finished ones are skipped.",
             err=True,
         )
@@ -199,6 +202,14 @@ def ppl(
     procs, device, dtype = _join(out, point_key, dtype, model)
     name = run_name(model, weights, device)
     runs = plan(name, texts, parsed_methods, parsed_lengths, out, dtype_name(dtype))
+    procs.agree(
+        (
+            name,
+            str(dtype),
+            str(Path(out).absolute()),
+            [(r.doc, r.text, r.method.name, r.covers) for r in runs],
+        )
+    )
     if not runs:
         click.echo(f"all points already in {out}", err=True)
         return
@@ -210,7 +221,7 @@ def ppl(
     ids = tokenize_docs(tokenizer, texts, runs)
     mine = procs.share(runs, lambda r: run_cost(r, lm.config.get_text_config().hidden_size))
     bar = _progress_bar(sum(r.length for r in mine), "ppl", procs)
-    with _resumable(out, "point") as written, bar:
+    with _resumable(out, "point", procs.output(out)) as written, bar:
         for r in ppl_sweep(lm, name, ids, mine, procs.output(out), progress=bar.update):
             written[0] += 1
             bar.write(
@@ -282,6 +293,7 @@ def passkey(
     points = passkey_plan(
         name, parsed_methods, parsed_lengths, parsed_depths, trials, out, dtype_name(dtype), seed
     )
+    procs.agree((name, str(dtype), seed, str(Path(out).absolute()), [str(p) for p in points]))
     if points and procs.main:
         total = len(parsed_methods) * len(parsed_lengths) * len(parsed_depths) * trials
         _resuming(out, len(points), total, "trial")
@@ -291,7 +303,7 @@ def passkey(
         hidden = lm.config.get_text_config().hidden_size
         mine = procs.share(points, lambda p: forward_cost(p.length, hidden))
         bar = _progress_bar(sum(p.length for p in mine), "passkey", procs)
-        with _resumable(out, "trial") as written, bar:
+        with _resumable(out, "trial", procs.output(out)) as written, bar:
             for r in passkey_sweep(lm, tokenizer, name, mine, procs.output(out), seed, progress=bar.update):
                 written[0] += 1
                 bar.write(

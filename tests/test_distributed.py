@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from selfextend.evaluation.distributed import Processes, balance, forward_cost, merge, rank_file, rank_files
-from selfextend.evaluation.results import ResultsWarning, read_jsonl
+from selfextend.evaluation.results import ResultsWarning, read_jsonl, rejected_path
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -61,9 +61,10 @@ def test_rank_files_and_merge(tmp_path):
     rank_file(out, 10).write_text(json.dumps({"k": 2}) + "\n")
     (tmp_path / "other.rank1.jsonl").write_text("{}\n")
     assert [f.name for f in rank_files(out)] == ["res.rank0.jsonl", "res.rank1.jsonl", "res.rank10.jsonl"]
-    with pytest.warns(ResultsWarning, match="cut off"):
+    with pytest.warns(ResultsWarning, match="1 line.* that are not records moved"):
         assert merge(out, key) == 2
     assert [r["k"] for r in read_jsonl(out)] == [1, 2, 3]
+    assert rejected_path(out).read_text() == 'res.rank1.jsonl:2: {"k": 4, "cut\n'  # kept, not deleted
     assert read_jsonl(out)[0]["v"] == "a"
     assert rank_files(out) == [] and (tmp_path / "other.rank1.jsonl").exists()
     assert merge(out, key) == 0
@@ -157,3 +158,21 @@ def test_killed_two_process_sweep_resumes_on_one(tmp_path):
     assert len(final) == 9
     for rec in (r for p in parts for r in p):
         assert final[(rec["doc"], rec["method"], rec["length"])]["ppl"] == rec["ppl"]
+
+
+def test_processes_given_other_options_refuse_together(tmp_path):
+    """A launcher that gives one process another --lengths (or -o): every process refuses, none waits on
+    the others (was a silent partial sweep, exit 0; one with nothing to do left the rest on a gloo error)."""
+    wrapper = tmp_path / "rank_args.sh"
+    rank1 = 'if [ "$RANK" = 1 ]; then set -- "$@" --lengths 256; fi'
+    wrapper.write_text(f'#!/bin/sh\n{rank1}\nexec {sys.executable} -m selfextend "$@"\n')
+    wrapper.chmod(0o755)
+    out = tmp_path / "ppl.jsonl"
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    args = ["ppl", "--docs", "surgery", "--lengths", "256,512", "-o", str(out)]
+    r = subprocess.run(
+        [*launch, "--no-python", str(wrapper), *args],
+        capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=300,
+    )  # fmt: skip
+    assert r.returncode != 0 and "given different options (process 1 against" in r.stderr, r.stderr
+    assert not out.exists() and rank_files(out) == []

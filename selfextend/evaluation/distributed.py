@@ -16,13 +16,21 @@ from __future__ import annotations
 import datetime
 import os
 import re
+import warnings
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from selfextend.evaluation.results import append_jsonl, read_jsonl
+from selfextend.evaluation.results import (
+    ResultsWarning,
+    append_jsonl,
+    not_records,
+    read_jsonl,
+    rejected_path,
+    set_aside,
+)
 
 T = TypeVar("T")
 
@@ -61,6 +69,23 @@ class Processes:
         if self.world > 1 and asked == "cuda":
             return f"cuda:{self.local_rank}"
         return asked
+
+    def agree(self, plan: Any, what: str = "options") -> None:
+        """ValueError, on every process alike, unless every process holds the same ``plan`` (a launcher
+        gave one process other options, or another output: each would do its own part of another sweep,
+        and one with nothing to do would leave the others waiting on it)."""
+        if self.world == 1:
+            return
+        import torch.distributed as dist
+
+        plans: list[Any] = [None] * self.world
+        dist.all_gather_object(plans, plan)
+        if any(p != plans[0] for p in plans):
+            differ = [r for r, p in enumerate(plans) if p != plans[0]]
+            raise ValueError(
+                f"the processes were given different {what} (process {', '.join(map(str, differ))} against "
+                "process 0): launch every process with the same command"
+            )
 
     def wait(self) -> None:
         """Barrier across the processes (nothing when single)."""
@@ -146,7 +171,9 @@ def rank_files(out: str | Path) -> list[Path]:
 
 
 def merge(out: str | Path, key: Callable[[dict[str, Any]], Hashable]) -> int:
-    """Move the records of ``out``'s rank files into ``out``, each point (by ``key``) once; delete them.
+    """Move the records of ``out``'s rank files into ``out``, each point (by ``key``) once; delete them
+    (their lines that are not records go to ``out``'s rejected file first, as :func:`repair_tail` keeps
+    ``out``'s own).
 
     A record is appended only when its key is not in ``out`` yet, so a merge cut short and redone
     neither loses nor repeats a point. Returns how many records were added.
@@ -154,7 +181,12 @@ def merge(out: str | Path, key: Callable[[dict[str, Any]], Hashable]) -> int:
     seen = {key(r) for r in read_jsonl(out)}
     added = 0
     for f in rank_files(out):
-        for record in read_jsonl(f):
+        bad = not_records(f)
+        if bad:
+            set_aside(f, bad, out)
+            message = f"{f}: {len(bad)} line(s) that are not records moved to {rejected_path(out)}"
+            warnings.warn(message, ResultsWarning, stacklevel=2)
+        for record in read_jsonl(f, warn=False):
             k = key(record)
             if k not in seen:
                 seen.add(k)

@@ -101,6 +101,22 @@ def rejected_path(path: str | Path) -> Path:
     return p.with_name(p.name + ".rejected")
 
 
+def set_aside(source: Path, lines: list[tuple[int, bytes]], out: str | Path) -> None:
+    """Append ``lines`` of ``source`` (line number, bytes) to ``out``'s :func:`rejected_path`, each after
+    ``source``'s name and its number: lines that are not records are kept there, never deleted."""
+    if not lines:
+        return
+    with rejected_path(out).open("ab") as f:
+        for i, line in lines:
+            f.write(f"{source.name}:{i}: ".encode() + line + b"\n")
+
+
+def not_records(path: str | Path) -> list[tuple[int, bytes]]:
+    """The lines of ``path`` (line number, bytes) that hold something other than a record."""
+    lines = enumerate(_lines(Path(path)), 1)
+    return [(i, x) for i, x in lines if x.strip() and not isinstance(_parse(x), dict)]
+
+
 def repair_tail(path: str | Path) -> None:
     """Make ``path`` ready for appending without losing anything.
 
@@ -115,7 +131,7 @@ def repair_tail(path: str | Path) -> None:
     lines = _lines(p)
     if lines and lines[-1] == b"":
         lines.pop()  # the empty piece after the final newline
-    bad = [(i, x) for i, x in enumerate(lines, 1) if x.strip() and not isinstance(_parse(x), dict)]
+    bad = not_records(p)
     if bad and len(bad) == sum(1 for x in lines if x.strip()):
         raise ResultsError(
             f"{p} holds no results (none of its {len(bad)} lines is a JSON record), so it is not ours to "
@@ -126,9 +142,7 @@ def repair_tail(path: str | Path) -> None:
             with p.open("ab") as f:
                 f.write(b"\n")
         return
-    with rejected_path(p).open("ab") as f:
-        for i, line in bad:
-            f.write(f"{p.name}:{i}: ".encode() + line + b"\n")
+    set_aside(p, bad, p)
     bad_numbers = {i for i, _ in bad}
     kept = [line for i, line in enumerate(lines, 1) if i not in bad_numbers]
     tmp = temporary_beside(p)
