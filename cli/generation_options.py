@@ -288,6 +288,9 @@ def speculative_options(f: Callable) -> Callable:
             raise click.UsageError("choose one source of drafts: --lookup N or --draft-model FILE")
         if draft_vocab is not None and not draft_model:
             raise click.UsageError("--draft-vocab needs --draft-model")
+        ctx = click.get_current_context()
+        if ctx.get_parameter_source("draft_max") != click.core.ParameterSource.DEFAULT and not draft_model:
+            raise click.UsageError("--draft-max needs --draft-model")
         return f(*args, speculation=Speculation(lookup, draft_model, draft_max, draft_vocab), **kwargs)
 
     for decorator in reversed(

@@ -125,6 +125,7 @@ PARSE_CASES = [
     (["ppl", "-t", "100000", "-o", "out.jsonl"], "--threads"),  # was a thread pool's panic, then a segfault
     (["ppl", "--lengths", "3", "-o", "out.jsonl"], "--lengths"),  # a last quarter of no token: NaN records
     (["bench", "--cases", ""], "--cases"),
+    (["generate", "--draft-max", "5", "-p", "hi"], "--draft-max needs --draft-model"),
     (["plot", "results.jsonl", "--trained-window", "0"], "--trained-window"),
     (["table", "results.jsonl", "--reference", "-4"], "--reference"),
 ]

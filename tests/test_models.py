@@ -548,6 +548,8 @@ def test_bad_dtype_and_device(tiny_gguf: Path) -> None:
         load_model(str(tiny_gguf), dtype="float8")
     with pytest.raises(ModelError, match="unknown device"):
         load_model(str(tiny_gguf), device="no-such-device")
+    with pytest.raises(ModelError, match="holds no data"):  # loaded, then failed at the first token
+        load_model(str(tiny_gguf), device="meta")
     if not torch.cuda.is_available():
         with pytest.raises(ModelError, match="no CUDA GPU"):
             load_model(str(tiny_gguf), device="cuda")

@@ -39,6 +39,8 @@ def _parse_device(device: str | torch.device) -> torch.device:
         target = torch.device(device)
     except (RuntimeError, TypeError) as exc:
         raise ModelError(f"unknown device '{device}': {first_line(exc)}") from exc
+    if target.type == "meta":  # weights without data: it loads, and fails at the first value read
+        raise ModelError(f"device '{device}' holds no data: a model runs on cpu or cuda")
     if target.type == "cuda" and not torch.cuda.is_available():
         raise ModelError(f"device '{device}' asked for, but this torch sees no CUDA GPU")
     if target.type == "mps" and not torch.backends.mps.is_available():
