@@ -181,6 +181,8 @@ def ppl(
     from selfextend.evaluation.sweep import dtype_name, parse_lengths, plan, ppl_sweep, tokenize_docs
 
     parsed_lengths, parsed_methods = parse_lengths(lengths, "--lengths"), _methods(methods)
+    if dataset is not None and not dataset.strip():  # ('' read as no dataset: the default corpus)
+        raise click.BadParameter("names no dataset (leave it out for --corpus)", param_hint="--dataset")
     texts = load_corpus(
         corpus,
         name=dataset,

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from selfextend.cli.options import integer
+from selfextend.cli.options import in_writable_folder, integer
 
 
 def summary_options(f):
@@ -70,6 +70,7 @@ def _records(results: str, trained_window: int | None, field: str = "ppl_last", 
     "-o",
     "--out",
     type=click.Path(dir_okay=False),
+    callback=in_writable_folder,
     help="PNG to write (default: RESULTS with .png; .png added to a name without a suffix).",
 )
 @summary_options

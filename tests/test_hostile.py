@@ -126,6 +126,8 @@ PARSE_CASES = [
     (["ppl", "--lengths", "3", "-o", "out.jsonl"], "--lengths"),  # a last quarter of no token: NaN records
     (["bench", "--cases", ""], "--cases"),
     (["generate", "--draft-max", "5", "-p", "hi"], "--draft-max needs --draft-model"),
+    (["ppl", "--dataset", "", "-o", "out.jsonl"], "names no dataset"),
+    (["plot", "results.jsonl", "-o", "nodir/sub/x.png"], "no writable folder"),
     (["plot", "results.jsonl", "--trained-window", "0"], "--trained-window"),
     (["table", "results.jsonl", "--reference", "-4"], "--reference"),
 ]
