@@ -71,7 +71,7 @@ def token_ids(ids: Sequence[int] | torch.Tensor, rows: int) -> list[int]:
     if isinstance(ids, (str, bytes)):
         raise TokenIdError(f"token ids must be integers, got {type(ids).__name__}: tokenize the text first")
     try:
-        t = ids if isinstance(ids, torch.Tensor) else torch.tensor(list(ids), dtype=None)
+        t = ids if isinstance(ids, torch.Tensor) else torch.tensor(list(ids))
     except (TypeError, ValueError, RuntimeError, OverflowError) as exc:
         raise TokenIdError(f"token ids must be a sequence of integers: {first_line(exc)}") from None
     if t.numel() == 0:
@@ -87,12 +87,13 @@ def token_ids(ids: Sequence[int] | torch.Tensor, rows: int) -> list[int]:
 def _check_cells(model: nn.Module, cache: ContextShiftCache) -> None:
     """Refuse a cache made for another model: its layers' cells must be this model's (kv heads, head size)."""
     kv_heads, head_dim = kv_shape(model.config.get_text_config())
+    layers = len(layer_kinds(model))
     cells = [(layer.keys.shape[1], layer.keys.shape[3]) for layer in cache.layers]
-    if len(cells) != len(layer_kinds(model)) or set(cells) != {(kv_heads, head_dim)}:
+    if len(cells) != layers or set(cells) != {(kv_heads, head_dim)}:
         raise ValidationError(
             "cache",
             f"holds {len(cells)} layers of {cells[0][0]} KV heads x {cells[0][1]}, made for another model "
-            f"(this one: {len(layer_kinds(model))} layers of {kv_heads} x {head_dim})",
+            f"(this one: {layers} layers of {kv_heads} x {head_dim})",
         )
 
 

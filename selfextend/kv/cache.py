@@ -129,10 +129,7 @@ class ContextShiftCache(Cache):
                 layers.append(
                     ContextShiftLayer(k, v) if cells == n_ctx else SlidingShiftLayer(k, v, window, n_keep)
                 )
-        except (
-            RuntimeError,
-            MemoryError,
-        ):  # torch's allocator: "can't allocate memory", CUDA's out of memory
+        except (RuntimeError, MemoryError):  # torch's "can't allocate memory", CUDA's out of memory
             size = cache_bytes(config, n_ctx, n_keep, torch.empty((), dtype=dtype).element_size(), sliding)
             raise ValidationError(
                 "context size",
