@@ -39,8 +39,6 @@ def _parse_device(device: str | torch.device) -> torch.device:
         target = torch.device(device)
     except (RuntimeError, TypeError) as exc:
         raise ModelError(f"unknown device '{device}': {first_line(exc)}") from exc
-    if target.type == "meta":  # weights without data: it loads, and fails at the first value read
-        raise ModelError(f"device '{device}' holds no data: a model runs on cpu or cuda")
     if target.type == "cuda" and not torch.cuda.is_available():
         raise ModelError(f"device '{device}' asked for, but this torch sees no CUDA GPU")
     if target.type == "mps" and not torch.backends.mps.is_available():
@@ -225,6 +223,8 @@ def load_model(
     form = run_form(auto_weights(weights, source, target, device_map is not None), dtype)
     if form.weights in ("int4", "gguf") and target.type != "cpu":
         raise ModelError(f"--weights {form.weights} runs on the CPU only (its kernels), not on {target}")
+    if target.type == "meta":  # weights without data: it loaded, and failed at the first value read
+        raise ModelError(f"device '{device}' holds no data: a model runs on cpu or cuda")
     if device_map is not None and form.quantized:
         raise ModelError(
             f"a device map needs float weights: {form.weights} layers are not placed by accelerate"
