@@ -264,7 +264,7 @@ def self_extend_options(
     return add if f is None else add(f)
 
 
-DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
+DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")  # as models.load's (test_device_map)
 
 
 def device_map_option(f: Callable) -> Callable:

@@ -103,6 +103,16 @@ def test_generate_auto_weights_are_float_with_a_device_map(tiny_dir):
     assert "3 tokens" in r.stderr
 
 
+def test_device_map_names_are_accelerates_and_others_refused(tiny_dir):
+    from selfextend.cli.options import DEVICE_MAPS as OFFERED
+    from selfextend.models import ModelError, load_model
+    from selfextend.models.load import DEVICE_MAPS
+
+    assert OFFERED == DEVICE_MAPS
+    with pytest.raises(ModelError, match="unknown device map 'nonsense'"):  # was taken as auto
+        load_model(str(tiny_dir), device_map="nonsense")
+
+
 def _text(tmp_path):
     path = tmp_path / "doc.txt"
     path.write_text("The quick brown fox jumps over the lazy dog. " * 200)

@@ -583,6 +583,10 @@ API_CASES = {
         lambda m: Generator(m, ContextShiftCache(_llama_with(num_key_value_heads=4), 16)),
         ValidationError,
     ),
+    "generator bias past the vocabulary": (
+        lambda m: Generator(m, ContextShiftCache(m, 16), SamplingParams(logit_bias={97: 1.0})),
+        ValidationError,
+    ),
     "generator rewind -3": (lambda m: Generator(m, ContextShiftCache(m, 16)).rewind(-3), ValidationError),
     "run text": (lambda m: next(run(Generator(m, ContextShiftCache(m, 16)), "hello", 3)), TokenIdError),
     "run None": (lambda m: next(run(Generator(m, ContextShiftCache(m, 16)), None, 3)), TokenIdError),

@@ -139,6 +139,9 @@ def _place(model: PreTrainedModel, device_map: str | dict[str, Any]) -> None:
     dispatch_model(model, device_map)
 
 
+DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")  # accelerate's names for a placement
+
+
 def auto_weights(weights: str, source: ModelSource, device: torch.device, placed: bool = False) -> str:
     """``weights`` itself, or for ``"auto"``: ``float`` where accelerate places the layers (``placed``: a
     device map; it places float layers only) or on a GPU (a GGUF dequantized to ``--dtype`` at load:
@@ -225,6 +228,8 @@ def load_model(
         raise ModelError(f"--weights {form.weights} runs on the CPU only (its kernels), not on {target}")
     if target.type == "meta":  # weights without data: it loaded, and failed at the first value read
         raise ModelError(f"device '{device}' holds no data: a model runs on cpu or cuda")
+    if isinstance(device_map, str) and device_map not in DEVICE_MAPS:  # accelerate took any name as auto
+        raise ModelError(f"unknown device map '{device_map}': use {', '.join(DEVICE_MAPS)} or a dict")
     if device_map is not None and form.quantized:
         raise ModelError(
             f"a device map needs float weights: {form.weights} layers are not placed by accelerate"
