@@ -21,14 +21,14 @@ from selfextend.cli.chat import chat
 from selfextend.cli.generate import generate
 from selfextend.cli.info import info
 from selfextend.cli.measure import passkey, ppl
-from selfextend.cli.options import quiet_openmp_waits
+from selfextend.cli.options import Terminated, interrupt_status, quiet_openmp_waits
 from selfextend.cli.report import plot, table
 from selfextend.cli.serve import serve
 from selfextend.core.validate import first_line
 
 
 def _interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt
+    raise Terminated
 
 
 class _StderrLines(logging.Handler):
@@ -78,9 +78,9 @@ class Group(click.Group):
             )
             click.echo(f"error: {first_line(click.ClickException(e.format_message()))}{hint}", err=True)
             sys.exit(e.exit_code)
-        except click.exceptions.Abort:
+        except click.exceptions.Abort as e:
             click.echo("aborted", err=True)
-            sys.exit(130)
+            sys.exit(interrupt_status(e.__cause__))
         except (ValueError, NotImplementedError, OSError, RuntimeError, ArithmeticError) as e:
             click.echo(f"error: {first_line(e)}", err=True)
             sys.exit(2)

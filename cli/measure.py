@@ -14,6 +14,7 @@ from selfextend.cli.options import (
     SEED,
     device_map_option,
     dtype_default,
+    interrupt_status,
     model_options,
     results_file,
     run_name,
@@ -101,13 +102,13 @@ def _resumable(out: str, what: str, mine: Path) -> Iterator[list[int]]:
     where = str(out) if str(mine) == str(out) else f"{mine} (merged into {out} by the next run)"
     try:
         yield written
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         click.echo(
             f"\ninterrupted: {where} keeps every {what} finished ({written[0]} new in this run; the one in "
             "progress is lost). Run the same command again to resume: finished ones are skipped.",
             err=True,
         )
-        sys.exit(130)
+        sys.exit(interrupt_status(e))
 
 
 METHOD_HELP = (

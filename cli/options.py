@@ -10,6 +10,16 @@ from pathlib import Path
 import click
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where Ctrl-C would be so that every command stops the same way (summary, output
+    flushed); an interrupted sweep then exits 143 (128 + SIGTERM) where Ctrl-C's is 130."""
+
+
+def interrupt_status(e: BaseException | None) -> int:
+    """The shell's exit status for a stop by ``e``: 143 for SIGTERM, 130 for Ctrl-C."""
+    return 143 if isinstance(e, Terminated) else 130
+
+
 class Checked(click.ParamType):
     """A click type that parses with a :mod:`selfextend.core.validate` function (imported when a value comes,
     so ``--help`` stays light), so the CLI and the library accept and refuse the same numbers; click then

@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from click.testing import CliRunner
 from conftest import make_model
 
-from selfextend.cli.main import main
+from selfextend.cli.main import _interrupt, main
+from selfextend.cli.options import Terminated
 from selfextend.evaluation.corpus import CorpusError, default_books, read_text_file, split_gutenberg
 from selfextend.evaluation.methods import MethodError, parse_method
 from selfextend.evaluation.nll import perplexity, shift_nll, token_nll
@@ -170,7 +171,9 @@ def test_ppl_sweep_records_and_resume(tiny_dir, tmp_path):
     assert math.isclose(read_jsonl(alone)[0]["ppl"], plain64["ppl"], rel_tol=1e-5)
 
 
-def test_ctrl_c_in_ppl_says_what_is_kept_and_how_to_resume(tiny_dir, tmp_path, monkeypatch):
+@pytest.mark.parametrize("stop,status", [(KeyboardInterrupt, 130), (Terminated, 143)])
+def test_ctrl_c_in_ppl_says_what_is_kept_and_how_to_resume(tiny_dir, tmp_path, monkeypatch, stop, status):
+    """Ctrl-C ends a sweep with 130, SIGTERM (raised by the group's handler as ``Terminated``) with 143."""
     from selfextend.evaluation import sweep
 
     real = sweep.ppl_sweep
@@ -178,7 +181,7 @@ def test_ctrl_c_in_ppl_says_what_is_kept_and_how_to_resume(tiny_dir, tmp_path, m
     def interrupted(*args, **kwargs):
         records = real(*args, **kwargs)
         yield next(records)
-        raise KeyboardInterrupt
+        raise stop
 
     monkeypatch.setattr(sweep, "ppl_sweep", interrupted)
     out = tmp_path / "ppl.jsonl"
@@ -195,9 +198,14 @@ def test_ctrl_c_in_ppl_says_what_is_kept_and_how_to_resume(tiny_dir, tmp_path, m
         "-o",
         out,
     )
-    assert r.exit_code == 130 and len(read_jsonl(out)) == 1
+    assert r.exit_code == status and len(read_jsonl(out)) == 1
     assert f"interrupted: {out} keeps every point finished (1 new in this run" in r.stderr
     assert "Run the same command again to resume" in r.stderr
+
+
+def test_sigterm_handler_raises_terminated():
+    with pytest.raises(Terminated):
+        _interrupt(signal.SIGTERM, None)
 
 
 @pytest.mark.parametrize(
