@@ -133,6 +133,80 @@ def test_a_draft_model_gives_plain_greedy_through_shifts(model, small, self_exte
     assert draft.gen.cache.shifts >= 2  # it followed the target's shifts rather than refilling
 
 
+class Tempting(DraftModel):
+    """A draft model whose scores favour the ids past 262 (the tiny target's table) at every proposal."""
+
+    def _catch_up(self, gen, context):
+        logits = super()._catch_up(gen, context).clone()
+        logits[262:] += 1e4
+        return logits
+
+
+def _tiny(path, **kw) -> torch.nn.Module:
+    return load_model(str(write_tiny_gguf(path, quant="Q8_0", **kw)), weights="gguf")[0]
+
+
+def test_a_draft_table_padded_longer_never_reaches_past_the_targets(model, tmp_path) -> None:
+    """A draft of 270 ids (8 more at the end, a table padded as llama.cpp allows) for the 262 of the target,
+    its scores pulled past 262: its drafts are drawn over the target's ids alone (none past its table, which
+    the target's step would have read past), and greedy decoding is plain greedy through shifts."""
+    draft = Tempting(_tiny(tmp_path / "d.gguf", layers=1, hidden=64, heads=2, kv_heads=1, extra_tokens=8), 4)
+    seen = []
+    real = speculative.choose
+    watch = lambda gen, logits, d, q: seen.append(d) or real(gen, logits, d, q)  # noqa: E731
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(speculative, "choose", watch)
+        assert_plain_greedy_with(draft, model, self_extend=False)
+    drafted = [d for d in seen if d is not None]
+    assert draft.rows == 270 and draft.ids == 262 and drafted and max(drafted) < 262
+
+
+def test_a_target_table_padded_longer_reaches_the_draft_as_id_0(small, tmp_path) -> None:
+    """A target of 270 ids drafted by a model of 262: a prompt holding the target's ids 265 and 268 (which
+    the draft's table lacks) decodes as plain greedy, the draft reading them as 0."""
+    target = _tiny(tmp_path / "t.gguf", hidden=256, heads=4, kv_heads=2, extra_tokens=8)
+    prompt = [*REPEATED[:10], 265, 268, *REPEATED[10:]]
+    plain, _ = _greedy(target, 0, 200, 60, prompt)
+    draft = DraftModel(small, 4)
+    fast, g = _greedy(target, 0, 200, 60, prompt, draft=draft)
+    assert fast == plain and draft.ids == 270 and draft.rows == 262
+    assert draft.gen.tokens[10:12] == [0, 0] and g.drafted > 0
+
+
+def test_tables_more_than_128_ids_apart_are_refused(model, tmp_path) -> None:
+    far = _tiny(tmp_path / "far.gguf", layers=1, hidden=64, heads=2, kv_heads=1, extra_tokens=129)
+    with pytest.raises(ValueError, match="391 token ids, the target 262: not the same vocabulary"):
+        Generator(model, ContextShiftCache(model, 48), draft=DraftModel(far))
+
+
+class _Tokens:
+    def __init__(self, tokens: list[str]) -> None:
+        self.vocab, self.bos_token_id, self.eos_token_id = {t: i for i, t in enumerate(tokens)}, 1, 2
+
+    def get_vocab(self) -> dict[str, int]:
+        return self.vocab
+
+
+TOKENS = [f"t{i}" for i in range(300)]
+
+
+@pytest.mark.parametrize(
+    "draft,problem",
+    [
+        (TOKENS, None),
+        (TOKENS + [f"[PAD{i}]" for i in range(128)], None),  # Qwen2.5-like padding
+        (TOKENS + [f"[PAD{i}]" for i in range(129)], "(429 against 300 entries; 129 ids"),
+        ([f"t{i}" for i in range(200)], None),  # the target the longer one, by 100
+        ([f"t{i}" if i != 7 else "seven" for i in range(300)], "(300 against 300 entries; 1 ids are not"),
+    ],
+)
+def test_vocabularies_compare_by_id_up_to_padding(draft: list[str], problem: str | None) -> None:
+    from selfextend.generation.draft import vocabulary_problem
+
+    got = vocabulary_problem(_Tokens(TOKENS), _Tokens(draft))
+    assert got == problem if problem is None else problem in got
+
+
 def test_drafts_are_accepted_and_passes_saved(model) -> None:
     """A model that repeats its context (greedy decoding of a tiny random model falls into a loop) takes
     drafts: fewer passes of the step than tokens."""
@@ -307,7 +381,8 @@ def test_two_server_slots_reply_the_same_with_drafts(source: str, request: pytes
 
 def test_generate_with_a_draft_model_prints_plain_greedy_text(tmp_path, cache) -> None:
     """``generate --draft-model`` (two tiny GGUFs of one vocabulary) prints what plain greedy decoding
-    prints, and so with its draft scoring part of the vocabulary; a draft of another vocabulary, two sources
+    prints, and so with its draft scoring part of the vocabulary or holding 8 ids more (a table padded as
+    llama.cpp allows, up to 128); a draft of another vocabulary (200 ids more), two sources
     of drafts, or a draft vocabulary without a draft model or of no ids, is refused in one line."""
     from click.testing import CliRunner
 
@@ -315,7 +390,8 @@ def test_generate_with_a_draft_model_prints_plain_greedy_text(tmp_path, cache) -
 
     target = write_tiny_gguf(tmp_path / "t.gguf", hidden=256, heads=4, kv_heads=2, quant="Q8_0")
     draft = write_tiny_gguf(tmp_path / "d.gguf", layers=1, hidden=64, heads=2, kv_heads=1, quant="Q8_0")
-    other = write_tiny_gguf(tmp_path / "o.gguf", quant="Q8_0", extra_tokens=8)
+    padded = write_tiny_gguf(tmp_path / "p.gguf", layers=1, hidden=64, quant="Q8_0", extra_tokens=8)
+    other = write_tiny_gguf(tmp_path / "o.gguf", quant="Q8_0", extra_tokens=200)
 
     def generate(*extra):
         args = ["generate", "-m", target, "--weights", "gguf", "-p", "the the the", "-n", "100"]
@@ -327,11 +403,13 @@ def test_generate_with_a_draft_model_prints_plain_greedy_text(tmp_path, cache) -
     assert drafted.stdout == plain.stdout
     part = generate("--draft-model", draft, "--draft-max", "4", "--draft-vocab", "64")  # 64 of 262 ids
     assert part.exit_code == 0 and part.stdout == plain.stdout, part.stderr
+    longer = generate("--draft-model", padded, "--draft-max", "4")  # 270 ids: 8 of padding past the 262
+    assert longer.exit_code == 0 and longer.stdout == plain.stdout, longer.stderr
     assert int(re.search(r"(\d+) context shifts", drafted.stderr).group(1)) >= 2
     kept, tried = map(int, re.search(r"drafts kept (\d+)/(\d+)", drafted.stderr).groups())
     assert 0 < kept <= tried and "drafts kept" not in plain.stderr
     for extra, says in (
-        (("--draft-model", other), "the draft model's vocabulary differs from the target's (270 against 262"),
+        (("--draft-model", other), "the draft model's vocabulary differs from the target's (462 against 262"),
         (("--draft-model", draft, "--lookup", "4"), "choose one source of drafts"),
         (
             (

@@ -33,6 +33,14 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[torch.nn.Module, t
     return load_model(str(target), weights="gguf")[0], load_model(str(draft), weights="gguf")[0]
 
 
+@pytest.fixture(scope="module")
+def padded(tmp_path_factory: pytest.TempPathFactory) -> torch.nn.Module:
+    """The draft with 8 ids more at the end of its table (270 against 262: padding, as llama.cpp allows)."""
+    path = tmp_path_factory.mktemp("specpadded") / "padded.gguf"
+    write_tiny_gguf(path, layers=1, hidden=64, heads=2, kv_heads=1, quant="Q8_0", extra_tokens=8)
+    return load_model(str(path), weights="gguf")[0]
+
+
 def _generator(model: torch.nn.Module, **kw) -> tuple[Generator, torch.Tensor]:
     gen = Generator(model, ContextShiftCache(model, 64), SamplingParams(**SAMPLING), seed=0, **kw)
     return gen, gen.feed(PROMPT)
@@ -111,13 +119,15 @@ def test_plain_sampling_follows_the_exact_distribution(models, truth) -> None:
     assert p_value(sampled(*_generator(models[0])), truth) > 1e-3
 
 
-@pytest.mark.parametrize("source", ["lookup", "draft model", "partial draft vocabulary"])
-def test_speculative_sampling_keeps_the_distribution(models, truth, monkeypatch, source: str) -> None:
+@pytest.mark.parametrize("source", ["lookup", "draft model", "partial draft vocabulary", "padded draft"])
+def test_speculative_sampling_keeps_the_distribution(models, padded, truth, monkeypatch, source: str) -> None:
     """Also where the draft's distribution leaves out tokens the target draws: a draft head scoring ids
     [0, 8) alone (the context's ids not added), so of the cycle it can draft 5 only (and drafts others the
-    target never draws)."""
+    target never draws); and a draft whose table is 8 ids longer (its scores past the target's left out)."""
     seen = _watched(monkeypatch)
     kw = {"lookup": 2} if source == "lookup" else {"draft": DraftModel(models[1], 2)}
+    if source == "padded draft":
+        kw["draft"] = DraftModel(padded, 2)
     if source == "partial draft vocabulary":
         kw["draft"] = DraftModel(models[1], 2, vocab=8)
         monkeypatch.setattr(kw["draft"].part, "hold", lambda context: None)

@@ -9,6 +9,13 @@ costs the draft model one token's step, not a prefill, except after a reply the 
 Why ours: transformers' assisted generation (``assistant_model``) runs on its growing ``DynamicCache``,
 which our context shift and cells do not fit; llama.cpp's is C++. The rule that keeps the output
 plain decoding's lives in :mod:`selfextend.generation.speculative`.
+
+Two models of one tokenizer may have tables padded to other sizes (Qwen2.5 0.5B holds 151,936 rows, 7B
+152,064); as llama.cpp, a draft may hold up to ``PAD_MOST`` ids more or fewer than the target. Its drafts
+are then drawn over the target's ids alone (its scores past the target's table left out, those it lacks
+-inf), so the target never reads an id past its table and a sampled check weighs two distributions of one
+size; a target's id past the draft's table (a padding row drawn) reaches the draft's cache as id 0, which
+only makes its drafts worse, never the output other than the target's.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from selfextend.core.validate import check_int
+from selfextend.core.validate import ValidationError, check_int
 from selfextend.generation.draft_vocab import PartialHead
 from selfextend.generation.generator import Generator
 from selfextend.generation.sampling import SamplingParams
@@ -28,21 +35,26 @@ from selfextend.kv.cache import ContextShiftCache
 
 DRAFT_MAX = 16  # drafts asked for per pass by default: llama.cpp's --draft-max
 FEW = 32  # tokens written to the draft's cache in one pass of its decode step, at most
+PAD_MOST = 128  # token ids a draft's table may be longer or shorter than the target's: llama.cpp's bound
 log = logging.getLogger(__name__)
 _SAID: set[str] = set()  # warnings already given in this process
 
 
 def vocabulary_problem(target: object, draft: object) -> str | None:
-    """Why the draft tokenizer cannot draft for the target's, or None: the same token for every id (the
-    vocabularies compared entry by entry, as ids to strings) and the same special tokens. A draft's ids are
-    read as the target's, so any entry that differs would make drafts of other text (always refused,
-    never a wrong output: the check keeps the output the target's, a mismatch only wastes passes)."""
-    target_vocab, draft_vocab = target.get_vocab(), draft.get_vocab()
-    if target_vocab != draft_vocab:
-        missing = len(set(target_vocab.items()) - set(draft_vocab.items()))
+    """Why the draft tokenizer cannot draft for the target's, or None: the same token for every id both hold
+    (compared id by id), at most ``PAD_MOST`` entries more in one (padding), and the same special tokens. A
+    draft's ids are read as the target's, so any entry that differs would make drafts of other text (always
+    refused, never a wrong output: the check keeps the output the target's, a mismatch only wastes passes)."""
+    target_ids = {i: token for token, i in target.get_vocab().items()}
+    draft_ids = {i: token for token, i in draft.get_vocab().items()}
+    differ = sum(target_ids[i] != draft_ids[i] for i in target_ids.keys() & draft_ids.keys())
+    if abs(len(target_ids) - len(draft_ids)) > PAD_MOST:
+        differ += len(target_ids.keys() ^ draft_ids.keys())
+    if differ:
         return (
-            f"the draft model's vocabulary differs from the target's ({len(draft_vocab)} against "
-            f"{len(target_vocab)} entries; {missing} of the target's are not the draft's)"
+            f"the draft model's vocabulary differs from the target's ({len(draft_ids)} against "
+            f"{len(target_ids)} entries; {differ} ids are not the same token in both, up to {PAD_MOST} "
+            "more at the end of one allowed)"
         )
     for name in ("bos_token_id", "eos_token_id"):
         if getattr(target, name, None) != getattr(draft, name, None):
@@ -69,6 +81,8 @@ class DraftModel:
         self.part = (
             vocab if vocab is None or isinstance(vocab, PartialHead) else PartialHead(model.lm_head, vocab)
         )
+        self.rows = rows_of(model)
+        self.ids = self.rows  # the target's token ids (fit sets them): drafts are drawn over these
         self.gen: Generator | None = None
         self._target: ContextShiftCache | None = None
         self._discarded = 0  # the target's discarded cells the draft cache has mirrored
@@ -76,6 +90,27 @@ class DraftModel:
     def for_another(self) -> DraftModel:
         """A drafter of the same model and settings with a cache of its own (one per server slot)."""
         return type(self)(self.model, self.most, self.cache_dtype, self.part)  # one partial head for all
+
+    def fit(self, target: nn.Module) -> None:
+        """Draft for ``target``: ValidationError where its table is more than ``PAD_MOST`` ids from the
+        draft's (another vocabulary); else drafts are drawn over the target's ids from here on."""
+        ids = rows_of(target)
+        if abs(ids - self.rows) > PAD_MOST:
+            raise ValidationError(
+                "draft",
+                f"model has {self.rows:,} token ids, the target {ids:,}: not the same vocabulary (tables "
+                f"of one tokenizer padded to other sizes may be up to {PAD_MOST} apart)",
+            )
+        self.ids = ids
+
+    def _as_target(self, logits: torch.Tensor) -> torch.Tensor:
+        """The draft's logits (rows,) over the target's ids (ids,): those past its table left out, those
+        it lacks -inf."""
+        if self.ids == self.rows:
+            return logits
+        if self.ids < self.rows:
+            return logits[: self.ids]
+        return torch.cat((logits, logits.new_full((self.ids - self.rows,), float("-inf"))))
 
     def _follow(self, target: ContextShiftCache) -> Generator:
         """The draft's generator with the target's shifts since the last proposal made in its cache too."""
@@ -114,6 +149,8 @@ class DraftModel:
     def _catch_up(self, gen: Generator, context: Sequence[int]) -> torch.Tensor:
         """The draft's cache made to hold ``context``: its tokens past what it shares with it rewound, the
         rest written (the last one always, for its logits, which are returned)."""
+        if self.ids > self.rows:  # the target's padding ids, which the draft's table lacks
+            context = [t if t < self.rows else 0 for t in context]
         same = min(common_prefix(gen.tokens, context), len(context) - 1)
         if self.part is not None:
             self.part.hold(context)
@@ -147,12 +184,12 @@ class DraftModel:
         drawn from (n, vocab), None when greedy."""
         gen = self._follow(cache)
         gen.sampling = sampling
-        logits = self._catch_up(gen, context)
+        logits = self._as_target(self._catch_up(gen, context))
         n = min(n, gen.cache.free())
         drafts, qs = [], []
         for i in range(n):
             if i:
-                logits = gen.write([drafts[-1]])
+                logits = self._as_target(gen.write([drafts[-1]]))
             if sampling.temperature == 0:
                 drafts.append(gen.next_token(logits))
                 continue
@@ -160,3 +197,8 @@ class DraftModel:
             drafts.append(int(torch.multinomial(qs[-1], 1, generator=rng)))
             gen.take(drafts[-1])
         return drafts, torch.stack(qs) if qs else None
+
+
+def rows_of(model: nn.Module) -> int:
+    """The rows of ``model``'s embedding table: the token ids it reads."""
+    return model.get_input_embeddings().num_embeddings

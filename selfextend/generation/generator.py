@@ -99,21 +99,16 @@ def _check_cells(model: nn.Module, cache: ContextShiftCache) -> None:
 
 def _check_draft(draft: Drafter, model: nn.Module, lookup: int) -> None:
     """Refuse drafts that cannot be the target's: not a drafter, drafts from the context too (one source),
-    or a draft model with another number of token ids (each reads the other's ids, and a sampled check
-    weighs the two distributions id by id; llama.cpp allows tables padded up to 128 ids apart, not done
-    here). The vocabularies themselves are compared by their tokenizers, which only the caller has
-    (:func:`~selfextend.generation.draft.vocabulary_problem`)."""
+    or a draft model whose table is not the target's (its ``fit``; up to 128 ids apart allowed, tables of one
+    tokenizer padded to other sizes). The vocabularies themselves are compared by their tokenizers, which
+    only the caller has (:func:`~selfextend.generation.draft.vocabulary_problem`)."""
     if not callable(getattr(draft, "propose", None)) or not callable(getattr(draft, "prepare", None)):
         raise ValidationError("draft", f"must be a Drafter (a DraftModel), got {type(draft).__name__}")
     if lookup:
         raise ValidationError("draft", "and lookup are two sources of drafts: choose one")
-    draft_model = getattr(draft, "model", None)
-    if isinstance(draft_model, nn.Module):
-        rows = draft_model.get_input_embeddings().num_embeddings, model.get_input_embeddings().num_embeddings
-        if rows[0] != rows[1]:
-            raise ValidationError(
-                "draft", f"model has {rows[0]:,} token ids, the target {rows[1]:,}: not the same vocabulary"
-            )
+    fit = getattr(draft, "fit", None)
+    if callable(fit):
+        fit(model)
 
 
 def _said_once(message: str) -> None:
