@@ -907,6 +907,24 @@ def test_failed_decode_step_leaves_the_slot_consistent(tiny):
         assert fills == {n}  # every layer at one fill, the one the tokens say
 
 
+@pytest.mark.parametrize("bad", [10**9, -1, 1.5])
+def test_slot_file_whose_history_is_not_token_ids_is_refused(tiny, tmp_path, bad):
+    """A slot file whose history holds what is not one of the model's ids (a file edited or of another
+    model) is refused with a 400, the slot left empty."""
+    from selfextend.server.guard import APIError
+
+    model, tok = tiny
+    slot = Slot(0, model, 64, decode_step_for(model))
+    slot.generator(0).feed(list(range(200, 230)))
+    slot.finish(list(range(200, 230)), [], True)
+    slot.history[3] = bad
+    slotfiles.save(slot, tmp_path / "s.slot", "tiny")
+    other = Slot(1, model, 64, slot.step)
+    with pytest.raises(APIError, match="damaged slot state") as e:
+        slotfiles.restore(other, tmp_path / "s.slot", "tiny")
+    assert e.value.status == 400 and other.gen.tokens == [] and other.history == []
+
+
 def test_slot_restore_failing_unexpectedly_leaves_the_slot_empty(tiny, tmp_path, monkeypatch):
     model, tok = tiny
     slot = Slot(0, model, 64, decode_step_for(model))

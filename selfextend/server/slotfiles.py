@@ -104,7 +104,8 @@ def restore(slot: Slot, path: Path, model_name: str) -> dict[str, Any]:
         promptcache.check(path, payload, slot.model, gen.cache)
         tokens = payload["tokens"].tolist()
         n_keep, history = extra.get("n_keep"), extra.get("history")
-        ok = isinstance(history, list) and all(type(t) is int for t in history)
+        rows = slot.model.get_input_embeddings().num_embeddings
+        ok = isinstance(history, list) and all(type(t) is int and 0 <= t < rows for t in history)
         if not (ok and type(n_keep) is int and 0 <= n_keep <= slot.n_ctx - 2 and len(tokens) <= slot.n_ctx):
             raise promptcache.PromptCacheError(f"{path.name}: damaged slot state")
         gen = slot.generator(n_keep)
