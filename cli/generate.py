@@ -75,7 +75,7 @@ def generate(
     from selfextend.generation.generator import GenerationStats, Generator, run
     from selfextend.generation.settings import decode_settings
     from selfextend.generation.text import StopMatcher, TextStream, build_prompt, eos_token_ids
-    from selfextend.kv.cache import ContextShiftCache
+    from selfextend.kv.cache import ContextShiftCache, default_keep
 
     check_cache(ctx, keep)
     system = system_prompt(system, system_file)
@@ -89,7 +89,7 @@ def generate(
     lm, tokenizer = load_with_self_extend(model, dtype, device, group_size, window, weights)
     warn_beyond_reach(lm, ctx, group_size, window)
     ids, n_system = build_prompt(tokenizer, prompt, system, chat)
-    n_keep = len(ids) if keep == -1 else (n_system if keep is None else keep)
+    n_keep = len(ids) if keep == -1 else (default_keep(n_system, len(ids), ctx) if keep is None else keep)
     check_keep(n_keep, ctx)
     compile_step, cache_dtype = decode_settings(lm, compile_step, cache_type)
     cache = ContextShiftCache(lm, n_ctx=ctx, n_keep=n_keep, dtype=cache_dtype)

@@ -52,8 +52,8 @@ def cache_options(f: Callable) -> Callable:
         "--keep",
         type=integer(-1),
         default=None,
-        help="Tokens kept at every shift. Default: BOS + the system prompt; -1: the whole prompt "
-        "(in chat: the system prompt).",
+        help="Tokens kept at every shift. Default: BOS + the system prompt, or the first 4 tokens where "
+        "there is neither (attention sinks); -1: the whole prompt (in chat: the system prompt).",
     )(f)
     f = click.option(
         "-c",

@@ -451,3 +451,50 @@ SCHEMA = {
     "required": ["colour", "count", "ok"],
     "additionalProperties": False,
 }
+
+
+@pytest.mark.parametrize(
+    "n_system,n_prompt,n_ctx,kept",
+    [(0, 800, 512, 4), (1, 800, 512, 1), (36, 800, 512, 36), (0, 2, 512, 2), (0, 800, 5, 3), (0, 800, 2, 0)],
+)
+def test_default_keep_is_the_system_part_or_the_first_tokens(n_system, n_prompt, n_ctx, kept):
+    from selfextend.kv.cache import default_keep
+
+    assert default_keep(n_system, n_prompt, n_ctx) == kept
+
+
+ITEMS = " ".join(f"Item {i} is a {['red', 'blue', 'green'][i % 3]} box." for i in range(90)) + " Item 90 is a"
+
+
+@pytest.mark.real
+def test_a_prompt_without_bos_keeps_its_first_tokens_through_shifts(tmp_path):
+    """SmolLM2 has no BOS: with nothing kept, its first shift drops the tokens its attention rests on and the
+    text falls apart; the default keeps the first 4 (attention sinks), so the list goes on. The same prompt
+    with ``--keep 0`` is the counterexample (the test could fail)."""
+    items = tmp_path / "items.txt"
+    items.write_text(ITEMS)
+    args = ["generate", "--no-chat", "-f", str(items), "--ctx", "512", "--temperature", "0", "-n", "14"]
+    kept, dropped = invoke(*args), invoke(*args, "--keep", "0")
+    assert kept.exit_code == 0 and dropped.exit_code == 0, kept.stderr
+    assert "2 context shifts" in kept.stderr and "2 context shifts" in dropped.stderr
+    assert kept.stdout.startswith(" red box. Item 91 is a blue box.")
+    assert "Item 91" not in dropped.stdout
+
+
+def test_a_completion_keeps_its_bos_or_its_first_tokens(tiny):
+    """The server's completion prompts keep as ``generate`` does: the default model's tokenizer has no BOS,
+    so the first 4 tokens; a chat keeps its system part; ``n_keep`` given is taken as given."""
+    from selfextend.server.prompts import chat_prompt, completion_prompt
+    from selfextend.server.schemas import Message
+
+    _, tok = tiny
+    assert tok.bos_token_id is None or tok("Item 1").input_ids[0] != tok.bos_token_id
+    assert completion_prompt(tok, ITEMS, None, n_ctx=512).n_keep == 4
+    assert completion_prompt(tok, "Hi there", None, n_ctx=4).n_keep == 2
+    assert completion_prompt(tok, ITEMS, 0, n_ctx=512).n_keep == 0
+    chat = chat_prompt(
+        tok, [Message(role="system", content="Be brief."), Message(role="user", content="Hi")], None
+    )
+    assert chat.n_keep == len(
+        tok.apply_chat_template([{"role": "system", "content": "Be brief."}])["input_ids"]
+    )

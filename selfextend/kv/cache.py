@@ -39,6 +39,21 @@ def discard_count(n_past: int, n_keep: int) -> int:
     return (n_past - n_keep) // 2
 
 
+SINKS = 4
+"""Leading tokens a shift keeps by default where the prompt has no BOS and no system part: the first tokens
+are where a model's attention rests (StreamingLLM's attention sinks, Xiao et al. 2023), and a cache that
+drops them falls apart after its first shift (SmolLM2, which has no BOS: ``generate --no-chat --keep 0``
+on an 806-token list in a 512-cell cache writes "The first of applications. further"; ``--keep 1`` or 4
+goes on with the list)."""
+
+
+def default_keep(n_system: int, n_prompt: int, n_ctx: int) -> int:
+    """Cells every shift keeps unless told: the system part (BOS, system prompt; llama.cpp keeps the BOS),
+    or where there is none the first :data:`SINKS` tokens of the prompt, never so many that a cache of
+    ``n_ctx`` cells has no room left."""
+    return n_system if n_system else max(0, min(SINKS, n_prompt, n_ctx - 2))
+
+
 DiscardPolicy = Callable[[int, int, int], int]
 """``(n_past, n_keep, n_need) -> n_discard``: how many cells after the kept ones the next shift drops,
 given that at least ``n_need`` must go for the pending write to fit (fewer means another shift follows).

@@ -103,11 +103,11 @@ def create_app(engine: Engine, settings: Settings) -> FastAPI:
     max_prompt = settings.max_prompt_tokens or PROMPT_CELLS * engine.n_ctx
 
     def completion(request: CompletionRequest) -> Prompt:
-        return completion_prompt(engine.tokenizer, request.prompt, request.n_keep, engine.vocab)
+        return completion_prompt(engine.tokenizer, request.prompt, request.n_keep, engine.vocab, engine.n_ctx)
 
     def chat(request: ChatRequest) -> Prompt:
         try:
-            return chat_prompt(engine.tokenizer, request.messages, request.n_keep)
+            return chat_prompt(engine.tokenizer, request.messages, request.n_keep, engine.n_ctx)
         except ValueError as e:
             raise APIError(400, f"the chat template refused the messages: {e}", "messages") from None
 

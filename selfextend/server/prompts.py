@@ -3,7 +3,8 @@ as given.
 
 The tokens kept at every context shift (``n_keep``) default to the system part for a chat (what the
 template writes before the first user turn: BOS and the system prompt, as ``selfextend chat`` keeps) and
-to none for a completion; ``n_keep = -1`` keeps the whole prompt, as llama.cpp's.
+to the BOS for a completion, or where there is none to the first 4 tokens (the attention sinks,
+:func:`~selfextend.kv.cache.default_keep`); ``n_keep = -1`` keeps the whole prompt, as llama.cpp's.
 
 Everything here may take long on a big body (parsing millions of token ids, tokenising megabytes of text),
 so the routes run it off the event loop. Text a tokenizer cannot take (a lone surrogate such as
@@ -24,6 +25,7 @@ from jinja2 import TemplateError
 
 from selfextend.chat.template import ChatTemplate
 from selfextend.generation.text import common_prefix
+from selfextend.kv.cache import default_keep
 from selfextend.server.guard import APIError
 from selfextend.server.schemas import Message, Sampling
 
@@ -95,18 +97,22 @@ def check_text(text: str, param: str) -> None:
     raise APIError(400, f"{param}: the text holds {bad}, which is not valid text", param, "invalid_value")
 
 
-def _keep(n_keep: int | None, default: int, n: int) -> int:
+def _keep(n_keep: int | None, n_system: int, n: int, n_ctx: int) -> int:
     if n_keep is None:
-        return min(default, n)
+        return default_keep(min(n_system, n), n, n_ctx)
     return n if n_keep == -1 else min(n_keep, n)
 
 
 def completion_prompt(
-    tokenizer, prompt: str | list[str] | list[int], n_keep: int | None, vocab: int | None = None
+    tokenizer,
+    prompt: str | list[str] | list[int],
+    n_keep: int | None,
+    vocab: int | None = None,
+    n_ctx: int = 2**31,
 ) -> Prompt:
-    """A completion prompt: text (a one-element list of text too) or token ids. :class:`APIError` for more
-    than one prompt or an id outside the vocabulary: ``[0, vocab)``, the ids the model's embedding table
-    holds rows for (the engine's ``vocab``), else the tokenizer's."""
+    """A completion prompt: text (a one-element list of text too) or token ids, for a cache of ``n_ctx``
+    cells. :class:`APIError` for more than one prompt or an id outside the vocabulary: ``[0, vocab)``, the
+    ids the model's embedding table holds rows for (the engine's ``vocab``), else the tokenizer's."""
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
         if len(prompt) != 1:
             raise APIError(400, "one prompt per request (n = 1)", "prompt")
@@ -118,7 +124,8 @@ def completion_prompt(
         ids, vocab = list(prompt), len(tokenizer) if vocab is None else vocab
         if any(not 0 <= t < vocab for t in ids):
             raise APIError(400, f"token ids must be in [0, {vocab})", "prompt")
-    return Prompt(ids, _keep(n_keep, 0, len(ids)))
+    bos = tokenizer.bos_token_id
+    return Prompt(ids, _keep(n_keep, int(bool(ids) and bos is not None and ids[0] == bos), len(ids), n_ctx))
 
 
 @lru_cache(maxsize=16)
@@ -142,12 +149,12 @@ def render_chat(tokenizer, messages: Sequence[Message]) -> tuple[ChatTemplate, s
         raise ValueError(str(e)) from None
 
 
-def chat_prompt(tokenizer, messages: Sequence[Message], n_keep: int | None) -> Prompt:
-    """The messages as :func:`render_chat` renders them, in token ids. ValueError where the template
-    refuses them."""
+def chat_prompt(tokenizer, messages: Sequence[Message], n_keep: int | None, n_ctx: int = 2**31) -> Prompt:
+    """The messages as :func:`render_chat` renders them, in token ids, for a cache of ``n_ctx`` cells.
+    ValueError where the template refuses them."""
     template, text = render_chat(tokenizer, messages)
     ids = template.ids(text)
     keep = (
         common_prefix(ids, template.ids(template.system_text)) if text.startswith(template.system_text) else 0
     )
-    return Prompt(ids, _keep(n_keep, keep, len(ids)), template.stops, chat=True)
+    return Prompt(ids, _keep(n_keep, keep, len(ids), n_ctx), template.stops, chat=True)
