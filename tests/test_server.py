@@ -56,6 +56,9 @@ def chat_ids(tok, messages) -> list[int]:
 def test_models_and_health(client, server):
     models = client.models.list()
     assert [m.id for m in models.data] == ["tiny"]
+    assert client.models.retrieve("tiny").id == "tiny"  # GET /v1/models/tiny
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4o")
     status, body = request(server[0], "GET", "/health")
     assert status == 200 and body["status"] == "ok" and body["slots_idle"] == 2
 
@@ -235,6 +238,14 @@ BAD = [
     (b'{"prompt": "x", "seed": -3}', "seed"),
     (b'{"prompt": "x", "n": 2}', "n"),
     (b'{"prompt": "x", "stop": 5}', "stop"),
+    (json.dumps({"prompt": "x", "stop": [f"s{i}" for i in range(65)]}).encode(), "stop"),
+    (b'{"prompt": "x", "modalities": ["text", "audio"]}', "modalities"),
+    (b'{"prompt": "x", "audio": {"voice": "alloy", "format": "wav"}}', "audio"),
+    (b'{"prompt": "x", "speculative": {"n_max": -1}}', "speculative"),
+    (b'{"prompt": "x", "speculative": {"n_min": 2}}', "speculative"),
+    (b'{"prompt": "x", "speculative": 5}', "speculative"),
+    (b'{"prompt": "x", "speculative": {"n_max": 2}, "speculative.n_max": 3}', "speculative"),
+    (b'{"prompt": "x", "stream_options": {"include_usage": true}}', "stream_options"),
     (b'{"prompt": ""}', "prompt"),
     (b'{"prompt": [1, 99999999]}', "prompt"),
     (b'{"prompt": "x", "frequency_penalty": 3}', "frequency_penalty"),
@@ -285,6 +296,13 @@ def test_chat_refusals(server, client):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="tiny", messages=long_system, max_tokens=2)
     assert e.value.code == "context_length_exceeded"
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    parts = [{"type": "text", "text": "what is this?"}, image]
+    status, out = request(
+        base, "POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": parts}]}
+    )
+    assert status == 400 and out["error"]["param"] == "messages.0.content", out
+    assert "reads text only, not image_url parts" in out["error"]["message"]
     status, out = request(base, "GET", "/v1/nothing")
     assert status == 404 and out["error"]["type"] == "not_found_error"
     status, out = request(base, "POST", "/v1/completions", b"x" * (9 * 2**20))
@@ -384,6 +402,14 @@ def test_api_key(tiny):
         status, out = request(base, "GET", "/v1/models")
         assert status == 401 and out["error"]["type"] == "authentication_error"
         assert request(base, "GET", "/v1/models", headers={"Authorization": "Bearer wrong"})[0] == 401
+        for said in (
+            "bearer s3cret",
+            "BEARER  s3cret",
+            "Bearer s3cret ",
+        ):  # the scheme is any case (RFC 7235)
+            assert request(base, "GET", "/v1/models", headers={"Authorization": said})[0] == 200, said
+        for said in ("s3cret", "Basic s3cret", "Bearers3cret", "Bearer s3cre"):
+            assert request(base, "GET", "/v1/models", headers={"Authorization": said})[0] == 401, said
         assert request(base, "GET", "/openapi.json")[0] == 401
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=base + "/v1", api_key="nope", max_retries=0).models.list()

@@ -198,6 +198,25 @@ def test_requests_after_the_loop_ended_are_refused(tiny):
         assert status == 503 and out["status"] == "error", out
 
 
+def test_a_reply_the_stop_cut_short_is_a_503(tiny):
+    """A plain (not streamed) request still running when the server stops at once (SIGTERM past the drain
+    timeout) is answered 503 "the server is stopping", as a request that comes after; it was a 500
+    "generation failed"."""
+    model, tok = tiny
+    with serving(model, tok, n_ctx=64, parallel=1) as (base, engine):
+        body = {"prompt": "The sea", "max_tokens": 2000, "ignore_eos": True}
+        asked = threading.Thread(target=lambda: got.append(request(base, "POST", "/v1/completions", body)))
+        got: list = []
+        asked.start()
+        while not any(s.busy for s in engine.slots):
+            time.sleep(0.01)
+        engine.stop(now=True)
+        asked.join(30)
+    status, out = got[0]
+    assert status == 503 and out["error"]["message"] == "the server is stopping", out
+    assert out["error"]["type"] == "server_error" and out["error"]["code"] == "unavailable"
+
+
 def test_a_token_id_past_the_table_is_a_400(tiny):
     """Issue 49: raw prompt ids are held to the rows the embedding table stores, not only to the tokenizer's
     size. A GGUF whose vocabulary is longer than its table is refused at load, but a model put together

@@ -98,6 +98,10 @@ def test_apply_template_is_what_the_chat_endpoint_reads(server):
     ids = chat_prompt(tok, [Message(**m) for m in messages], None).ids
     assert tok(body["prompt"], add_special_tokens=False).input_ids == ids
     assert body["prompt"].rstrip().endswith("assistant")  # the generation prompt is in it
+    status, bare = request(
+        base, "POST", "/apply-template", {"messages": messages, "add_generation_prompt": False}
+    )
+    assert status == 200 and body["prompt"].startswith(bare["prompt"]) and "assistant" not in bare["prompt"]
 
 
 def test_props(server):

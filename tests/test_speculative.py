@@ -429,7 +429,8 @@ def test_generate_with_a_draft_model_prints_plain_greedy_text(tmp_path, cache) -
 def test_a_request_sets_its_drafts_over_http() -> None:
     """Through the real ``openai`` client on a loopback socket: a server with ``--lookup 8`` reports the
     drafts it checked and kept (llama-server's ``draft_n``, ``draft_n_accepted``); a request with
-    ``speculative.n_max: 0`` takes none and gets the same greedy reply; a negative one is a 400."""
+    ``speculative.n_max: 0`` (or nested, ``speculative: {n_max: 0}``) takes none and gets the same greedy
+    reply; a negative one is a 400."""
     import openai
     from server_util import serving
 
@@ -440,11 +441,14 @@ def test_a_request_sets_its_drafts_over_http() -> None:
         asked = dict(model="m", messages=[{"role": "user", "content": text}], max_tokens=40, temperature=0)
         drafted = client.chat.completions.create(**asked)
         alone = client.chat.completions.create(**asked, extra_body={"speculative.n_max": 0})
+        nested = client.chat.completions.create(**asked, extra_body={"speculative": {"n_max": 0}})
         with pytest.raises(openai.BadRequestError, match="speculative.n_max"):
             client.chat.completions.create(**asked, extra_body={"speculative.n_max": -1})
     ours, theirs = drafted.model_extra["selfextend"], alone.model_extra["selfextend"]
     assert drafted.choices[0].message.content == alone.choices[0].message.content
     assert 0 < ours["draft_n_accepted"] <= ours["draft_n"] and theirs["draft_n"] == 0
+    assert nested.model_extra["selfextend"]["draft_n"] == 0  # the nested spelling is the same field
+    assert nested.choices[0].message.content == alone.choices[0].message.content
 
 
 @pytest.mark.real

@@ -94,11 +94,25 @@ def create_app(engine: Engine, settings: Settings) -> FastAPI:
     async def page() -> FileResponse:
         return FileResponse(str(PAGE / "index.html"))
 
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
+    def described() -> dict[str, Any]:
         meta = {"n_ctx": engine.n_ctx, "n_parallel": len(engine.slots), "cache_reuse": engine.cache_reuse}
         model = {"id": settings.model_name, "object": "model", "created": created, "owned_by": "selfextend"}
-        return {"object": "list", "data": [{**model, "meta": meta}]}
+        return {**model, "meta": meta}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [described()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> dict[str, Any]:
+        if model != settings.model_name:
+            raise APIError(
+                404,
+                f"the model '{model}' does not exist (this server has '{settings.model_name}')",
+                "model",
+                "model_not_found",
+            )
+        return described()
 
     max_prompt = settings.max_prompt_tokens or PROMPT_CELLS * engine.n_ctx
 
@@ -218,7 +232,7 @@ async def _answer(engine: Engine, settings: Settings, ready: Prepared, raw: Requ
         slot_id=request.id_slot,
         cache_prompt=request.cache_prompt,
         ignore_eos=request.ignore_eos,
-        draft_max=request.speculative_n_max,
+        draft_max=request.draft_max(),
         grammar=ready.grammar,
     )
     try:
@@ -239,7 +253,7 @@ async def _answer(engine: Engine, settings: Settings, ready: Prepared, raw: Requ
             if event["type"] == "text":
                 text.append(event["text"])
             elif event["type"] == "error":
-                return JSONResponse(_failure(event), status_code=500)
+                return JSONResponse(_failure(event), status_code=event.get("status", 500))
             elif event["type"] == "done":
                 return shape.whole("".join(text), event)
             elif event["type"] == "gone":
@@ -258,6 +272,10 @@ async def _watch(raw: Request, events: asyncio.Queue) -> None:
 
 
 def _failure(event: dict[str, Any]) -> dict[str, Any]:
+    """The error body of an ``error`` event: a 500 (generation failed), or the status it names (503: the
+    server stopped before the reply was done)."""
+    if event.get("status") == 503:
+        return error_body(503, event["message"], None, "unavailable")
     return error_body(500, f"generation failed: {event['message']}")
 
 

@@ -210,7 +210,7 @@ class Engine:
         for task in tasks:
             task()
         for job in jobs:
-            job.emit({"type": "error", "message": "the server is stopping"})
+            job.emit({"type": "error", "message": "the server is stopping", "status": 503})
 
     def _assign(self) -> list[tuple[Job, Slot]]:
         """Take queued jobs that have a free slot (in order; a job waiting for a busy slot it asked for

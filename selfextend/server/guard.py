@@ -113,15 +113,15 @@ class Guard:
 
     def __init__(self, app: ASGIApp, api_key: str | None, max_body: int) -> None:
         self.app, self.max_body = app, max_body
-        self.key = f"Bearer {api_key}".encode() if api_key else None
+        self.key = api_key.encode() if api_key else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or [])
         if self.key is not None and not _public(scope["path"]):
-            given = headers.get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.key):
+            scheme, _, given = headers.get(b"authorization", b"").partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(given.strip(b" "), self.key):
                 return await _send_error(send, 401, "invalid or missing API key (Authorization: Bearer KEY)")
         length = headers.get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > self.max_body):

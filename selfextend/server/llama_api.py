@@ -37,6 +37,7 @@ class DetokenizeRequest(Strict):
 
 class TemplateRequest(Strict):
     messages: list[Message] = Field(min_length=1)
+    add_generation_prompt: bool = True  # False: the messages alone, without the assistant's header
 
 
 def add_llama_routes(app: FastAPI, engine: Engine, model_name: str, defaults: dict[str, Any]) -> None:
@@ -69,7 +70,9 @@ def add_llama_routes(app: FastAPI, engine: Engine, model_name: str, defaults: di
     async def apply_template(raw: Request) -> dict[str, Any]:
         request = await body(raw, TemplateRequest)
         try:
-            _, text = await run_in_threadpool(render_chat, tokenizer, request.messages)
+            _, text = await run_in_threadpool(
+                render_chat, tokenizer, request.messages, request.add_generation_prompt
+            )
         except ValueError as e:
             raise APIError(400, f"the chat template refused the messages: {e}", "messages") from None
         return {"prompt": text}

@@ -133,10 +133,12 @@ def _template(tokenizer, system: str | None) -> ChatTemplate:
     return ChatTemplate(tokenizer, system)
 
 
-def render_chat(tokenizer, messages: Sequence[Message]) -> tuple[ChatTemplate, str]:
-    """(the template, the text) of the messages rendered with the model's chat template and a generation
-    prompt. A leading system (or developer) message is the system prompt. ValueError where the template
-    refuses them."""
+def render_chat(
+    tokenizer, messages: Sequence[Message], generation_prompt: bool = True
+) -> tuple[ChatTemplate, str]:
+    """(the template, the text) of the messages rendered with the model's chat template and (unless told
+    not to) a generation prompt. A leading system (or developer) message is the system prompt. ValueError
+    where the template refuses them."""
     turns = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
     for i, turn in enumerate(turns):
         check_text(turn["content"], f"messages.{i}.content")
@@ -144,7 +146,7 @@ def render_chat(tokenizer, messages: Sequence[Message]) -> tuple[ChatTemplate, s
     rest = turns[1:] if system is not None else turns
     try:
         template = _template(tokenizer, system or None)
-        return template, template.render(rest, generation_prompt=True)
+        return template, template.render(rest, generation_prompt=generation_prompt)
     except TemplateError as e:
         raise ValueError(str(e)) from None
 

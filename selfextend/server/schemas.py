@@ -43,10 +43,13 @@ UNSUPPORTED: dict[str, tuple[str, tuple[Any, ...]]] = {
     "suffix": ("suffixes (insertion)", ("",)),
     "best_of": ("several candidates (best_of)", (1,)),
     "grammar": ("GBNF grammars (response_format json_schema is)", ("",)),
+    "modalities": ("audio output", (["text"],)),
+    "audio": ("audio output", ()),
 }
 """Field -> (what this server does not do, the values that ask for none of it; None always does)."""
 
 Bias = float | Literal[False]
+MAX_STOPS = 64  # stop strings a request may give (OpenAI takes 4): each is looked for at every token
 
 
 class ResponseFormat(Strict):
@@ -82,7 +85,7 @@ class Sampling(Strict):
     repeat_last_n: int | None = Field(None, ge=-1)
     frequency_penalty: Finite | None = Field(None, ge=-2.0, le=2.0)
     presence_penalty: Finite | None = Field(None, ge=-2.0, le=2.0)
-    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    seed: int | None = Field(None, ge=-1, le=MAX_SEED)  # -1: a random one (llama.cpp's), as none
     stop: str | list[str] | None = None
     n: int = Field(1, ge=1, le=1)
     n_keep: int | None = Field(None, ge=-1)
@@ -92,6 +95,7 @@ class Sampling(Strict):
     cache_prompt: bool = True  # llama.cpp's: False recomputes the whole prompt
     # llama.cpp's: drafts checked per pass at most (0: none), within the server's --lookup / --draft-max
     speculative_n_max: int | None = Field(None, ge=0, alias="speculative.n_max")
+    speculative: dict[str, Any] | None = None  # {"n_max": N}: the same, nested
     ignore_eos: bool = False  # llama.cpp's: True writes past end-of-sequence tokens, to max_tokens
     logit_bias: dict[str, Bias] | list[list[Any]] | None = None  # id or text -> bias, or [id or text, bias]
     response_format: ResponseFormat | None = None
@@ -106,6 +110,47 @@ class Sampling(Strict):
     suffix: Any = None
     best_of: Any = None
     grammar: Any = None
+    modalities: Any = None
+    audio: Any = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, value: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(value, list) and len(value) > MAX_STOPS:
+            raise PydanticCustomError(
+                "stop",
+                f"at most {MAX_STOPS} stop strings (each is looked for at every token), got {len(value)}",
+            )
+        return value
+
+    @field_validator("seed")
+    @classmethod
+    def _seed(cls, value: int | None) -> int | None:
+        return None if value == -1 else value  # llama.cpp's "a random seed": as none given
+
+    @field_validator("stream_options")
+    @classmethod
+    def _streaming(cls, value: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        if value is not None and not info.data.get("stream"):
+            raise PydanticCustomError("stream_options", "only allowed with stream: true (as OpenAI's)")
+        return value
+
+    @field_validator("speculative")
+    @classmethod
+    def _nested(cls, value: dict[str, Any] | None, info: ValidationInfo) -> dict[str, Any] | None:
+        """``{"n_max": N}``, the nested spelling of ``speculative.n_max`` (which must agree if given)."""
+        if value is None:
+            return None
+        n_max = value.get("n_max")
+        if set(value) != {"n_max"} or type(n_max) is not int or n_max < 0:
+            raise PydanticCustomError("speculative", "takes n_max alone, an integer >= 0")
+        if info.data.get("speculative_n_max") not in (None, n_max):
+            raise PydanticCustomError("speculative", "n_max is given twice (speculative.n_max), differently")
+        return value
+
+    def draft_max(self) -> int | None:
+        """Drafts per pass at most, from ``speculative.n_max`` or ``speculative: {"n_max": N}``."""
+        return self.speculative["n_max"] if self.speculative is not None else self.speculative_n_max
 
     @field_validator("logit_bias")
     @classmethod
@@ -159,6 +204,17 @@ class TextPart(Strict):
 class Message(Strict):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart] | None = Field(None, validate_default=True)  # null: an assistant turn only
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_only(cls, value: Any) -> Any:
+        if isinstance(value, list):
+            kinds = sorted(map(str, {p.get("type") for p in value if isinstance(p, dict)} - {"text"}))
+            if kinds:
+                raise PydanticCustomError(
+                    "content", f"this server reads text only, not {', '.join(kinds)} parts"
+                )
+        return value
 
     @field_validator("content")
     @classmethod
