@@ -124,7 +124,7 @@ def chat(
         what = (
             f"dropped {plural(r.exchanges, 'old exchange')}, {plural(r.tokens, 'token')}"
             if r.whole
-            else f"a turn longer than the cache: dropped {plural(r.tokens, 'token')} mid-turn"
+            else f"dropped {plural(r.tokens, 'token')}, cutting through a turn"
         )
         notes.append(f"[context shift: {what}; cache {r.n_past}/{ctx}]")
 

@@ -103,7 +103,7 @@ def resume(path: str, given: dict[str, Any], ctx: click.Context | None = None) -
         if not (given["keep"] == -1 and saved.keep is None):  # -1 and the default both keep the system part
             raise _refuse(f"--keep {given['keep']}", _keep(saved))
     out["keep"] = given["keep"] if _explicit(ctx, "keep") else saved.keep
-    if _explicit(ctx, "system", "system_file") and given["system"] != saved.system:
+    if _explicit(ctx, "system", "system_file") and (given["system"] or None) != (saved.system or None):
         raise _refuse(_system(given["system"]), _system(saved.system))
     out["system"] = saved.system
     take("cache_type", saved.cache_type, "--cache-type", f"--cache-type {saved.cache_type}")

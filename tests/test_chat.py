@@ -140,6 +140,67 @@ def test_session_file_round_trip_and_refusals(tiny, tmp_path):
     assert b.gen.tokens == a.gen.tokens  # a refused file changes nothing
 
 
+def test_a_refused_system_prompt_changes_nothing(tiny, tmp_path):
+    """``/system`` with a prompt that leaves no room is refused and leaves the conversation, its stats and
+    its system prompt as they were, so ``/reset`` works and the saved file resumes (it used to keep the new
+    prompt beside the old cells: a file that could never be resumed)."""
+    model, tok = tiny
+    s = ChatSession(model, tok, n_ctx=128, system="You are a pirate.", max_new_tokens=4, ignore_eos=True)
+    "".join(s.reply("Hi"))
+    before = (list(s.gen.tokens), s.stats.replies, s.system, s.n_keep)
+    with pytest.raises(ChatError, match="leaves no room"):
+        s.start("word " * 300)
+    assert (list(s.gen.tokens), s.stats.replies, s.system, s.n_keep) == before
+    s.save(tmp_path / "s.pt")
+    ChatSession(model, tok, n_ctx=128).load(tmp_path / "s.pt")
+    s.start(s.system)  # /reset
+    assert s.stats.replies == 0 and s.gen.tokens == s.template.ids(s.template.system_text)
+
+
+def test_retry_where_keep_reaches_into_the_reply(tiny):
+    """With ``keep`` past the system part a reply may start among the kept cells: nothing was shifted out,
+    so ``/retry`` regenerates it (it was refused as "shifted out"); a shift that drops the turn's last
+    cell makes it refuse; a shift that cuts an exchange begun in the kept part is not reported whole."""
+    model, tok = tiny
+    reports = []
+    s = ChatSession(
+        model, tok, n_ctx=128, keep=60, max_new_tokens=6, ignore_eos=True, on_shift=reports.append
+    )
+    first = "".join(s.reply("one"))
+    assert s.exchanges[-1].reply_start <= 60
+    assert "".join(s.retry()) == first
+    for i in range(12):
+        "".join(s.reply(f"turn {i}"))
+    assert reports and s.cache.shifts == len(reports)
+    assert not reports[0].whole  # the first shift cut the exchange that began among the kept cells
+    torch.testing.assert_close(s.gen.last_logits, fresh_logits(model, s.gen.tokens), atol=1e-4, rtol=0)
+
+
+def test_ledger_forgets_a_reply_start_whose_turn_end_was_dropped():
+    ex = [Exchange("u", start=5, reply_start=12), Exchange("v", start=20, reply_start=30)]
+    TurnLedger(ex).discard(40, 10, 3)  # drops cells [10, 20): the first turn's end, not its reply start
+    assert (ex[0].start, ex[0].reply_start) == (5, None) and (ex[1].start, ex[1].reply_start) == (10, 20)
+
+
+def test_saving_over_a_file_not_ours_is_refused(tiny, tmp_path):
+    """``/save`` names a zip, a docx or a model checkpoint by mistake: refused (a torch.save archive starts as
+    all of them do), the file left as it was; a session file of ours is replaced."""
+    import zipfile
+
+    model, tok = tiny
+    s = ChatSession(model, tok, n_ctx=64, max_new_tokens=2)
+    with zipfile.ZipFile(tmp_path / "notes.docx", "w") as z:
+        z.writestr("word/document.xml", "<w:document/>")
+    torch.save({"weight": torch.ones(2)}, tmp_path / "model.pt")
+    for name in ("notes.docx", "model.pt"):
+        before = (tmp_path / name).read_bytes()
+        with pytest.raises(ChatError, match="is not a saved session: not overwritten"):
+            s.save(tmp_path / name)
+        assert (tmp_path / name).read_bytes() == before
+    s.save(tmp_path / "s.pt")
+    s.save(tmp_path / "s.pt")
+
+
 # --- selfextend chat on the real default model --------------------------------------------------
 
 CHAT = [

@@ -250,12 +250,43 @@ def _damaged(payload: dict) -> dict[str, object]:
         "cache-type": {**payload, "extra": json.dumps({**extra, "cache_type": 16})},
         "self-extend": {**payload, "settings": json.dumps({**settings, "self_extend": "4x32"})},
         "other-model": {**payload, "settings": json.dumps({**settings, "model": "0123456789abcdef"})},
+        **{
+            name: {**payload, "extra": json.dumps(edit(copy.deepcopy(extra)))}
+            for name, edit in HAND_EDITS.items()
+        },
     }
+
+
+def _set(path: str, value: object):
+    """An edit of the session state: ``value`` put at ``path`` (dotted; a number picks a list's member)."""
+
+    def edit(extra: dict) -> dict:
+        *parents, last = path.split(".")
+        node = extra
+        for part in parents:
+            node = node[int(part)] if part.isdigit() else node[part]
+        node[int(last) if last.isdigit() else last] = value
+        return extra
+
+    return edit
+
+
+HAND_EDITS = {  # each once a traceback after the file was re-saved, or a resumed chat with nonsense in it
+    "user-not-text": _set("exchanges.0.user", 123),
+    "reply-null": _set("exchanges.0.reply", None),
+    "replies-text": _set("stats.replies", "x"),
+    "seconds-nan": _set("stats.seconds", float("nan")),
+    "tokens-negative": _set("stats.tokens", -50),
+    "shifts-negative": _set("shifts", -3),
+    "n-keep-not-the-settings": _set("n_keep", 0),
+    "sampling-list": _set("sampling", [1, 2]),
+}
 
 
 @pytest.mark.parametrize(
     "case",
-    ["garbage", "prompt-cache", "other-kind", "ctx-not-int", "cache-type", "self-extend", "other-model"],
+    ["garbage", "prompt-cache", "other-kind", "ctx-not-int", "cache-type", "self-extend", "other-model"]
+    + list(HAND_EDITS),
 )
 def test_damaged_session_file_refused_in_one_line_and_left_alone(runs, tmp_path, case):
     content = _damaged(torch.load(runs[2], weights_only=True))[case]
@@ -269,3 +300,27 @@ def test_damaged_session_file_refused_in_one_line_and_left_alone(runs, tmp_path,
     lines = r.stderr.strip().splitlines()
     assert r.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error: "), r.output
     assert "bad.pt" in lines[0] and digest(session) == before and r.stdout == ""
+
+
+def test_an_empty_system_prompt_agrees_with_the_file_it_made(tiny_dir, tmp_path):
+    """``--system ""`` is no system prompt: the file it saved resumes under the same command (it was
+    refused as contradicting "no system prompt")."""
+    args = ["-m", str(tiny_dir), "--weights", "float", "--ctx", "200", "--system", "", "--temperature", "0"]
+    args += ["--session", str(tmp_path / "e.pt")]
+    first = chat(args, ["Hello"])
+    assert first.exit_code == 0, first.output
+    again = chat(args, ["Hello"])
+    assert again.exit_code == 0 and "resumed" in again.stderr, again.output
+
+
+def test_a_saved_logit_bias_resumes(tiny, tmp_path):
+    """JSON writes a logit bias's token ids as text; a resumed chat reads them back as ids (it was refused:
+    "logit bias token must be an integer")."""
+    from selfextend.chat import ChatSession
+    from selfextend.chat.sessionfile import saved_settings
+    from selfextend.generation.sampling import SamplingParams
+
+    model, tok = tiny
+    s = ChatSession(model, tok, n_ctx=64, sampling=SamplingParams(logit_bias={42: -5.0}), max_new_tokens=2)
+    s.save(tmp_path / "lb.pt")
+    assert saved_settings(tmp_path / "lb.pt").sampling["logit_bias"] == {42: -5.0}

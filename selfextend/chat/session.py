@@ -108,17 +108,19 @@ class ChatSession:
 
     def start(self, system: str | None) -> None:
         """Begin an empty conversation under ``system``: a fresh cache holding only the system part, and
-        fresh :attr:`stats` (what ``/stats`` reports is this conversation's)."""
-        self.stats = ChatStats()
-        self.template = ChatTemplate(self.tokenizer, system)
-        system_ids = self.template.ids(self.template.system_text)
+        fresh :attr:`stats` (what ``/stats`` reports is this conversation's). A system prompt refused (no room
+        left, text it cannot take) changes nothing."""
+        template = ChatTemplate(self.tokenizer, system)
+        system_ids = template.ids(template.system_text)
         n_keep = len(system_ids) if self.keep in (None, -1) else self.keep
         if n_keep >= self.n_ctx - 1:
             raise ChatError(
                 f"keeping {n_keep} tokens (the system prompt) leaves no room in a cache of {self.n_ctx}; "
                 "raise --ctx or shorten the system prompt"
             )
-        self._build(ContextShiftCache(self.model, n_ctx=self.n_ctx, n_keep=n_keep, dtype=self.cache_dtype))
+        cache = ContextShiftCache(self.model, n_ctx=self.n_ctx, n_keep=n_keep, dtype=self.cache_dtype)
+        self.stats, self.template = ChatStats(), template
+        self._build(cache)
         if system_ids:
             self._prefill(system_ids)
 
@@ -185,12 +187,13 @@ class ChatSession:
         yield from self._generate(exchange, logits)
 
     def retry(self) -> Iterator[str]:
-        """Generate the last reply again (the cache rewound to its first cell)."""
+        """Generate the last reply again (the cache rewound to its first cell; ``reply_start`` is None once
+        a shift has dropped that cell or the one before it, the turn's last token, which is written again)."""
         if not self.exchanges:
             raise ChatError("nothing to retry: no reply yet")
         exchange = self.exchanges[-1]
         start = exchange.reply_start
-        if start is None or start - 1 < self.n_keep:
+        if start is None or start == 0:
             raise ChatError("cannot retry: the start of the last reply has been shifted out of the cache")
         last = self.gen.tokens[start - 1]
         self._truncate(start - 1)
@@ -308,6 +311,12 @@ class ChatSession:
             )
         tokens = payload["tokens"].tolist()
         check_positions(len(tokens), state, path)
+        template = ChatTemplate(self.tokenizer, state["system"])
+        kept = len(template.ids(template.system_text)) if state["keep"] in (None, -1) else state["keep"]
+        if state["n_keep"] != kept:
+            raise ChatError(
+                f"{path}: damaged session state (n_keep {state['n_keep']}, the settings keep {kept})"
+            )
         try:
             exchanges = [Exchange(**e) for e in state["exchanges"]]
             stats = ChatStats(**state["stats"])
@@ -322,8 +331,7 @@ class ChatSession:
             cache.load_prefix(payload["keys"], payload["values"], len(tokens), promptcache.positions(payload))
         except ValueError as e:
             raise ChatError(f"{path}: {e}") from None
-        self.keep = state["keep"]
-        self.template = ChatTemplate(self.tokenizer, state["system"])
+        self.keep, self.template = state["keep"], template
         self._build(cache)
         self.gen.tokens = tokens
         self.gen.last_logits = payload["logits"] if payload["logits"].numel() else None

@@ -10,6 +10,7 @@ the element type of its saved cells).
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -72,7 +73,20 @@ def session_state(payload: dict[str, Any], path: str | Path) -> dict[str, Any]:
     for name, kind in {**STATE_FIELDS, **NEW_FIELDS}.items():
         if not isinstance(state.get(name), kind) or (kind is int and isinstance(state[name], bool)):
             raise ChatError(f"{path}: damaged session state ({name})")
+    counts = [state[n] for n in ("n_keep", "shifts", "discarded", "dropped_exchanges")]
+    if min(counts) < 0 or not _stats_fit(state["stats"]):
+        raise ChatError(f"{path}: damaged session state (counts)")
+    if "sampling" in state and not isinstance(state["sampling"], dict):
+        raise ChatError(f"{path}: damaged session state (sampling)")
     return state
+
+
+def _stats_fit(stats: dict[str, Any]) -> bool:
+    """Every total a count or a time of at least 0 (JSON's NaN and a hand-made -50 are not)."""
+    return all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+        for v in stats.values()
+    )
 
 
 def check_positions(n: int, state: dict[str, Any], path: str | Path) -> None:
@@ -80,7 +94,8 @@ def check_positions(n: int, state: dict[str, Any], path: str | Path) -> None:
     if n > state["n_ctx"] or not 0 <= state["n_keep"] <= n or state["n_keep"] >= state["n_ctx"] - 1:
         raise ChatError(f"{path}: {n} cells, {state['n_keep']} kept: no cache of {state['n_ctx']} holds that")
     for e in state["exchanges"]:
-        if not isinstance(e, dict):
+        texts = isinstance(e, dict) and isinstance(e.get("user"), str) and isinstance(e.get("reply", ""), str)
+        if not texts:
             raise ChatError(f"{path}: damaged session state (exchanges)")
         for p in (e.get("start"), e.get("reply_start")):
             if p is not None and (not isinstance(p, int) or not 0 <= p <= n):
@@ -121,7 +136,9 @@ def saved_settings(path: str | Path) -> SavedSettings:
     dtype, weights = cache.get("dtype"), cache.get("weights")
     if not (isinstance(dtype, str) and dtype.startswith("torch.") and isinstance(weights, str)):
         raise ChatError(f"{path}: damaged settings (dtype, weights)")
-    sampling = state.get("sampling")
+    sampling = dict(state.get("sampling") or {})
+    if isinstance(sampling.get("logit_bias"), dict):  # JSON wrote its token ids as text
+        sampling["logit_bias"] = {_id(k): v for k, v in sampling["logit_bias"].items()}
     return SavedSettings(
         model=state["model"],
         dtype=dtype.removeprefix("torch."),
@@ -133,5 +150,10 @@ def saved_settings(path: str | Path) -> SavedSettings:
         n_keep=state["n_keep"],
         system=state["system"],
         cache_type=state["cache_type"],
-        sampling=sampling if isinstance(sampling, dict) else {},
+        sampling=sampling,
     )
+
+
+def _id(key: str) -> int | str:
+    """A token id JSON wrote as an object key, back as the integer (anything else as it is, refused later)."""
+    return int(key) if key.isdigit() else key

@@ -72,12 +72,18 @@ class TurnLedger:
                 return p
             return None if p < end else p - n_discard
 
+        starts = {e.start for e in self.exchanges}
+        # whole exchanges went: the dropped cells begin where one starts (or no exchange began in the kept
+        # part, which is then the system part alone) and end where one starts (or at the last cell)
+        whole = (n_keep in starts or all(p is None or p >= n_keep for p in starts)) and (
+            end == n_past or end in starts
+        )
         dropped = 0
         for e in self.exchanges:
             dropped += e.start is not None and n_keep <= e.start < end
-            e.start, e.reply_start = moved(e.start), moved(e.reply_start)
+            before = e.reply_start is not None and n_keep < e.reply_start <= end  # its turn's last cell goes
+            e.start, e.reply_start = moved(e.start), None if before else moved(e.reply_start)
         self.dropped_exchanges += dropped
-        whole = end == n_past or any(e.start == n_keep for e in self.exchanges)
         if self.on_shift is not None:
             self.on_shift(ShiftReport(dropped, n_discard, whole, n_past - n_discard))
         return n_discard

@@ -92,15 +92,18 @@ def save(
 
 
 def may_replace(path: str | Path) -> bool:
-    """Whether saving to ``path`` loses nothing that is not a saved cache: no file there, or one that
-    starts as ``torch.save``'s archives do (four bytes read; a text file named by mistake does not)."""
+    """Whether saving to ``path`` loses nothing that is not a saved cache: no file there, or one whose
+    header :func:`peek` reads as ours (a text file, a zip, a docx named by mistake is not)."""
     p = Path(path)
     if not p.exists():
         return True
     if not p.is_file():
         return False
-    with p.open("rb") as f:
-        return f.read(4) == b"PK\x03\x04"
+    try:
+        peek(p)
+    except PromptCacheError:
+        return False
+    return True
 
 
 def snapshot(cache: ContextShiftCache, n: int) -> tuple[list[torch.Tensor], ...]:
