@@ -69,7 +69,7 @@ def cache_options(f: Callable) -> Callable:
 def check_cache(ctx: int, keep: int | None) -> None:
     """One line for a cache that cannot exist: no room, or more kept than there is."""
     if keep is not None and keep >= ctx:
-        raise click.BadParameter(f"--keep ({keep}) must be smaller than --ctx ({ctx})", param_hint="--keep")
+        raise click.BadParameter(f"{keep} must be smaller than --ctx ({ctx})", param_hint="--keep")
 
 
 def check_keep(n_keep: int, ctx: int) -> None:

@@ -106,6 +106,11 @@ def test_undo_retry_and_plain_template(tiny):
     s.undo()
     assert s.gen.tokens == before + s.template.ids("<|im_end|>\n") and len(s.exchanges) == 1
     assert "".join(s.retry()) == first  # greedy: the same reply from the same cells
+    "".join(s.reply("three"))
+    third, feed = s.exchanges[-1].reply, s.gen.feed
+    s.gen.feed = None  # the last reply's retry draws from the logits it was drawn from: nothing is written
+    assert "".join(s.retry()) == third
+    s.gen.feed = feed
     with pytest.raises(ChatError):
         ChatSession(model, tok, n_ctx=200).undo()
     tok_plain = AutoTokenizer.from_pretrained(tok.name_or_path)

@@ -139,6 +139,7 @@ class ChatSession:
             draft=self.draft,
         )
         self.closed = True  # the last reply's closing markers are in the cache (or there is no reply)
+        self._before_reply: tuple[Exchange | None, torch.Tensor | None] = (None, None)  # for /retry
 
     @property
     def system(self) -> str | None:
@@ -184,6 +185,7 @@ class ChatSession:
         self.closed = False
         logits = self._prefill(turn_ids)
         exchange.reply_start = self.cache.n_past
+        self._before_reply = (exchange, logits)
         yield from self._generate(exchange, logits)
 
     def retry(self) -> Iterator[str]:
@@ -195,10 +197,14 @@ class ChatSession:
         start = exchange.reply_start
         if start is None or start == 0:
             raise ChatError("cannot retry: the start of the last reply has been shifted out of the cache")
-        last = self.gen.tokens[start - 1]
-        self._truncate(start - 1)
         self.stop_requested = False
-        logits = self.gen.feed([last])
+        exchange_then, logits = self._before_reply
+        if exchange_then is exchange:  # the logits the reply was drawn from: greedy gives it again exactly
+            self._truncate(start)
+        else:  # a session loaded from a file: its turn's last token written again (a near tie may flip)
+            last = self.gen.tokens[start - 1]
+            self._truncate(start - 1)
+            logits = self.gen.feed([last])
         exchange.reply_start, exchange.reply, self.closed = start, "", False
         yield from self._generate(exchange, logits)
 

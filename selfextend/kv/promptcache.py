@@ -280,6 +280,10 @@ def describe(name: str, value: object) -> str:
 def peek(path: str | Path) -> dict[str, Any]:
     """The file's contents once it is known to be ours and intact, before any model is there: what a
     resumed session reads its settings from (:func:`read` then checks them against the model)."""
+    if not Path(path).exists():
+        raise PromptCacheError(f"no file {path}")
+    if Path(path).is_dir():
+        raise PromptCacheError(f"{path} is a folder, not a selfextend prompt cache or chat session")
     try:
         payload = torch.load(Path(path), map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises many types for a file that is not its own
