@@ -91,6 +91,16 @@ def _resuming(out: str, todo: int, total: int, what: str) -> None:
         click.echo(f"resuming: {total - todo} of {plural(total, what)} already in {out}, skipped", err=True)
 
 
+def _fits(model, runs, cells: bool) -> None:
+    """Refuse lengths past the memory there is before the first forward, warn of those that may not fit
+    (:mod:`selfextend.evaluation.memory`)."""
+    from selfextend.evaluation.memory import check_memory
+
+    warning = check_memory(model, runs, cells)
+    if warning:
+        click.echo(f"warning: {warning}", err=True)
+
+
 @contextmanager
 def _resumable(out: str, what: str, mine: Path) -> Iterator[list[int]]:
     """Around a sweep: Ctrl-C ends it with one line saying what is kept (in ``mine``, this process's
@@ -221,6 +231,7 @@ def ppl(
         _resuming(out, sum(len(r.covers) for r in runs), total, "point")
     with procs.main_first():
         lm, tokenizer = load_with_self_extend(model, dtype, device, None, None, weights)
+    _fits(lm, [(r.length, r.method) for r in runs], cells=False)
     ids = tokenize_docs(tokenizer, texts, runs)
     mine = procs.share(runs, lambda r: run_cost(r, lm.config.get_text_config().hidden_size))
     bar = _progress_bar(sum(r.length for r in mine), "ppl", procs)
@@ -303,6 +314,7 @@ def passkey(
     if points:
         with procs.main_first():
             lm, tokenizer = load_with_self_extend(model, dtype, device, None, None, weights)
+        _fits(lm, [(p.length, p.method) for p in points], cells=True)
         hidden = lm.config.get_text_config().hidden_size
         mine = procs.share(points, lambda p: forward_cost(p.length, hidden))
         bar = _progress_bar(sum(p.length for p in mine), "passkey", procs)

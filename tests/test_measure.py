@@ -388,3 +388,36 @@ def test_a_dataset_column_that_is_not_text(tiny_dir, tmp_path):
     r = invoke("ppl", "--model", tiny_dir, "--dataset", "json", "--data-files", data, "--text-column", "body",
                "--lengths", "64", "-o", tmp_path / "o.jsonl")  # fmt: skip
     assert r.exit_code == 2 and "column 'body' holds int, not text" in r.stderr, r.output
+
+
+def test_memory_check_refuses_past_the_floor_and_warns_past_the_estimate(tiny_dir):
+    """The longest non-shift length is checked: refused where even the floor (2 hidden and 2 intermediate
+    rows a token) is past the memory available, warned of where the measured estimate (5 and 4) is; a
+    passkey prompt's cells count too; shift methods stream and are not checked."""
+    from transformers import AutoModelForCausalLM
+
+    from selfextend.core.validate import ValidationError
+    from selfextend.evaluation.memory import FLOOR_ROWS, SEEN_ROWS, check_memory, forward_bytes
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    plain, shift = parse_method("plain"), parse_method("shift:ctx=64")
+    floor, seen = (forward_bytes(model, 8192, rows, cells=False) for rows in (FLOOR_ROWS, SEEN_ROWS))
+    config = model.config
+    assert floor == 8192 * 4 * (2 * config.hidden_size + 2 * config.intermediate_size) < seen
+    runs = [(1024, plain), (8192, plain), (10**7, shift)]
+    assert check_memory(model, runs, cells=False, available=seen) is None
+    assert "8,192 tokens may not fit" in check_memory(model, runs, cells=False, available=seen - 1)
+    with pytest.raises(ValidationError, match="up to 8,192 tokens need at least"):
+        check_memory(model, runs, cells=False, available=floor - 1)
+    with pytest.raises(ValidationError):  # the passkey cache's cells are on top
+        check_memory(model, runs, cells=True, available=floor)
+    assert check_memory(model, [(10**7, shift)], cells=True, available=1) is None
+
+
+def test_passkey_past_the_memory_is_refused_before_the_first_forward(tiny_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr("selfextend.evaluation.memory.available_bytes", lambda: 10**6)
+    out = tmp_path / "pk.jsonl"
+    r = invoke(
+        "passkey", "--model", tiny_dir, "--lengths", "2k", "--trials", "1", "--depths", "0.5", "-o", out
+    )
+    assert r.exit_code == 2 and "up to 2,048 tokens need at least" in r.stderr and not out.exists(), r.stderr
