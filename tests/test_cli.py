@@ -179,6 +179,31 @@ def test_cache_list_and_clear(tmp_path, monkeypatch):
     assert left.count("not selfextend's") == 2 and "stale" not in left, left
 
 
+def test_cache_clear_leaves_a_users_files_in_our_folder_names_and_links(tmp_path, monkeypatch):
+    """``$SELFEXTEND_CACHE`` naming a shared folder: a user's GGUF in ``gguf/`` (which holds only the
+    files we assemble), a user's folder in ``tokenizer/`` (no marker of ours), and links to a user's
+    folders are listed as not selfextend's and survive ``cache clear``: they were deleted, through the links
+    too."""
+    root = tmp_path / "cache"
+    monkeypatch.setenv("SELFEXTEND_CACHE", str(root))
+    theirs = {
+        root / "gguf" / "my-own-model.gguf": b"GGUF mine",
+        root / "tokenizer" / "myproj" / "important.txt": b"keep",
+        tmp_path / "usermodels" / "a.gguf": b"GGUF a",
+        tmp_path / "userproj" / "p1" / "x.txt": b"x",
+    }
+    for path, data in theirs.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+    (root / "linked-models").symlink_to(tmp_path / "usermodels")
+    (root / "tokenizer" / "linked").symlink_to(tmp_path / "userproj")
+    listed = invoke("cache", "list").stdout
+    assert listed.count("not selfextend's") == 4 and "assembled GGUF" not in listed, listed
+    r = invoke("cache", "clear")
+    assert r.exit_code == 0 and "left 4 not written by selfextend" in r.stdout, r.output
+    assert all(path.read_bytes() == data for path, data in theirs.items())
+
+
 def test_cache_list_names_compiled_kernels_not_a_stale_conversion(tmp_path, monkeypatch):
     """The folder the native build compiles into is listed as compiled kernels (it used to read as a stale
     ``float-float32`` conversion), and a conversion-less unknown folder as not selfextend's."""

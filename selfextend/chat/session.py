@@ -58,6 +58,10 @@ class ChatStats:
         return tokens / seconds if seconds > 0 else 0.0
 
 
+class _Stopped(Exception):
+    """:attr:`ChatSession.stop_requested` seen while a user turn was written."""
+
+
 class ChatSession:
     """One conversation in a fixed-size cache: :meth:`reply` streams the answer to a user turn.
 
@@ -149,14 +153,25 @@ class ChatSession:
     def n_keep(self) -> int:
         return self.cache.n_keep
 
-    def _prefill(self, ids: list[int]) -> torch.Tensor:
-        """Write a prompt piece in :data:`PREFILL_CHUNK` pieces, with the progress hook around it."""
+    def _prefill(self, ids: list[int], stoppable: bool = False) -> torch.Tensor:
+        """Write a prompt piece in :data:`PREFILL_CHUNK` pieces, with the progress hook around it; with
+        ``stoppable``, :attr:`stop_requested` ends it after the piece being written (:class:`_Stopped`)."""
         t0 = time.perf_counter()
-        with self.progress(len(ids)) if self.progress else nullcontext() as update:
-            logits = self.gen.feed(ids, min(PREFILL_CHUNK, self.cache.max_chunk()), update)
-        self.stats.prompt_tokens += len(ids)
-        self.stats.prompt_seconds += time.perf_counter() - t0
-        return logits
+
+        def written(n: int, update: Callable[[int], object] | None) -> None:
+            if update is not None:
+                update(n)
+            self.stats.prompt_tokens += n
+            if stoppable and self.stop_requested:
+                raise _Stopped
+
+        try:
+            with self.progress(len(ids)) if self.progress else nullcontext() as update:
+                return self.gen.feed(
+                    ids, min(PREFILL_CHUNK, self.cache.max_chunk()), lambda n: written(n, update)
+                )
+        finally:
+            self.stats.prompt_seconds += time.perf_counter() - t0
 
     def _truncate(self, n_past: int) -> None:
         """Forget cells from ``n_past`` on, and every recorded position there (a sliding-window layer that
@@ -183,7 +198,11 @@ class ChatSession:
         exchange = Exchange(user, start=self.cache.n_past)
         self.exchanges.append(exchange)
         self.closed = False
-        logits = self._prefill(turn_ids)
+        try:
+            logits = self._prefill(turn_ids, stoppable=True)
+        except _Stopped:  # Ctrl-C while a long turn was read: the turn is taken back, no reply
+            self.undo()
+            return
         exchange.reply_start = self.cache.n_past
         self._before_reply = (exchange, logits)
         yield from self._generate(exchange, logits)

@@ -30,7 +30,14 @@ from selfextend.hf.facts import ModelError, check_rope
 from selfextend.models.gguf import GGUFTable, load_gguf, read_gguf
 from selfextend.models.heap import release_free_memory
 from selfextend.models.quantize import WEIGHT_FORMATS
-from selfextend.models.sources import ASSEMBLED_DIR, ModelSource, cache_root, hub_load, resolve_model
+from selfextend.models.sources import (
+    ASSEMBLED_DIR,
+    ASSEMBLED_FILES,
+    ModelSource,
+    cache_root,
+    hub_load,
+    resolve_model,
+)
 from selfextend.models.weights import RunForm, save_run_form
 
 if TYPE_CHECKING:
@@ -325,15 +332,23 @@ def cache_entries() -> list[CacheEntry]:
     for path in sorted(root.iterdir()):
         if path.name.startswith("."):
             continue
+        if path.is_symlink():  # a link to a user's folder: never looked into, never deleted
+            found.append(CacheEntry(path, str(path), FOREIGN, 0, False))
+            continue
         # a tokenizer file hard-linked into the entry is counted once, in the tokenizer's folder
         files = [p.stat() for p in path.rglob("*") if p.is_file()] if path.is_dir() else []
         size = sum(st.st_size for st in files if st.st_nlink == 1)
         if path.is_dir() and path.name == ASSEMBLED_DIR:
-            found += [CacheEntry(p, p.name, None, p.stat().st_size, True) for p in path.glob("*.gguf")]
+            for p in sorted(path.iterdir()):
+                ours = p.name in ASSEMBLED_FILES and p.is_file() and not p.is_symlink()
+                found.append(CacheEntry(p, p.name, None if ours else FOREIGN, p.lstat().st_size, ours))
             continue
         if path.is_dir() and path.name == _TOKENIZERS:
-            for folder in sorted(p for p in path.iterdir() if p.is_dir() and not p.name.startswith(".")):
-                marker = _marker(folder) or {}
+            for folder in sorted(p for p in path.iterdir() if not p.name.startswith(".")):
+                marker = None if folder.is_symlink() or not folder.is_dir() else _marker(folder)
+                if marker is None:  # no marker of ours: a user's file or folder
+                    found.append(CacheEntry(folder, str(folder), FOREIGN, folder.lstat().st_size, False))
+                    continue
                 usable = marker.get("format") == _CACHE_FORMAT
                 size = sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
                 found.append(CacheEntry(folder, str(marker.get("source", "?")), "tokenizer", size, usable))

