@@ -181,6 +181,33 @@ def test_retry_where_keep_reaches_into_the_reply(tiny):
     torch.testing.assert_close(s.gen.last_logits, fresh_logits(model, s.gen.tokens), atol=1e-4, rtol=0)
 
 
+def test_ctrl_c_while_a_long_turn_is_read_takes_it_back(tiny):
+    """Ctrl-C (``stop_requested``) while a long user turn is written ends it after the piece being written:
+    no reply, the turn taken back, the cache as before it; the chat goes on."""
+    from contextlib import contextmanager
+
+    model, tok = tiny
+    s = ChatSession(model, tok, n_ctx=600, max_new_tokens=4, ignore_eos=True)
+    "".join(s.reply("Hi"))
+    before, pieces = list(s.gen.tokens), []
+
+    @contextmanager
+    def progress(n):
+        def update(k):
+            pieces.append(k)
+            s.stop_requested = True  # as the Ctrl-C handler does
+
+        yield update
+
+    s.progress = progress
+    assert "".join(s.reply(" ".join(f"w{i}" for i in range(400)))) == ""
+    # the last reply's closing markers (written whole), then one piece of the turn, whose rest is not read
+    assert len(pieces) == 2 and len(s.exchanges) == 1 and s.gen.tokens[: len(before)] == before
+    assert len(s.gen.tokens) == len(before) + pieces[0]
+    s.progress = None
+    assert "".join(s.reply("again")) and len(s.exchanges) == 2
+
+
 def test_ledger_forgets_a_reply_start_whose_turn_end_was_dropped():
     ex = [Exchange("u", start=5, reply_start=12), Exchange("v", start=20, reply_start=30)]
     TurnLedger(ex).discard(40, 10, 3)  # drops cells [10, 20): the first turn's end, not its reply start
