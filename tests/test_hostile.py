@@ -234,6 +234,12 @@ def files(tmp_path, tiny_dir, real_gguf, monkeypatch) -> Path:
         "minuslayers": '{"model_type": "llama", "num_hidden_layers": -1}',
         "theta": '{"model_type": "llama", "rope_theta": "abc"}',
         "kvheads": '{"model_type": "llama", "num_key_value_heads": 3}',
+        # a NaN or negative scaling factor ran (transformers only warns), an unknown type was a KeyError
+        "factornan": '{"model_type": "llama", "rope_parameters": {"rope_type": "linear", "factor": NaN}}',
+        "factorneg": '{"model_type": "llama", "rope_parameters": {"rope_type": "linear", "factor": -4.0}}',
+        "ropefoo": '{"model_type": "llama", "rope_parameters": {"rope_type": "foo", "factor": 2.0}}',
+        "yarn0": '{"model_type": "llama", "rope_parameters": {"rope_type": "yarn", "factor": 4.0, '
+        '"original_max_position_embeddings": 0}}',
     }.items():
         (d / name).mkdir()
         (d / name / "config.json").write_bytes(
@@ -275,6 +281,10 @@ FILE_CASES = [
     (["info", "{in}/minuslayers"], "num_hidden_layers is -1"),  # was printed: "layers -1"
     (["info", "{in}/theta"], "rope_theta is 'abc'"),
     (["info", "{in}/kvheads"], "3 KV heads do not divide"),
+    (["info", "{in}/factornan"], "RoPE scaling factor is nan, not a number >= 1"),
+    (["info", "{in}/factorneg"], "RoPE scaling factor is -4.0, not a number >= 1"),
+    (["info", "{in}/ropefoo"], "RoPE scaling type 'foo' is not one transformers knows"),
+    (["info", "{in}/yarn0"], "original_max_position_embeddings is 0, not >= 1"),
     (["generate", "-m", "{in}/noweights", "-p", "x"], "cannot load"),
     (["generate", "-m", "{in}/cutweights", "-p", "x"], "cannot load"),
     (["generate", "-m", "{tiny}", "-f", "{in}/latin1.txt"], "not UTF-8"),

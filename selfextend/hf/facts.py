@@ -137,6 +137,17 @@ def check_size_fields(fields: dict[str, Any], label: str) -> None:
             raise ModelError(f"model '{label}': its config's {name} is {value!r}, not a whole number >= 1")
 
 
+def check_rope_fields(fields: dict[str, Any], label: str) -> None:
+    """:func:`_check_scaling` for the RoPE settings in a config's JSON (``rope_parameters``, one per attention
+    kind where there are several, or ``rope_scaling``), before transformers divides by them."""
+    for key in ("rope_parameters", "rope_scaling"):
+        params = fields.get(key)
+        if isinstance(params, dict):
+            kinds = [p for p in params.values() if isinstance(p, dict)] if "rope_type" not in params else []
+            for one in kinds or [params]:
+                _check_scaling(one, label)
+
+
 def _check_sizes(text: Any, label: str) -> None:
     """:class:`ModelError` naming the field where a size is not a whole number >= 1, the query heads are no
     multiple of the KV heads, or the rotary base is not a positive number (each failed later as arithmetic:
@@ -145,10 +156,33 @@ def _check_sizes(text: Any, label: str) -> None:
     heads, kv = getattr(text, "num_attention_heads", None), _kv_heads(text)
     if isinstance(heads, int) and isinstance(kv, int) and heads % kv:
         raise ModelError(f"model '{label}': {kv} KV heads do not divide its {heads} attention heads")
-    theta = (_rope_parameters(text) or {}).get("rope_theta", getattr(text, "rope_theta", None))
-    number = isinstance(theta, (int, float)) and not isinstance(theta, bool)
-    if theta is not None and not (number and math.isfinite(theta) and theta > 0):
+    params = _rope_parameters(text) or {}
+    theta = params.get("rope_theta", getattr(text, "rope_theta", None))
+    if theta is not None and not _positive(theta):
         raise ModelError(f"model '{label}': its config's rope_theta is {theta!r}, not a positive number")
+    _check_scaling(params, label)
+
+
+def _positive(x: Any, least: float = 0.0) -> bool:
+    """``x`` a finite number, at least ``least`` where given, else above 0."""
+    number = isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+    return number and (x >= least if least else x > 0)
+
+
+def _check_scaling(params: dict[str, Any], label: str) -> None:
+    """:class:`ModelError` for a RoPE scaling transformers does not know, or whose ``factor`` is not a number
+    >= 1 or ``original_max_position_embeddings`` not a number >= 1 (a NaN or negative factor ran, the
+    text garbage; transformers only warns of it; a zero original window ended in "math domain error")."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind != "default" and kind not in ROPE_INIT_FUNCTIONS:
+        raise ModelError(f"model '{label}': its RoPE scaling type {kind!r} is not one transformers knows")
+    factor, original = params.get("factor"), params.get("original_max_position_embeddings")
+    if kind != "default" and factor is not None and not _positive(factor, least=1.0):
+        raise ModelError(f"model '{label}': its RoPE scaling factor is {factor!r}, not a number >= 1")
+    if original is not None and not _positive(original, least=1):
+        raise ModelError(f"model '{label}': its original_max_position_embeddings is {original!r}, not >= 1")
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from selfextend.core.paths import cache_root
 from selfextend.core.validate import first_line
-from selfextend.hf.facts import ModelError, check_size_fields
+from selfextend.hf.facts import ModelError, check_rope_fields, check_size_fields
 
 if TYPE_CHECKING:
     pass
@@ -169,6 +169,7 @@ def _check_config_json(path: Path) -> None:
     for part in (config, config.get("text_config")):
         if isinstance(part, dict):
             check_size_fields(part, str(path.parent))
+            check_rope_fields(part, str(path.parent))
 
 
 def _hub_offline() -> bool:
