@@ -246,6 +246,14 @@ def files(tmp_path, tiny_dir, real_gguf, monkeypatch) -> Path:
             config.encode("latin-1") if name == "latin1" else config.encode()
         )
     (d / "noconfig").mkdir()
+    for name, template in {
+        "brokentemplate": "{% for m in messages %}{{ m.content ",
+        "raising": "{{ raise_exception('nope') }}",
+    }.items():
+        (d / name).mkdir()  # the tiny model with a chat template that cannot render: was a jinja traceback
+        for f in tiny_dir.iterdir():
+            (d / name / f.name).write_bytes(f.read_bytes())
+        (d / name / "chat_template.jinja").write_text(template)
     noweights = d / "noweights"
     noweights.mkdir()
     for f in tiny_dir.iterdir():
@@ -285,6 +293,9 @@ FILE_CASES = [
     (["info", "{in}/factorneg"], "RoPE scaling factor is -4.0, not a number >= 1"),
     (["info", "{in}/ropefoo"], "RoPE scaling type 'foo' is not one transformers knows"),
     (["info", "{in}/yarn0"], "original_max_position_embeddings is 0, not >= 1"),
+    (["generate", "-m", "{in}/brokentemplate", "-p", "x"], "the model's chat template failed: "),
+    (["generate", "-m", "{in}/raising", "-p", "x"], "the model's chat template failed: x"),
+    (["chat", "-m", "{in}/raising"], "the model's chat template failed: x"),
     (["generate", "-m", "{in}/noweights", "-p", "x"], "cannot load"),
     (["generate", "-m", "{in}/cutweights", "-p", "x"], "cannot load"),
     (["generate", "-m", "{tiny}", "-f", "{in}/latin1.txt"], "not UTF-8"),
@@ -355,6 +366,26 @@ def test_non_utf8_stdin_subprocess(command, stdin, message, tiny_dir, tmp_path):
         timeout=300,
     )
     assert_one_line_error(r.returncode, r.stderr.decode(), before, message)
+
+
+@pytest.mark.parametrize("kind", ["float", "text"])
+def test_gguf_metadata_of_the_wrong_type_is_one_line(tmp_path, monkeypatch, kind):
+    """``llama.attention.head_count`` stored as 4.0 or "4": huggingface_hub's strict config types raised
+    their own exception type, a traceback in info, generate and ppl."""
+    import gguf
+    from test_models import write_tiny_gguf
+
+    def add_head_count(self, n):
+        key = "llama.attention.head_count"
+        (self.add_float32(key, float(n)) if kind == "float" else self.add_string(key, str(n)))
+
+    monkeypatch.setattr(gguf.GGUFWriter, "add_head_count", add_head_count)
+    path = write_tiny_gguf(tmp_path / "typed.gguf")
+    monkeypatch.undo()
+    for args in (["info", str(path)], ["generate", "-m", str(path), "-p", "hi", "-n", "2"]):
+        r = CliRunner().invoke(main, args)
+        lines = [x for x in r.stderr.strip().splitlines() if not x.startswith("compiling the ")]
+        assert r.exit_code == 2 and len(lines) == 1 and "num_attention_heads" in lines[0], r.output
 
 
 def test_truncated_gguf_subprocess(real_gguf, tmp_path):

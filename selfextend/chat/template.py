@@ -15,7 +15,7 @@ user turn, and dropping whole exchanges never leaves half a turn's markers in th
 from __future__ import annotations
 
 from selfextend.chat.turns import Exchange
-from selfextend.generation.text import common_prefix
+from selfextend.generation.text import apply_template, common_prefix
 
 PLAIN_TEMPLATE = (
     "{% for m in messages %}"
@@ -53,8 +53,12 @@ class ChatTemplate:
         return self._render(msgs, generation_prompt, None)
 
     def _render(self, msgs: list[dict[str, str]], generation_prompt: bool, template: str | None) -> str:
-        return self.tokenizer.apply_chat_template(
-            msgs, tokenize=False, add_generation_prompt=generation_prompt, chat_template=template
+        return apply_template(
+            self.tokenizer,
+            msgs,
+            tokenize=False,
+            add_generation_prompt=generation_prompt,
+            chat_template=template,
         )
 
     def _system_part(self) -> str:

@@ -6,8 +6,11 @@ chat and the server share them."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from torch import nn
+
+from selfextend.core.validate import first_line
 
 
 class TextStream:
@@ -82,6 +85,26 @@ def common_prefix(a: Sequence, b: Sequence) -> int:
     return n
 
 
+class ChatTemplateError(ValueError):
+    """The model's chat template failed on these messages: a template broken in the file, or one that
+    refuses them (``raise_exception``, roles out of order). ``reason`` is the template's own message."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+        super().__init__(f"the model's chat template failed: {reason}")
+
+
+def apply_template(tokenizer, messages: list[dict[str, str]], **kwargs: Any) -> Any:
+    """``tokenizer.apply_chat_template(messages, **kwargs)``, its jinja errors as :class:`ChatTemplateError`
+    (they are no ValueError: a broken template in a GGUF ended ``generate`` in a traceback)."""
+    from jinja2 import TemplateError
+
+    try:
+        return tokenizer.apply_chat_template(messages, **kwargs)
+    except TemplateError as e:
+        raise ChatTemplateError(first_line(e)) from None
+
+
 def build_prompt(
     tokenizer, prompt: str, system: str | None = None, chat: bool = True
 ) -> tuple[list[int], int]:
@@ -97,7 +120,7 @@ def build_prompt(
                 {"role": "user", "content": user}
             ]
             return list(
-                tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)["input_ids"]
+                apply_template(tokenizer, msgs, add_generation_prompt=True, tokenize=True)["input_ids"]
             )
 
         ids = render(prompt)

@@ -21,10 +21,9 @@ from typing import Any, TypeVar
 
 import pydantic
 from fastapi.exceptions import RequestValidationError
-from jinja2 import TemplateError
 
 from selfextend.chat.template import ChatTemplate
-from selfextend.generation.text import common_prefix
+from selfextend.generation.text import ChatTemplateError, common_prefix
 from selfextend.kv.cache import default_keep
 from selfextend.server.guard import APIError
 from selfextend.server.schemas import Message, Sampling
@@ -147,8 +146,8 @@ def render_chat(
     try:
         template = _template(tokenizer, system or None)
         return template, template.render(rest, generation_prompt=generation_prompt)
-    except TemplateError as e:
-        raise ValueError(str(e)) from None
+    except ChatTemplateError as e:
+        raise ValueError(e.reason) from None
 
 
 def chat_prompt(tokenizer, messages: Sequence[Message], n_keep: int | None, n_ctx: int = 2**31) -> Prompt:
