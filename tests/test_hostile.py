@@ -254,6 +254,11 @@ def files(tmp_path, tiny_dir, real_gguf, monkeypatch) -> Path:
         for f in tiny_dir.iterdir():
             (d / name / f.name).write_bytes(f.read_bytes())
         (d / name / "chat_template.jinja").write_text(template)
+    (d / "morelayers").mkdir()  # a config with a layer its weights lack: it ran with that layer random
+    for f in tiny_dir.iterdir():
+        (d / "morelayers" / f.name).write_bytes(f.read_bytes())
+    config = json.loads((tiny_dir / "config.json").read_text())
+    (d / "morelayers" / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 3}))
     noweights = d / "noweights"
     noweights.mkdir()
     for f in tiny_dir.iterdir():
@@ -296,6 +301,7 @@ FILE_CASES = [
     (["generate", "-m", "{in}/brokentemplate", "-p", "x"], "the model's chat template failed: "),
     (["generate", "-m", "{in}/raising", "-p", "x"], "the model's chat template failed: x"),
     (["chat", "-m", "{in}/raising"], "the model's chat template failed: x"),
+    (["generate", "-m", "{in}/morelayers", "-p", "x"], "lack 9 tensors its config.json asks for"),
     (["generate", "-m", "{in}/noweights", "-p", "x"], "cannot load"),
     (["generate", "-m", "{in}/cutweights", "-p", "x"], "cannot load"),
     (["generate", "-m", "{tiny}", "-f", "{in}/latin1.txt"], "not UTF-8"),

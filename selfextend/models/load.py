@@ -217,7 +217,7 @@ def load_model(
     weights made by rounding float ones would be another model than the one the user picked.
     Raises :class:`ModelError` for non-RoPE models and anything that cannot be read.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     source = resolve_model(name_or_path)
     target = _parse_device(device)
@@ -245,7 +245,7 @@ def load_model(
             kwargs["attn_implementation"] = attention_for(config, attn_implementation)
         if device_map is not None:
             kwargs["device_map"] = device_map
-        model = hub_load(source, AutoModelForCausalLM.from_pretrained, **kwargs)
+        model = _checked_load(source, kwargs)
         tokenizer = hub_load(source, AutoTokenizer.from_pretrained)
         if form.weights in ("int4", "gguf"):
             log.warning(
@@ -267,6 +267,39 @@ def load_model(
     model.eval()
     model.requires_grad_(False)
     return model, tokenizer
+
+
+def _checked_load(source: ModelSource, kwargs: dict[str, Any]) -> torch.nn.Module:
+    """The model of a folder or hub id, refused where its weights leave some of its config's out
+    (transformers fills them with random numbers and prints a table: the model ran, its text garbage) and
+    said in one line where the weights hold tensors the model does not read (a checkpoint's extra heads are
+    legitimate; a config with fewer layers than the weights is not)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # its load report: what is said below, in one line
+    try:
+        model, info = hub_load(
+            source, AutoModelForCausalLM.from_pretrained, output_loading_info=True, **kwargs
+        )
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    missing, unexpected = sorted(info.get("missing_keys") or ()), sorted(info.get("unexpected_keys") or ())
+    if missing:
+        raise ModelError(
+            f"the weights of '{source.name}' lack {len(missing)} tensors its config.json asks for "
+            f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}): they would be random numbers"
+        )
+    if unexpected:
+        log.warning(
+            "the weights of '%s' hold %d tensors the model does not read (%s%s)",
+            source.name,
+            len(unexpected),
+            ", ".join(unexpected[:3]),
+            ", ..." if len(unexpected) > 3 else "",
+        )
+    return model
 
 
 def _cast_float_weights(model: torch.nn.Module, dtype: torch.dtype) -> None:
