@@ -421,3 +421,16 @@ def test_passkey_past_the_memory_is_refused_before_the_first_forward(tiny_dir, t
         "passkey", "--model", tiny_dir, "--lengths", "2k", "--trials", "1", "--depths", "0.5", "-o", out
     )
     assert r.exit_code == 2 and "up to 2,048 tokens need at least" in r.stderr and not out.exists(), r.stderr
+
+
+def test_a_model_whose_output_is_not_numbers_records_nothing(tiny_dir, tmp_path, monkeypatch):
+    """A NaN in the weights made ``ppl`` write ``"ppl": NaN`` and exit 0: now one line, exit 2, and the
+    results file holds no record of it."""
+    from selfextend.evaluation import sweep
+
+    real = sweep.score
+    monkeypatch.setattr(sweep, "score", lambda *a: real(*a).index_fill(0, torch.tensor([5]), float("nan")))
+    out = tmp_path / "ppl.jsonl"
+    r = invoke("ppl", "--model", tiny_dir, "--docs", "sherlock-holmes", "--lengths", "64", "-o", out)
+    assert r.exit_code == 2 and "the model's output is not numbers at 1 of them" in r.stderr, r.output
+    assert not out.exists() or read_jsonl(out) == []

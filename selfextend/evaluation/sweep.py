@@ -192,6 +192,12 @@ def ppl_sweep(
         t0 = time.perf_counter()
         nll = score(model, ids[run.doc][:, : run.length], run.method)
         seconds = time.perf_counter() - t0
+        broken = int((~torch.isfinite(nll)).sum())
+        if broken:  # a NaN or inf in the weights: recorded as "ppl": NaN, the sweep said nothing
+            raise ValueError(
+                f"{run.doc} under {run.method.name} at {run.length:,} tokens: the model's output is not "
+                f"numbers at {broken:,} of them (NaN or inf in its weights?); nothing recorded for it"
+            )
         if progress:
             progress(run.length)
         for n in run.covers:
