@@ -394,6 +394,26 @@ def test_gguf_metadata_of_the_wrong_type_is_one_line(tmp_path, monkeypatch, kind
         assert r.exit_code == 2 and len(lines) == 1 and "num_attention_heads" in lines[0], r.output
 
 
+def test_gguf_with_blocks_past_its_block_count_is_refused(tmp_path, monkeypatch):
+    """A file whose ``block_count`` says 1 of its 2 blocks ran as a 1-layer model (llama.cpp refuses it:
+    "wrong number of tensors")."""
+    import gguf
+    from test_models import write_tiny_gguf
+
+    monkeypatch.setattr(
+        gguf.GGUFWriter, "add_block_count", lambda self, n: self.add_uint32("llama.block_count", 1)
+    )
+    path = write_tiny_gguf(tmp_path / "lies.gguf", layers=2)
+    monkeypatch.undo()
+    for args in (["info", str(path)], ["generate", "-m", str(path), "-p", "hi", "-n", "2"]):
+        r = CliRunner().invoke(main, args)
+        lines = [
+            x for x in r.stderr.strip().splitlines() if not x.startswith(("compiling the ", "converting "))
+        ]
+        assert r.exit_code == 2 and len(lines) == 1, r.output
+        assert "tensor blk.1.attn_k.weight and 8 more of a block past the 1 its metadata's" in lines[0]
+
+
 def test_truncated_gguf_subprocess(real_gguf, tmp_path):
     bad = tmp_path / "half.gguf"
     bad.write_bytes(real_gguf.read_bytes()[: real_gguf.stat().st_size // 2])

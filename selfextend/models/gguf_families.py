@@ -205,10 +205,18 @@ def check_tensors_present(names: set[str], architecture: str, config: Pretrained
 
 def check_present(present: set[str], mapping: dict[str, str], model: nn.Module) -> None:
     """ModelError naming the GGUF tensors the config asks for that the file's (``present``) lack (the output
-    head aside: a file may leave it to the embedding's), before any is read; in the file's names."""
+    head aside: a file may leave it to the embedding's), or tensors of blocks past those the config has,
+    before any is read; in the file's names."""
     heads = {n for n, m in model.named_modules() if m is model.get_output_embeddings()}
     whole = [(g, name) for g, name in mapping.items() if g.endswith((".weight", ".bias"))]  # (experts: stems)
     missing = [g for g, name in whole if g not in present and name.rsplit(".", 1)[0] not in heads]
     if missing:
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
         raise ModelError(f"tensor {missing[0]}{more} missing, which the file's own metadata asks for")
+    blocks = {g.split(".")[1] for g in mapping if g.startswith("blk.")}
+    beyond = sorted(g for g in present if g.startswith("blk.") and g.split(".")[1] not in blocks)
+    if beyond:  # a block_count below the file's blocks: it ran without them (llama.cpp refuses the file)
+        more = f" and {len(beyond) - 1} more" if len(beyond) > 1 else ""
+        raise ModelError(
+            f"tensor {beyond[0]}{more} of a block past the {len(blocks)} its metadata's block_count says"
+        )
