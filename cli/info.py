@@ -124,6 +124,11 @@ def info(model_arg: str | None, model_opt: str | None, group_size: int, window: 
     cells = NATIVE_CACHE_TYPE if native_cells_default(config, "cpu", torch.float32) else "f32"
     facts = model_facts(config)
     trained = facts.trained_window
+    defaulted = (
+        click.get_current_context().get_parameter_source("window") == click.core.ParameterSource.DEFAULT
+    )
+    if defaulted and trained and window >= trained:  # a model trained on 1,024 tokens or fewer: half of them
+        window = trained // 2
     group_size, window = validate(group_size, window, trained)
     rows = [
         ("model", f"{model} ({facts.model_type})"),

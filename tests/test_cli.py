@@ -44,6 +44,15 @@ def test_info_reports_reach(tiny_dir):
     assert r.exit_code == 0, r.stderr
     assert any(line.split() == ["trained", "window", "256", "tokens"] for line in r.stdout.splitlines())
     assert f"up to {(256 - 64) * 4 + 64:,} tokens" in r.stdout
+    # without -w, a model trained on fewer tokens than the default window (1,024) is shown with half its
+    # window (it was refused: "window (1024) must be smaller than the model's trained window (256)")
+    r = invoke("info", tiny_dir)
+    assert (
+        r.exit_code == 0
+        and "Self-Extend G=4 W=128" in r.stdout
+        and f"up to {(256 - 128) * 4 + 128:,}" in r.stdout
+    )
+    assert "must be smaller" in invoke("info", tiny_dir, "-w", "300").stderr  # a window given is checked
 
 
 @pytest.mark.parametrize(
