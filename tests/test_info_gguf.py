@@ -84,3 +84,37 @@ def test_info_names_a_tensor_the_file_lacks(mixed_gguf: Path, tmp_path: Path) ->
     r = CliRunner().invoke(main, ["info", str(renamed)])
     assert r.exit_code == 2 and "tensor blk.1.attn_q.weight missing" in r.stderr, r.output
     assert CliRunner().invoke(main, ["info", str(mixed_gguf), "-g", "2", "-w", "64"]).exit_code == 0
+
+
+@pytest.mark.parametrize(
+    "key,value,says",
+    [
+        (
+            "llama.feed_forward_length",
+            128,
+            "blk.0.ffn_gate.weight: shape (64, 32) where the file's metadata says (128, 32)",
+        ),
+        ("llama.attention.key_length", 2**30, "where the file's metadata says"),
+    ],
+)
+def test_info_refuses_metadata_that_its_matrices_contradict(tmp_path, monkeypatch, key, value, says) -> None:
+    """Metadata whose sizes the stored matrices contradict: ``info`` printed the lying sizes (a head size of
+    2^30 among them, which ``generate`` then tried to allocate: 550 GB); it now refuses, as a conversion
+    does, without reading a weight."""
+    real = gguf.GGUFWriter.add_block_count
+
+    def add_block_count(self, n):
+        real(self, n)
+        self.add_uint32(key, value)
+
+    monkeypatch.setattr(gguf.GGUFWriter, "add_block_count", add_block_count)
+    if key.endswith("feed_forward_length"):
+        monkeypatch.setattr(gguf.GGUFWriter, "add_feed_forward_length", lambda self, n: None)
+    path = write_tiny_gguf(tmp_path / "lies.gguf")
+    monkeypatch.undo()
+    for args in (
+        ["info", str(path), "-g", "2", "-w", "64"],
+        ["generate", "-m", str(path), "-p", "hi", "-n", "1"],
+    ):
+        r = CliRunner().invoke(main, args)
+        assert r.exit_code == 2 and says in r.stderr and "converting" not in r.stderr, r.output

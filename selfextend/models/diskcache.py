@@ -28,6 +28,7 @@ import torch
 from selfextend.core.validate import first_line
 from selfextend.hf.facts import ModelError, check_rope
 from selfextend.models.gguf import GGUFTable, load_gguf, read_gguf
+from selfextend.models.gguf_families import check_tensors_fit
 from selfextend.models.heap import release_free_memory
 from selfextend.models.quantize import WEIGHT_FORMATS
 from selfextend.models.sources import (
@@ -292,6 +293,7 @@ def convert_into(entry: Path, gguf: Path, form: RunForm) -> tuple[PreTrainedMode
     from transformers import AutoTokenizer
 
     table, config = read_gguf(gguf)
+    check_tensors_fit(table, config)  # before a model of the metadata's sizes is allocated
     log.info(
         "converting %s into %s weights in the model cache %s: once per file and form, later loads read "
         "the cache (seconds to a minute)",

@@ -299,6 +299,11 @@ def _to_torch(*parts: Iterable[tuple[int, np.ndarray]]) -> Iterator[tuple[int, t
             yield a, torch.from_numpy(x)
 
 
+def matrix_shape(t: _Stored) -> tuple[int, int] | None:
+    """(rows, columns) of a stored matrix as its values (None for a vector or a 3-axis tensor)."""
+    return (t.raw_shape[0], _value_shape(t)[-1]) if len(t.raw_shape) == 2 else None
+
+
 def _value_shape(t: _Stored) -> tuple[int, ...]:
     """The dequantised shape of one row of a tensor of two or more axes (block formats store bytes last)."""
     from gguf import GGML_QUANT_SIZES

@@ -27,6 +27,8 @@ if TYPE_CHECKING:
     from torch import nn
     from transformers import PretrainedConfig
 
+    from selfextend.models.gguf import GGUFTable
+
 _DENSE = {  # the keys every llama-like family writes (TextModel.set_gguf_parameters)
     "context_length": "max_position_embeddings",
     "block_count": "num_hidden_layers",
@@ -191,16 +193,24 @@ class _MoeProcessor:
         return self._experts.process(weights, name, **kwargs)
 
 
-def check_tensors_present(names: set[str], architecture: str, config: PretrainedConfig) -> None:
-    """ModelError naming the tensors a GGUF's metadata (``architecture``, ``config``) asks for and its
-    tensors (``names``) lack, without reading any weight (``info``: a conversion finds them too, later)."""
+def check_tensors_fit(table: GGUFTable, config: PretrainedConfig) -> None:
+    """ModelError naming a tensor a GGUF's metadata (its ``config``) asks for and its table lacks, or a
+    matrix whose stored shape is not the config's, without reading any weight (``info``: a conversion
+    finds them too, later; a head size of 2^30 in the metadata was shown, then allocated by ``generate``)."""
     import torch
 
+    from selfextend.models.gguf import matrix_shape
     from selfextend.models.weights import RunForm, empty_model
 
     with torch.device("meta"):
         model = empty_model(config, RunForm("float", torch.float32))
-    check_present(names, tensor_names(model, architecture)[1], model)
+    mapping = tensor_names(model, table.architecture)[1]
+    check_present({t.name for t in table.tensors}, mapping, model)
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    for t in table.tensors:
+        want, got = shapes.get(mapping.get(t.name, "")), matrix_shape(t)
+        if want is not None and len(want) == 2 and got is not None and got != want:
+            raise ModelError(f"{t.name}: shape {got} where the file's metadata says {want}")
 
 
 def check_present(present: set[str], mapping: dict[str, str], model: nn.Module) -> None:
