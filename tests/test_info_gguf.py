@@ -118,3 +118,13 @@ def test_info_refuses_metadata_that_its_matrices_contradict(tmp_path, monkeypatc
     ):
         r = CliRunner().invoke(main, args)
         assert r.exit_code == 2 and says in r.stderr and "converting" not in r.stderr, r.output
+
+
+def test_a_gguf_without_its_context_length_is_refused(tmp_path, monkeypatch) -> None:
+    """No ``llama.context_length``: transformers' default of 2,048 was taken as the trained window, which
+    every Self-Extend and shift setting is sized by (llama.cpp refuses the file)."""
+    monkeypatch.setattr(gguf.GGUFWriter, "add_context_length", lambda self, n: None)
+    path = write_tiny_gguf(tmp_path / "nowindow.gguf")
+    monkeypatch.undo()
+    r = CliRunner().invoke(main, ["info", str(path)])
+    assert r.exit_code == 2 and "its metadata has no llama.context_length" in r.stderr, r.output

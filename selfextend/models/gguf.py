@@ -109,6 +109,11 @@ def read_gguf(path: Path) -> tuple[GGUFTable, PretrainedConfig]:
     transformers reads the config through the same reader); the reader is dropped on return."""
     reader = checked_reader(path)
     table = GGUFTable.of(reader)
+    key = f"{table.architecture}.context_length"
+    if (
+        reader.get_field(key) is None
+    ):  # transformers' default (2,048 for Llama) was taken for the trained window
+        raise ModelError(f"{path}: its metadata has no {key}, the window the model was trained on")
     return table, gguf_config(path, table.rope, reader)
 
 
