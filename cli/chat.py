@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 from pathlib import Path
@@ -167,11 +168,19 @@ def chat(
 
 
 def _save(session: ChatSession, path: str, quiet: bool) -> bool:
-    """Write the session to ``path``; a failure is one line (the run may be ending on another error)."""
+    """Write the session to ``path``; a failure is one line (the run may be ending on another error). Where
+    another chat wrote the file since this one read it, this conversation goes to a file beside it (named
+    by this process) rather than over the other's."""
     from selfextend.chat import ChatError
+    from selfextend.chat.session import FileChangedError
 
     try:
         session.save(path)
+    except FileChangedError as e:
+        beside = Path(path).with_name(f"{Path(path).stem}.{os.getpid()}{Path(path).suffix}")
+        saved = _save(session, str(beside), quiet=True)
+        click.echo(f"error: {first_line(e)}" + (f"; this one saved to {beside}" if saved else ""), err=True)
+        return False
     except ChatError as e:
         click.echo(f"error: {first_line(e)}", err=True)
         return False

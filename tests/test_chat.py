@@ -208,6 +208,36 @@ def test_ctrl_c_while_a_long_turn_is_read_takes_it_back(tiny):
     assert "".join(s.reply("again")) and len(s.exchanges) == 2
 
 
+def test_two_chats_on_one_session_file_keep_both(tiny, tmp_path):
+    """Two chats resumed from one file: the first to save writes it; the second finds it changed since it
+    read it and does not overwrite it (the last to exit used to win, silently); ``selfextend chat`` then
+    writes its conversation beside it."""
+    from selfextend.chat.session import FileChangedError
+
+    model, tok = tiny
+    path = tmp_path / "same.pt"
+    first = ChatSession(model, tok, n_ctx=128, max_new_tokens=3, ignore_eos=True)
+    first.save(path)
+    alice, bob = (ChatSession(model, tok, n_ctx=128, max_new_tokens=3, ignore_eos=True) for _ in range(2))
+    alice.load(path)
+    bob.load(path)
+    "".join(alice.reply("I am Alice."))
+    "".join(bob.reply("I am Bob."))
+    alice.save(path)
+    with pytest.raises(FileChangedError, match="changed since this chat last read or wrote it"):
+        bob.save(path)
+    check = ChatSession(model, tok, n_ctx=128)
+    check.load(path)
+    assert [e.user for e in check.exchanges] == ["I am Alice."]
+    alice.save(path)  # its own last write: saved again
+    from selfextend.cli.chat import _save
+
+    assert not _save(bob, str(path), quiet=True)  # the command: Bob's conversation goes beside it
+    beside = path.with_name(f"same.{os.getpid()}.pt")
+    check.load(beside)
+    assert [e.user for e in check.exchanges] == ["I am Bob."]
+
+
 def test_ledger_forgets_a_reply_start_whose_turn_end_was_dropped():
     ex = [Exchange("u", start=5, reply_start=12), Exchange("v", start=20, reply_start=30)]
     TurnLedger(ex).discard(40, 10, 3)  # drops cells [10, 20): the first turn's end, not its reply start

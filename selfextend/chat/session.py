@@ -58,6 +58,16 @@ class ChatStats:
         return tokens / seconds if seconds > 0 else 0.0
 
 
+class FileChangedError(ChatError):
+    """A session file changed since this session last read or wrote it: another chat is saving to it."""
+
+
+def _stamp(path: str | Path) -> tuple[int, int]:
+    """(modification time in ns, size) of ``path``: what tells that another process wrote it."""
+    st = Path(path).stat()
+    return st.st_mtime_ns, st.st_size
+
+
 class _Stopped(Exception):
     """:attr:`ChatSession.stop_requested` seen while a user turn was written."""
 
@@ -106,6 +116,7 @@ class ChatSession:
         self.lookup = lookup  # drafted tokens checked per pass (generation.speculative)
         self.draft = draft  # or drafts from a draft model (generation.draft)
         self.stop_requested = False
+        self._files: dict[Path, tuple[int, int]] = {}  # the files this session read or wrote: as it left them
         self.start(system)
 
     # --- state ---------------------------------------------------------------------------------
@@ -304,19 +315,27 @@ class ChatSession:
     def save(self, path: str | Path) -> None:
         """Write the whole session: cells, token history, last logits, texts, kept count, settings.
 
-        A file that cannot be written, or one there that is not a saved cache (a text file named by mistake),
-        raises :class:`ChatError` (one line) and leaves the session and the file as they are.
+        A file that cannot be written, one there that is not a saved cache (a text file named by mistake), or
+        one that changed since this session last read or wrote it (another chat saving to it) raises
+        :class:`ChatError` (one line) and leaves the session and the file as they are.
         """
         folder = Path(path).absolute().parent
         if not folder.is_dir():
             raise ChatError(f"cannot save the session to {path}: no folder {folder}")
         if not promptcache.may_replace(path):
             raise ChatError(f"{path} is there and is not a saved session: not overwritten")
+        seen = self._files.get(Path(path).absolute())
+        if seen is not None and _stamp(path) != seen:
+            raise FileChangedError(
+                f"{path} changed since this chat last read or wrote it (another chat saving to it?): "
+                "not overwritten"
+            )
         logits = self.gen.last_logits if self.gen.last_logits is not None else torch.zeros(0)
         try:
             promptcache.save(path, self.model, self.cache, self.gen.tokens, logits, extra=self.state())
         except (OSError, RuntimeError) as e:  # torch.save reports some file errors as RuntimeError
             raise ChatError(f"cannot save the session to {path}: {first_line(e)}") from None
+        self._files[Path(path).absolute()] = _stamp(path)
 
     def load(self, path: str | Path) -> None:
         """Replace this session with the one saved in ``path``; the file must come from the same model,
@@ -366,3 +385,4 @@ class ChatSession:
         self.cache.shifts, self.cache.discarded = state["shifts"], state["discarded"]
         self.ledger.dropped_exchanges = state["dropped_exchanges"]
         self.stats = stats
+        self._files[Path(path).absolute()] = _stamp(path)
