@@ -248,7 +248,7 @@ def files(tmp_path, tiny_dir, real_gguf, monkeypatch) -> Path:
     (d / "noconfig").mkdir()
     for name, template in {
         "brokentemplate": "{% for m in messages %}{{ m.content ",
-        "raising": "{{ raise_exception('nope') }}",
+        "raising": "{{ raise_exception('x') }}",
     }.items():
         (d / name).mkdir()  # the tiny model with a chat template that cannot render: was a jinja traceback
         for f in tiny_dir.iterdir():

@@ -55,6 +55,10 @@ class _Stored:
     raw_dtype: np.dtype
     offset: int  # in the file
 
+    def matrix_shape(self) -> tuple[int, int] | None:
+        """(rows, columns) of a stored matrix as its values (None for a vector or a 3-axis tensor)."""
+        return (self.raw_shape[0], _value_shape(self)[-1]) if len(self.raw_shape) == 2 else None
+
     def read(self, f: BinaryIO, a: int, b: int) -> np.ndarray:
         """Rows ``a:b`` of the stored data, read into a fresh array (a 1-D tensor: all of it)."""
         rows = self.raw_shape[1:] if len(self.raw_shape) > 1 else ()
@@ -302,11 +306,6 @@ def _to_torch(*parts: Iterable[tuple[int, np.ndarray]]) -> Iterator[tuple[int, t
     for part in parts:
         for a, x in part:
             yield a, torch.from_numpy(x)
-
-
-def matrix_shape(t: _Stored) -> tuple[int, int] | None:
-    """(rows, columns) of a stored matrix as its values (None for a vector or a 3-axis tensor)."""
-    return (t.raw_shape[0], _value_shape(t)[-1]) if len(t.raw_shape) == 2 else None
 
 
 def _value_shape(t: _Stored) -> tuple[int, ...]:

@@ -27,8 +27,6 @@ if TYPE_CHECKING:
     from torch import nn
     from transformers import PretrainedConfig
 
-    from selfextend.models.gguf import GGUFTable
-
 _DENSE = {  # the keys every llama-like family writes (TextModel.set_gguf_parameters)
     "context_length": "max_position_embeddings",
     "block_count": "num_hidden_layers",
@@ -193,13 +191,13 @@ class _MoeProcessor:
         return self._experts.process(weights, name, **kwargs)
 
 
-def check_tensors_fit(table: GGUFTable, config: PretrainedConfig) -> None:
-    """ModelError naming a tensor a GGUF's metadata (its ``config``) asks for and its table lacks, or a
+def check_tensors_fit(table: Any, config: PretrainedConfig) -> None:
+    """ModelError naming a tensor a GGUF's metadata (its ``config``) asks for and its table (a
+    :class:`~selfextend.models.gguf.GGUFTable`, which imports this module) lacks, or a
     matrix whose stored shape is not the config's, without reading any weight (``info``: a conversion
     finds them too, later; a head size of 2^30 in the metadata was shown, then allocated by ``generate``)."""
     import torch
 
-    from selfextend.models.gguf import matrix_shape
     from selfextend.models.weights import RunForm, empty_model
 
     with torch.device("meta"):
@@ -208,7 +206,7 @@ def check_tensors_fit(table: GGUFTable, config: PretrainedConfig) -> None:
     check_present({t.name for t in table.tensors}, mapping, model)
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     for t in table.tensors:
-        want, got = shapes.get(mapping.get(t.name, "")), matrix_shape(t)
+        want, got = shapes.get(mapping.get(t.name, "")), t.matrix_shape()
         if want is not None and len(want) == 2 and got is not None and got != want:
             raise ModelError(f"{t.name}: shape {got} where the file's metadata says {want}")
 
