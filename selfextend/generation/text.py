@@ -129,5 +129,10 @@ def build_prompt(
     ids = list(tokenizer(text).input_ids)
     if system:
         return ids, common_prefix(ids, tokenizer(f"{system}\n\n").input_ids)
+    return ids, bos_count(tokenizer, ids)
+
+
+def bos_count(tokenizer, ids: Sequence[int]) -> int:
+    """1 where ``ids`` begin with the tokenizer's BOS (a plain prompt's part every shift keeps), else 0."""
     bos = tokenizer.bos_token_id
-    return ids, int(bool(ids) and bos is not None and ids[0] == bos)
+    return int(bool(ids) and bos is not None and ids[0] == bos)

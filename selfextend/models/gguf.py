@@ -114,9 +114,7 @@ def read_gguf(path: Path) -> tuple[GGUFTable, PretrainedConfig]:
     reader = checked_reader(path)
     table = GGUFTable.of(reader)
     key = f"{table.architecture}.context_length"
-    if (
-        reader.get_field(key) is None
-    ):  # transformers' default (2,048 for Llama) was taken for the trained window
+    if reader.get_field(key) is None:  # transformers' default (Llama: 2,048) became the trained window
         raise ModelError(f"{path}: its metadata has no {key}, the window the model was trained on")
     return table, gguf_config(path, table.rope, reader)
 

@@ -23,7 +23,7 @@ import pydantic
 from fastapi.exceptions import RequestValidationError
 
 from selfextend.chat.template import ChatTemplate
-from selfextend.generation.text import ChatTemplateError, common_prefix
+from selfextend.generation.text import ChatTemplateError, bos_count, common_prefix
 from selfextend.kv.cache import default_keep
 from selfextend.server.guard import APIError
 from selfextend.server.schemas import Message, Sampling
@@ -123,8 +123,7 @@ def completion_prompt(
         ids, vocab = list(prompt), len(tokenizer) if vocab is None else vocab
         if any(not 0 <= t < vocab for t in ids):
             raise APIError(400, f"token ids must be in [0, {vocab})", "prompt")
-    bos = tokenizer.bos_token_id
-    return Prompt(ids, _keep(n_keep, int(bool(ids) and bos is not None and ids[0] == bos), len(ids), n_ctx))
+    return Prompt(ids, _keep(n_keep, bos_count(tokenizer, ids), len(ids), n_ctx))
 
 
 @lru_cache(maxsize=16)
