@@ -68,6 +68,16 @@ if TYPE_CHECKING:
     "(also from $SELFEXTEND_API_KEY).",
 )
 @click.option(
+    "--cors",
+    "cors_origins",
+    multiple=True,
+    metavar="ORIGIN",
+    callback=lambda ctx, param, value: tuple(_origin(v) for v in value),
+    help="Let web pages of ORIGIN (as https://app.example:3000; '*': any) call the API from a browser "
+    "(CORS headers and preflights); repeat for several. Off by default: only the chat page at / and "
+    "clients outside a browser can call it (llama-server allows any origin).",
+)
+@click.option(
     "--max-tokens",
     type=POSITIVE,
     default=4096,
@@ -112,6 +122,7 @@ def serve(
     cache_ram: int,
     prefill_chunk: int,
     api_key: str | None,
+    cors_origins: tuple[str, ...],
     max_tokens: int,
     max_prompt_tokens: int | None,
     slot_save_path: str | None,
@@ -172,6 +183,7 @@ def serve(
         max_prompt_tokens=max_prompt_tokens,
         sampling=sampling,
         slot_save_path=slot_save_path,
+        cors_origins=cors_origins,
     )
     config = uvicorn.Config(
         create_app(engine, settings),
@@ -219,6 +231,21 @@ def serve(
     if exit_code:
         sys.exit(exit_code[0])
     click.echo("stopped", err=True)
+
+
+def _origin(value: str) -> str:
+    """``value`` as the Origin header a browser sends (scheme://host[:port], no path), or ``*``: any other
+    form would never match, and the pages it was meant for would be refused without a word."""
+    from urllib.parse import urlsplit
+
+    if value == "*":
+        return value
+    parts = urlsplit(value.strip())
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in ("", "/"):
+        raise click.BadParameter(f"{value!r} is not an origin such as https://app.example:3000 (or '*')")
+    if parts.query or parts.fragment or parts.username:
+        raise click.BadParameter(f"{value!r} is not an origin such as https://app.example:3000 (or '*')")
+    return f"{parts.scheme}://{parts.netloc}".lower()
 
 
 def _server(config, ready: str):

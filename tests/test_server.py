@@ -534,7 +534,8 @@ def test_serve_on_a_taken_port_exits_non_zero(tiny_dir):
 
 
 def test_serve_refuses_bad_flags_in_one_line(tiny_dir):
-    for args in (["--ctx", "8"], ["--parallel", "0"], ["--port", "70000"], ["-g", "4"]):
+    wrong_origins = (["--cors", "example.com"], ["--cors", "https://app.example/chat"])
+    for args in (["--ctx", "8"], ["--parallel", "0"], ["--port", "70000"], ["-g", "4"], *wrong_origins):
         out = subprocess.run(
             [sys.executable, "-m", "selfextend", "serve", "-m", str(tiny_dir), *args],
             capture_output=True,

@@ -186,3 +186,40 @@ def test_chat_page_streams_and_stops(load, tiny_dir, tmp_path):
                     f.write(shot)
         finally:
             browser.close()
+
+
+@needs_chromium
+def test_cors_lets_only_the_named_origin_call_the_api(tiny_dir, tmp_path):
+    """``serve --cors ORIGIN``: a page of that origin calls the API from a real browser, its preflight (the
+    key's header makes one) answered outside the key check; a page of another origin is refused by the
+    browser (as every origin is without ``--cors``: no CORS headers at all)."""
+    import http.server
+    import threading
+
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "index.html").write_text("<html><body>another origin</body></html>")
+    handler = lambda *a: http.server.SimpleHTTPRequestHandler(*a, directory=str(tmp_path / "site"))  # noqa: E731
+    site = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=site.serve_forever, daemon=True).start()
+    port = site.server_address[1]
+    model, tok, _ = _tiny(tiny_dir)
+    call = (
+        "window.out = null; fetch('{base}/v1/completions', {{method: 'POST', headers: {{'Content-Type': "
+        "'application/json', 'Authorization': 'Bearer k'}}, body: JSON.stringify({{prompt: 'Hi', "
+        "max_tokens: 3}})}}).then(r => r.json())"
+        ".then(j => {{ window.out = 'ok ' + j.usage.completion_tokens; }},"
+        " e => {{ window.out = 'refused ' + e; }})"
+    )
+    browser = Browser(str(tmp_path / "profile"))
+    try:
+        with serving(model, tok, api_key="k", cors_origins=(f"http://127.0.0.1:{port}",)) as (base, _):
+            for page, allowed in ((f"http://127.0.0.1:{port}/", True), (f"http://localhost:{port}/", False)):
+                browser.call("Page.navigate", url=page)
+                browser.wait("document.readyState === 'complete' && document.body.textContent.length > 0")
+                browser.js(call.format(base=base))
+                browser.wait("window.out !== null")
+                out = browser.js("window.out")
+                assert out.startswith("ok 3" if allowed else "refused TypeError"), (page, out)
+    finally:
+        browser.close()
+        site.shutdown()

@@ -26,6 +26,7 @@ from importlib import resources
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 from starlette.concurrency import run_in_threadpool
@@ -72,6 +73,7 @@ class Settings:
     max_prompt_tokens: int | None = None  # None: PROMPT_CELLS times a slot's cells
     sampling: SamplingParams = field(default_factory=SamplingParams)
     slot_save_path: str | None = None
+    cors_origins: tuple[str, ...] = ()  # web pages of these origins may call the API ("*": any)
 
 
 def create_app(engine: Engine, settings: Settings) -> FastAPI:
@@ -79,6 +81,14 @@ def create_app(engine: Engine, settings: Settings) -> FastAPI:
     app = FastAPI(title="selfextend", docs_url=None, redoc_url=None)
     install_error_handlers(app)
     app.add_middleware(Guard, api_key=settings.api_key, max_body=settings.max_body)
+    if settings.cors_origins:  # outside the guard: a browser's preflight carries no key
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(settings.cors_origins),
+            allow_methods=["*"],
+            allow_headers=["*"],
+            max_age=3600,
+        )
     app.mount("/page", StaticFiles(directory=str(PAGE)), name="page")
     created = int(time.time())
 
