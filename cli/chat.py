@@ -28,7 +28,8 @@ HELP = """commands:
   /undo          drop the last exchange (your turn and the reply)
   /retry         generate the last reply again
   /quit          end the session (as Ctrl-D)
-A line ending in \\ continues on the next line. Ctrl-C stops a reply; at an empty prompt it ends."""
+A line ending in \\ continues on the next line; one starting with // is sent with one / less.
+Ctrl-C stops a reply; at an empty prompt it ends."""
 
 
 class _Terminate(Exception):
@@ -287,9 +288,10 @@ class Repl:
         from selfextend.chat import ChatError
 
         s = self.session
-        if not line.startswith("/"):
+        if line.startswith("//") or not line.lstrip().startswith("/"):
+            text = line[1:] if line.startswith("//") else line  # "//" sends a line that starts with "/"
             try:
-                self._stream(s.reply(line))
+                self._stream(s.reply(text))
             except ChatError as e:  # text no tokenizer takes: at a prompt it is said, from a pipe it ends
                 if not self.interactive:
                     raise

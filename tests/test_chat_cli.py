@@ -84,6 +84,16 @@ def test_reset_starts_the_stats_over(tiny_dir, tmp_path):
     assert stats[0].startswith("2 replies,") and stats[1].startswith("1 reply,")
 
 
+def test_a_command_after_spaces_is_a_command_and_two_slashes_send_one(tiny_dir, tmp_path):
+    """`` /stats`` (a space typed first) runs the command, where it went to the model as text; ``//etc``
+    sends "/etc" (no other way to begin a turn with a slash)."""
+    session = tmp_path / "t.pt"
+    r = chat(tiny_dir, session, ["One", "  /stats", "//etc/hosts is a file"])
+    assert r.exit_code == 0, r.output
+    assert any(line.startswith("1 reply,") for line in r.stderr.splitlines()), r.stderr
+    assert [e["user"] for e in saved_state(session)["exchanges"]] == ["One", "/etc/hosts is a file"]
+
+
 class Recorder:
     """Stands in for the terminal output: what was printed, in order."""
 
