@@ -101,3 +101,25 @@ def test_other_types_say_what_they_become(tmp_path: Path, caplog: pytest.LogCapt
         f"{held / 1e6:.1f} MB, {8 + 32 / columns:.2f} bits a weight"
     )
     assert [r.getMessage() for r in caplog.records if "TQ2_0" in r.getMessage()] == [line]
+
+
+@pytest.mark.parametrize("kind", sorted(BLOCK_KINDS), ids=[BLOCK_KINDS[k] for k in sorted(BLOCK_KINDS)])
+def test_a_nan_in_a_row_makes_its_products_nan(kind: int) -> None:
+    """An activation row holding a NaN (a NaN scale in the weights before it puts one there) gives NaN
+    products, as torch's float product does, in every path (one row, a tile of rows, an interleaved form);
+    llama.cpp's quantizer skips the NaN and the row multiplied as zeros: uniform logits, a perplexity of
+    the vocabulary's size where it should have been refused. The other rows keep their numbers."""
+    from selfextend.models.blocks import INTERLEAVED, pack8
+
+    kernels = quant_kernels()
+    blocks = gguf_blocks(kind, 16, 512, seed=kind, scales=(2e-5, 1e-4))
+    forms = [(kind, blocks)]
+    if kind in INTERLEAVED and kernels.interleaves(kind):
+        forms.append((INTERLEAVED[kind], pack8(blocks, kind)))
+    for rows in (1, 3, 16):
+        x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
+        x[0, 100] = float("nan")
+        for form, held in forms:
+            out = kernels(x, torch.from_numpy(held), form)
+            assert out[0].isnan().all(), (form, rows)
+            assert torch.isfinite(out[1:]).all(), (form, rows)

@@ -30,12 +30,14 @@
 
 /* The 32 values from x[at...] as llama.cpp's x86 build quantizes an activation block of 32 (quantize_row_q8_0
  * and _q8_1): amax = max|x|, q = x * (127 / amax) rounded half to even; returns amax / 127 (float32), whose
- * float16 rounding is the block's scale. */
+ * float16 rounding is the block's scale. Where llama.cpp's fmaxf skips a NaN (a NaN row then multiplies as
+ * zeros: a model with a NaN scale in its weights gave uniform logits, a perplexity of its vocabulary's size),
+ * here the scale is NaN: the product is NaN, as the float forms' and torch's are. */
 INLINE float quantize_block32(const void *x, int type, long at, int8_t *q) {
     float amax = 0.0f;
     for (int k = 0; k < 32; k++) {
         float a = fabsf(load_x(x, type, at + k));
-        amax = a > amax ? a : amax; /* fmaxf's result (a NaN skipped), without its call */
+        amax = a > amax || a != a ? a : amax; /* fmaxf's, but a NaN sticks: a broken row's product is NaN */
     }
     float id = amax != 0.0f ? 127.0f / amax : 0.0f;
     for (int k = 0; k < 32; k++) q[k] = (int8_t)nearbyintf(load_x(x, type, at + k) * id);
@@ -49,7 +51,7 @@ INLINE float quantize_block256(const void *x, int type, long at, int8_t *q) {
     float amax = 0.0f, max = 0.0f;
     for (int k = 0; k < 256; k++) {
         float v = load_x(x, type, at + k), a = fabsf(v);
-        if (a > amax) amax = a, max = v;
+        if (a > amax || a != a) amax = a, max = v; /* a NaN sticks (no a > NaN), as in quantize_block32 */
     }
     if (amax == 0.0f) {
         memset(q, 0, 256);
