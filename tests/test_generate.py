@@ -513,3 +513,17 @@ def test_a_completion_keeps_its_bos_or_its_first_tokens(tiny):
     assert chat.n_keep == len(
         tok.apply_chat_template([{"role": "system", "content": "Be brief."}])["input_ids"]
     )
+
+
+def test_library_refuses_an_empty_prompt_and_a_batched_cache_in_its_own_words(tiny):
+    """``run(gen, [])`` said "n_past must be an integer >= 0, got -1"; a Generator over a cache of two
+    sequences was made, then its first feed failed in a matrix product."""
+    from selfextend.core.validate import ValidationError
+    from selfextend.generation.generator import Generator, run
+    from selfextend.kv.cache import ContextShiftCache
+
+    model, _ = tiny
+    with pytest.raises(ValidationError, match="prompt is empty"):
+        list(run(Generator(model, ContextShiftCache(model, n_ctx=64)), [], 2))
+    with pytest.raises(ValidationError, match=r"one sequence \(batch_size=1\), not 2"):
+        Generator(model, ContextShiftCache(model, n_ctx=64, batch_size=2))

@@ -414,6 +414,46 @@ def test_gguf_with_blocks_past_its_block_count_is_refused(tmp_path, monkeypatch)
         assert "tensor blk.1.attn_k.weight and 8 more of a block past the 1 its metadata's" in lines[0]
 
 
+def test_gguf_tensors_the_model_does_not_read_are_named(tmp_path, monkeypatch):
+    """Tensors no part of the model reads (a vision tower's, a projector's) were skipped without a word
+    (llama.cpp refuses the file), and one named as a query matrix failed the load with a reshape error (the
+    Llama processor permuted it): ``info`` and the conversion name them, and the model runs."""
+    import gguf
+    import numpy as np
+    from test_models import write_tiny_gguf
+
+    add = gguf.GGUFWriter.add_name
+
+    def add_name(self, name):
+        add(self, name)
+        self.add_tensor("v.blk.0.attn_q.weight", np.ones((4, 32), np.float32))
+        self.add_tensor("mm.proj.weight", np.ones((4, 32), np.float32))
+
+    monkeypatch.setattr(gguf.GGUFWriter, "add_name", add_name)
+    path = write_tiny_gguf(tmp_path / "extra.gguf")
+    monkeypatch.undo()
+    for args in (["info", str(path)], ["generate", "-m", str(path), "-p", "hi", "-n", "2"]):
+        r = CliRunner().invoke(main, args)
+        assert r.exit_code == 0, r.output
+        assert "tensor mm.proj.weight and 1 more of the file has no place in the model: not read" in r.stderr
+
+
+def test_llama_gguf_with_a_partial_rotation_is_refused(tmp_path, monkeypatch):
+    """``rope.dimension_count`` half a Llama's head: transformers took it as the head size and the load
+    failed on the query matrix's shape; a Llama does not rotate part of a head (llama.cpp: "invalid
+    n_rot"), so the message says that."""
+    import gguf
+    from test_models import write_tiny_gguf
+
+    rotate = gguf.GGUFWriter.add_rope_dimension_count
+    monkeypatch.setattr(gguf.GGUFWriter, "add_rope_dimension_count", lambda self, n: rotate(self, n // 2))
+    path = write_tiny_gguf(tmp_path / "half.gguf")
+    monkeypatch.undo()
+    r = CliRunner().invoke(main, ["info", str(path)])
+    assert r.exit_code == 2 and len(r.stderr.strip().splitlines()) == 1, r.output
+    assert "rope.dimension_count 4 rotates part of a head of 8 values" in r.stderr
+
+
 def test_truncated_gguf_subprocess(real_gguf, tmp_path):
     bad = tmp_path / "half.gguf"
     bad.write_bytes(real_gguf.read_bytes()[: real_gguf.stat().st_size // 2])

@@ -94,7 +94,8 @@ def test_info_names_a_tensor_the_file_lacks(mixed_gguf: Path, tmp_path: Path) ->
             128,
             "blk.0.ffn_gate.weight: shape (64, 32) where the file's metadata says (128, 32)",
         ),
-        ("llama.attention.key_length", 2**30, "where the file's metadata says"),
+        # the rotation's 8 values, against that head size, are the first contradiction found
+        ("llama.attention.key_length", 2**30, "rotates part of a head of 1073741824 values"),
     ],
 )
 def test_info_refuses_metadata_that_its_matrices_contradict(tmp_path, monkeypatch, key, value, says) -> None:

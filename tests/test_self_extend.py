@@ -113,6 +113,60 @@ def test_chunked_prefill_equals_one_prefill():
     assert (torch.cat(chunks, dim=1) - full).abs().max() < TOL
 
 
+def test_static_cache_equals_the_dynamic_one(family):
+    """transformers' ``StaticCache`` hands the attention every slot of its length (those past the queries
+    not written yet): read as keys ending at the last query, logits were off by 0.33 on this model (4.6 to
+    20.8 on SmolLM2 through ``generate(cache_implementation="static")``). Prefill and decode steps past the
+    window equal a dynamic cache's, the reference attention's too."""
+    from transformers import StaticCache
+
+    model = make_model(family)
+    ids = torch.randint(3, 97, (1, 52))
+    for implementation in (None, REFERENCE_IMPLEMENTATION):
+        kwargs = {} if implementation is None else {"implementation": implementation}
+        selfextend.apply_self_extend(model, group_size=3, window=7, **kwargs)
+        runs = []
+        for cache in (DynamicCache(config=model.config), StaticCache(config=model.config, max_cache_len=80)):
+            steps = [logits(model, ids[:, :40], **cache_kwargs(model, cache), use_cache=True)]
+            for t in range(40, 52):
+                steps.append(logits(model, ids[:, t : t + 1], **cache_kwargs(model, cache), use_cache=True))
+            runs.append(torch.cat(steps, dim=1))
+        assert (runs[0] - runs[1]).abs().max() < TOL, implementation
+        selfextend.remove_self_extend(model)
+
+
+def test_left_padded_rows_without_position_ids_equal_rows_alone():
+    """A plain forward of a left-padded batch without ``position_ids`` (transformers then counts the
+    padding in the positions; RoPE alone does not care, grouped positions do): a padded row's logits were
+    0.18 from the row alone; its positions are now counted from its first token."""
+    model = make_model("llama")
+    rows = [torch.randint(3, 97, (n,)) for n in (90, 61)]
+    ids, mask = _left_pad(rows)
+    with selfextend.self_extend(model, group_size=4, window=16):
+        batch = logits(model, ids, attention_mask=mask)
+        for i, row in enumerate(rows):
+            assert (batch[i, ids.shape[1] - len(row) :] - logits(model, row[None])[0]).abs().max() < TOL
+
+
+def test_right_padded_rows_equal_rows_alone_and_gaps_are_refused():
+    """Right padding (a batched perplexity's) raised NotImplementedError: no token sees the slots after it,
+    so each row's tokens are as alone. Padding between tokens is a ValidationError (a ValueError, as the
+    docs say every library error is), as is a 4D mask."""
+    model = make_model("llama")
+    rows = [torch.randint(3, 97, (n,)) for n in (90, 61)]
+    ids, mask = torch.zeros(2, 90, dtype=torch.long), torch.zeros(2, 90, dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, : len(row)], mask[i, : len(row)] = row, 1
+    with selfextend.self_extend(model, group_size=4, window=16):
+        batch = logits(model, ids, attention_mask=mask)
+        for i, row in enumerate(rows):
+            assert (batch[i, : len(row)] - logits(model, row[None])[0]).abs().max() < TOL
+        gap = torch.ones(2, 90, dtype=torch.long)
+        gap[1, 40:50] = 0
+        with pytest.raises(ValidationError, match="not between them"):
+            logits(model, ids, attention_mask=gap)
+
+
 def _left_pad(rows: list[torch.Tensor], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     width = max(len(r) for r in rows)
     ids = torch.full((len(rows), width), pad_id)

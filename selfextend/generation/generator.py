@@ -142,6 +142,10 @@ class Generator:
         if not isinstance(self.cache, ContextShiftCache):
             raise ValidationError("cache", f"must be a ContextShiftCache, got {type(self.cache).__name__}")
         _check_cells(self.model, self.cache)
+        if self.cache.layers[0].keys.shape[0] != 1:  # it failed at the first feed, in a matrix product
+            raise ValidationError(
+                "cache", f"must hold one sequence (batch_size=1), not {self.cache.layers[0].keys.shape[0]}"
+            )
         if not isinstance(self.sampling, SamplingParams):
             raise ValidationError("sampling", f"must be a SamplingParams, got {type(self.sampling).__name__}")
         self.sampling.validate()
@@ -159,8 +163,7 @@ class Generator:
         else:
             self.rng.seed()
         self.device = next(self.model.parameters()).device
-        single = self.cache.layers[0].keys.shape[0] == 1
-        self._asked = (self.direct_decode and single, self.compile and single)  # decode_backends' flags
+        self._asked = (self.direct_decode, self.compile)  # decode_backends' flags
         self._make_steps()
 
     def _make_steps(self) -> None:
@@ -339,6 +342,8 @@ def run(
     """
     max_new_tokens = check_int(max_new_tokens, "max_new_tokens", -1)  # refused before the prefill
     prompt_ids = generator.checked(prompt_ids)  # all of them, before the first is written
+    if not prompt_ids:
+        raise ValidationError("prompt", "is empty: nothing to continue from")
     stats = GenerationStats(prompt_tokens=len(prompt_ids), reused_tokens=reused, n_ctx=generator.cache.n_ctx)
     t0 = time.perf_counter()
     if reused == len(prompt_ids) and reused_logits is not None:

@@ -105,16 +105,22 @@ def padding_mask(
 
 
 def _split_padding(attention_mask: torch.Tensor | None, kv_length: int) -> torch.Tensor | None:
-    """Per-row count of left-padding slots, or None without padding. Refuses other padding shapes."""
+    """Per-row count of left-padding slots, or None without padding or where it only trails the tokens
+    (right padding: no token sees a slot after it, so the real tokens' outputs are as alone; a decode
+    step after it has a gap, refused). ValidationError for other shapes."""
     if attention_mask is None:
         return None
     if attention_mask.dim() != 2:
-        raise NotImplementedError("selfextend takes a 2D padding mask, not a prepared 4D attention mask")
+        raise ValidationError(
+            "attention_mask", "must be a 2D padding mask for selfextend, not a prepared 4D mask"
+        )
     mask = attention_mask[:, -kv_length:].bool()
-    if bool(mask.all()):
+    if bool(mask.all()) or not bool((mask[:, 1:] > mask[:, :-1]).any()):
         return None
     if bool((mask[:, 1:] < mask[:, :-1]).any()):
-        raise NotImplementedError("selfextend supports left padding only (padding must precede the tokens)")
+        raise ValidationError(
+            "attention_mask", "must pad before the tokens (left) or after them (right), not between them"
+        )
     return (~mask).sum(dim=-1)
 
 
@@ -128,9 +134,21 @@ def _query_positions(
     return position_ids.expand(batch, -1)
 
 
+def _written(
+    key: torch.Tensor, value: torch.Tensor, q_pos: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Key and value slots up to the last query's position: a static cache (transformers' ``StaticCache``)
+    hands every slot of its length, a slot's index its position, those past the queries not yet written
+    (zeros); read as gapless keys ending at the last query they gave wrong logits."""
+    last = int(q_pos[:, -1].max()) + 1
+    if key.shape[2] <= last:
+        return key, value
+    return key[:, :, :last], value[:, :, :last]
+
+
 def _check_supported(kwargs: dict[str, Any]) -> None:
     if kwargs.get("sliding_window") is not None:
-        raise NotImplementedError("selfextend does not extend sliding-window attention layers")
+        raise ModelError("selfextend does not extend sliding-window attention layers")
 
 
 def _own_attention(
@@ -189,10 +207,12 @@ def self_extend_attention_forward(
     _check_supported(kwargs)
     params: SelfExtendParams = module.self_extend
     b, _, lq, _ = query.shape
-    lk = key.shape[2]
-    q_pos = _query_positions(kwargs, b, lq, lk, query.device)
-    pads = _split_padding(attention_mask, lk)
     cells = cells_of(key)
+    q_pos = _query_positions(kwargs, b, lq, key.shape[2], query.device)
+    if cells is None:
+        key, value = _written(key, value, q_pos)
+    lk = key.shape[2]
+    pads = _split_padding(attention_mask, lk)
 
     def run(
         q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, pad: int | None = None
@@ -213,9 +233,12 @@ def self_extend_attention_forward(
             if first_q >= lq:
                 continue
             sl = slice(row, row + 1)
-            out[sl, :, first_q:] = run(
-                query[sl, :, first_q:], key[sl, :, pad:], value[sl, :, pad:], q_pos[sl, first_q:], pad
-            )
+            pos = q_pos[sl, first_q:]
+            if (
+                cells is None
+            ):  # counted from the row's first token, as alone (transformers counts the padding)
+                pos = pos - (pos[:, -1:] - (lk - pad - 1))
+            out[sl, :, first_q:] = run(query[sl, :, first_q:], key[sl, :, pad:], value[sl, :, pad:], pos, pad)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -240,8 +263,10 @@ def reference_attention_forward(
     _check_supported(kwargs)
     params: SelfExtendParams = module.self_extend
     b, _, lq, _ = query.shape
+    q_pos = _query_positions(kwargs, b, lq, key.shape[2], query.device)
+    if cells_of(key) is None:
+        key, value = _written(key, value, q_pos)
     lk = key.shape[2]
-    q_pos = _query_positions(kwargs, b, lq, lk, query.device)
     cells = cells_of(key) or untagged_cells(key, q_pos)
     k_pos = cells.positions.to(query.device).expand(b, -1)  # (B, Lk)
     key_mask = None

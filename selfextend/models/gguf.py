@@ -31,7 +31,7 @@ from selfextend.hf.facts import ModelError
 from selfextend.models.blocks import block_packable
 from selfextend.models.gguf_check import check_table
 from selfextend.models.gguf_config import gguf_config
-from selfextend.models.gguf_families import check_present, tensor_names
+from selfextend.models.gguf_families import check_present, read_by, tensor_names
 from selfextend.models.gguf_rope import GGUFRope
 from selfextend.models.quantize import int4_packable
 from selfextend.models.weights import GGUFBlocks, RowBlocks, RunForm, empty_model, fill, int8_placeholders
@@ -173,7 +173,7 @@ def gguf_tensors(
     (block by block into one float32 array, so the dequantiser's temporaries stay small) and
     processed whole, as transformers does. Each yielded item must be consumed before the next is
     asked for. Tensors the model has no place for (e.g. llama.cpp's precomputed ``rope_freqs``) are
-    skipped, as transformers does.
+    skipped unread (:func:`~selfextend.models.gguf_families.read_by`).
 
     With ``keep``, a linear layer's weight for which ``keep(type, rows, columns)`` holds (a block format
     the run form takes as stored, :data:`KEPT_BLOCKS`) comes as :class:`GGUFBlocks`, its stored bytes as
@@ -257,6 +257,10 @@ def gguf_tensors(
     def stream() -> Iterator[tuple[str, torch.Tensor | RowBlocks | GGUFBlocks]]:
         with open(path, "rb") as f:
             for t in table.tensors:
+                if not read_by(
+                    t.name, mapping
+                ):  # (the RoPE tensors too: gguf_rope reads them from the table)
+                    continue
                 shared = tied_head(f, t)
                 if shared is not None:
                     yield checked(t.name, *shared)

@@ -16,12 +16,16 @@ kin, Gemma's "+1" norms undone, expert tensors stacked into transformers' fused 
 from __future__ import annotations
 
 import functools
+import logging
 import re
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from selfextend.hf.facts import ModelError
+from selfextend.models.gguf_rope import TENSORS as ROPE_TENSORS
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from torch import nn
@@ -209,6 +213,19 @@ def check_tensors_fit(table: Any, config: PretrainedConfig) -> None:
         want, got = shapes.get(mapping.get(t.name, "")), t.matrix_shape()
         if want is not None and len(want) == 2 and got is not None and got != want:
             raise ModelError(f"{t.name}: shape {got} where the file's metadata says {want}")
+    unread = sorted(
+        t.name for t in table.tensors if not read_by(t.name, mapping) and t.name not in ROPE_TENSORS
+    )
+    if unread:  # llama.cpp refuses such a file ("wrong number of tensors"); transformers skips them
+        more = f" and {len(unread) - 1} more" if len(unread) > 1 else ""
+        log.warning("tensor %s%s of the file has no place in the model: not read", unread[0], more)
+
+
+def read_by(name: str, mapping: dict[str, str]) -> bool:
+    """Whether the GGUF tensor ``name`` has a place in the model whose map is ``mapping`` (GGUF names, or a
+    stack of experts' stem): one that has none is never read, not even by the processor (a vision tower's
+    ``v.blk.0.attn_q.weight`` met Llama's query permutation and its shape failed the load)."""
+    return name in mapping or name.rsplit(".", 1)[0] in mapping
 
 
 def check_present(present: set[str], mapping: dict[str, str], model: nn.Module) -> None:

@@ -55,6 +55,9 @@ KEYS = (
     "rope.scaling.yarn_beta_fast",
     "rope.scaling.yarn_beta_slow",
 )
+PARTIAL_ROTARY = frozenset({"phi3", "stablelm"})
+"""Model types whose transformers attention rotates the first ``partial_rotary_factor`` of a head only; in
+the others a ``rope.dimension_count`` short of the head size failed deep in the load, or ran wrong."""
 TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 
 
@@ -229,9 +232,10 @@ def apply_gguf_rope(config: PretrainedConfig, rope: GGUFRope, name: str = "") ->
         raise ModelError(
             f"{label}: value heads of {value_len} values and key heads of {key_len} are not supported"
         )
-    if key_len:
-        text.head_dim = int(key_len)
-    head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
+    # llama.cpp's head size: key_length, else the width over the heads (transformers maps a Llama's
+    # rope.dimension_count to head_dim, which a partial count made the wrong size)
+    head_dim = int(key_len) if key_len else int(text.hidden_size) // heads
+    text.head_dim = head_dim
     params = dict(getattr(text, "rope_parameters", None) or {})
     nested = "full_attention" in params and isinstance(params["full_attention"], dict)
     target = dict(params["full_attention"]) if nested else params
@@ -239,6 +243,11 @@ def apply_gguf_rope(config: PretrainedConfig, rope: GGUFRope, name: str = "") ->
         target["rope_theta"] = float(keys["rope.freq_base"])
     theta = float(target.get("rope_theta", 10000.0))
     rot_dim = int(keys.get("rope.dimension_count") or head_dim)
+    if rot_dim != head_dim and config.model_type not in PARTIAL_ROTARY:
+        raise ModelError(
+            f"{name or 'the model'}: rope.dimension_count {rot_dim} rotates part of a head of {head_dim} "
+            f"values, which a {config.model_type} model does not do (llama.cpp refuses such a Llama file too)"
+        )
     if "rope.dimension_count" in keys:
         target["partial_rotary_factor"] = rot_dim / head_dim
     original = int(getattr(text, "max_position_embeddings", 0) or keys.get("context_length", 4096))
