@@ -527,3 +527,17 @@ def test_library_refuses_an_empty_prompt_and_a_batched_cache_in_its_own_words(ti
         list(run(Generator(model, ContextShiftCache(model, n_ctx=64)), [], 2))
     with pytest.raises(ValidationError, match=r"one sequence \(batch_size=1\), not 2"):
         Generator(model, ContextShiftCache(model, n_ctx=64, batch_size=2))
+
+
+def test_a_full_cache_under_transformers_generate_says_what_to_use(tiny):
+    """transformers' generate() over a ContextShiftCache runs while the cells last, then stops with an
+    error of the documented kind (a ValueError) that says where shifting generation is (a RuntimeError
+    "KV cache overflow" before)."""
+    from selfextend.core.validate import ValidationError
+    from selfextend.kv.cache import ContextShiftCache
+
+    model, _ = tiny
+    ids = torch.randint(3, 200, (1, 20))
+    cache = ContextShiftCache(model, n_ctx=24)
+    with pytest.raises(ValidationError, match=r"is full: 24 cells \+ 1 new > 24; call make_room\(1\)"):
+        model.generate(ids, past_key_values=cache, max_new_tokens=10, do_sample=False)

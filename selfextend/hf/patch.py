@@ -17,6 +17,7 @@ padding); only the full-attention layers get Self-Extend, each with its own rota
 from __future__ import annotations
 
 import sys
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -25,12 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 from transformers import AttentionInterface
-from transformers.masking_utils import (
-    AttentionMaskInterface,
-    causal_mask_function,
-    prepare_padding_mask,
-    sdpa_mask,
-)
+from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from selfextend.core.attention import (
@@ -44,6 +40,7 @@ from selfextend.core.positions import max_length, validate
 from selfextend.core.rope import Frequencies, RotationTable, layer_frequencies, rotate
 from selfextend.core.validate import ValidationError
 from selfextend.hf.facts import ModelError, check_rope, layer_kinds, require_model, trained_window
+from selfextend.hf.masks import padding_mask, query_positions, split_padding, written
 
 IMPLEMENTATION = "selfextend"
 REFERENCE_IMPLEMENTATION = "selfextend_reference"
@@ -69,81 +66,6 @@ class SelfExtendParams:
     @property
     def inv_freq(self) -> torch.Tensor:
         return self.rotary.inv_freq
-
-
-def padding_mask(
-    batch_size: int,
-    kv_length: int,
-    kv_offset: int = 0,
-    mask_function: Any = causal_mask_function,
-    attention_mask: torch.Tensor | None = None,
-    **kwargs: Any,
-) -> torch.Tensor | None:
-    """Mask function for ``selfextend``: only the (B, Lk) key padding, or None when there is none.
-
-    Causality and the neighbor/grouped split are computed inside the attention function from
-    key positions, so no (Lq, Lk) mask is ever built. Any other mask (the sliding-window mask of
-    hybrid models' sliding layers, which keep their own attention) is SDPA's usual one.
-    """
-    if mask_function is not causal_mask_function:
-        plain_sliding = kwargs.get("local_size") is not None and not kwargs.get("use_vmap")
-        prefill = kwargs.get("q_length", 2) > 1  # a decode step's mask is one row: transformers' own
-        if plain_sliding and prefill and (attention_mask is None or bool(attention_mask.all())):
-            return None  # the sliding layer's band is cut from slot arithmetic (sliding_window_attention)
-        return sdpa_mask(
-            batch_size=batch_size,
-            kv_length=kv_length,
-            kv_offset=kv_offset,
-            mask_function=mask_function,
-            attention_mask=attention_mask,
-            **kwargs,
-        )
-    if attention_mask is None:
-        return None
-    mask = prepare_padding_mask(attention_mask, kv_length, kv_offset)[:, kv_offset : kv_offset + kv_length]
-    return None if bool(mask.all()) else mask
-
-
-def _split_padding(attention_mask: torch.Tensor | None, kv_length: int) -> torch.Tensor | None:
-    """Per-row count of left-padding slots, or None without padding or where it only trails the tokens
-    (right padding: no token sees a slot after it, so the real tokens' outputs are as alone; a decode
-    step after it has a gap, refused). ValidationError for other shapes."""
-    if attention_mask is None:
-        return None
-    if attention_mask.dim() != 2:
-        raise ValidationError(
-            "attention_mask", "must be a 2D padding mask for selfextend, not a prepared 4D mask"
-        )
-    mask = attention_mask[:, -kv_length:].bool()
-    if bool(mask.all()) or not bool((mask[:, 1:] > mask[:, :-1]).any()):
-        return None
-    if bool((mask[:, 1:] < mask[:, :-1]).any()):
-        raise ValidationError(
-            "attention_mask", "must pad before the tokens (left) or after them (right), not between them"
-        )
-    return (~mask).sum(dim=-1)
-
-
-def _query_positions(
-    kwargs: dict[str, Any], batch: int, q_len: int, kv_len: int, device: torch.device
-) -> torch.Tensor:
-    """(B, Lq) positions of the queries: the model's position_ids, else the cache slots."""
-    position_ids = kwargs.get("position_ids")
-    if position_ids is None:
-        position_ids = torch.arange(kv_len - q_len, kv_len, device=device)[None]
-    return position_ids.expand(batch, -1)
-
-
-def _written(
-    key: torch.Tensor, value: torch.Tensor, q_pos: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Key and value slots up to the last query's position: a static cache (transformers' ``StaticCache``)
-    hands every slot of its length, a slot's index its position, those past the queries not yet written
-    (zeros); read as gapless keys ending at the last query they gave wrong logits."""
-    last = int(q_pos[:, -1].max()) + 1
-    if key.shape[2] <= last:
-        return key, value
-    return key[:, :, :last], value[:, :, :last]
 
 
 def _check_supported(kwargs: dict[str, Any]) -> None:
@@ -174,7 +96,7 @@ def _own_attention(
     window = kwargs.get("sliding_window")
     if attention_mask is None and window is not None and query.shape[2] > 1:
         scale = query.shape[-1] ** -0.5 if scaling is None else scaling
-        q_pos = _query_positions(kwargs, query.shape[0], query.shape[2], key.shape[2], query.device)
+        q_pos = query_positions(kwargs, query.shape[0], query.shape[2], key.shape[2], query.device)
         cells, cap = cells_of(key), kwargs.get("softcap")
         out = sliding_window_attention(query, key, value, int(window), scale, q_pos, cells, cap)
         return out.transpose(1, 2).contiguous(), None
@@ -200,19 +122,22 @@ def self_extend_attention_forward(
     dropout: float = 0.0,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """The registered ``selfextend`` attention: query (B, H, Lq, D) -> output (B, Lq, H, D)."""
+    """The registered ``selfextend`` attention: query (B, H, Lq, D) -> output (B, Lq, H, D). No attention
+    dropout (a model in training mode is told once)."""
     own = _own_attention(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
     if own is not None:
         return own
     _check_supported(kwargs)
+    if dropout:
+        warnings.warn(f"selfextend attention applies no dropout (the model's is {dropout})", stacklevel=2)
     params: SelfExtendParams = module.self_extend
     b, _, lq, _ = query.shape
     cells = cells_of(key)
-    q_pos = _query_positions(kwargs, b, lq, key.shape[2], query.device)
+    q_pos = query_positions(kwargs, b, lq, key.shape[2], query.device)
     if cells is None:
-        key, value = _written(key, value, q_pos)
+        key, value = written(key, value, q_pos)
     lk = key.shape[2]
-    pads = _split_padding(attention_mask, lk)
+    pads = split_padding(attention_mask, lk)
 
     def run(
         q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, pad: int | None = None
@@ -263,9 +188,9 @@ def reference_attention_forward(
     _check_supported(kwargs)
     params: SelfExtendParams = module.self_extend
     b, _, lq, _ = query.shape
-    q_pos = _query_positions(kwargs, b, lq, key.shape[2], query.device)
+    q_pos = query_positions(kwargs, b, lq, key.shape[2], query.device)
     if cells_of(key) is None:
-        key, value = _written(key, value, q_pos)
+        key, value = written(key, value, q_pos)
     lk = key.shape[2]
     cells = cells_of(key) or untagged_cells(key, q_pos)
     k_pos = cells.positions.to(query.device).expand(b, -1)  # (B, Lk)
@@ -375,13 +300,16 @@ def remove_self_extend(model: nn.Module) -> nn.Module:
 
 
 @contextmanager
-def self_extend(model: nn.Module, group_size: int, window: int) -> Iterator[nn.Module]:
+def self_extend(
+    model: nn.Module, group_size: int, window: int, implementation: str = IMPLEMENTATION
+) -> Iterator[nn.Module]:
     """``with self_extend(model, G, W):`` Self-Extend G, W inside the block; after it, the model as it was
-    before (plain, or with the Self-Extend settings it had: blocks nest)."""
+    before (plain, or with the Self-Extend settings it had: blocks nest). Arguments and exceptions as
+    :func:`apply_self_extend`'s."""
     require_model(model, "self_extend")
     before = {m: m.self_extend for m in attention_modules(model) if hasattr(m, "self_extend")}
-    implementation = model.config._attn_implementation
-    apply_self_extend(model, group_size, window)
+    previous = model.config._attn_implementation
+    apply_self_extend(model, group_size, window, implementation)
     try:
         yield model
     finally:
@@ -389,7 +317,7 @@ def self_extend(model: nn.Module, group_size: int, window: int) -> Iterator[nn.M
         for m, params in before.items():
             m.self_extend = params
         if before:
-            model.set_attn_implementation(implementation)
+            model.set_attn_implementation(previous)
 
 
 def max_usable_length(model_or_config: Any, group_size: int, window: int) -> int:

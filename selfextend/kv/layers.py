@@ -27,6 +27,7 @@ from transformers.cache_utils import CacheLayerMixin
 from selfextend.core.cells import KeyCells, tag_cells
 from selfextend.core.decode_query import grouped_count
 from selfextend.core.rope import RotationTable, rotate
+from selfextend.core.validate import ValidationError
 from selfextend.kv.grouped import GroupedKeys
 
 NOTHING = (0, -1)
@@ -160,8 +161,10 @@ class CellLayer(CacheLayerMixin):
         start = self._free(n)
         end = start + n
         if end > self.capacity:
-            raise RuntimeError(
-                f"KV cache overflow: {start} cached + {n} new > {self.capacity}; call make_room() first"
+            raise ValidationError(
+                "the context-shift cache",
+                f"is full: {start} cells + {n} new > {self.capacity}; call make_room({n}) first "
+                "(transformers' generate() cannot: selfextend.generation.generator.run shifts it)",
             )
         if n == 1:  # a decode step, one write per layer
             self._set_position(start, self.next_pos)
