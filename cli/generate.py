@@ -81,6 +81,8 @@ def generate(
     system = system_prompt(system, system_file)
     if prompt is None and not prompt_file and sys.stdin.isatty():
         click.echo("reading the prompt from standard input: type it, then Ctrl-D (or give -p TEXT)", err=True)
+    if prompt is not None and prompt_file:  # the file was ignored without a word
+        raise click.UsageError("give the prompt once: --prompt or --prompt-file, not both")
     if prompt is None:
         prompt = read_text_file(prompt_file) if prompt_file else read_stdin()
     if not prompt.strip():
@@ -90,7 +92,13 @@ def generate(
     warn_beyond_reach(lm, ctx, group_size, window)
     ids, n_system = build_prompt(tokenizer, prompt, system, chat)
     n_keep = len(ids) if keep == -1 else (default_keep(n_system, len(ids), ctx) if keep is None else keep)
-    check_keep(n_keep, ctx)
+    check_keep(n_keep, ctx, "the system prompt" if keep is None and n_system else None)
+    if len(ids) > ctx:
+        click.echo(
+            f"note: the prompt's {len(ids):,} tokens are more than --ctx {ctx:,} cells: it is read through "
+            "context shifts, and the reply sees its kept start and its last tokens only",
+            err=True,
+        )
     compile_step, cache_dtype = decode_settings(lm, compile_step, cache_type)
     cache = ContextShiftCache(lm, n_ctx=ctx, n_keep=n_keep, dtype=cache_dtype)
     draft = speculation.drafter(tokenizer, dtype, device, group_size, window, weights, cache_dtype)
@@ -116,22 +124,26 @@ def generate(
 
             promptcache.save(prompt_cache, lm, cache, gen.tokens[: len(ids)], gen.last_logits)
 
+    def prompt_only(reason: str) -> GenerationStats:
+        """The summary of a run that made no token: the prompt's time, shifts and cache fill."""
+        return GenerationStats(
+            prompt_tokens=len(ids),
+            reused_tokens=reused,
+            prompt_seconds=time.perf_counter() - t0,
+            shifts=cache.shifts,
+            n_past=cache.n_past,
+            n_ctx=ctx,
+            stop_reason=reason,
+        )
+
+    t0 = time.perf_counter()
     try:
-        t0 = time.perf_counter()
         with prefill_bar(len(ids) - reused) as progress:
             tokens = run(gen, ids, max_new_tokens, eos, reused, reused_logits, progress)
             first = next(tokens, None)
         if first is None and max_new_tokens == 0:  # only the prompt was asked for: its summary all the same
             save_prompt_cache()
-            stats = GenerationStats(
-                prompt_tokens=len(ids),
-                reused_tokens=reused,
-                prompt_seconds=time.perf_counter() - t0,
-                shifts=cache.shifts,
-                n_past=cache.n_past,
-                n_ctx=ctx,
-                stop_reason="max tokens",
-            )
+            stats = prompt_only("max tokens")
         out.restart_rate(1 if first else 0)
         for token, stats in itertools.chain([first] if first else [], tokens):
             if stats.tokens == 1:
@@ -147,7 +159,10 @@ def generate(
                 stats.stop_reason = "max tokens" if stats.tokens == max_new_tokens else "end of sequence"
         out.text(stops.flush())
     except KeyboardInterrupt:
-        if stats is not None:
+        if stats is None:  # while the prompt was read: said all the same (it ended on the progress bar)
+            read = min(len(gen.tokens), len(ids))
+            stats = prompt_only(f"interrupted while reading the prompt ({read} of {len(ids)} tokens)")
+        else:
             stats.stop_reason = "interrupted"
     finally:
         out.close()

@@ -72,8 +72,11 @@ def check_cache(ctx: int, keep: int | None) -> None:
         raise click.BadParameter(f"{keep} must be smaller than --ctx ({ctx})", param_hint="--keep")
 
 
-def check_keep(n_keep: int, ctx: int) -> None:
-    """The kept tokens, once known, must leave room to generate."""
+def check_keep(n_keep: int, ctx: int, kept: str | None = None) -> None:
+    """The kept tokens, once known, must leave room to generate; ``kept``: what they are when the user
+    did not choose them with --keep (the system prompt), named instead of an option never given."""
+    if n_keep >= ctx - 1 and kept:
+        raise click.UsageError(f"{kept} is {n_keep} tokens, which leaves no room in --ctx {ctx}: raise --ctx")
     if n_keep >= ctx - 1:
         raise click.BadParameter(
             f"keeping {n_keep} tokens leaves no room in a cache of {ctx}; raise --ctx or lower --keep",
@@ -81,9 +84,21 @@ def check_keep(n_keep: int, ctx: int) -> None:
         )
 
 
+def _stop_texts(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -> tuple[str, ...]:
+    """An empty stop text was taken and never matched."""
+    if any(not text for text in value):
+        raise click.BadParameter("a stop text is empty (it would never match)")
+    return value
+
+
 def length_options(f: Callable) -> Callable:
     """-n, --ignore-eos, --stop: when a reply ends."""
-    f = click.option("--stop", multiple=True, help="Stop when this text appears (repeatable).")(f)
+    f = click.option(
+        "--stop",
+        multiple=True,
+        callback=_stop_texts,
+        help="Stop when this text appears (repeatable).",
+    )(f)
     f = click.option("--ignore-eos", is_flag=True, help="Do not stop at end-of-sequence tokens.")(f)
     f = click.option(
         "-n",

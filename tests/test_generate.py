@@ -541,3 +541,52 @@ def test_a_full_cache_under_transformers_generate_says_what_to_use(tiny):
     cache = ContextShiftCache(model, n_ctx=24)
     with pytest.raises(ValidationError, match=r"is full: 24 cells \+ 1 new > 24; call make_room\(1\)"):
         model.generate(ids, past_key_values=cache, max_new_tokens=10, do_sample=False)
+
+
+def test_top_k_one_is_greedy_even_where_tokens_tie():
+    """``--top-k 1`` drew among the tokens tied with the best (top-k keeps ties); llama.cpp's keeps one,
+    and users take it for greedy: it is greedy (the first of tied tokens, at any seed)."""
+    logits = torch.tensor([1.0, 3.0, 0.5, 3.0])
+    params = SamplingParams(temperature=1.0, top_k=1)
+    params.validate()
+    assert params.temperature == 0
+    draws = {sample(logits, params, torch.tensor([]), torch.Generator().manual_seed(s)) for s in range(50)}
+    assert draws == {1}
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["-f", "prompt.txt"], "--prompt or --prompt-file, not both"),
+        (["--stop", ""], "a stop text is empty"),
+        (["--ctx", "32", "--system", "word " * 40], "the system prompt is "),
+    ],
+)
+def test_generate_refuses_before_guessing(tiny_dir, tmp_path, monkeypatch, args, message):
+    """-p and -f together (the file was ignored), an empty stop text (never matched), a system prompt
+    longer than --ctx (said as "--keep", an option not given): one line each, exit 2."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "prompt.txt").write_text("from a file")
+    r = invoke("generate", "-m", str(tiny_dir), "-p", "hi", "-n", "1", *args)
+    lines = [x for x in r.stderr.strip().splitlines() if not x.startswith(("converting ", "compiling the "))]
+    assert r.exit_code == 2 and len(lines) == 1 and message in lines[0], r.output
+
+
+def test_interrupt_while_the_prompt_is_read_prints_the_summary(tiny_dir, monkeypatch):
+    """Ctrl-C (or SIGTERM) before the first token ended on the progress bar with nothing said; now the
+    summary line says how much of the prompt was read, and a long prompt is said to outgrow --ctx."""
+    from selfextend.generation import generator
+
+    def interrupted(gen, ids, *args, **kwargs):
+        gen.feed(ids[:20])
+        raise KeyboardInterrupt
+        yield  # a generator, as run is
+
+    monkeypatch.setattr(generator, "run", interrupted)
+    r = invoke("generate", "-m", str(tiny_dir), "--no-chat", "-p", "word " * 100, "--ctx", "64")
+    assert r.exit_code == 0, r.output
+    assert "the prompt's 101 tokens are more than --ctx 64 cells" in r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert (
+        last.startswith("0 tokens in ") and "stopped: interrupted while reading the prompt (20 of 101" in last
+    )

@@ -55,7 +55,9 @@ class SamplingParams:
         self.temperature = check_float(self.temperature, "temperature", 0.0, MAX_TEMPERATURE)
         self.top_k = check_int(self.top_k, "top-k", 0)
         self.top_p = check_float(self.top_p, "top-p", 0.0, 1.0)
-        if 0 < self.temperature < GREEDY_BELOW or self.top_p < GREEDY_BELOW:  # greedy, as near as it gets
+        # greedy, as near as it gets; top-k 1 is greedy too (tokens tied with the best were drawn among,
+        # where llama.cpp's top-k keeps exactly one and greedy takes the first)
+        if 0 < self.temperature < GREEDY_BELOW or self.top_p < GREEDY_BELOW or self.top_k == 1:
             self.temperature, self.top_p = 0.0, 1.0
         self.min_p = check_float(self.min_p, "min-p", 0.0, 1.0, hi_open=True)
         self.repetition_penalty = check_float(self.repetition_penalty, "repeat penalty", *PENALTY_RANGE)
