@@ -155,8 +155,15 @@ def dtype_default(device: str, device_map: str | None) -> str:
 
 
 def _device_dtype(ctx: click.Context, param: click.Parameter, value: str | None) -> str:
-    """--dtype as given, else the default for --device (or --device-map; both read first, being eager)."""
+    """--dtype as given (a name torch does not know refused now, not after the model has loaded), else the
+    default for --device (or --device-map; both read first, being eager)."""
     if value is not None:
+        from selfextend.models.diskcache import parse_dtype
+
+        try:
+            parse_dtype(value)
+        except ValueError as e:
+            raise click.BadParameter(str(e)) from None
         return value
     return dtype_default(ctx.params.get("device", "cpu"), ctx.meta.get("device_map"))
 

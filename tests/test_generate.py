@@ -559,6 +559,7 @@ def test_top_k_one_is_greedy_even_where_tokens_tie():
     [
         (["-f", "prompt.txt"], "--prompt or --prompt-file, not both"),
         (["--stop", ""], "a stop text is empty"),
+        (["--dtype", "foo"], "unknown dtype 'foo'"),  # (it was said after the model had loaded)
         (["--ctx", "32", "--system", "word " * 40], "the system prompt is "),
     ],
 )
