@@ -434,3 +434,21 @@ def test_a_model_whose_output_is_not_numbers_records_nothing(tiny_dir, tmp_path,
     r = invoke("ppl", "--model", tiny_dir, "--docs", "sherlock-holmes", "--lengths", "64", "-o", out)
     assert r.exit_code == 2 and "the model's output is not numbers at 1 of them" in r.stderr, r.output
     assert not out.exists() or read_jsonl(out) == []
+
+
+def test_evaluation_helpers_refuse_what_they_cannot_score(tiny):
+    """A passkey depth of 2.0 made a prompt twice the length asked for (NaN: a bare conversion error); the
+    perplexity of a one-token text was NaN; a 1-D ``ids`` an IndexError. ValidationError each."""
+    from selfextend.core.validate import ValidationError
+    from selfextend.evaluation.passkey import build_passkey_prompt
+
+    model, tokenizer = tiny
+    for depth in (2.0, -0.1, math.nan):
+        with pytest.raises(ValidationError, match="passkey depth"):
+            build_passkey_prompt(tokenizer, 600, depth, 1)
+    assert 500 <= len(build_passkey_prompt(tokenizer, 600, 1.0, 1)) <= 620
+    ids = torch.tensor([tokenizer("one two").input_ids])
+    with pytest.raises(ValidationError, match="at least 2 tokens"):
+        perplexity(token_nll(model, ids[:, :1]))
+    with pytest.raises(ValidationError, match=r"shape \(1, L\)"):
+        token_nll(model, ids[0])

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from selfextend.core.validate import ValidationError
 from selfextend.hf.facts import cache_kwargs
 
 
@@ -34,6 +35,8 @@ def token_nll(
     """
     from transformers import DynamicCache
 
+    if ids.dim() != 2 or ids.shape[0] != 1:
+        raise ValidationError("ids", f"must be one sequence of shape (1, L), got {tuple(ids.shape)}")
     decoder = getattr(model, model.base_model_prefix)
     targets = ids[0, 1:]
     nll = torch.empty(targets.shape[0], dtype=torch.float32)
@@ -87,7 +90,9 @@ def shift_nll(
 
 
 def perplexity(nll: torch.Tensor) -> float:
-    """exp(mean NLL)."""
+    """exp(mean NLL); ValidationError for no NLL at all (a text of one token: the mean of nothing was NaN)."""
+    if nll.numel() == 0:
+        raise ValidationError("NLL", "is empty: a perplexity needs at least 2 tokens")
     return math.exp(nll.double().mean().item())
 
 

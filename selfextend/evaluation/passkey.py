@@ -40,6 +40,8 @@ def build_passkey_prompt(tokenizer, length: int, depth: float, key: int) -> list
     :class:`~selfextend.core.validate.ValidationError` where ``length`` cannot hold the task, one filler
     sentence, the key and the question (its record would name a length its prompt is not)."""
 
+    depth = check_float(depth, "passkey depth", 0.0, 1.0)  # 2.0 made a prompt twice the length asked for
+
     def count(text: str) -> int:
         return len(tokenizer(text).input_ids)
 
