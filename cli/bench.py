@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import click
 
 from selfextend.cli.bench_server import run_server_case, server_options
@@ -161,9 +163,12 @@ def bench(
     )
     from selfextend.bench.speed import bench_first_token, bench_generate, cpu_model
     from selfextend.cli.options import load_with_self_extend
-    from selfextend.evaluation.results import append_jsonl
+    from selfextend.evaluation.results import append_jsonl, own_records
     from selfextend.evaluation.sweep import parse_lengths
     from selfextend.generation.settings import decode_settings
+
+    if out and Path(out).exists():  # its rows in a ppl file made that sweep refuse to resume
+        own_records(out, "bench")
 
     timed_forms = [f.strip() for f in forms.split(",") if f.strip()]
     if not timed_forms or set(timed_forms) - {"int8", "int4", "gguf"}:

@@ -194,6 +194,9 @@ def ppl(
     parsed_lengths, parsed_methods = parse_lengths(lengths, "--lengths"), _methods(methods)
     if dataset is not None and not dataset.strip():  # ('' read as no dataset: the default corpus)
         raise click.BadParameter("names no dataset (leave it out for --corpus)", param_hint="--dataset")
+    source = click.get_current_context().get_parameter_source("corpus")
+    if dataset is not None and source == click.core.ParameterSource.COMMANDLINE:  # --corpus was dropped
+        raise click.UsageError("give the texts once: --corpus or --dataset, not both")
     texts = load_corpus(
         corpus,
         name=dataset,

@@ -49,6 +49,25 @@ def summary_options(f):
     return f
 
 
+PPL_ONLY = ("field", "stat", "ratio", "reference", "per_doc")
+"""Options only perplexity results are read with (on passkey or bench results they were ignored)."""
+
+
+def _check_options(kind: str, results: str) -> None:
+    """Refuse options given that ``kind`` results do not read, and --reference without --ratio."""
+    from click.core import ParameterSource
+
+    ctx = click.get_current_context()
+    given = [
+        n for n in PPL_ONLY if n in ctx.params and ctx.get_parameter_source(n) == ParameterSource.COMMANDLINE
+    ]
+    if kind != "ppl" and given:
+        flag = "--" + given[0].replace("_", "-")
+        raise click.UsageError(f"{flag} applies to perplexity results; {results} holds {kind} records")
+    if "reference" in given and not ctx.params.get("ratio"):
+        raise click.UsageError("--reference is the length --ratio divides by: give --ratio too")
+
+
 def _records(results: str, trained_window: int | None, field: str = "ppl_last", command: str = "plot"):
     """The usable records of RESULTS (bad lines, other kinds, records missing fields: skipped, said)."""
     from selfextend.evaluation.plot import records_kind, usable_records
@@ -59,6 +78,7 @@ def _records(results: str, trained_window: int | None, field: str = "ppl_last", 
         kind = records_kind(records, results)
         raise click.UsageError(f"{results} holds {kind} records; table takes ppl or passkey results")
     kind, records = usable_records(records, field, results)
+    _check_options(kind, results)
     if trained_window is None:
         trained_window = _trained_window(records[0].get("model"))
     return records, kind, trained_window

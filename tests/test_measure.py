@@ -452,3 +452,34 @@ def test_evaluation_helpers_refuse_what_they_cannot_score(tiny):
         perplexity(token_nll(model, ids[:, :1]))
     with pytest.raises(ValidationError, match=r"shape \(1, L\)"):
         token_nll(model, ids[0])
+
+
+def test_sweeps_refuse_what_they_would_drop_or_spoil(tmp_path):
+    """``bench -o`` into a ppl results file appended its rows (the ppl sweep then refused to resume it);
+    ``--corpus`` with ``--dataset`` dropped the corpus without a word. Refused before any model loads."""
+    results = tmp_path / "ppl.jsonl"
+    record = {"model": "m", "doc": "a", "method": "plain", "length": 1024, "ppl": 9.0, "ppl_last": 9.0}
+    results.write_text(json.dumps(record) + "\n")
+    before = results.read_bytes()
+    r = CliRunner().invoke(main, ["bench", "--cases", "prefill", "--lengths", "256", "-o", str(results)])
+    assert r.exit_code == 2 and "holds 1 ppl record(s), so a bench sweep does not append" in r.stderr, (
+        r.output
+    )
+    assert results.read_bytes() == before
+    texts = tmp_path / "book.txt"
+    texts.write_text("word " * 5000)
+    r = CliRunner().invoke(
+        main,
+        [
+            "ppl",
+            "--corpus",
+            str(texts),
+            "--dataset",
+            "pg19",
+            "--lengths",
+            "256",
+            "-o",
+            str(tmp_path / "o.jsonl"),
+        ],
+    )
+    assert r.exit_code == 2 and "--corpus or --dataset, not both" in r.stderr, r.output

@@ -272,3 +272,38 @@ def test_a_byte_order_mark_costs_no_record(tmp_path):
         warnings.simplefilter("error", ResultsWarning)  # no line skipped
         r = CliRunner().invoke(main, ["table", str(path), "--trained-window", "2048", "-f", "csv"])
     assert r.exit_code == 0 and ",3\n" in r.output.replace("\r", ""), r.output  # all three documents
+
+
+def test_options_a_file_does_not_read_are_refused_and_latex_escapes(tmp_path):
+    """Options that were ignored without a word: --ratio, --per-doc, --stat, --field on passkey or bench
+    results, --reference without --ratio (it only changed the decimals); a record of length -2048 or
+    depth 7 (hand-edited) was counted; an ``&`` in a model's name split a LaTeX row."""
+    runner = CliRunner()
+    keys = tmp_path / "pk.jsonl"
+    rows = [
+        {"model": "m", "method": "plain", "length": 1024, "depth": d, "trial": 0, "correct": True}
+        for d in (0.0, 1.0, 7.0)
+    ]
+    keys.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    for args in (
+        ["table", "--ratio"],
+        ["table", "--stat", "median"],
+        ["plot", "--per-doc"],
+        ["plot", "--ratio"],
+    ):
+        r = runner.invoke(main, [args[0], str(keys), *args[1:], "--trained-window", "2048"])
+        assert r.exit_code == 2 and "applies to perplexity results" in r.stderr and "passkey" in r.stderr, (
+            r.output
+        )
+    r = runner.invoke(main, ["table", str(keys), "--trained-window", "2048"])
+    assert r.exit_code == 0 and "| plain | 2/2 |" in r.output, r.output  # depth 7 skipped, said
+    path = tmp_path / "ppl.jsonl"
+    edited = [*_records(), {"model": "m", "doc": "a", "method": "plain", "length": -2048, "ppl_last": 9.0}]
+    path.write_text("".join(json.dumps({**r, "method": r["method"] + "&co_x"}) + "\n" for r in edited))
+    r = runner.invoke(main, ["table", str(path), "--reference", "1024"])
+    assert r.exit_code == 2 and "give --ratio too" in r.stderr, r.output
+    r = runner.invoke(main, ["table", str(path), "-f", "latex", "--trained-window", "2048"])
+    assert r.exit_code == 0 and "-2048" not in r.output, r.output
+    header = next(line for line in r.output.splitlines() if line.startswith("method &"))
+    row = next(line for line in r.output.splitlines() if line.startswith(r"plain\&co\_x &"))
+    assert row.count(" & ") == header.count(" & ")

@@ -254,7 +254,13 @@ def format_table(summary: Summary, fmt: str = "markdown") -> str:
         lines = [summary.caption(), "", f"| method | {' | '.join(heads)} |", "|---|" + "---:|" * len(heads)]
         lines += [f"| {m} | {' | '.join(r)} |" for m, r in zip(names, rows, strict=True)]
         return "\n".join(lines)
-    esc = lambda s: s.replace("_", r"\_").replace("%", r"\%")  # noqa: E731
+
+    def esc(text: str) -> str:
+        """LaTeX's special characters as text (an ``&`` in a model's name split the row's cells)."""
+        special = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_"}
+        special |= {"{": r"\{", "}": r"\}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}"}
+        return "".join(special.get(c, c) for c in text)
+
     lines = [
         f"% {summary.caption()}",
         r"\begin{tabular}{l" + "r" * len(heads) + "}",

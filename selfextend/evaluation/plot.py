@@ -41,8 +41,9 @@ def _fits(record: dict[str, Any], kind: str, field: str) -> bool:
         if want is float:
             ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
             ok = ok and (value >= 1 or name != field or kind != "ppl")  # a perplexity is at least 1
-        elif want is int:
-            ok = isinstance(value, int) and not isinstance(value, bool)
+            ok = ok and (name != "depth" or 0 <= value <= 1)  # a relative depth: 7 was counted
+        elif want is int:  # a count: a hand-edited length of -2048 was tabled as a column
+            ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
         else:
             ok = isinstance(value, want)
         if not ok:
