@@ -71,7 +71,11 @@ class Output:
         self.note(json.dumps(record))
 
     def close(self) -> None:
+        """Close the file, ended with a newline where the text did not end with one: the next run appends
+        on a line of its own (two runs' texts ran together)."""
         if self.file:
+            if self.file.tell() and not self.at_line_start:
+                self.file.write("\n")
             self.file.close()
             self.file = None
 

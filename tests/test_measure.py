@@ -483,3 +483,8 @@ def test_sweeps_refuse_what_they_would_drop_or_spoil(tmp_path):
         ],
     )
     assert r.exit_code == 2 and "--corpus or --dataset, not both" in r.stderr, r.output
+    notes = tmp_path / "notes.txt"  # refused after the model had loaded, each line's warning said twice
+    notes.write_text("my notes\nmore notes\n")
+    r = CliRunner().invoke(main, ["ppl", "-m", "nonexistent-model", "--lengths", "256", "-o", str(notes)])
+    assert r.exit_code == 2 and "holds no results" in r.stderr and "nonexistent" not in r.stderr, r.output
+    assert notes.read_text() == "my notes\nmore notes\n"

@@ -84,7 +84,10 @@ def record_kind(record: dict[str, Any]) -> str | None:
 
 def own_records(path: str | Path, kind: str) -> list[dict[str, Any]]:
     """The records of ``path``, a file a ``kind`` sweep appends to; :class:`ResultsError` where some are
-    another command's (a passkey sweep into a ppl file would count its points as misses)."""
+    another command's (a passkey sweep into a ppl file would count its points as misses), or where it
+    holds no record at all (refused before a model is loaded, not after)."""
+    if Path(path).is_file() and Path(path).stat().st_size:
+        _refuse_no_records(Path(path))
     records = read_jsonl(path)
     others = [k for r in records for k in [record_kind(r)] if k not in (None, kind)]
     if others:
@@ -117,6 +120,21 @@ def not_records(path: str | Path) -> list[tuple[int, bytes]]:
     return [(i, x) for i, x in lines if x.strip() and not isinstance(_parse(x), dict)]
 
 
+def _refuse_no_records(p: Path) -> tuple[list[bytes], list]:
+    """(lines, lines that are not records) of the file ``p``; ResultsError where it holds no record at all
+    (a text file named by mistake: not ours to append to)."""
+    lines = _lines(p)
+    if lines and lines[-1] == b"":
+        lines.pop()  # the empty piece after the final newline
+    bad = not_records(p)
+    if bad and len(bad) == sum(1 for x in lines if x.strip()):
+        raise ResultsError(
+            f"{p} holds no results (none of its {len(bad)} lines is a JSON record), so it is not ours to "
+            "append to: name another file"
+        )
+    return lines, bad
+
+
 def repair_tail(path: str | Path) -> None:
     """Make ``path`` ready for appending without losing anything.
 
@@ -128,15 +146,7 @@ def repair_tail(path: str | Path) -> None:
     p = Path(path)
     if not p.exists() or p.stat().st_size == 0:
         return
-    lines = _lines(p)
-    if lines and lines[-1] == b"":
-        lines.pop()  # the empty piece after the final newline
-    bad = not_records(p)
-    if bad and len(bad) == sum(1 for x in lines if x.strip()):
-        raise ResultsError(
-            f"{p} holds no results (none of its {len(bad)} lines is a JSON record), so it is not ours to "
-            "append to: name another file"
-        )
+    lines, bad = _refuse_no_records(p)
     if not bad:
         if not p.read_bytes().endswith(b"\n"):
             with p.open("ab") as f:
