@@ -287,8 +287,9 @@ def plot_ppl(
         frameon=False,
     )
     model = records[0].get("model", "")
+    over = "per document" if per_doc else "one document"  # (one document was titled "per document" too)
     fig.suptitle(
-        f"Perplexity against context length, {stat if several else 'per document'}{spread} — {model}",
+        f"Perplexity against context length, {stat if several else over}{spread} — {model}",
         fontsize=10,
     )
     fig.savefig(out, dpi=120)
@@ -341,7 +342,9 @@ def plot_passkey(records: list[dict[str, Any]], out: str | Path, trained_window:
         ax.set_title(method, fontsize=9)
     axes[0][0].set_ylabel("passkey depth (% of filler)")
     star = f"; * past the trained window ({fmt_tokens(trained_window)})" if trained_window else ""
-    fig.supxlabel(f"prompt length (tokens{star}); empty: not measured", fontsize=10)
+    fig.supxlabel(
+        f"prompt length (tokens)\n{star.lstrip('; ')}{'; ' if star else ''}empty: not measured", fontsize=10
+    )
     fig.colorbar(image, ax=axes[0].tolist(), label="retrieval accuracy")
     fig.suptitle(f"Passkey retrieval — {records[0].get('model', '')}")
     fig.savefig(out, dpi=120)
