@@ -109,10 +109,16 @@ class LogitBias(LogitsProcessor):
     def __init__(self, bias: dict[int, float]) -> None:
         self.ids = torch.tensor(list(bias), dtype=torch.long)
         self.bias = torch.tensor(list(bias.values()), dtype=torch.float32)
+        self._for: tuple = (None, None, None)  # (width, device, dtype) the ones below were cut and cast for
+        self._cut = (self.ids, self.bias)
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        inside = self.ids < scores.shape[-1]
-        ids, bias = self.ids[inside].to(scores.device), self.bias[inside].to(scores.device, scores.dtype)
+        made = (scores.shape[-1], scores.device, scores.dtype)
+        if self._for != made:  # once per width, device and dtype: not at every token
+            inside = self.ids < made[0]
+            self._cut = self.ids[inside].to(scores.device), self.bias[inside].to(scores.device, scores.dtype)
+            self._for = made
+        ids, bias = self._cut
         return scores.index_add(-1, ids, bias.expand(*scores.shape[:-1], -1))
 
 
