@@ -137,8 +137,15 @@ def generate(
         )
 
     t0 = time.perf_counter()
+    read = [0]  # prompt tokens written in this run
     try:
-        with prefill_bar(len(ids) - reused) as progress:
+        with prefill_bar(len(ids) - reused) as bar:
+
+            def progress(n: int) -> None:
+                read[0] += n
+                if bar is not None:
+                    bar(n)
+
             tokens = run(gen, ids, max_new_tokens, eos, reused, reused_logits, progress)
             first = next(tokens, None)
         if first is None and max_new_tokens == 0:  # only the prompt was asked for: its summary all the same
@@ -160,8 +167,8 @@ def generate(
         out.text(stops.flush())
     except KeyboardInterrupt:
         if stats is None:  # while the prompt was read: said all the same (it ended on the progress bar)
-            read = min(len(gen.tokens), len(ids))
-            stats = prompt_only(f"interrupted while reading the prompt ({read} of {len(ids)} tokens)")
+            done = reused + read[0]
+            stats = prompt_only(f"interrupted while reading the prompt ({done} of {len(ids)} tokens)")
         else:
             stats.stop_reason = "interrupted"
     finally:

@@ -583,8 +583,8 @@ def test_interrupt_while_the_prompt_is_read_prints_the_summary(tiny_dir, monkeyp
     summary line says how much of the prompt was read, and a long prompt is said to outgrow --ctx."""
     from selfextend.generation import generator
 
-    def interrupted(gen, ids, *args, **kwargs):
-        gen.feed(ids[:20])
+    def interrupted(gen, ids, max_new_tokens, eos, reused, reused_logits, progress):
+        gen.feed(ids[:20], progress=progress)
         raise KeyboardInterrupt
         yield  # a generator, as run is
 
