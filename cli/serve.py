@@ -241,9 +241,8 @@ def _origin(value: str) -> str:
     if value == "*":
         return value
     parts = urlsplit(value.strip())
-    if parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in ("", "/"):
-        raise click.BadParameter(f"{value!r} is not an origin such as https://app.example:3000 (or '*')")
-    if parts.query or parts.fragment or parts.username:
+    bare = parts.path in ("", "/") and not (parts.query or parts.fragment or parts.username)
+    if parts.scheme not in ("http", "https") or not parts.hostname or not bare:
         raise click.BadParameter(f"{value!r} is not an origin such as https://app.example:3000 (or '*')")
     return f"{parts.scheme}://{parts.netloc}".lower()
 

@@ -257,9 +257,8 @@ def gguf_tensors(
     def stream() -> Iterator[tuple[str, torch.Tensor | RowBlocks | GGUFBlocks]]:
         with open(path, "rb") as f:
             for t in table.tensors:
-                if not read_by(
-                    t.name, mapping
-                ):  # (the RoPE tensors too: gguf_rope reads them from the table)
+                # a tensor with no place in the model (RoPE tensors: gguf_rope reads them from the table)
+                if not read_by(t.name, mapping):
                     continue
                 shared = tied_head(f, t)
                 if shared is not None:
