@@ -151,7 +151,7 @@ def test_the_gpu_kernel_scripts_run_dry(tmp_path) -> None:
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "ok   kernel prefill" in done.stdout and "ok   kernel decode" in done.stdout, done.stdout
-    assert "fused vs reference (float32), last 256 rows" in done.stdout and "fastest tiles" in done.stdout
+    assert "fused vs reference (float32), last 128 rows" in done.stdout and "fastest tiles" in done.stdout
 
 
 def test_a_gpu_check_that_raises_is_reported_and_the_run_goes_on(tmp_path, monkeypatch, capsys) -> None:
