@@ -114,7 +114,7 @@ def generate(
             reused = len(gen.tokens)
 
     eos = () if ignore_eos else eos_token_ids(lm, tokenizer)
-    stream, stops = TextStream(tokenizer), StopMatcher(stop)
+    stream, stops = TextStream(tokenizer), StopMatcher(stop, tokenizer)
     out = Output(output, stats_every)
     stats = None
 
@@ -155,7 +155,7 @@ def generate(
         for token, stats in itertools.chain([first] if first else [], tokens):
             if stats.tokens == 1:
                 save_prompt_cache()
-            text, stopped = stops.push(stream.push(token))
+            text, stopped = stops.push(stream.push(token), token)
             out.text(text)
             out.tokens(stats.tokens, stats.shifts, stats.n_past)
             if stopped:

@@ -97,7 +97,7 @@ def length_options(f: Callable) -> Callable:
         "--stop",
         multiple=True,
         callback=_stop_texts,
-        help="Stop when this text appears (repeatable).",
+        help="Stop when this text appears (repeatable); a special token's text (<|im_end|>): at that token.",
     )(f)
     f = click.option("--ignore-eos", is_flag=True, help="Do not stop at end-of-sequence tokens.")(f)
     f = click.option(
@@ -147,6 +147,8 @@ def sampling_options(f: Callable) -> Callable:
         [
             click.option(
                 "--temperature",
+                "--temp",  # llama.cpp's name
+                "temperature",
                 type=number(0.0, MAX_TEMPERATURE),
                 default=0.8,
                 show_default=True,

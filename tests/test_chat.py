@@ -422,3 +422,21 @@ def test_text_held_for_a_stop_string_is_shown_when_the_reply_ends_with_eos(tiny)
     s = session(ignore_eos=True, stops=(held + "\x00never",))
     s.eos = (ids[k],)  # the token after the held text ends the reply
     assert "".join(s.reply("one")) == tok.decode(ids[:k])
+
+
+def test_a_special_token_stop_ends_the_reply(tiny):
+    """A stop string that is a special token's text stops the reply at that token (its text is never
+    streamed): the reply holds none of it, and the next turn goes on."""
+    model, tok = tiny
+    file_sep = tok.convert_tokens_to_ids("<file_sep>")
+    sampling = SamplingParams(temperature=0, logit_bias={file_sep: 100.0})
+
+    def session(**kw) -> ChatSession:
+        return ChatSession(model, tok, n_ctx=200, max_new_tokens=8, sampling=sampling, ignore_eos=True, **kw)
+
+    free, stopped = session(), session(stops=("<file_sep>",))
+    "".join(free.reply("one"))
+    assert free.stats.last_tokens == 8
+    assert "".join(stopped.reply("one")) == "" and stopped.stats.last_tokens == 0
+    "".join(stopped.reply("two"))
+    assert stopped.stats.replies == 2

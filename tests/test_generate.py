@@ -200,6 +200,29 @@ def test_stop_matcher_holds_back_partial_stop():
     assert m.push("hello EX") == ("hello EX", False)
 
 
+def test_a_special_token_stop_is_matched_by_its_id(tiny):
+    """``<|im_end|>`` never shows in the streamed text (special tokens are left out), so it stops by id;
+    the text held back for another stop string is given out as the reply's end."""
+    tok = tiny[1]
+    m = StopMatcher(["<|im_end|>", "END"], tok)
+    assert m.token_ids == {tok.convert_tokens_to_ids("<|im_end|>")}
+    assert m.push("hello E", 500) == ("hello ", False)
+    assert m.push("", tok.convert_tokens_to_ids("<|im_end|>")) == ("E", True)
+    assert StopMatcher(["hello", "<|im_end|>x"], tok).token_ids == frozenset()  # text, not a token's
+
+
+@pytest.mark.real
+def test_stop_at_the_chat_end_token_with_ignore_eos_ends_where_eos_does():
+    """--ignore-eos --stop "<|im_end|>" writes the reply the plain run ends at EOS (<|im_end|> is the
+    default model's EOS), and says it stopped at a stop string."""
+    args = ["generate", "-p", "Say hi.", "--temp", "0", "-n", "80"]
+    plain, stopped = invoke(*args), invoke(*args, "--ignore-eos", "--stop", "<|im_end|>")
+    assert plain.exit_code == stopped.exit_code == 0, plain.stderr + stopped.stderr
+    assert "stopped: end of sequence" in plain.stderr and "stopped: stop string" in stopped.stderr
+    assert stopped.stdout == plain.stdout and len(plain.stdout.split()) > 3
+    assert invoke(*args, "-n", "40", "--ignore-eos").stdout != plain.stdout  # it would go on past it
+
+
 class ByteTokenizer:
     """Decodes token ids as UTF-8 bytes: a multi-byte character spans several tokens."""
 

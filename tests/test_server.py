@@ -225,6 +225,15 @@ def test_stop_string_ends_the_reply(client, tiny):
     assert out.choices[0].finish_reason == "stop"
 
 
+def test_a_special_token_stop_ends_the_reply(client, tiny):
+    """A stop string that is a special token's text (left out of the reply's text) stops at that token."""
+    file_sep = tiny[1].convert_tokens_to_ids("<file_sep>")
+    kwargs = dict(model="tiny", prompt="The sea is", max_tokens=4, temperature=0, logit_bias={file_sep: 100})
+    stopped = client.completions.create(**kwargs, stop=["<file_sep>"]).choices[0]
+    assert (stopped.text, stopped.finish_reason) == ("", "stop")
+    assert client.completions.create(**kwargs).choices[0].finish_reason == "length"  # not the EOS
+
+
 BAD = [
     (b"{not json", None),
     (b'{"prompt": "x", "temperature": "hot"}', "temperature"),

@@ -249,7 +249,10 @@ class ChatSession:
         return exchange
 
     def _generate(self, exchange: Exchange, logits: torch.Tensor) -> Iterator[str]:
-        stream, stops = TextStream(self.tokenizer), StopMatcher(self.stops + self.template.stops)
+        stream, stops = (
+            TextStream(self.tokenizer),
+            StopMatcher(self.stops + self.template.stops, self.tokenizer),
+        )
         ids: list[int] = []
         shown = ""
         t0 = time.perf_counter()
@@ -259,7 +262,7 @@ class ChatSession:
                 if tail:
                     yield tail
                 break
-            text, stopped = stops.push(stream.push(token))
+            text, stopped = stops.push(stream.push(token), token)
             if stopped:
                 shown += text
                 yield text

@@ -243,7 +243,7 @@ class Engine:
         except Exception as e:
             self._fail(job, slot, e)
             return
-        stops = StopMatcher(job.stops)
+        stops = StopMatcher(job.stops, self.tokenizer)
         r = Running(
             job,
             slot,
@@ -372,7 +372,7 @@ class Engine:
         r.generated.append(token)
         if token in self.eos and not job.ignore_eos:
             return self._end(r, "stop")
-        text, stopped = r.stops.push(r.stream.push(token))
+        text, stopped = r.stops.push(r.stream.push(token), token)
         if text:
             job.emit({"type": "text", "text": text})
         if stopped:
