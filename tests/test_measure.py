@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 
 import pytest
 import torch
@@ -106,6 +107,19 @@ def test_jsonl_ignores_cut_off_last_line(tmp_path):
         f.write('{"a": 2, "b"')
     with pytest.warns(ResultsWarning, match=r"r.jsonl:2: not JSON"):
         assert read_jsonl(p) == [{"a": 1}]
+
+
+def test_a_file_of_bad_lines_is_one_warning(tmp_path):
+    """Not one warning per line (a binary file given by mistake flooded the terminal): one, with a count."""
+    p = tmp_path / "r.jsonl"
+    p.write_bytes(b'{"a": 1}\n' + b"\xff\xfe junk\n" * 500 + b"[1]\n")
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        assert read_jsonl(p) == [{"a": 1}]
+    assert [str(w.message) for w in said] == [
+        f"{p}: 501 lines are not records, skipped (line 2: not UTF-8; line 3: not UTF-8; line 4: not UTF-8; "
+        "and 498 more)"
+    ]
 
 
 def test_text_file_errors(tmp_path):

@@ -1,8 +1,8 @@
 """JSON Lines results: appended one record at a time and flushed, read back keeping every complete record.
 
 A record is a line holding one JSON object. Reading never fails on a bad line: a line that is not a
-record (cut off by a kill, not JSON, JSON but not an object, not UTF-8) is reported with its line
-number (a :class:`ResultsWarning`) and skipped. Before a run appends to a file, :func:`repair_tail`
+record (cut off by a kill, not JSON, JSON but not an object, not UTF-8) is skipped, and said with its
+line number in one :class:`ResultsWarning` a file. Before a run appends to a file, :func:`repair_tail`
 keeps every record, including a last one that lacks its newline, and moves the lines that are not
 records into a side file ``<name>.rejected``, so nothing is ever deleted.
 """
@@ -58,16 +58,26 @@ def read_jsonl(path: str | Path, warn: bool = True) -> list[dict[str, Any]]:
     p = Path(path)
     if not p.exists():
         return []
-    records = []
+    records, bad = [], []
     for i, line in enumerate(_lines(p), 1):
         if not line.strip():
             continue
         parsed = _parse(line)
         if isinstance(parsed, dict):
             records.append(parsed)
-        elif warn:
-            warnings.warn(f"{p}:{i}: {parsed}, skipped", ResultsWarning, stacklevel=2)
+        else:
+            bad.append(f"{i}: {parsed}")
+    if bad and warn:  # one warning a file: a binary file given by mistake would flood the terminal
+        warnings.warn(_skipped(p, bad), ResultsWarning, stacklevel=2)
     return records
+
+
+def _skipped(p: Path, bad: list[str]) -> str:
+    """One line for the lines of ``p`` that are not records (``bad``: "line number: why" each)."""
+    if len(bad) == 1:
+        return f"{p}:{bad[0]}, skipped"
+    more = f"; and {len(bad) - 3} more" if len(bad) > 3 else ""
+    return f"{p}: {len(bad)} lines are not records, skipped (line {'; line '.join(bad[:3])}{more})"
 
 
 def record_kind(record: dict[str, Any]) -> str | None:
