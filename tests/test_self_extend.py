@@ -235,6 +235,26 @@ def test_sliding_window_model_refused():
         selfextend.apply_self_extend(model, 2, 8)
 
 
+@pytest.mark.parametrize("implementation", ["selfextend", REFERENCE_IMPLEMENTATION])
+def test_what_the_attention_does_not_do_is_said(implementation):
+    """No attention weights (output_attentions) and no dropout in training: each said, as transformers'
+    sdpa says the first; the output is the same."""
+    model = make_model()
+    selfextend.apply_self_extend(model, 2, 8, implementation=implementation)
+    ids = torch.arange(3, 40)[None]
+    with torch.no_grad():
+        plain = model(ids).logits
+        with pytest.warns(UserWarning, match="returns no attention weights"):
+            assert torch.equal(model(ids, output_attentions=True).logits, plain)
+    if implementation == "selfextend":
+        model.config.attention_dropout = 0.1
+        for m in model.modules():
+            if hasattr(m, "attention_dropout"):
+                m.attention_dropout = 0.1
+        with pytest.warns(UserWarning, match="applies no dropout"):
+            model.train()(ids)
+
+
 def test_max_usable_length():
     model = make_model("llama")
     assert selfextend.max_usable_length(model, 4, 16) == (TRAINED - 16) * 4 + 16

@@ -71,6 +71,10 @@ class SelfExtendParams:
 def _check_supported(kwargs: dict[str, Any]) -> None:
     if kwargs.get("sliding_window") is not None:
         raise ModelError("selfextend does not extend sliding-window attention layers")
+    if kwargs.get("output_attentions"):  # said as transformers' sdpa says it: the weights are never made
+        warnings.warn(
+            "selfextend attention returns no attention weights (output_attentions=True)", stacklevel=3
+        )
 
 
 def _own_attention(
