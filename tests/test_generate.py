@@ -200,6 +200,12 @@ def test_stop_matcher_holds_back_partial_stop():
     assert m.push("hello EX") == ("hello EX", False)
 
 
+@pytest.mark.parametrize("stops", [["Blue", " "], [" ", "Blue"]])
+def test_the_earliest_stop_string_in_the_text_stops_whatever_its_place_in_the_list(stops):
+    """The first string listed that matched anywhere used to win: "1. Blue" with ["Blue", " "] gave "1. "."""
+    assert StopMatcher(stops).push("1. Blue") == ("1.", True)
+
+
 def test_a_special_token_stop_is_matched_by_its_id(tiny):
     """``<|im_end|>`` never shows in the streamed text (special tokens are left out), so it stops by id;
     the text held back for another stop string is given out as the reply's end."""

@@ -58,11 +58,10 @@ class StopMatcher:
         if token in self.token_ids:
             out, self.pending = self.pending, ""
             return out, True
-        for s in self.stops:
-            i = self.pending.find(s)
-            if i >= 0:
-                out, self.pending = self.pending[:i], ""
-                return out, True
+        found = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        if found:  # the earliest in the text, whichever of the strings it is (llama.cpp's rule too)
+            out, self.pending = self.pending[: min(found)], ""
+            return out, True
         hold = 0
         for s in self.stops:
             for n in range(min(len(s) - 1, len(self.pending)), 0, -1):
