@@ -1019,7 +1019,7 @@ def test_failed_decode_step_leaves_the_slot_consistent(tiny):
 @pytest.mark.parametrize("bad", [10**9, -1, 1.5])
 def test_slot_file_whose_history_is_not_token_ids_is_refused(tiny, tmp_path, bad):
     """A slot file whose history holds what is not one of the model's ids (a file edited or of another
-    model) is refused with a 400, the slot left empty."""
+    model) is refused with a 400, and the slot keeps what it held (it was emptied)."""
     from selfextend.server.guard import APIError
 
     model, tok = tiny
@@ -1029,9 +1029,36 @@ def test_slot_file_whose_history_is_not_token_ids_is_refused(tiny, tmp_path, bad
     slot.history[3] = bad
     slotfiles.save(slot, tmp_path / "s.slot", "tiny")
     other = Slot(1, model, 64, slot.step)
+    logits = other.generator(0).feed(list(range(300, 310)))
+    other.finish(list(range(300, 310)), [], True)
     with pytest.raises(APIError, match="damaged slot state") as e:
         slotfiles.restore(other, tmp_path / "s.slot", "tiny")
-    assert e.value.status == 400 and other.gen.tokens == [] and other.history == []
+    assert e.value.status == 400 and other.gen.tokens == list(range(300, 310))
+    torch.testing.assert_close(
+        other.gen.write([5]), Slot(2, model, 64, slot.step).generator(0).feed([*range(300, 310), 5])
+    )
+    assert torch.isfinite(logits).all()
+
+
+def test_slot_files_that_are_no_slot_files_are_refused_by_name(tiny, tmp_path):
+    """Saving over a folder or a file that is no saved cache: a 400, nothing replaced (a folder was a 500
+    with a traceback). Restoring junk: a 400 naming the file, not the server's folder; the slot kept."""
+    from selfextend.server.guard import APIError
+
+    model, tok = tiny
+    slot = Slot(0, model, 64, decode_step_for(model))
+    slot.generator(0).feed(list(range(200, 230)))
+    slot.finish(list(range(200, 230)), [], True)
+    (tmp_path / "dir.bin").mkdir()
+    (tmp_path / "notes.txt").write_text("mine")
+    for name in ("dir.bin", "notes.txt"):
+        with pytest.raises(APIError, match=f"{name} is there and is not a saved cache") as e:
+            slotfiles.save(slot, tmp_path / name, "tiny")
+        assert e.value.status == 400
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+    with pytest.raises(APIError, match="notes.txt") as e:
+        slotfiles.restore(slot, tmp_path / "notes.txt", "tiny")
+    assert e.value.status == 400 and str(tmp_path) not in str(e.value) and len(slot.gen.tokens) == 30
 
 
 def test_slot_restore_failing_unexpectedly_leaves_the_slot_empty(tiny, tmp_path, monkeypatch):

@@ -75,48 +75,64 @@ def _check_setup(name: str, payload: dict[str, Any], saved: dict[str, Any], now:
 
 
 def save(slot: Slot, path: Path, model_name: str) -> dict[str, Any]:
-    """Write the slot's cache, tokens, history and settings to ``path``."""
+    """Write the slot's cache, tokens, history and settings to ``path``; a 400 where something that is not
+    a saved cache (a folder, another file) has that name: it is never replaced."""
     gen = slot.gen
     if gen is None or not gen.tokens:
         raise APIError(400, f"slot {slot.id} holds nothing to save", "id_slot")
+    if not promptcache.may_replace(path):
+        raise APIError(400, f"{path.name} is there and is not a saved cache: not replaced", "filename")
     logits = gen.last_logits if gen.last_logits is not None else torch.zeros(0)
     extra = {"kind": SLOT_KIND, "n_keep": gen.cache.n_keep, "history": slot.history}
     extra["setup"] = setup(slot, model_name)
-    promptcache.save(path, slot.model, gen.cache, gen.tokens, logits, extra=extra)
+    try:
+        promptcache.save(path, slot.model, gen.cache, gen.tokens, logits, extra=extra)
+    except OSError as e:  # a full disk, a folder made read-only: the server's trouble, said without a trace
+        raise APIError(500, f"cannot write slot file {path.name}: {e.strerror or type(e).__name__}") from None
     return {"id_slot": slot.id, "filename": path.name, "n_saved": len(gen.tokens)}
 
 
+def _read(slot: Slot, path: Path, model_name: str) -> tuple[dict[str, Any], int, list[int]]:
+    """(the payload, n_keep, history) of the slot file at ``path``, checked against the server's model and
+    settings and for damage: PromptCacheError or APIError, with the slot untouched."""
+    payload = promptcache.peek(path)
+    extra = json.loads(payload.get("extra") or "{}")
+    if not isinstance(extra, dict) or extra.get("kind") not in (SLOT_KIND, *OLD_KINDS):
+        raise promptcache.PromptCacheError(f"{path.name} is not a slot file")
+    saved = extra.get("setup", {})
+    if not isinstance(saved, dict):
+        raise promptcache.PromptCacheError(f"{path.name}: damaged slot state")
+    now = {**setup(slot, model_name), "cache": promptcache.settings(slot.model)}
+    _check_setup(path.name, payload, saved, now)
+    n_keep, history = extra.get("n_keep"), extra.get("history")
+    rows = slot.model.get_input_embeddings().num_embeddings
+    ok = isinstance(history, list) and all(type(t) is int and 0 <= t < rows for t in history)
+    if not (
+        ok and type(n_keep) is int and 0 <= n_keep <= slot.n_ctx - 2 and len(payload["tokens"]) <= slot.n_ctx
+    ):
+        raise promptcache.PromptCacheError(f"{path.name}: damaged slot state")
+    held = slot.gen.cache if slot.gen else slot.generator(0).cache  # as it is: no cell changed
+    promptcache.check(path, payload, slot.model, held)
+    return payload, n_keep, history
+
+
 def restore(slot: Slot, path: Path, model_name: str) -> dict[str, Any]:
-    """Replace the slot's cache by the one saved in ``path`` (same model and settings only)."""
+    """Replace the slot's cache by the one saved in ``path`` (same model and settings only). A file that is
+    refused leaves the slot as it was; one that fails while it loads leaves it empty, never half-loaded."""
     if not path.is_file():
         raise APIError(404, f"no slot file {path.name}", "filename")
-    gen = slot.generator(slot.gen.cache.n_keep if slot.gen else 0)
     try:
-        payload = promptcache.peek(path)
-        extra = json.loads(payload.get("extra") or "{}")
-        if not isinstance(extra, dict) or extra.get("kind") not in (SLOT_KIND, *OLD_KINDS):
-            raise promptcache.PromptCacheError(f"{path.name} is not a slot file")
-        saved = extra.get("setup", {})
-        if not isinstance(saved, dict):
-            raise promptcache.PromptCacheError(f"{path.name}: damaged slot state")
-        now = {**setup(slot, model_name), "cache": promptcache.settings(slot.model)}
-        _check_setup(path.name, payload, saved, now)
-        promptcache.check(path, payload, slot.model, gen.cache)
-        tokens = payload["tokens"].tolist()
-        n_keep, history = extra.get("n_keep"), extra.get("history")
-        rows = slot.model.get_input_embeddings().num_embeddings
-        ok = isinstance(history, list) and all(type(t) is int and 0 <= t < rows for t in history)
-        if not (ok and type(n_keep) is int and 0 <= n_keep <= slot.n_ctx - 2 and len(tokens) <= slot.n_ctx):
-            raise promptcache.PromptCacheError(f"{path.name}: damaged slot state")
+        payload, n_keep, history = _read(slot, path, model_name)
+    except (promptcache.PromptCacheError, ValueError) as e:
+        raise APIError(400, str(e).replace(str(path), path.name), "filename") from None
+    tokens = payload["tokens"].tolist()
+    try:
         gen = slot.generator(n_keep)
         gen.cache.load_prefix(payload["keys"], payload["values"], len(tokens), promptcache.positions(payload))
         gen.tokens = tokens
         gen.last_logits = payload["logits"] if payload["logits"].numel() else None
         slot.history = history
-    except (promptcache.PromptCacheError, ValueError) as e:
-        slot.reset()
-        raise APIError(400, str(e), "filename") from None
-    except BaseException:  # a refusal, or anything unforeseen: the slot is left empty, never half-loaded
+    except BaseException:
         slot.reset()
         raise
     return {"id_slot": slot.id, "filename": path.name, "n_restored": len(tokens)}
