@@ -268,6 +268,25 @@ BAD = [
     (b'{"prompt": "x", "tool_choice": "required"}', "tool_choice"),
     (b'{"prompt": "x", "functions": [{"name": "f"}]}', "functions"),
     (b'{"prompt": "x", "logprobs": 2}', "logprobs"),
+    (b'{"prompt": "x", "logprobs": 0}', "logprobs"),  # the chosen tokens' (0 == false in Python)
+    (b'{"prompt": "x", "mirostat": 2}', "mirostat"),  # llama-server's samplers we do not have
+    (b'{"prompt": "x", "typical_p": 0.5}', "typical_p"),
+    (b'{"prompt": "x", "dry_multiplier": 0.8}', "dry_multiplier"),
+    (b'{"prompt": "x", "xtc_probability": 0.5}', "xtc_probability"),
+    (b'{"prompt": "x", "top_n_sigma": 1}', "top_n_sigma"),
+    (b'{"prompt": "x", "dynatemp_range": 0.5}', "dynatemp_range"),
+    (b'{"prompt": "x", "min_keep": 2}', "min_keep"),
+    (b'{"prompt": "x", "samplers": ["top_k"]}', "samplers"),
+    (b'{"prompt": "x", "n_probs": 3}', "n_probs"),
+    (b'{"prompt": "x", "t_max_predict_ms": 100}', "t_max_predict_ms"),
+    (b'{"prompt": "x", "chat_template_kwargs": {"enable_thinking": false}}', "chat_template_kwargs"),
+    (b'{"prompt": "x", "add_generation_prompt": false}', "add_generation_prompt"),
+    (b'{"prompt": "x", "continue_final_message": true}', "continue_final_message"),
+    (b'{"prompt": "x", "n_predict": 0}', "n_predict"),
+    (b'{"prompt": "x", "n_predict": 65}', "n_predict"),
+    (b'{"prompt": "x", "max_tokens": 3, "n_predict": 4}', "n_predict"),
+    (b'{"prompt": [[1, 99999999]]}', "prompt"),
+    (b'{"prompt": [[1], [2]]}', "prompt"),
     (b'{"prompt": "x", "echo": true}', "echo"),
     (b'{"prompt": "x", "suffix": "end"}', "suffix"),
     (b'{"prompt": "x", "best_of": 3}', "best_of"),
@@ -398,9 +417,48 @@ def test_max_completion_tokens_is_max_tokens(server, client):
         ({"max_completion_tokens": 3, "max_tokens": 4}, "max_completion_tokens"),
         ({"max_completion_tokens": 0}, "max_completion_tokens"),
         ({"logit_bias": {"": -100}}, "logit_bias"),
+        (
+            {"messages": [*messages, {"role": "assistant", "tool_calls": [{"id": "a"}]}]},
+            "messages.1.tool_calls",
+        ),
     ):
         status, out = request(base, "POST", "/v1/chat/completions", {"messages": messages, **body})
         assert status == 400 and out["error"]["param"] == param, (body, out)
+    for said in ({"n_predict": 3}, {"n_predict": 3, "max_tokens": 3}):  # llama-server's name: was ignored
+        status, out = request(
+            base, "POST", "/v1/chat/completions", {"messages": messages, "ignore_eos": True, **said}
+        )
+        assert status == 200 and out["usage"]["completion_tokens"] == 3, out
+
+
+def test_what_openai_and_llama_server_allow_is_taken(server, client, tiny):
+    """null for n and stream (OpenAI's "unsaid"), a list of one token list as the prompt, tool_choice
+    "auto" without tools, HEAD on the GET routes (uptime checks send it), /props's sampling settings under
+    the requests' names, /tokenize's parse_special."""
+    base, tok = server[0], tiny[1]
+    ids = tok("The sea is").input_ids
+    want = client.completions.create(model="tiny", prompt=ids, max_tokens=4, temperature=0).choices[0].text
+    for extra in ({"n": None, "stream": None}, {"tool_choice": "auto"}):
+        status, out = request(
+            base, "POST", "/v1/completions", {"prompt": [ids], "max_tokens": 4, "temperature": 0, **extra}
+        )
+        assert status == 200 and out["choices"][0]["text"] == want, out
+    for path in ("/health", "/v1/models", "/props", "/metrics", "/slots"):
+        conn = connect(base, 30)
+        conn.request("HEAD", path)
+        response = conn.getresponse()
+        assert response.status == 200 and response.read() == b"", path
+        conn.close()
+    params = request(base, "GET", "/props")[1]["default_generation_settings"]["params"]
+    assert params["repeat_penalty"] == 1.0 and "repetition_penalty" not in params
+    text = "<|im_start|>hi"
+    parsed = request(base, "POST", "/tokenize", {"content": text})[1]["tokens"]
+    plain = request(base, "POST", "/tokenize", {"content": text, "parse_special": False})[1]["tokens"]
+    assert (
+        parsed[0] == tok.convert_tokens_to_ids("<|im_start|>")
+        and plain == tok(text, split_special_tokens=True).input_ids
+    )
+    assert len(plain) > len(parsed)
 
 
 def test_api_key(tiny):

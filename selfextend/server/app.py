@@ -92,7 +92,7 @@ def create_app(engine: Engine, settings: Settings) -> FastAPI:
     app.mount("/page", StaticFiles(directory=str(PAGE)), name="page")
     created = int(time.time())
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> JSONResponse:
         busy = sum(s.busy for s in engine.slots)
         state = {"slots_idle": len(engine.slots) - busy, "slots_processing": busy}
@@ -100,7 +100,7 @@ def create_app(engine: Engine, settings: Settings) -> FastAPI:
             return JSONResponse({"status": "error", "message": "the engine has stopped", **state}, 503)
         return JSONResponse({"status": "ok", **state})
 
-    @app.get("/", include_in_schema=False)
+    @app.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
     async def page() -> FileResponse:
         return FileResponse(str(PAGE / "index.html"))
 
@@ -109,11 +109,11 @@ def create_app(engine: Engine, settings: Settings) -> FastAPI:
         model = {"id": settings.model_name, "object": "model", "created": created, "owned_by": "selfextend"}
         return {**model, "meta": meta}
 
-    @app.get("/v1/models")
+    @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [described()]}
 
-    @app.get("/v1/models/{model:path}")
+    @app.api_route("/v1/models/{model:path}", methods=["GET", "HEAD"])
     async def model(model: str) -> dict[str, Any]:
         if model != settings.model_name:
             raise APIError(
@@ -148,7 +148,7 @@ def create_app(engine: Engine, settings: Settings) -> FastAPI:
     async def chat_completions(raw: Request):
         return await answer(raw, ChatRequest, chat)
 
-    @app.get("/slots")
+    @app.api_route("/slots", methods=["GET", "HEAD"])
     async def slots() -> list[dict[str, Any]]:
         return engine.info()
 

@@ -22,12 +22,13 @@ from starlette.concurrency import run_in_threadpool
 from selfextend.server.engine import Engine
 from selfextend.server.guard import APIError
 from selfextend.server.prompts import Model, check_text, parse_json, render_chat, validated
-from selfextend.server.schemas import Message, Strict
+from selfextend.server.schemas import REQUEST_FIELDS, Message, Strict
 
 
 class TokenizeRequest(Strict):
     content: str
     add_special: bool = False  # llama-server's default: no BOS
+    parse_special: bool = True  # llama-server's: false reads special tokens' text as text
     with_pieces: bool = False
 
 
@@ -44,6 +45,7 @@ def add_llama_routes(app: FastAPI, engine: Engine, model_name: str, defaults: di
     """Add llama-server's endpoints over ``engine`` to ``app``; ``defaults`` are the generation settings
     that ``/props`` reports."""
     tokenizer = engine.tokenizer
+    params = {name: defaults[target] for name, target in REQUEST_FIELDS.items()}  # as requests name them
 
     async def body(raw: Request, kind: type[Model]) -> Model:
         return validated(parse_json(await raw.body()), kind)
@@ -54,7 +56,11 @@ def add_llama_routes(app: FastAPI, engine: Engine, model_name: str, defaults: di
         check_text(request.content, "content")
 
         def run() -> list[int] | list[dict[str, Any]]:
-            ids = list(tokenizer(request.content, add_special_tokens=request.add_special).input_ids)
+            split = not request.parse_special
+            ids = tokenizer(
+                request.content, add_special_tokens=request.add_special, split_special_tokens=split
+            )
+            ids = list(ids.input_ids)
             return [{"id": t, "piece": tokenizer.decode([t])} for t in ids] if request.with_pieces else ids
 
         return {"tokens": await run_in_threadpool(run) if request.content else []}
@@ -77,10 +83,10 @@ def add_llama_routes(app: FastAPI, engine: Engine, model_name: str, defaults: di
             raise APIError(400, f"the chat template refused the messages: {e}", "messages") from None
         return {"prompt": text}
 
-    @app.get("/props")
+    @app.api_route("/props", methods=["GET", "HEAD"])
     async def props() -> dict[str, Any]:
         return {
-            "default_generation_settings": {"n_ctx": engine.n_ctx, "params": defaults},
+            "default_generation_settings": {"n_ctx": engine.n_ctx, "params": params},
             "total_slots": len(engine.slots),
             "model_path": model_name,
             "chat_template": getattr(tokenizer, "chat_template", None) or "",
@@ -88,7 +94,7 @@ def add_llama_routes(app: FastAPI, engine: Engine, model_name: str, defaults: di
             "build_info": f"selfextend {_version()}",
         }
 
-    @app.get("/metrics", response_class=PlainTextResponse)
+    @app.api_route("/metrics", methods=["GET", "HEAD"], response_class=PlainTextResponse)
     async def metrics() -> PlainTextResponse:
         store = engine.store
         stored = (store.hits, store.restored, store.nbytes) if store is not None else (0, 0, 0)

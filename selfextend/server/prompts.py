@@ -74,6 +74,8 @@ def read_body(body: bytes, kind: type[Body], max_prompt: int) -> Body:
     ``RequestValidationError`` for fields of the wrong type or range."""
     data = parse_json(body)
     ids = data.get("prompt") if isinstance(data, dict) else None
+    if isinstance(ids, list) and len(ids) == 1 and isinstance(ids[0], list):  # [[ids]]: one prompt
+        ids = ids[0]
     if isinstance(ids, list) and len(ids) > max_prompt:
         raise too_long(len(ids), max_prompt)
     request = validated(data, kind)
@@ -104,15 +106,16 @@ def _keep(n_keep: int | None, n_system: int, n: int, n_ctx: int) -> int:
 
 def completion_prompt(
     tokenizer,
-    prompt: str | list[str] | list[int],
+    prompt: str | list[str] | list[int] | list[list[int]],
     n_keep: int | None,
     vocab: int | None = None,
     n_ctx: int = 2**31,
 ) -> Prompt:
-    """A completion prompt: text (a one-element list of text too) or token ids, for a cache of ``n_ctx``
-    cells. :class:`APIError` for more than one prompt or an id outside the vocabulary: ``[0, vocab)``, the
-    ids the model's embedding table holds rows for (the engine's ``vocab``), else the tokenizer's."""
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+    """A completion prompt: text or token ids (each alone or as a list of one prompt, as OpenAI's), for a
+    cache of ``n_ctx`` cells. :class:`APIError` for more than one prompt or an id outside the vocabulary:
+    ``[0, vocab)``, the ids the model's embedding table holds rows for (the engine's ``vocab``), else the
+    tokenizer's."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         if len(prompt) != 1:
             raise APIError(400, "one prompt per request (n = 1)", "prompt")
         prompt = prompt[0]

@@ -34,7 +34,7 @@ class StreamOptions(Strict):
 
 UNSUPPORTED: dict[str, tuple[str, tuple[Any, ...]]] = {
     "tools": ("tool calls", ([],)),
-    "tool_choice": ("tool calls", ("none",)),
+    "tool_choice": ("tool calls", ("none", "auto")),  # "auto" with no tools: none
     "functions": ("function calls", ([],)),
     "function_call": ("function calls", ("none",)),
     "logprobs": ("log probabilities", (False,)),
@@ -45,8 +45,24 @@ UNSUPPORTED: dict[str, tuple[str, tuple[Any, ...]]] = {
     "grammar": ("GBNF grammars (response_format json_schema is)", ("",)),
     "modalities": ("audio output", (["text"],)),
     "audio": ("audio output", ()),
+    # llama-server's samplers and settings beyond ours, at their values that turn them off
+    "mirostat": ("mirostat sampling", (0,)),
+    "typical_p": ("locally typical sampling (typical_p)", (1,)),
+    "dry_multiplier": ("the DRY repetition penalty", (0,)),
+    "xtc_probability": ("XTC sampling", (0,)),
+    "top_n_sigma": ("top-n-sigma sampling", (-1,)),
+    "dynatemp_range": ("dynamic temperature", (0,)),
+    "min_keep": ("min_keep", (0,)),
+    "samplers": ("another order of the samplers", ()),
+    "n_probs": ("token probabilities (n_probs)", (0,)),
+    "t_max_predict_ms": ("time limits (t_max_predict_ms)", (0,)),
+    "chat_template_kwargs": ("arguments to the chat template", ({},)),
+    "add_generation_prompt": ("a chat prompt without the assistant's header", (True,)),
+    "continue_final_message": ("continuing the last message", (False,)),
 }
-"""Field -> (what this server does not do, the values that ask for none of it; None always does)."""
+"""Field -> (what this server does not do, the values that ask for none of it; None always does). A value
+asks for none of it only as the same kind of value: ``logprobs: 0`` asks for the chosen tokens' log
+probabilities where ``false`` asks for none."""
 
 Bias = float | Literal[False]
 MAX_STOPS = 64  # stop strings a request may give (OpenAI takes 4): each is looked for at every token
@@ -87,9 +103,10 @@ class Sampling(Strict):
     presence_penalty: Finite | None = Field(None, ge=-2.0, le=2.0)
     seed: int | None = Field(None, ge=-1, le=MAX_SEED)  # -1: a random one (llama.cpp's), as none
     stop: str | list[str] | None = None
-    n: int = Field(1, ge=1, le=1)
+    n: int | None = Field(1, ge=1, le=1)  # null: 1, as OpenAI's
+    n_predict: int | None = Field(None, ge=-1)  # llama.cpp's max_tokens (-1: unsaid)
     n_keep: int | None = Field(None, ge=-1)
-    stream: bool = False
+    stream: bool | None = False  # null: false, as OpenAI's
     stream_options: StreamOptions | None = None
     id_slot: int | None = Field(None, ge=0)
     cache_prompt: bool = True  # llama.cpp's: False recomputes the whole prompt
@@ -112,6 +129,19 @@ class Sampling(Strict):
     grammar: Any = None
     modalities: Any = None
     audio: Any = None
+    mirostat: Any = None
+    typical_p: Any = None
+    dry_multiplier: Any = None
+    xtc_probability: Any = None
+    top_n_sigma: Any = None
+    dynatemp_range: Any = None
+    min_keep: Any = None
+    samplers: Any = None
+    n_probs: Any = None
+    t_max_predict_ms: Any = None
+    chat_template_kwargs: Any = None
+    add_generation_prompt: Any = None
+    continue_final_message: Any = None
 
     @field_validator("stop")
     @classmethod
@@ -172,19 +202,25 @@ class Sampling(Strict):
     @classmethod
     def _unsupported(cls, value: Any, info: ValidationInfo) -> Any:
         what, neutral = UNSUPPORTED[info.field_name]
-        if value is not None and value not in neutral:
+        if value is not None and not any(_same(value, n) for n in neutral):
             raise PydanticCustomError("unsupported", f"this server does not implement {what}")
         return value
 
     def token_limit(self) -> tuple[int | None, str]:
-        """(the most tokens the reply may have, None where unsaid; the field that said it): ``max_tokens`` or
-        OpenAI's ``max_completion_tokens``, a 400 where both are given and differ."""
-        ours, theirs = self.max_tokens, self.max_completion_tokens
-        if ours is not None and theirs is not None and ours != theirs:
-            raise APIError(
-                400, f"max_tokens {ours} and max_completion_tokens {theirs} differ", "max_completion_tokens"
-            )
-        return (ours, "max_tokens") if theirs is None else (theirs, "max_completion_tokens")
+        """(the most tokens the reply may have, None where unsaid; the field that said it): ``max_tokens``,
+        OpenAI's ``max_completion_tokens`` or llama.cpp's ``n_predict``, a 400 where two are given and
+        differ."""
+        if self.n_predict == 0:
+            raise APIError(400, "n_predict must be at least 1 (or -1: unsaid)", "n_predict")
+        given = [
+            (value, name)
+            for name in ("max_tokens", "max_completion_tokens", "n_predict")
+            if (value := getattr(self, name)) is not None and value != -1
+        ]
+        if len({value for value, _ in given}) > 1:
+            said = " and ".join(f"{name} {value}" for value, name in given)
+            raise APIError(400, f"{said} differ", given[-1][1])
+        return given[0] if given else (None, "max_tokens")
 
     def stops(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -192,8 +228,13 @@ class Sampling(Strict):
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
 
+def _same(value: Any, neutral: Any) -> bool:
+    """``value == neutral`` with booleans apart from numbers (``0 == False`` in Python)."""
+    return value == neutral and isinstance(value, bool) == isinstance(neutral, bool)
+
+
 class CompletionRequest(Sampling):
-    prompt: str | list[str] | list[int]
+    prompt: str | list[str] | list[int] | list[list[int]]
 
 
 class TextPart(Strict):
@@ -204,6 +245,14 @@ class TextPart(Strict):
 class Message(Strict):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart] | None = Field(None, validate_default=True)  # null: an assistant turn only
+    tool_calls: list[Any] | None = None  # an assistant's: none (it was left out of the prompt unsaid)
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _no_calls(cls, value: list[Any] | None) -> list[Any] | None:
+        if value:
+            raise PydanticCustomError("unsupported", "this server does not implement tool calls")
+        return value
 
     @field_validator("content", mode="before")
     @classmethod
