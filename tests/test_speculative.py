@@ -307,9 +307,12 @@ def _source(name: str, request: pytest.FixtureRequest) -> dict:
 
 
 @pytest.mark.real
+@pytest.mark.parametrize("stops", [(), ("is deep",)])
 @pytest.mark.parametrize("source", ["lookup", "draft model"])
-def test_chat_replies_are_the_same_with_drafts(source: str, request: pytest.FixtureRequest) -> None:
-    """A greedy chat through context shifts gives the same replies with drafts as without."""
+def test_chat_replies_are_the_same_with_drafts(source: str, stops: tuple[str, ...], request) -> None:
+    """A greedy chat through context shifts gives the same replies with drafts as without, and holds the
+    same tokens; with a stop string too (the drafts checked past it stayed in the cache, and later turns
+    read them)."""
     from selfextend.chat.session import ChatSession
 
     model, tok = load_model("smollm2-135m", weights="gguf")
@@ -328,12 +331,17 @@ def test_chat_replies_are_the_same_with_drafts(source: str, request: pytest.Fixt
             system="You are terse.",
             sampling=SamplingParams(temperature=0),
             max_new_tokens=60,
+            stops=stops,
             **kw,
         )
         replies.append(["".join(chat.reply(t)) for t in turns])
         shifts = chat.cache.shifts
-    assert replies[0] == replies[1] and shifts >= 1
-    assert source == "lookup" or Wrong.proposed > 50
+        held = chat.gen.tokens
+        if kw == {}:
+            plain_held = held
+    assert replies[0] == replies[1] and held == plain_held and shifts >= 1
+    assert not stops or any(r.endswith("the sea ") for r in replies[0]), replies[0]  # cut where it stops
+    assert source == "lookup" or Wrong.proposed > (20 if stops else 50)  # drafts checked: shorter replies
 
 
 def _replies(engine, prompts: list[list[int]], max_tokens: int, stops=(), ignore_eos=False) -> list[str]:

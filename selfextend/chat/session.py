@@ -256,25 +256,27 @@ class ChatSession:
         ids: list[int] = []
         shown = ""
         t0 = time.perf_counter()
-        for token in self.gen.decode(logits, self.max_new_tokens, self.eos, lambda: self.stop_requested):
+        tokens = self.gen.decode(logits, self.max_new_tokens, self.eos, lambda: self.stop_requested)
+        stopped = False
+        for token in tokens:
             if token in self.eos:  # the text held back for a possible stop string is the reply's end
                 tail = stops.flush()
                 if tail:
                     yield tail
                 break
             text, stopped = stops.push(stream.push(token), token)
-            if stopped:
-                shown += text
-                yield text
-                ids = self._cut_to(ids, shown)
-                break
-            ids.append(token)
             shown += text
             yield text
+            if stopped:
+                break
+            ids.append(token)
         else:
             tail = stops.flush()
             if tail:
                 yield tail
+        tokens.close()  # drafts checked past the last token taken leave the cache first
+        if stopped:
+            ids = self._cut_to(ids, shown)
         seconds = time.perf_counter() - t0
         exchange.reply = self.tokenizer.decode(ids, skip_special_tokens=False)
         self.stats.replies += 1
