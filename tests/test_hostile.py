@@ -480,6 +480,7 @@ def tiny(tiny_dir):
 
 def _prompt_cache_cases(good: dict) -> dict[str, object]:
     """Each damaged variant of a good payload, by name (the names of PROMPT_CACHE_CASES)."""
+    other = torch.float32 if good["keys"][0].dtype == torch.bfloat16 else torch.bfloat16
     return {
         "garbage": b"\x00\x01 not a torch file",
         "other-format": {**good, "format": "selfextend-prompt-cache/1"},
@@ -499,6 +500,12 @@ def _prompt_cache_cases(good: dict) -> dict[str, object]:
         },
         "nan-key": {**good, "keys": [k.clone().fill_(float("nan")) for k in good["keys"]]},
         "nan-logits": {**good, "logits": good["logits"].clone().fill_(float("nan"))},
+        "other-cells": {  # another --cache-type: was loaded, numbers no run of this one gives
+            **good,
+            "keys": [k.to(other) for k in good["keys"]],
+            "values": [v.to(other) for v in good["values"]],
+        },
+        "a-chat-session": {**good, "extra": '{"kind": "selfextend-chat/2"}'},  # was loaded, then replaced
     }
 
 
@@ -538,6 +545,8 @@ PROMPT_CACHE_CASES = [
     "token-past-vocab",  # these three were loaded: a NaN key answered with nothing
     "nan-key",
     "nan-logits",
+    "other-cells",
+    "a-chat-session",
 ]
 
 

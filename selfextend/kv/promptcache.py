@@ -184,7 +184,8 @@ def positions(payload: dict[str, Any]) -> list[torch.Tensor]:
 
 
 def _check_shapes(path: str | Path, payload: dict, cache: ContextShiftCache) -> None:
-    """One (B, Hkv, n, D) tensor per layer of ``cache`` for each of keys and values, n the positions held."""
+    """One (B, Hkv, n, D) tensor per layer of ``cache`` for each of keys and values, n the positions held,
+    of the cells' element type (bf16 cells loaded into f32 ones give numbers no f32 run gives)."""
     layers = cache.layers
     for name in ("keys", "values"):
         states = payload[name]
@@ -200,6 +201,9 @@ def _check_shapes(path: str | Path, payload: dict, cache: ContextShiftCache) -> 
             if not isinstance(t, torch.Tensor) or tuple(t.shape) != want:
                 got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
                 raise _bad(path, f"layer {i} {name} have shape {got}, expected {want}")
+    saved, ours = (str(t.dtype).removeprefix("torch.") for t in (payload["keys"][0], layers[0].keys))
+    if saved != ours:
+        raise PromptCacheError(f"{path} holds {saved} cells; this cache's are {ours} (--cache-type)")
 
 
 def load(
@@ -212,6 +216,10 @@ def load(
     (:meth:`~selfextend.kv.cache.ContextShiftCache.loadable`).
     """
     payload = read(path, model, cache)
+    if "extra" in payload:  # its owner's state beside the cells: a chat session or a server's slot
+        raise PromptCacheError(
+            f"{path} is a chat session or a slot file, not a prompt cache: name another file"
+        )
     saved = payload["tokens"].tolist()
     n = 0
     limit = min(len(saved), len(prompt), cache.n_ctx - 1)
