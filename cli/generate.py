@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import click
 
 from selfextend.cli.generation_options import Speculation, generation_options
-from selfextend.cli.options import device_map_option
+from selfextend.cli.options import device_map_option, in_writable_folder
 
 if TYPE_CHECKING:
     from selfextend.generation.sampling import SamplingParams
@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 @click.option(
     "--prompt-cache",
     type=click.Path(dir_okay=False),
+    callback=in_writable_folder,
     help="Save the KV cache after the prompt here; reuse it when a later prompt starts the same.",
 )
 def generate(
@@ -71,6 +72,7 @@ def generate(
     from selfextend.cli.generation_options import check_cache, check_keep, system_prompt
     from selfextend.cli.options import load_with_self_extend
     from selfextend.cli.stream import Output, prefill_bar
+    from selfextend.core.validate import first_line
     from selfextend.evaluation.corpus import read_stdin, read_text_file
     from selfextend.generation.generator import GenerationStats, Generator, run
     from selfextend.generation.settings import decode_settings
@@ -119,10 +121,21 @@ def generate(
     stats = None
 
     def save_prompt_cache() -> None:
-        if prompt_cache and cache.shifts == 0 and reused < len(ids):
-            from selfextend.kv import promptcache
+        """Written once the prompt is read; a file that cannot be written is said, and the run goes on."""
+        if not prompt_cache or reused >= len(ids):
+            return
+        if cache.shifts:
+            out.note(
+                f"note: --prompt-cache {prompt_cache} not written: the prompt went through context shifts"
+            )
+            return
+        from selfextend.kv import promptcache
 
+        try:
             promptcache.save(prompt_cache, lm, cache, gen.tokens[: len(ids)], gen.last_logits)
+        except (OSError, RuntimeError) as e:  # torch's writer says a failed open as a RuntimeError
+            why = e.strerror if isinstance(e, OSError) and e.strerror else str(e).rsplit("strerror: ", 1)[-1]
+            out.note(f"warning: --prompt-cache {prompt_cache} not written: {first_line(why)}")
 
     def prompt_only(reason: str) -> GenerationStats:
         """The summary of a run that made no token: the prompt's time, shifts and cache fill."""

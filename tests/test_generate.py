@@ -344,6 +344,31 @@ def test_fingerprint_ignores_where_the_model_was_loaded_from():
     assert fingerprint(make_model("qwen2")) != before
 
 
+def test_a_prompt_cache_not_written_is_said_and_the_run_goes_on(tiny_dir, tmp_path, monkeypatch):
+    """A folder that is missing: refused before the model loads. A file that cannot be written once the
+    prompt is read (torch's writer failed the run in a C++ message, with no text), and a prompt read
+    through context shifts (nothing was written, nothing said): a line each, the text whole."""
+    import selfextend.kv.promptcache as promptcache
+
+    args = ["generate", "-m", str(tiny_dir), "--temp", "0", "-n", "4", "--ignore-eos", "--no-chat"]
+    r = invoke(*args, "-p", "hello there", "--prompt-cache", str(tmp_path / "no" / "such" / "p.bin"))
+    assert r.exit_code == 2 and "no writable folder" in r.stderr, r.stderr
+
+    def full_disk(*args, **kwargs):
+        raise RuntimeError(
+            "[enforce fail at inline_container.cc:747] . open file failed with strerror: Disk full"
+        )
+
+    with monkeypatch.context() as m:
+        m.setattr(promptcache, "save", full_disk)
+        r = invoke(*args, "-p", "hello there", "--prompt-cache", str(tmp_path / "p.bin"))
+    assert r.exit_code == 0 and r.stdout.strip() and "enforce" not in r.stderr, r.stderr
+    assert f"warning: --prompt-cache {tmp_path / 'p.bin'} not written: Disk full" in r.stderr
+    r = invoke(*args, "-p", "word " * 100, "--ctx", "64", "--prompt-cache", str(tmp_path / "long.bin"))
+    assert r.exit_code == 0 and "not written: the prompt went through context shifts" in r.stderr, r.stderr
+    assert not (tmp_path / "long.bin").exists()
+
+
 @pytest.mark.real
 def test_mismatched_prompt_cache_refused(tmp_path):
     garbage = tmp_path / "garbage.cache"
