@@ -208,6 +208,12 @@ def summary(session: ChatSession) -> str:
     )
 
 
+def _typed() -> str:
+    """The text on the prompt's line when Ctrl-C came: readline's buffer (none without readline)."""
+    readline = sys.modules.get("readline")
+    return readline.get_line_buffer() if readline is not None else ""
+
+
 class Repl:
     """The read-eval-print loop: turns, commands, Ctrl-C and SIGTERM."""
 
@@ -255,17 +261,17 @@ class Repl:
         self.session.stop_requested = True
 
     def _read(self) -> str | None:
-        """One user turn: lines ending in a backslash continue. None: Ctrl-C at an empty prompt."""
+        """One user turn: lines ending in a backslash continue. None: Ctrl-C at an empty prompt; with text
+        typed (or a turn begun) Ctrl-C clears it, as a shell does."""
         lines: list[str] = []
         while True:
             self.reading = True
             try:
                 line = input(("... " if lines else "> ") if self.interactive else "")
             except KeyboardInterrupt:
-                if not lines:
-                    click.echo("", err=True)
-                    return None
                 click.echo("", err=True)
+                if not lines and not _typed():
+                    return None
                 lines = []
                 continue
             except EOFError:

@@ -388,6 +388,13 @@ def test_chat_on_a_terminal_shifts_and_ctrl_c(tmp_path):
     term.send("/stats\r")
     at = term.expect("context shift", after=at)
     at = term.expect("\n> ", after=at)
+    term.send("half a thought")
+    at = term.expect("half a thought", after=at)
+    term.send("\x03")  # Ctrl-C with text typed: the line is cleared, as a shell clears it (it ended the chat)
+    at = term.expect("\n> ", after=at)
+    term.send("/stats\r")
+    at = term.expect("context shift", after=at)
+    at = term.expect("\n> ", after=at)
     term.send("\x04")  # Ctrl-D at an empty prompt ends the session with the summary line
     term.expect("replies,", after=at)
     assert term.wait() == 0
