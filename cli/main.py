@@ -24,6 +24,7 @@ from selfextend.cli.measure import passkey, ppl
 from selfextend.cli.options import Terminated, interrupt_status, quiet_openmp_waits
 from selfextend.cli.report import plot, table
 from selfextend.cli.serve import serve
+from selfextend.core.paths import cache_root
 from selfextend.core.validate import first_line
 
 
@@ -98,6 +99,9 @@ def main() -> None:
     fixed-size KV cache. MODEL is `smollm2-135m` (the embedded default), a .gguf file, a
     transformers model directory or a Hugging Face hub id.
     """
+    root = cache_root()
+    if root.exists() and not root.is_dir():  # every GGUF load and kernel build would fail on it, each its way
+        raise ValueError(f"the cache root {root} is not a folder: set SELFEXTEND_CACHE to a folder")
 
 
 main.add_command(info)

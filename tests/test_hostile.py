@@ -1260,3 +1260,16 @@ def test_text_that_cannot_be_encoded_is_a_400(small_server, body, param):
     with pytest.raises(openai.BadRequestError) as e:
         create(model="t", max_tokens=2, **body)
     assert e.value.body["param"] == param
+
+
+def test_a_cache_root_that_is_a_file_is_said_once(tmp_path):
+    """$SELFEXTEND_CACHE naming a file: `cache list` said "(empty)", `generate` fell back to the reference
+    products with a cryptic warning and failed later on the tokenizer's folder. One line, exit 2, first."""
+    root = tmp_path / "cache"
+    root.write_text("not a folder")
+    for args in (["cache", "list"], ["generate", "-p", "hi", "-n", "1"]):
+        r = CliRunner().invoke(main, args, env={"SELFEXTEND_CACHE": str(root)})
+        assert r.exit_code == 2 and r.stderr.strip() == (
+            f"error: the cache root {root} is not a folder: set SELFEXTEND_CACHE to a folder"
+        ), r.stderr
+    assert root.read_text() == "not a folder"
