@@ -307,8 +307,9 @@ def _source(name: str, request: pytest.FixtureRequest) -> dict:
 
 
 @pytest.mark.real
-@pytest.mark.parametrize("stops", [(), ("is deep",)])
-@pytest.mark.parametrize("source", ["lookup", "draft model"])
+@pytest.mark.parametrize(
+    "source,stops", [("lookup", ()), ("draft model", ()), ("draft model", ("is deep",))]
+)  # a stop with the lookup's drafts: the same path, and a minute of the suite
 def test_chat_replies_are_the_same_with_drafts(source: str, stops: tuple[str, ...], request) -> None:
     """A greedy chat through context shifts gives the same replies with drafts as without, and holds the
     same tokens; with a stop string too (the drafts checked past it stayed in the cache, and later turns
