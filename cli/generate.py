@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import click
 
 from selfextend.cli.generation_options import Speculation, generation_options
-from selfextend.cli.options import device_map_option, in_writable_folder
+from selfextend.cli.options import device_map_option, in_writable_folder, interrupt_status
 
 if TYPE_CHECKING:
     from selfextend.generation.sampling import SamplingParams
@@ -151,6 +151,7 @@ def generate(
 
     t0 = time.perf_counter()
     read = [0]  # prompt tokens written in this run
+    stopped_by: KeyboardInterrupt | None = None
     try:
         with prefill_bar(len(ids) - reused) as bar:
 
@@ -178,7 +179,8 @@ def generate(
             if stats is not None and not stats.stop_reason:
                 stats.stop_reason = "max tokens" if stats.tokens == max_new_tokens else "end of sequence"
         out.text(stops.flush())
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
+        stopped_by = e
         if stats is None:  # while the prompt was read: said all the same (it ended on the progress bar)
             done = reused + read[0]
             stats = prompt_only(f"interrupted while reading the prompt ({done} of {len(ids)} tokens)")
@@ -189,6 +191,8 @@ def generate(
     click.echo("", err=False)
     if stats is not None:
         click.echo(stats.summary(), err=True)
+    if stopped_by is not None:  # a script sees the stop, as after a sweep's: 130 for Ctrl-C, 143 for SIGTERM
+        sys.exit(interrupt_status(stopped_by))
 
 
 def warn_beyond_reach(model, ctx: int, group_size: int | None, window: int | None) -> None:
