@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -100,7 +101,7 @@ def may_replace(path: str | Path) -> bool:
     if not p.is_file():
         return False
     try:
-        peek(p)
+        peek(p, verify=False)  # a damaged cache is still a cache
     except PromptCacheError:
         return False
     return True
@@ -285,13 +286,30 @@ def describe(name: str, value: object) -> str:
     return f"--{name.replace('_', '-')} {value}"
 
 
-def peek(path: str | Path) -> dict[str, Any]:
-    """The file's contents once it is known to be ours and intact, before any model is there: what a
-    resumed session reads its settings from (:func:`read` then checks them against the model)."""
+def _verify(path: Path) -> None:
+    """PromptCacheError if a byte changed since the file was written. ``torch.save`` writes a zip whose
+    entries carry CRC-32s that ``torch.load`` never checks (a flipped bit inside a key loads as a number
+    no run made); the standard library's ``testzip`` reads each entry against its CRC. A file that is not
+    a zip is left to ``torch.load`` to name."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            bad = z.testzip()
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError):
+        return
+    if bad is not None:
+        raise _bad(path, f"its bytes no longer match the checksums written with them (in {bad})")
+
+
+def peek(path: str | Path, verify: bool = True) -> dict[str, Any]:
+    """The file's contents once it is known to be ours and intact (its checksums too, unless ``verify`` is
+    false), before any model is there: what a resumed session reads its settings from (:func:`read` then
+    checks them against the model)."""
     if not Path(path).exists():
         raise PromptCacheError(f"no file {path}")
     if Path(path).is_dir():
         raise PromptCacheError(f"{path} is a folder, not a selfextend prompt cache or chat session")
+    if verify:
+        _verify(Path(path))
     try:
         payload = torch.load(Path(path), map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises many types for a file that is not its own
