@@ -34,7 +34,7 @@ def mixed_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_gguf(path, quant="Q8_0", blocks={"Q4_1 ffn_up": _q4_1}, extra_tokens=2)
 
 
-def test_metadata_parsed_once(mixed_gguf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def _count_parses(monkeypatch: pytest.MonkeyPatch) -> list[object]:
     parses = []
     original = gguf.GGUFReader.__init__
 
@@ -43,9 +43,23 @@ def test_metadata_parsed_once(mixed_gguf: Path, monkeypatch: pytest.MonkeyPatch)
         original(self, *args, **kwargs)
 
     monkeypatch.setattr(gguf.GGUFReader, "__init__", counted)
+    return parses
+
+
+def test_metadata_parsed_once(mixed_gguf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    parses = _count_parses(monkeypatch)
     config = load_config(str(mixed_gguf))
     assert config.num_hidden_layers == 2 and len(parses) == 1, parses
     assert gguf.GGUFReader.__name__ == "GGUFReader"  # the name is given back
+
+
+def test_a_conversion_parses_the_metadata_once(mixed_gguf: Path, tmp_path: Path, monkeypatch) -> None:
+    """The check, the config and the tokenizer's conversion read one parse (Gemma 3's vocabulary: 20 s each)."""
+    monkeypatch.setenv("SELFEXTEND_CACHE", str(tmp_path / "cache"))
+    parses = _count_parses(monkeypatch)
+    model, tokenizer = load_model(str(mixed_gguf))
+    assert len(parses) == 1, parses
+    assert len(tokenizer) == model.get_input_embeddings().num_embeddings  # the token list, from that parse
 
 
 def _loaded_bytes(model: torch.nn.Module) -> dict[int, int]:

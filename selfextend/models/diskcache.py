@@ -27,7 +27,8 @@ import torch
 
 from selfextend.core.validate import first_line
 from selfextend.hf.facts import ModelError, check_rope
-from selfextend.models.gguf import GGUFTable, load_gguf, read_gguf
+from selfextend.models.gguf import GGUFTable, checked_reader, load_gguf, table_and_config
+from selfextend.models.gguf_config import parsed_by
 from selfextend.models.gguf_families import check_tensors_fit
 from selfextend.models.heap import release_free_memory
 from selfextend.models.quantize import WEIGHT_FORMATS
@@ -42,6 +43,7 @@ from selfextend.models.sources import (
 from selfextend.models.weights import RunForm, save_run_form
 
 if TYPE_CHECKING:
+    from gguf import GGUFReader
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
@@ -151,12 +153,14 @@ def is_cached(source: ModelSource | str | os.PathLike[str], form: RunForm | None
     return is_complete(gguf_cache_dir(source, form))
 
 
-def _converted_tokenizer(gguf: Path) -> Path:
+def _converted_tokenizer(gguf: Path, reader: GGUFReader) -> Path:
     """The folder holding a GGUF's tokenizer files, converted into the cache the first time.
 
-    transformers builds the fast tokenizer from the GGUF's vocabulary, parsing the whole GGUF metadata
+    transformers builds the fast tokenizer from the GGUF's vocabulary, turning the whole GGUF metadata
     into Python objects (slow and large for a big vocabulary such as Gemma 3's 262k entries), so it is
-    done once per GGUF, whichever form is loaded first, and saved for the other forms.
+    done once per GGUF, whichever form is loaded first, and saved for the other forms. It reads the
+    metadata through ``reader``, the conversion's open one, instead of parsing the file again (a third of
+    Gemma 3's conversion time).
     """
     from transformers import AutoTokenizer
 
@@ -164,7 +168,8 @@ def _converted_tokenizer(gguf: Path) -> Path:
     if _has_marker(folder):
         return folder
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        with parsed_by(reader):
+            tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     except Exception as exc:  # noqa: BLE001 (a token list the merges do not fit: the tokenizers crate's Exception)
         raise ModelError(f"cannot read the tokenizer of GGUF '{gguf}': {first_line(exc)}") from exc
     try:
@@ -285,14 +290,15 @@ def ensure_converted(source: ModelSource | str | os.PathLike[str], form: RunForm
 def convert_into(entry: Path, gguf: Path, form: RunForm) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Convert a GGUF into the cache folder ``entry``; return the model as converted and its tokenizer.
 
-    Every step that parses the GGUF's metadata (the check and the config, which keep the tensor table;
-    the tokenizer's conversion, once per GGUF) runs and frees its transient peak before the tokenizer
-    is read from its files and kept,
+    Every step that reads the GGUF's metadata (the check and the config, which keep the tensor table;
+    the tokenizer's conversion, once per GGUF), all through one parse, runs and frees its transient peak
+    before the tokenizer is read from its files and kept,
     and all of that before any weight is in memory.
     """
     from transformers import AutoTokenizer
 
-    table, config = read_gguf(gguf)
+    reader = checked_reader(gguf)
+    table, config = table_and_config(gguf, reader)
     check_tensors_fit(table, config)  # before a model of the metadata's sizes is allocated
     log.info(
         "converting %s into %s weights in the model cache %s: once per file and form, later loads read "
@@ -302,8 +308,8 @@ def convert_into(entry: Path, gguf: Path, form: RunForm) -> tuple[PreTrainedMode
         entry.parent,
     )
     check_rope(config, gguf.name)
-    release_free_memory()
-    tokenizer_dir = _converted_tokenizer(gguf)
+    tokenizer_dir = _converted_tokenizer(gguf, reader)
+    del reader  # its parsed metadata (Gemma 3's: 0.65 GB), before the weights
     release_free_memory()
     tokenizer = hub_load(ModelSource("dir", str(tokenizer_dir), gguf.name), AutoTokenizer.from_pretrained)
     model = _convert_gguf(gguf, config, form, table)

@@ -111,7 +111,12 @@ def check_gguf(path: str | os.PathLike[str]) -> GGUFTable:
 def read_gguf(path: Path) -> tuple[GGUFTable, PretrainedConfig]:
     """A GGUF's tensor table and config, its metadata parsed once (:func:`checked_reader`, then
     transformers reads the config through the same reader); the reader is dropped on return."""
-    reader = checked_reader(path)
+    return table_and_config(path, checked_reader(path))
+
+
+def table_and_config(path: Path, reader: GGUFReader) -> tuple[GGUFTable, PretrainedConfig]:
+    """:func:`read_gguf` through an open :func:`checked_reader` of ``path`` (kept by a caller that hands
+    it on to the tokenizer's conversion, :func:`~selfextend.models.gguf_config.parsed_by`)."""
     table = GGUFTable.of(reader)
     key = f"{table.architecture}.context_length"
     if reader.get_field(key) is None:  # transformers' default (Llama: 2,048) became the trained window

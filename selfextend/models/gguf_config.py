@@ -2,13 +2,13 @@
 (:mod:`~selfextend.models.gguf_families`) and given the rotation llama.cpp reads
 (:mod:`~selfextend.models.gguf_rope`).
 
-transformers parses the file's metadata again when it builds a GGUF's config (``load_gguf_checkpoint``
-makes a ``gguf.GGUFReader`` of the path at each call): seconds for a large vocabulary, after the loader has
-already parsed it. :func:`gguf_config` hands transformers the reader the loader holds instead: while the
-config is built (one at a time, under a lock), ``gguf.GGUFReader`` names a subclass that returns that
-reader for that one path and parses any other path as before, and the name is restored after. No public
-transformers entry point takes an open reader; where one appears, this replacement goes.
-"""
+transformers parses the file's metadata again when it builds a GGUF's config or tokenizer
+(``load_gguf_checkpoint`` makes a ``gguf.GGUFReader`` of the path at each call): seconds for a large
+vocabulary, after the loader has already parsed it. :func:`parsed_by` hands transformers the reader the loader
+holds instead: while the config (or a conversion's tokenizer) is built (one at a time, under a lock),
+``gguf.GGUFReader`` names a subclass that returns that reader for that one path and parses any other path as
+before, and the name is restored after. No public transformers entry point takes an open reader; where one
+appears, this replacement goes."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ _READER_LOCK = threading.Lock()
 
 
 @contextmanager
-def _parsed(reader: GGUFReader | None) -> Iterator[None]:
+def parsed_by(reader: GGUFReader | None) -> Iterator[None]:
     """While open, transformers' GGUF reading gets ``reader`` (already parsed) for its file instead of
     parsing the metadata again (seconds for a large vocabulary): ``load_gguf_checkpoint`` makes its
     ``gguf.GGUFReader`` by name at each call, so that name is pointed at a class handing back ``reader``
@@ -67,7 +67,7 @@ def gguf_config(gguf: Path, rope: GGUFRope, reader: GGUFReader | None = None) ->
 
     register()  # the families transformers' tables lack (models/gguf_families.py)
     try:
-        with _parsed(reader):
+        with parsed_by(reader):
             config = complete_config(AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name))
     except Exception as exc:  # noqa: BLE001 (metadata of the wrong type fails in huggingface_hub's own types)
         raise ModelError(f"cannot read GGUF '{gguf}': {first_line(exc)}") from exc
