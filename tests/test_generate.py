@@ -588,6 +588,32 @@ def test_library_refuses_an_empty_prompt_and_a_batched_cache_in_its_own_words(ti
         Generator(model, ContextShiftCache(model, n_ctx=64, batch_size=2))
 
 
+def test_run_refuses_a_reused_count_or_eos_ids_that_do_not_fit(tiny):
+    """``reused`` past the prompt, negative, or more than the cache holds wrote the prompt after the wrong
+    cells and replied to another text without a word; eos ids of the wrong type failed after the prefill."""
+    from selfextend.core.validate import ValidationError
+    from selfextend.generation.generator import Generator, run
+    from selfextend.kv.cache import ContextShiftCache
+    from selfextend.models.blocks import TokenIdError
+
+    model, _ = tiny
+    prompt = [5, 6, 7, 8, 9, 10]
+    gen = Generator(model, ContextShiftCache(model, n_ctx=64))
+    for reused, said in [(100, "at most 6"), (-5, r"in \[0, 6\], got -5"), (5, "the cache holds 0 tokens")]:
+        with pytest.raises(ValidationError, match=said):
+            next(run(gen, prompt, 2, reused=reused))
+    with pytest.raises(TokenIdError):
+        next(run(gen, prompt, 2, eos_token_ids="abc"))
+    with pytest.raises(TokenIdError, match="must lie in"):
+        next(run(gen, prompt, 2, eos_token_ids=[10**9]))
+    assert gen.tokens == []  # nothing was written
+    gen.feed(prompt[:4])
+    with pytest.raises(ValidationError, match="not the prompt's token 2"):
+        next(run(gen, prompt, 2, reused=3))
+    fresh = Generator(model, ContextShiftCache(model, n_ctx=64))
+    assert [t for t, _ in run(gen, prompt, 3, reused=4)] == [t for t, _ in run(fresh, prompt, 3)]
+
+
 def test_a_full_cache_under_transformers_generate_says_what_to_use(tiny):
     """transformers' generate() over a ContextShiftCache runs while the cells last, then stops with an
     error of the documented kind (a ValueError) that says where shifting generation is (a RuntimeError

@@ -320,6 +320,22 @@ class Generator:
             logits = self.write([token])
 
 
+def _check_reused(generator: Generator, prompt_ids: list[int], reused: object) -> int:
+    """``reused`` as a count of the prompt's first tokens the cache holds as its last written ones (their
+    prefill is skipped): within the prompt, no more than the cache holds (unless a shift dropped some of
+    them), and ending with the prompt's token before the rest. ValidationError otherwise: a wrong count
+    would write the prompt after the wrong cells and reply to another text without a word."""
+    reused = check_int(reused, "reused", 0, len(prompt_ids))
+    held = generator.tokens
+    if reused > len(held) and not generator.cache.shifts:
+        raise ValidationError("reused", f"is {reused}, but the cache holds {len(held)} tokens")
+    if reused and (not held or held[-1] != prompt_ids[reused - 1]):
+        raise ValidationError(
+            "reused", f"is {reused}, but the cache's last token is not the prompt's token {reused - 1}"
+        )
+    return reused
+
+
 def run(
     generator: Generator,
     prompt_ids: Sequence[int],
@@ -344,6 +360,8 @@ def run(
     prompt_ids = generator.checked(prompt_ids)  # all of them, before the first is written
     if not prompt_ids:
         raise ValidationError("prompt", "is empty: nothing to continue from")
+    eos_token_ids = generator.checked(eos_token_ids)
+    reused = _check_reused(generator, prompt_ids, reused)
     stats = GenerationStats(prompt_tokens=len(prompt_ids), reused_tokens=reused, n_ctx=generator.cache.n_ctx)
     t0 = time.perf_counter()
     if reused == len(prompt_ids) and reused_logits is not None:

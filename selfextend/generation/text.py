@@ -90,12 +90,14 @@ def _special_tokens(tokenizer) -> dict[str, int]:
 
 
 def eos_token_ids(model: nn.Module, tokenizer) -> tuple[int, ...]:
-    """The tokens that end a reply: the generation config's end-of-sequence ids and the tokenizer's."""
+    """The tokens that end a reply: the generation config's end-of-sequence ids and the tokenizer's (those
+    the embedding table has rows for: the model can write no other)."""
     ids = model.generation_config.eos_token_id
     ids = [ids] if isinstance(ids, int) else list(ids or [])
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
         ids.append(tokenizer.eos_token_id)
-    return tuple(ids)
+    rows = model.get_input_embeddings().num_embeddings
+    return tuple(i for i in ids if 0 <= i < rows)
 
 
 def common_prefix(a: Sequence, b: Sequence) -> int:
