@@ -9,8 +9,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import selfextend
 from selfextend.core.rope import rotate
+from selfextend.core.validate import ValidationError
 from selfextend.generation.generator import Generator
-from selfextend.kv.cache import ContextShiftCache
+from selfextend.kv.cache import ContextShiftCache, default_keep
 
 TOL = 1e-4
 
@@ -76,6 +77,14 @@ def test_large_chunk_is_fed_in_pieces_not_truncated():
     assert cache.shifts >= 1 and gen.tokens[:4] == ids[:4] and gen.tokens[-1] == ids[-1]
     with pytest.raises(ValueError, match="at once"):
         cache.make_room(40)
+    with pytest.raises(ValidationError, match="n_new must be an integer >= 0, got -5"):
+        cache.make_room(-5)  # was 0 shifts, without a word
+
+
+@pytest.mark.parametrize("args", [(-3, 10, 64), (0, -1, 64), (0, 10, 2.5), (True, 10, 64)])
+def test_default_keep_refuses_counts_that_are_not_counts(args):
+    with pytest.raises(ValidationError):
+        default_keep(*args)  # (-3, 10, 64) answered -3
 
 
 def test_shift_drift_after_many_rotations():

@@ -54,7 +54,8 @@ def test_metadata_parsed_once(mixed_gguf: Path, monkeypatch: pytest.MonkeyPatch)
 
 
 def test_a_conversion_parses_the_metadata_once(mixed_gguf: Path, tmp_path: Path, monkeypatch) -> None:
-    """The check, the config and the tokenizer's conversion read one parse (Gemma 3's vocabulary: 20 s each)."""
+    """The check, the config and the tokenizer's conversion read one parse (Gemma 3's vocabulary: 20 s
+    each)."""
     monkeypatch.setenv("SELFEXTEND_CACHE", str(tmp_path / "cache"))
     parses = _count_parses(monkeypatch)
     model, tokenizer = load_model(str(mixed_gguf))

@@ -272,13 +272,23 @@ def test_max_length_refuses_sizes_that_cannot_work(args):
 
 
 def test_non_rope_models_refused_as_models():
-    from transformers import GPT2Config, GPT2LMHeadModel
+    """Everywhere as a ModelError that says why: the cache said a ValueError about ``inv_freq``, and
+    ``max_usable_length`` called a BLOOM model (no ``max_position_embeddings``) "not a model"."""
+    from transformers import BloomConfig, BloomForCausalLM, GPT2Config, GPT2LMHeadModel
+
+    from selfextend.kv.cache import ContextShiftCache
 
     config = GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=10, bos_token_id=0, eos_token_id=0)
+    bloom = BloomForCausalLM(BloomConfig(n_layer=1, hidden_size=16, n_head=2, vocab_size=10))
     with pytest.raises(ModelError, match="no rotary position embeddings"):
         selfextend.max_usable_length(config, 4, 32)  # answered 416
-    with pytest.raises(ModelError, match="no rotary position embeddings"):
-        selfextend.apply_self_extend(GPT2LMHeadModel(config), 4, 32)
+    for model in (GPT2LMHeadModel(config), bloom):
+        with pytest.raises(ModelError, match="no rotary position embeddings"):
+            selfextend.apply_self_extend(model, 4, 32)
+        with pytest.raises(ModelError, match="no rotary position embeddings"):
+            ContextShiftCache(model, 64)
+        with pytest.raises(ModelError, match="no rotary position embeddings"):
+            selfextend.max_usable_length(model, 4, 32)
 
 
 def test_self_extend_blocks_nest():

@@ -331,8 +331,8 @@ def max_usable_length(model_or_config: Any, group_size: int, window: int) -> int
     and (:class:`ModelError`) a model without rotary positions.
     """
     config = getattr(model_or_config, "config", model_or_config)
-    if not hasattr(config, "max_position_embeddings"):
+    if not hasattr(config, "model_type"):
         got = type(model_or_config).__name__
         raise ModelError(f"max_usable_length needs a model or its config, got {got}")
-    check_rope(config)
+    check_rope(config)  # before the window is looked for: BLOOM has none, and no rotary positions either
     return max_length(trained_window(config), group_size, window)

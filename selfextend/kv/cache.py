@@ -28,7 +28,7 @@ from transformers.cache_utils import Cache
 
 from selfextend.core.rope import layer_frequencies
 from selfextend.core.validate import ValidationError, check_int, first_line
-from selfextend.hf.facts import kv_shape, require_model, sliding_windows
+from selfextend.hf.facts import check_rope, kv_shape, require_model, sliding_windows
 from selfextend.kv.layers import CellLayer, ContextShiftLayer
 from selfextend.kv.sliding import SlidingShiftLayer
 from selfextend.models.diskcache import parse_dtype
@@ -49,8 +49,11 @@ goes on with the list)."""
 
 def default_keep(n_system: int, n_prompt: int, n_ctx: int) -> int:
     """Cells every shift keeps unless told: the system part (BOS, system prompt; llama.cpp keeps the BOS),
-    or where there is none the first :data:`SINKS` tokens of the prompt, never so many that a cache of
-    ``n_ctx`` cells has no room left."""
+    as it is (a cache of ``n_ctx`` cells refuses one that leaves no room), or where there is none the first
+    :data:`SINKS` tokens of the prompt, never so many that the cache has no room left. ValidationError for
+    a count that is not an integer >= 0."""
+    n_system, n_prompt = check_int(n_system, "n_system", 0), check_int(n_prompt, "n_prompt", 0)
+    n_ctx = check_int(n_ctx, "n_ctx", 0)
     return n_system if n_system else max(0, min(SINKS, n_prompt, n_ctx - 2))
 
 
@@ -125,6 +128,7 @@ class ContextShiftCache(Cache):
         sliding: bool = True,
     ) -> None:
         require_model(model, "ContextShiftCache")
+        check_rope(model.config)  # ModelError for GPT-2, OPT...: nothing here to re-rotate
         n_ctx = check_int(n_ctx, "context size", 2)
         n_keep = check_int(n_keep, "n_keep (tokens kept at every shift)", 0, n_ctx - 2)
         batch_size = check_int(batch_size, "batch size", 1)
@@ -269,6 +273,7 @@ class ContextShiftCache(Cache):
 
     def make_room(self, n_new: int) -> int:
         """Shift until ``n_new`` more tokens fit; returns the number of shifts made."""
+        n_new = check_int(n_new, "n_new", 0)
         if n_new > self.n_ctx - self.n_keep - 1:
             raise ValueError(
                 f"cannot write {n_new} tokens at once into a cache of {self.n_ctx} keeping {self.n_keep}; "
