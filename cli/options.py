@@ -254,6 +254,15 @@ def run_name(model: str, weights: str, device: str | object = "cpu") -> str:
     return model if weights == "float" else f"{model}+{weights}"
 
 
+def model_of_run_name(name: str) -> str:
+    """The model a :func:`run_name` names, its ``+weights`` form taken off (a results file's records name
+    ``smollm2-135m+int8``; the model to read a config from is ``smollm2-135m``)."""
+    from selfextend.models.quantize import WEIGHT_FORMATS
+
+    model, plus, form = name.rpartition("+")
+    return model if plus and model and form in WEIGHT_FORMATS else name
+
+
 def self_extend_options(
     f: Callable | None = None, *, group_size: int | None = None, window: int | None = None
 ) -> Callable:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from selfextend.cli.options import in_writable_folder, integer
+from selfextend.cli.options import in_writable_folder, integer, model_of_run_name
 
 
 def summary_options(f):
@@ -81,6 +81,13 @@ def _records(results: str, trained_window: int | None, field: str = "ppl_last", 
     _check_options(kind, results)
     if trained_window is None:
         trained_window = _trained_window(records[0].get("model"))
+        if trained_window is None and kind == "ppl":
+            click.echo(
+                f"warning: the trained window of {records[0].get('model')!r} is not known here (its model "
+                "cannot be read): --ratio's default reference is then the longest length, and no window is "
+                "marked; give --trained-window N",
+                err=True,
+            )
     return records, kind, trained_window
 
 
@@ -166,6 +173,6 @@ def _trained_window(model: str | None) -> int | None:
     if not model:
         return None
     try:
-        return model_facts(load_config(model)).trained_window
+        return model_facts(load_config(model_of_run_name(model))).trained_window
     except ModelError:
         return None

@@ -307,3 +307,19 @@ def test_options_a_file_does_not_read_are_refused_and_latex_escapes(tmp_path):
     header = next(line for line in r.output.splitlines() if line.startswith("method &"))
     row = next(line for line in r.output.splitlines() if line.startswith(r"plain\&co\_x &"))
     assert row.count(" & ") == header.count(" & ")
+
+
+@pytest.mark.parametrize("weights", ["", "+int8"])
+def test_ratio_finds_the_trained_window_of_a_weights_run(tmp_path, weights):
+    """Records of ``ppl --weights int8`` name ``smollm2-135m+int8``: the window was looked up under that
+    name, not found, and --ratio divided by the longest length (16k, past the 8k window) without a word."""
+    path = tmp_path / "r.jsonl"
+    base = {"model": f"smollm2-135m{weights}", "dtype": "float32", "doc": "a", "method": "plain", "ppl": 1.0}
+    path.write_text(
+        "".join(json.dumps({**base, "length": n, "ppl_last": n / 1024}) + "\n" for n in (4096, 8192, 16384))
+    )
+    r = CliRunner().invoke(main, ["table", str(path), "--ratio"])
+    assert r.exit_code == 0 and "relative to 8192 tokens" in r.output and "warning" not in r.stderr, r.output
+    path.write_text(path.read_text().replace("smollm2-135m", "no-such-model-here"))
+    r = CliRunner().invoke(main, ["table", str(path), "--ratio"])
+    assert r.exit_code == 0 and "relative to 16384 tokens" in r.output and "--trained-window" in r.stderr
