@@ -46,11 +46,23 @@ def _log_to_stderr() -> None:
         logger.setLevel(logging.INFO)
 
 
+_SHOWN: set[str] = set()  # the warnings said in this command: a results file read twice is said once
+
+
 def _warning_line(message, category, filename, lineno, file=None, line=None) -> None:
-    """Warnings as one ``warning: ...`` line on stderr (no source line, no file position)."""
-    click.echo(
-        f"warning: {first_line(message if isinstance(message, Warning) else Warning(message))}", err=True
-    )
+    """Warnings as one ``warning: ...`` line on stderr (no source line, no file position), each once, on a
+    line of its own where a tqdm progress bar is drawn (cleared, then drawn again below it)."""
+    text = f"warning: {first_line(message if isinstance(message, Warning) else Warning(message))}"
+    if text in _SHOWN:
+        return
+    _SHOWN.add(text)
+    if "tqdm" not in sys.modules:
+        click.echo(text, err=True)
+        return
+    from tqdm import tqdm
+
+    with tqdm.external_write_mode(file=sys.stderr):
+        click.echo(text, err=True)
 
 
 class Group(click.Group):
@@ -60,6 +72,7 @@ class Group(click.Group):
         kwargs["standalone_mode"] = False
         quiet_openmp_waits(os.environ)  # before any option or command imports torch
         warnings.showwarning = _warning_line
+        _SHOWN.clear()
         _log_to_stderr()
         previous = None
         if threading.current_thread() is threading.main_thread():

@@ -192,6 +192,10 @@ def ppl(
     from selfextend.evaluation.sweep import dtype_name, parse_lengths, plan, ppl_sweep, tokenize_docs
 
     parsed_lengths, parsed_methods = parse_lengths(lengths, "--lengths"), _methods(methods)
+    if not corpus.strip():  # ('' read as the current folder's text files)
+        raise click.BadParameter(
+            "names no file or folder (leave it out for the default)", param_hint="--corpus"
+        )
     if dataset is not None and not dataset.strip():  # ('' read as no dataset: the default corpus)
         raise click.BadParameter("names no dataset (leave it out for --corpus)", param_hint="--dataset")
     source = click.get_current_context().get_parameter_source("corpus")
@@ -300,7 +304,9 @@ def passkey(
         raise click.BadParameter(
             f"'{depths}': use fractions such as 0,0.5,1", param_hint="--depths"
         ) from None
-    if not parsed_depths or not all(0 <= d <= 1 for d in parsed_depths):
+    if not parsed_depths:
+        raise click.BadParameter("names no depth: give fractions such as 0,0.5,1", param_hint="--depths")
+    if not all(0 <= d <= 1 for d in parsed_depths):
         raise click.BadParameter("depths must lie in [0, 1]", param_hint="--depths")
     if trials < 1:
         raise click.BadParameter("at least 1", param_hint="--trials")

@@ -129,7 +129,8 @@ def in_writable_folder(ctx: click.Context, param: click.Parameter, value: str | 
 def results_file(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
     """A results file to append to, refused at once where it could not be written (found otherwise after
     the first point was measured, and that point lost): an empty name, something other than a file, a file
-    or nearest existing folder not writable. Missing folders are made with the first record."""
+    or nearest existing folder not writable, a name that cannot be created there (tried: the folders are
+    made now, the file made and removed; as root every folder passes ``os.access``, /proc too)."""
     if value is None:
         return value
     path = Path(value).expanduser().absolute()
@@ -144,6 +145,15 @@ def results_file(ctx: click.Context, param: click.Parameter, value: str | None) 
     folder = next(p for p in path.parents if p.exists())
     if not folder.is_dir() or not os.access(folder, os.W_OK):
         raise click.BadParameter(f"no writable folder {folder} to write it in", ctx, param)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("x"):
+            pass
+        path.unlink()
+    except FileExistsError:  # made meanwhile (another process of a launched sweep): it is writable
+        pass
+    except OSError as e:
+        raise click.BadParameter(f"cannot create {value}: {e.strerror or e}", ctx, param) from None
     return value
 
 

@@ -37,7 +37,7 @@ from selfextend.cli.main import main
 from selfextend.core.validate import ValidationError
 from selfextend.evaluation.methods import Method, MethodError, parse_method, parse_methods
 from selfextend.evaluation.passkey import passkey_plan
-from selfextend.evaluation.results import ResultsWarning, read_jsonl, rejected_path, repair_tail
+from selfextend.evaluation.results import ResultsError, ResultsWarning, read_jsonl, rejected_path, repair_tail
 from selfextend.evaluation.sweep import check_lengths, plan
 from selfextend.generation.decode import decode_step_for
 from selfextend.generation.draft import DraftModel
@@ -177,6 +177,9 @@ METHOD_CASES = [
     (["passkey", "--depths", "nan"], "--depths"),
     (["passkey", "--depths", "1.5"], "--depths"),
     (["passkey", "--depths", "a,b"], "--depths"),
+    (["passkey", "--depths", ""], "names no depth"),  # was "must lie in [0, 1]"
+    (["ppl", "--corpus", ""], "--corpus"),  # read the current folder's files
+    (["ppl", "-o", "/proc/nonexistent/r.jsonl"], "cannot create"),  # after the first point, lost
     (["passkey", "--lengths", "-2k"], "--lengths"),
     (["bench", "--lengths", "infk"], "--lengths"),
     (["bench", "--cases", "nope"], "--cases"),
@@ -198,7 +201,7 @@ def invoke(args: list, cwd: Path) -> tuple[int, str]:
 def test_values_refused_before_loading(args, message, tmp_path):
     (tmp_path / "out.jsonl").write_text('{"kept": true}\n')
     before = snapshot(tmp_path)
-    if args[0] in ("ppl", "passkey"):
+    if args[0] in ("ppl", "passkey") and "-o" not in args:
         args = [*args, "-o", "out.jsonl"]
     code, stderr = invoke(args, tmp_path)
     assert_one_line_error(code, stderr, before, message)
@@ -802,6 +805,21 @@ def test_resume_keeps_last_record_without_newline_and_sets_bad_lines_aside(tmp_p
     clean.write_text('{"a": 1}\n{"a": 2}')
     repair_tail(clean)
     assert clean.read_text() == '{"a": 1}\n{"a": 2}\n' and not rejected_path(clean).exists()
+
+
+def test_a_sweep_killed_in_its_first_record_resumes(tmp_path):
+    """Its file holds one object begun and no newline: it was refused as "not ours" (no record), so the
+    same command could not resume. A text of one line, or an object cut before a newline, still is."""
+    p = tmp_path / "r.jsonl"
+    p.write_text('{"model": "smollm2-135m", "doc": "sherlock-holmes", "meth')
+    with pytest.warns(ResultsWarning, match="1 line"):
+        repair_tail(p)
+    assert p.read_text() == "" and rejected_path(p).read_text().startswith('r.jsonl:1: {"model"')
+    for text in ("hello", '{"model": "m", "do\n'):
+        other = tmp_path / "other.txt"
+        other.write_text(text)
+        with pytest.raises(ResultsError, match="holds no results"):
+            repair_tail(other)
 
 
 def test_passkey_resume_keys_include_seed_and_dtype(tmp_path):

@@ -502,3 +502,17 @@ def test_sweeps_refuse_what_they_would_drop_or_spoil(tmp_path):
     r = CliRunner().invoke(main, ["ppl", "-m", "nonexistent-model", "--lengths", "256", "-o", str(notes)])
     assert r.exit_code == 2 and "holds no results" in r.stderr and "nonexistent" not in r.stderr, r.output
     assert notes.read_text() == "my notes\nmore notes\n"
+
+
+def test_a_cut_line_is_said_once(tiny_dir, tmp_path):
+    """A results file with a line cut in the middle: its warning came twice in one run (the file is read
+    at the option and again at the resume), on the progress bar's line."""
+    out = tmp_path / "ppl.jsonl"
+    args = ["ppl", "--model", tiny_dir, "--docs", "surgery", "--lengths", "64,128", "-o", out]
+    assert invoke(*args).exit_code == 0
+    first, second = out.read_text().splitlines()
+    out.write_text(f"{first}\n{second[:20]}\n{second}\n")
+    r = invoke(*args)
+    assert r.exit_code == 0 and "all points already in" in r.stderr, r.stderr
+    said = [line for line in r.stderr.splitlines() if "warning" in line]
+    assert len(said) == len(set(said)) and any(":2: not JSON" in line for line in said), r.stderr

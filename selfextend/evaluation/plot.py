@@ -54,7 +54,7 @@ def _fits(record: dict[str, Any], kind: str, field: str) -> bool:
 def records_kind(records: list[dict[str, Any]], source: str = "results") -> str:
     """``ppl``, ``passkey`` or ``bench``: the most common kind among ``records`` (ValueError if none)."""
     if not records:
-        raise ValueError(f"{source}: no records to plot")
+        raise ValueError(f"{source}: no records (no line of it is a result)")
     kinds = [k for r in records for k in [record_kind(r)] if k]
     if not kinds:
         raise ValueError(f"{source}: unknown records (fields: {', '.join(sorted(records[0]))})")

@@ -26,6 +26,9 @@ class ResultsWarning(UserWarning):
     """A line of a results file that is not a record and was skipped (or set aside)."""
 
 
+_CUT = "not JSON (cut off?)"
+
+
 def _parse(line: bytes) -> dict[str, Any] | str:
     """The record on ``line``, or why it is not one."""
     try:
@@ -33,7 +36,7 @@ def _parse(line: bytes) -> dict[str, Any] | str:
     except UnicodeDecodeError:
         return "not UTF-8"
     except json.JSONDecodeError:
-        return "not JSON (cut off?)"
+        return _CUT
     except RecursionError:
         return "JSON nested too deep"
     if not isinstance(value, dict):
@@ -132,12 +135,14 @@ def not_records(path: str | Path) -> list[tuple[int, bytes]]:
 
 def _refuse_no_records(p: Path) -> tuple[list[bytes], list]:
     """(lines, lines that are not records) of the file ``p``; ResultsError where it holds no record at all
-    (a text file named by mistake: not ours to append to)."""
+    (a text file named by mistake: not ours to append to), unless its one line is a record cut off (a
+    sweep killed while it wrote its first: an object begun, no newline), which is then set aside."""
     lines = _lines(p)
+    cut_first = len(lines) == 1 and lines[0].lstrip().startswith(b'{"') and _parse(lines[0]) == _CUT
     if lines and lines[-1] == b"":
         lines.pop()  # the empty piece after the final newline
     bad = not_records(p)
-    if bad and len(bad) == sum(1 for x in lines if x.strip()):
+    if bad and len(bad) == sum(1 for x in lines if x.strip()) and not cut_first:
         raise ResultsError(
             f"{p} holds no results (none of its {len(bad)} lines is a JSON record), so it is not ours to "
             "append to: name another file"
