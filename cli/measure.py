@@ -292,8 +292,9 @@ def passkey(
 ) -> None:
     """Passkey retrieval: a 5-digit key hidden in filler, asked for at the end, answered greedily."""
     from selfextend.cli.options import load_with_self_extend
+    from selfextend.core.validate import ValidationError
     from selfextend.evaluation.distributed import forward_cost
-    from selfextend.evaluation.passkey import passkey_plan, passkey_sweep, point_key
+    from selfextend.evaluation.passkey import build_passkey_prompt, passkey_plan, passkey_sweep, point_key
     from selfextend.evaluation.results import read_jsonl
     from selfextend.evaluation.sweep import dtype_name, parse_lengths
 
@@ -324,6 +325,10 @@ def passkey(
         with procs.main_first():
             lm, tokenizer = load_with_self_extend(model, dtype, device, None, None, weights)
         _fits(lm, [(p.length, p.method) for p in points], cells=True)
+        try:  # the shortest prompt the task fits in depends on the tokenizer: known now, before any trial
+            build_passkey_prompt(tokenizer, min(p.length for p in points), 0.0, 99999)
+        except ValidationError as e:
+            raise click.BadParameter(e.requirement, param_hint="--lengths") from None
         hidden = lm.config.get_text_config().hidden_size
         mine = procs.share(points, lambda p: forward_cost(p.length, hidden))
         bar = _progress_bar(sum(p.length for p in mine), "passkey", procs)

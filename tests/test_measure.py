@@ -516,3 +516,13 @@ def test_a_cut_line_is_said_once(tiny_dir, tmp_path):
     assert r.exit_code == 0 and "all points already in" in r.stderr, r.stderr
     said = [line for line in r.stderr.splitlines() if "warning" in line]
     assert len(said) == len(set(said)) and any(":2: not JSON" in line for line in said), r.stderr
+
+
+def test_a_passkey_length_too_short_names_the_option(tiny_dir, tmp_path):
+    """It said "lengths must be at least ..." from inside the sweep: the option is named, nothing written."""
+    out = tmp_path / "pk.jsonl"
+    r = invoke(
+        "passkey", "--model", tiny_dir, "--lengths", "16,256", "--depths", "0", "--trials", "1", "-o", out
+    )
+    assert r.exit_code == 2 and "--lengths" in r.stderr and "must be at least" in r.stderr, r.stderr
+    assert not out.exists() or not out.read_text()
