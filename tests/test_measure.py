@@ -98,6 +98,9 @@ def test_method_names_round_trip():
     assert parse_lengths("1k,512,2k,1k") == [512, 1024, 2048]
     with pytest.raises(ValueError, match="must be an integer"):
         parse_lengths("1x")
+    for spec in ("99999999999", "1e300k"):  # "at most 2147483647" and a 301-digit number
+        with pytest.raises(ValueError, match=rf"\({spec}\) must be at most 16777216(, got 99999999999)?$"):
+            parse_lengths(spec)
 
 
 def test_jsonl_ignores_cut_off_last_line(tmp_path):

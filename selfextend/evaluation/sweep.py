@@ -36,11 +36,13 @@ def parse_lengths(spec: str, name: str = "lengths") -> list[int]:
     for part in filter(None, (p.strip().lower() for p in str(spec).split(","))):
         if part.endswith("k"):
             n = parse_float(part[:-1], f"{name} ({part})", lo=0.0) * 1024
+            if n > MAX_LENGTH:  # said as given (1e300k: not its 301 digits)
+                raise ValidationError(f"{name} ({part})", f"must be at most {MAX_LENGTH}")
             if n != int(n):
                 raise ValidationError(f"{name} ({part})", "must be a whole number of tokens")
             n = int(n)
         else:
-            n = parse_int(part, f"{name} ({part})")
+            n = parse_int(part, f"{name} ({part})", hi=MAX_LENGTH)
         lengths.append(check_int(n, f"{name} ({part})", MIN_LENGTH, MAX_LENGTH))
     if not lengths:
         raise ValidationError(name, "needs at least one length, such as 2048 or 2k")
