@@ -28,7 +28,7 @@ import torch
 from selfextend.core.validate import first_line
 from selfextend.hf.facts import ModelError, check_rope
 from selfextend.models.gguf import GGUFTable, checked_reader, load_gguf, table_and_config
-from selfextend.models.gguf_config import parsed_by
+from selfextend.models.gguf_config import parsed_by, tokenizer_reason
 from selfextend.models.gguf_families import check_tensors_fit
 from selfextend.models.heap import release_free_memory
 from selfextend.models.quantize import WEIGHT_FORMATS
@@ -171,7 +171,9 @@ def _converted_tokenizer(gguf: Path, reader: GGUFReader) -> Path:
         with parsed_by(reader):
             tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     except Exception as exc:  # noqa: BLE001 (a token list the merges do not fit: the tokenizers crate's Exception)
-        raise ModelError(f"cannot read the tokenizer of GGUF '{gguf}': {first_line(exc)}") from exc
+        raise ModelError(
+            f"cannot read the tokenizer of GGUF '{gguf}': {tokenizer_reason(exc, reader)}"
+        ) from exc
     try:
         _write_folder(folder, tokenizer.save_pretrained, gguf, "tokenizer", _has_marker)
     except OSError as exc:

@@ -55,9 +55,11 @@ class _Stored:
     raw_dtype: np.dtype
     offset: int  # in the file
 
-    def matrix_shape(self) -> tuple[int, int] | None:
-        """(rows, columns) of a stored matrix as its values (None for a vector or a 3-axis tensor)."""
-        return (self.raw_shape[0], _value_shape(self)[-1]) if len(self.raw_shape) == 2 else None
+    def value_shape(self) -> tuple[int, ...] | None:
+        """The shape of a stored vector or matrix as its values (None for a 3-axis tensor)."""
+        if len(self.raw_shape) > 2:
+            return None
+        return (*self.raw_shape[:-1], _value_shape(self)[-1])
 
     def read(self, f: BinaryIO, a: int, b: int) -> np.ndarray:
         """Rows ``a:b`` of the stored data, read into a fresh array (a 1-D tensor: all of it)."""
@@ -116,11 +118,9 @@ def read_gguf(path: Path) -> tuple[GGUFTable, PretrainedConfig]:
 
 def table_and_config(path: Path, reader: GGUFReader) -> tuple[GGUFTable, PretrainedConfig]:
     """:func:`read_gguf` through an open :func:`checked_reader` of ``path`` (kept by a caller that hands
-    it on to the tokenizer's conversion, :func:`~selfextend.models.gguf_config.parsed_by`)."""
+    it on to the tokenizer's conversion, :func:`~selfextend.models.gguf_config.parsed_by`), whose walk
+    refused a file without its architecture or trained window."""
     table = GGUFTable.of(reader)
-    key = f"{table.architecture}.context_length"
-    if reader.get_field(key) is None:  # transformers' default (Llama: 2,048) became the trained window
-        raise ModelError(f"{path}: its metadata has no {key}, the window the model was trained on")
     return table, gguf_config(path, table.rope, reader)
 
 

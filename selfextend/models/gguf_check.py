@@ -7,13 +7,15 @@ reads only counts and lengths, refusing in one line naming the key or tensor: an
 end of the file, an unknown type, a dimension that is zero or makes the tensor's byte count overflow,
 rows that are not whole blocks of the tensor's type, data not at the file's alignment or overlapping
 another tensor's, a tensor named twice, a metadata string that is not UTF-8, a special token's id past
-the token list, and a vocabulary longer than the embedding table (a token id past the table's rows would
-read memory past it). What it accepts, ``gguf``'s reader then parses
-(:func:`~selfextend.models.gguf.checked_reader`).
+the token list, a vocabulary longer than the embedding table (a token id past the table's rows would
+read memory past it), no ``general.architecture`` or none of its keys, and sizes no model can have (a
+zero head count, a window past 2^31 - 1, an odd RoPE dimension count, a NaN epsilon). What it accepts,
+``gguf``'s reader then parses (:func:`~selfextend.models.gguf.checked_reader`).
 """
 
 from __future__ import annotations
 
+import math
 import mmap
 import struct
 from pathlib import Path
@@ -22,8 +24,10 @@ from selfextend.hf.facts import ModelError
 
 MAX_DIMS = 4  # GGML_MAX_DIMS
 MAX_BYTES = 1 << 62  # no tensor's byte count (nor offset) can reach it: the sums below stay in int64
-_SCALARS = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # value type -> bytes
-STRING, ARRAY, U32, U64 = 8, 9, 4, 10
+# GGUF value type -> struct format: u8, i8, u16, i16, u32, i32, f32, bool, u64, i64, f64
+_SCALARS = {k: f"<{c}" for k, c in zip((0, 1, 2, 3, 4, 5, 6, 7, 10, 11, 12), "BbHhIif?Qqd", strict=True)}
+STRING, ARRAY = 8, 9
+MAX_WINDOW = 2**31 - 1  # the longest trained window (context_length) a model's positions are counted in
 TOKENS, EMBEDDING = "tokenizer.ggml.tokens", "token_embd.weight"
 SPECIAL_TOKENS = ("bos", "eos", "unknown", "padding")  # the ids transformers looks up in the token list
 
@@ -54,8 +58,8 @@ class _Walk:
         except UnicodeDecodeError:
             raise ModelError(f"{self.path}: {what} is not UTF-8 text (GGUF strings are UTF-8)") from None
 
-    def value(self, kind: int, what: str) -> int | str | tuple | None:
-        """Skip (or read: an integer, a string) one value of GGUF type ``kind``; ("array", its count)."""
+    def value(self, kind: int, what: str) -> int | float | str | tuple | None:
+        """One value of GGUF type ``kind`` (a number, a string); an array is skipped: ("array", its count)."""
         if kind == STRING:
             return self.string(what)
         if kind == ARRAY:
@@ -64,18 +68,15 @@ class _Walk:
                 for _ in range(count):  # lengths only: 4M tokens in about a second
                     self.take(self.u64(what), what)
             elif item in _SCALARS:
-                self.take(count * _SCALARS[item], what)
+                self.take(count * struct.calcsize(_SCALARS[item]), what)
             else:
                 raise ModelError(f"{self.path}: metadata key {what} holds an array of unknown type {item}")
             return ("array", count)  # type: ignore[return-value]
         if kind not in _SCALARS:
             raise ModelError(f"{self.path}: metadata key {what} has an unknown value type {kind}")
-        start = self.take(_SCALARS[kind], what)
-        return (
-            int.from_bytes(self.data[start : start + _SCALARS[kind]], "little")
-            if kind in (U32, U64)
-            else None
-        )
+        return struct.unpack_from(
+            _SCALARS[kind], self.data, self.take(struct.calcsize(_SCALARS[kind]), what)
+        )[0]
 
 
 def check_table(path: Path) -> None:
@@ -141,7 +142,8 @@ def check_table(path: Path) -> None:
             if start + end > len(data):
                 raise ModelError(f"{path} is truncated: tensor {name} ends past the end of the file")
         _check_apart(path, starts, ends)
-        _check_vocabulary(path, values, seen)
+        _check_vocabulary(path, values, seen)  # first: a token id past the table reads past its memory
+        _check_architecture(path, values)
         _check_sizes(path, values, seen)
 
 
@@ -152,6 +154,40 @@ def _check_apart(path: Path, starts: dict[str, int], ends: dict[str, int]) -> No
     for before, after in zip(order, order[1:], strict=False):
         if starts[after] < ends[before]:
             raise ModelError(f"{path}: tensors {before} and {after} share bytes (their data overlap)")
+
+
+def _check_architecture(path: Path, values: dict) -> None:
+    """ModelError where ``general.architecture`` (the model family, which every size key is named after) is
+    missing or not text, or names a family none of whose keys the file has (an edited or wrong name: the
+    first key looked up then failed, naming a key of a family the file does not hold), or where the file
+    has its keys but not its trained window (transformers' default of 2,048 was then taken for it)."""
+    arch = values.get("general.architecture")
+    if arch is None:
+        raise ModelError(f"{path}: its metadata has no general.architecture (which model family it holds)")
+    if not isinstance(arch, str):
+        raise ModelError(f"{path}: its general.architecture is not text (it names the model family)")
+    window = f"{arch}.context_length"
+    if window in values:
+        return
+    if any(key.startswith(f"{arch}.") for key in values):
+        raise ModelError(f"{path}: its metadata has no {window}, the window the model was trained on")
+    unknown = "" if _reads_architecture(arch) else " (a model family transformers cannot read)"
+    others = sorted(key.split(".")[0] for key in values if key.endswith(".context_length"))
+    instead = f"; it has {others[0]}.* keys instead (is general.architecture wrong?)" if others else ""
+    raise ModelError(
+        f"{path} names its architecture {arch!r}{unknown}, but its metadata has no {arch}.* keys "
+        f"(the model's sizes){instead}"
+    )
+
+
+def _reads_architecture(arch: str) -> bool:
+    """Whether transformers reads GGUF files of ``arch`` (its own spellings of llama.cpp's MoE names too)."""
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+    from selfextend.models.gguf_families import CONFIG_KEYS
+
+    known = {*GGUF_SUPPORTED_ARCHITECTURES, *CONFIG_KEYS}
+    return arch in known or arch.replace("moe", "_moe").replace("-", "_") in known or "t5" in arch
 
 
 def _check_vocabulary(path: Path, values: dict, tensors: dict[str, tuple[int, ...]]) -> None:
@@ -190,19 +226,41 @@ SIZES = (
 
 
 def _check_sizes(path: Path, values: dict, tensors: dict[str, tuple[int, ...]]) -> None:
-    """ModelError naming the key where a size the config is made from (the trained window too) is zero, or
-    larger than every dimension of every tensor (no tensor can then have the shape it implies: refused
-    before a model of that size is built), where the block count passes the tensors, or the query heads are
-    no multiple of the KV heads."""
+    """ModelError naming the key where a size the config is made from is below one, or larger than every
+    dimension of every tensor (no tensor can then have the shape it implies: refused before a model of that
+    size is built), where the block count passes the tensors, the query heads are no multiple of the KV
+    heads, the trained window is not 1 to 2^31 - 1, RoPE's dimension count is zero or odd, or a number of
+    the architecture's is NaN or infinite (a norm's epsilon: also negative)."""
     arch = values.get("general.architecture")
+    for key, value in values.items():
+        if key.startswith(f"{arch}.") and isinstance(value, float) and not math.isfinite(value):
+            raise ModelError(f"{path}: {key} is {value}, not a finite number")
+    for name in ("layer_norm_epsilon", "layer_norm_rms_epsilon"):
+        key, value = f"{arch}.attention.{name}", values.get(f"{arch}.attention.{name}")
+        if isinstance(value, int | float) and value < 0:
+            raise ModelError(
+                f"{path}: {key} is {value:g}, a negative epsilon (the norm's small positive term)"
+            )
     largest = max((n for dims in tensors.values() for n in dims), default=0)
     for name in (*SIZES, "block_count"):
         key, value = f"{arch}.{name}", values.get(f"{arch}.{name}")
         bound = len(tensors) if name == "block_count" else largest
-        if isinstance(value, int) and not 1 <= value <= bound:
+        if isinstance(value, int) and value < 1:
+            raise ModelError(f"{path}: {key} is {value} (a model needs at least one)")
+        if isinstance(value, int) and value > bound:
             raise ModelError(f"{path}: {key} is {value}, where the tensors allow 1 to {bound}")
-    if values.get(f"{arch}.context_length") == 0:
-        raise ModelError(f"{path}: {arch}.context_length is 0 (the trained window must be a length)")
+    key, window = f"{arch}.context_length", values.get(f"{arch}.context_length")
+    if isinstance(window, int) and window < 1:
+        raise ModelError(f"{path}: {key} is {window} (the trained window must be a length)")
+    if isinstance(window, int) and window > MAX_WINDOW:
+        raise ModelError(
+            f"{path}: {key} is {window}, past the longest trained window this reads ({MAX_WINDOW})"
+        )
+    key, rotated = f"{arch}.rope.dimension_count", values.get(f"{arch}.rope.dimension_count")
+    if isinstance(rotated, int) and rotated < 1:
+        raise ModelError(f"{path}: {key} is {rotated} (RoPE needs at least one pair of values to rotate)")
+    if isinstance(rotated, int) and rotated % 2:
+        raise ModelError(f"{path}: {key} is {rotated}, an odd number (RoPE rotates a head's values in pairs)")
     heads, kv = (values.get(f"{arch}.attention.{k}") for k in ("head_count", "head_count_kv"))
     if isinstance(heads, int) and isinstance(kv, int) and heads % kv:
         raise ModelError(f"{path}: {arch}.attention.head_count_kv {kv} does not divide head_count {heads}")

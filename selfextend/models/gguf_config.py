@@ -70,6 +70,36 @@ def gguf_config(gguf: Path, rope: GGUFRope, reader: GGUFReader | None = None) ->
         with parsed_by(reader):
             config = complete_config(AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name))
     except Exception as exc:  # noqa: BLE001 (metadata of the wrong type fails in huggingface_hub's own types)
-        raise ModelError(f"cannot read GGUF '{gguf}': {first_line(exc)}") from exc
+        raise ModelError(f"cannot read GGUF '{gguf}': {reason(exc)}") from exc
     apply_gguf_rope(config, rope, gguf.name)
     return config
+
+
+def reason(exc: BaseException) -> str:
+    """An exception's first line, with the next where the first ends in a colon (pydantic's "Class
+    validation error for validator 'validate_rope':" says its reason on the line after)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    if len(lines) > 1 and lines[0].endswith(":"):
+        return f"{lines[0]} {lines[1]}"
+    return first_line(exc)
+
+
+def tokenizer_reason(exc: BaseException, reader: GGUFReader | None) -> str:
+    """Why transformers could not build a GGUF's tokenizer: a missing metadata key (its bare ``KeyError``
+    names the key's last part: 'tokens') in the file's own name, else :func:`reason`."""
+    try:
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_TOKENIZER_MAPPING
+
+        keys = {v: f"tokenizer.{k}" for k, v in GGUF_TOKENIZER_MAPPING["tokenizer"].items()}
+    except (ImportError, KeyError):  # another transformers: the fields named after llama.cpp's keys
+        keys = {n: f"tokenizer.ggml.{n}" for n in ("tokens", "scores", "token_type", "merges")}
+    name = exc.args[0] if isinstance(exc, KeyError) and exc.args else None
+    if (
+        not isinstance(name, str) or name not in keys
+    ):  # not a field of the file's tokenizer metadata (a token a merge names...)
+        return reason(exc)
+    key = keys[name]
+    fields = reader.fields if reader is not None else {}
+    if name == "scores" and "tokenizer.ggml.merges" not in fields:  # merges are derived from the scores
+        return f"its metadata has no tokenizer.ggml.merges, nor {key} to derive them from"
+    return f"its metadata has no {key}"

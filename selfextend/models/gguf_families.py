@@ -198,8 +198,9 @@ class _MoeProcessor:
 def check_tensors_fit(table: Any, config: PretrainedConfig) -> None:
     """ModelError naming a tensor a GGUF's metadata (its ``config``) asks for and its table (a
     :class:`~selfextend.models.gguf.GGUFTable`, which imports this module) lacks, or a
-    matrix whose stored shape is not the config's, without reading any weight (``info``: a conversion
-    finds them too, later; a head size of 2^30 in the metadata was shown, then allocated by ``generate``)."""
+    matrix or vector (a norm, a bias) whose stored shape is not the config's, without reading any weight
+    (``info``: a conversion finds them too, later; a head size of 2^30 in the metadata was shown, then
+    allocated by ``generate``)."""
     import torch
 
     from selfextend.models.weights import RunForm, empty_model
@@ -210,8 +211,8 @@ def check_tensors_fit(table: Any, config: PretrainedConfig) -> None:
     check_present({t.name for t in table.tensors}, mapping, model)
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     for t in table.tensors:
-        want, got = shapes.get(mapping.get(t.name, "")), t.matrix_shape()
-        if want is not None and len(want) == 2 and got is not None and got != want:
+        want, got = shapes.get(mapping.get(t.name, "")), t.value_shape()
+        if want is not None and got is not None and len(want) == len(got) and got != want:
             raise ModelError(f"{t.name}: shape {got} where the file's metadata says {want}")
     unread = sorted(
         t.name for t in table.tensors if not read_by(t.name, mapping) and t.name not in ROPE_TENSORS

@@ -243,6 +243,11 @@ def apply_gguf_rope(config: PretrainedConfig, rope: GGUFRope, name: str = "") ->
         target["rope_theta"] = float(keys["rope.freq_base"])
     theta = float(target.get("rope_theta", 10000.0))
     rot_dim = int(keys.get("rope.dimension_count") or head_dim)
+    if rot_dim > head_dim:
+        raise ModelError(
+            f"{name or 'the model'}: rope.dimension_count {rot_dim} asks to rotate more values than a head "
+            f"holds ({head_dim})"
+        )
     if rot_dim != head_dim and config.model_type not in PARTIAL_ROTARY:
         raise ModelError(
             f"{name or 'the model'}: rope.dimension_count {rot_dim} rotates part of a head of {head_dim} "
