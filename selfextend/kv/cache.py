@@ -52,8 +52,8 @@ def default_keep(n_system: int, n_prompt: int, n_ctx: int) -> int:
     as it is (a cache of ``n_ctx`` cells refuses one that leaves no room), or where there is none the first
     :data:`SINKS` tokens of the prompt, never so many that the cache has no room left. ValidationError for
     a count that is not an integer >= 0."""
-    n_system, n_prompt = check_int(n_system, "n_system", 0), check_int(n_prompt, "n_prompt", 0)
-    n_ctx = check_int(n_ctx, "n_ctx", 0)
+    n_system, n_prompt = check_int(n_system, "n_system", 0, None), check_int(n_prompt, "n_prompt", 0, None)
+    n_ctx = check_int(n_ctx, "n_ctx", 0, None)  # (a prompt built for no cache in particular: 2^31)
     return n_system if n_system else max(0, min(SINKS, n_prompt, n_ctx - 2))
 
 
