@@ -113,6 +113,7 @@ def info(model_arg: str | None, model_opt: str | None, group_size: int, window: 
     from selfextend.models import model_facts
     from selfextend.models.gguf_families import check_tensors_fit
     from selfextend.models.load import read_config
+    from selfextend.models.sources import resolve_model
     from selfextend.models.weights import RunForm, form_bytes
 
     if model_arg is not None and model_opt is not None and model_arg != model_opt:
@@ -120,7 +121,7 @@ def info(model_arg: str | None, model_opt: str | None, group_size: int, window: 
     model = next((m for m in (model_arg, model_opt) if m is not None), "smollm2-135m")
     config, table = read_config(model)
     if table is not None:
-        check_tensors_fit(table, config)
+        check_tensors_fit(table, config, resolve_model(model).gguf_path)
     cells = NATIVE_CACHE_TYPE if native_cells_default(config, "cpu", torch.float32) else "f32"
     facts = model_facts(config)
     trained = facts.trained_window

@@ -107,7 +107,7 @@ CASES = {
     "no blocks": (_value("llama.block_count", 0), ": llama.block_count is 0 (a model needs at least one)"),
     "norm of the wrong size": (
         _dims("blk.1.attn_norm.weight", [16]),
-        "blk.1.attn_norm.weight: shape (16,) where the file's metadata says (32,)",
+        ": blk.1.attn_norm.weight: shape (16,) where the file's metadata says (32,)",
     ),
 }
 

@@ -301,7 +301,7 @@ def convert_into(entry: Path, gguf: Path, form: RunForm) -> tuple[PreTrainedMode
 
     reader = checked_reader(gguf)
     table, config = table_and_config(gguf, reader)
-    check_tensors_fit(table, config)  # before a model of the metadata's sizes is allocated
+    check_tensors_fit(table, config, gguf)  # before a model of the metadata's sizes is allocated
     log.info(
         "converting %s into %s weights in the model cache %s: once per file and form, later loads read "
         "the cache (seconds to a minute)",

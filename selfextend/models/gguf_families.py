@@ -195,25 +195,29 @@ class _MoeProcessor:
         return self._experts.process(weights, name, **kwargs)
 
 
-def check_tensors_fit(table: Any, config: PretrainedConfig) -> None:
+def check_tensors_fit(table: Any, config: PretrainedConfig, source: object = None) -> None:
     """ModelError naming a tensor a GGUF's metadata (its ``config``) asks for and its table (a
     :class:`~selfextend.models.gguf.GGUFTable`, which imports this module) lacks, or a
     matrix or vector (a norm, a bias) whose stored shape is not the config's, without reading any weight
     (``info``: a conversion finds them too, later; a head size of 2^30 in the metadata was shown, then
-    allocated by ``generate``)."""
+    allocated by ``generate``); the message starts with ``source`` (the file) where given."""
     import torch
 
     from selfextend.models.weights import RunForm, empty_model
 
+    where = "" if source is None else f"{source}: "
     with torch.device("meta"):
         model = empty_model(config, RunForm("float", torch.float32))
     mapping = tensor_names(model, table.architecture)[1]
-    check_present({t.name for t in table.tensors}, mapping, model)
+    try:
+        check_present({t.name for t in table.tensors}, mapping, model)
+    except ModelError as e:
+        raise ModelError(f"{where}{e}") from None
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     for t in table.tensors:
         want, got = shapes.get(mapping.get(t.name, "")), t.value_shape()
         if want is not None and got is not None and len(want) == len(got) and got != want:
-            raise ModelError(f"{t.name}: shape {got} where the file's metadata says {want}")
+            raise ModelError(f"{where}{t.name}: shape {got} where the file's metadata says {want}")
     unread = sorted(
         t.name for t in table.tensors if not read_by(t.name, mapping) and t.name not in ROPE_TENSORS
     )
