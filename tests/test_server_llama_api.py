@@ -51,6 +51,11 @@ def test_tokenize_and_detokenize_round_trip(server):
     status, pieces = request(base, "POST", "/tokenize", {"content": text, "with_pieces": True})
     assert [p["id"] for p in pieces["tokens"]] == body["tokens"]
     assert "".join(p["piece"] for p in pieces["tokens"]) == text
+    wide = "café 🌊 日本"  # the wave and 日 in tokens that each hold part of a character
+    status, pieces = request(base, "POST", "/tokenize", {"content": wide, "with_pieces": True})
+    raw = [p.encode() if isinstance(p, str) else bytes(p) for p in (t["piece"] for t in pieces["tokens"])]
+    assert status == 200 and b"".join(raw) == wide.encode()  # "\ufffd" pieces, as llama-server's bytes
+    assert any(isinstance(p["piece"], list) for p in pieces["tokens"])
     assert request(base, "POST", "/tokenize", {"content": ""})[1] == {"tokens": []}
     status, back = request(base, "POST", "/detokenize", {"tokens": body["tokens"]})
     assert status == 200 and back == {"content": text}

@@ -6,6 +6,7 @@ chat and the server share them."""
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -98,6 +99,39 @@ def eos_token_ids(model: nn.Module, tokenizer) -> tuple[int, ...]:
         ids.append(tokenizer.eos_token_id)
     rows = model.get_input_embeddings().num_embeddings
     return tuple(i for i in ids if 0 <= i < rows)
+
+
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallback tokens
+
+
+@functools.cache
+def _byte_level() -> dict[str, int]:
+    """GPT-2's byte-level alphabet read back: each of its 256 characters to the byte it stands for."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    return {c: b for b, c in bytes_to_unicode().items()}
+
+
+def token_piece(tokenizer, token: int) -> str | list[int]:
+    """``token``'s text, or its bytes where they are part of a UTF-8 character (decoded, they read as
+    U+FFFD), as llama-server's ``/tokenize`` answers ``with_pieces``: a client joins the bytes of the pieces
+    into the text. Bytes are known for byte-level BPE tokens (GPT-2's alphabet: Llama 3, Qwen, SmolLM) and
+    SentencePiece's ``<0xNN>`` tokens; another token's decoded text is given as it is."""
+    text = tokenizer.decode([token])
+    if "\ufffd" not in text:
+        return text
+    name = tokenizer.convert_ids_to_tokens(token)
+    table = _byte_level()
+    if m := _BYTE_TOKEN.fullmatch(name):
+        raw = bytes([int(m[1], 16)])
+    elif name and all(c in table for c in name):
+        raw = bytes(table[c] for c in name)
+    else:
+        return text
+    try:
+        return raw.decode("utf-8")  # a U+FFFD of its own
+    except UnicodeDecodeError:
+        return list(raw)
 
 
 def common_prefix(a: Sequence, b: Sequence) -> int:

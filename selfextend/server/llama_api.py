@@ -5,7 +5,8 @@ Bodies and answers follow llama-server's: ``/tokenize`` takes ``content`` (and `
 ``with_pieces``) and answers ``tokens``; ``/detokenize`` takes ``tokens`` and answers ``content``;
 ``/apply-template`` takes chat ``messages`` and answers the ``prompt`` text the chat endpoint would read.
 A body is JSON whatever its content type says, as there.
-Tokenising (and decoding each token's piece) runs on a worker thread, so a large body does not hold up
+A piece that is part of a UTF-8 character is its bytes (a list of numbers), as there. Tokenising (and
+decoding each token's piece) runs on a worker thread, so a large body does not hold up
 other requests.
 """
 
@@ -19,6 +20,7 @@ from fastapi.responses import PlainTextResponse
 from pydantic import Field
 from starlette.concurrency import run_in_threadpool
 
+from selfextend.generation.text import token_piece
 from selfextend.server.engine import Engine
 from selfextend.server.guard import APIError
 from selfextend.server.prompts import Model, check_text, parse_json, render_chat, validated
@@ -61,7 +63,9 @@ def add_llama_routes(app: FastAPI, engine: Engine, model_name: str, defaults: di
                 request.content, add_special_tokens=request.add_special, split_special_tokens=split
             )
             ids = list(ids.input_ids)
-            return [{"id": t, "piece": tokenizer.decode([t])} for t in ids] if request.with_pieces else ids
+            if not request.with_pieces:
+                return ids
+            return [{"id": t, "piece": token_piece(tokenizer, t)} for t in ids]
 
         return {"tokens": await run_in_threadpool(run) if request.content else []}
 
