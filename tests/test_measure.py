@@ -410,11 +410,13 @@ def test_a_dataset_column_that_is_not_text(tiny_dir, tmp_path):
 def test_memory_check_refuses_past_the_floor_and_warns_past_the_estimate(tiny_dir):
     """The longest non-shift length is checked: refused where even the floor (2 hidden and 2 intermediate
     rows a token) is past the memory available, warned of where the measured estimate (5 and 4) is; a
-    passkey prompt's cells count too; shift methods stream and are not checked."""
+    passkey prompt's cells count too; shift methods stream, and only their cells (allocated at once) are
+    checked."""
     from transformers import AutoModelForCausalLM
 
     from selfextend.core.validate import ValidationError
     from selfextend.evaluation.memory import FLOOR_ROWS, SEEN_ROWS, check_memory, forward_bytes
+    from selfextend.kv.cache import cache_bytes
 
     model = AutoModelForCausalLM.from_pretrained(tiny_dir)
     plain, shift = parse_method("plain"), parse_method("shift:ctx=64")
@@ -428,7 +430,10 @@ def test_memory_check_refuses_past_the_floor_and_warns_past_the_estimate(tiny_di
         check_memory(model, runs, cells=False, available=floor - 1)
     with pytest.raises(ValidationError):  # the passkey cache's cells are on top
         check_memory(model, runs, cells=True, available=floor)
-    assert check_memory(model, [(10**7, shift)], cells=True, available=1) is None
+    cells = cache_bytes(config, 64, bytes_per_value=4)
+    assert check_memory(model, [(10**7, shift)], cells=True, available=cells) is None  # it streams
+    with pytest.raises(ValidationError, match="shift ctx 64 allocates"):
+        check_memory(model, [(10**7, shift)], cells=True, available=cells - 1)
 
 
 def test_passkey_past_the_memory_is_refused_before_the_first_forward(tiny_dir, tmp_path, monkeypatch):

@@ -59,16 +59,18 @@ def check_memory(
     available: int | None = None,
 ) -> str | None:
     """Refuse (:class:`~selfextend.core.validate.ValidationError`) the longest of ``runs`` ((length, method)
-    pairs; a shift method streams through its own ``ctx`` and needs little) where even its floor is past
-    the memory ``available`` (now, if None); a warning where the measured estimate is; None where it fits
-    or the model is not on the CPU."""
+    pairs; a shift method streams through its own ``ctx``: only its cells are checked) where even its floor
+    is past the memory ``available`` (now, if None); a warning where the measured estimate is; None where
+    it fits or the model is not on the CPU."""
     if next(model.parameters()).device.type != "cpu":
         return None
+    runs = list(runs)
+    available = available_bytes() if available is None else available
+    _check_shift_cells(model, [m for _, m in runs if m.kind == "shift"], available)
     lengths = [n for n, method in runs if method.kind != "shift"]
     if not lengths:
         return None
     longest = max(lengths)
-    available = available_bytes() if available is None else available
     floor = forward_bytes(model, longest, FLOOR_ROWS, cells)
     if floor > available:
         raise ValidationError(
@@ -83,3 +85,19 @@ def check_memory(
             f"weights, {available / 1e9:.1f} GB is available (the kernel ends a process out of memory unsaid)"
         )
     return None
+
+
+def _check_shift_cells(model: nn.Module, shifts: list[Method], available: int) -> None:
+    """ValidationError where a shift method's cache, allocated whole before its first token (``ctx`` cells
+    of every layer), is past the memory ``available``: ``shift:ctx=10000000`` was an out-of-memory kill."""
+    if not shifts:
+        return
+    ctx = max(int(m.params["ctx"]) for m in shifts)
+    width = torch.empty(0, dtype=getattr(model, "dtype", torch.float32)).element_size()
+    need = cache_bytes(model.config.get_text_config(), ctx, bytes_per_value=width)
+    if need > available:
+        raise ValidationError(
+            "shift ctx",
+            f"{ctx:,} allocates {need / 1e9:.1f} GB of cells at once, and {available / 1e9:.1f} GB is "
+            "available: give a smaller ctx",
+        )
