@@ -38,9 +38,10 @@ demo: install
 
 # One pytest worker per core, each on one thread (two-thread workers on two cores spin against each other);
 # a file's tests stay on one worker, so a module's loaded model is loaded once.
-# -rs lists every skipped test with its reason (the browser test's: no chromium on PATH).
+# -rs lists every skipped test with its reason (the browser test's: no chromium on PATH); --durations the 30
+# slowest steps, so every CI log says where the suite's 15-minute budget goes.
 test: install
-	OMP_NUM_THREADS=1 $(BIN)/pytest -q -rs -n auto --dist loadfile
+	OMP_NUM_THREADS=1 $(BIN)/pytest -q -rs -n auto --dist loadfile --durations=30
 
 # The documentation site (docs/, mkdocs.yml) into ./site; any warning (a broken link or reference) fails it.
 docs: install
