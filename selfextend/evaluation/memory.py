@@ -31,12 +31,17 @@ FLOOR_ROWS = (2, 2)  # (hidden, intermediate) rows a token's activations take at
 SEEN_ROWS = (5, 4)  # as measured on SmolLM2-135M (above)
 
 
+def _width(model: nn.Module) -> int:
+    """Bytes of one value of the model's dtype (its activations' and its cells')."""
+    return torch.empty(0, dtype=getattr(model, "dtype", torch.float32)).element_size()
+
+
 def forward_bytes(model: nn.Module, length: int, rows: tuple[int, int], cells: bool) -> int:
     """Bytes one forward over ``length`` tokens holds beyond the weights: ``rows`` of hidden and
     intermediate activations a token (none where the model is scored in chunks: sliding layers), and with
     ``cells`` a passkey cache's keys and values for every token."""
     config = model.config.get_text_config()
-    width = torch.empty(0, dtype=getattr(model, "dtype", torch.float32)).element_size()
+    width = _width(model)
     chunked = dense_sliding_mask(model)
     per_token = 0 if chunked else rows[0] * config.hidden_size + rows[1] * config.intermediate_size
     held = length * per_token * width
@@ -88,13 +93,13 @@ def check_memory(
 
 
 def _check_shift_cells(model: nn.Module, shifts: list[Method], available: int) -> None:
-    """ValidationError where a shift method's cache, allocated whole before its first token (``ctx`` cells
-    of every layer), is past the memory ``available``: ``shift:ctx=10000000`` was an out-of-memory kill."""
+    """ValidationError where a shift method's cache, allocated and zeroed whole before its first token
+    (``ctx`` cells of every layer), is past the memory ``available``: refused with its sizes before the
+    allocation fails or the zeroing runs the machine out of memory."""
     if not shifts:
         return
     ctx = max(int(m.params["ctx"]) for m in shifts)
-    width = torch.empty(0, dtype=getattr(model, "dtype", torch.float32)).element_size()
-    need = cache_bytes(model.config.get_text_config(), ctx, bytes_per_value=width)
+    need = cache_bytes(model.config.get_text_config(), ctx, bytes_per_value=_width(model))
     if need > available:
         raise ValidationError(
             "shift ctx",

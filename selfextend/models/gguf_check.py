@@ -187,7 +187,7 @@ def _reads_architecture(arch: str) -> bool:
     from selfextend.models.gguf_families import CONFIG_KEYS
 
     known = {*GGUF_SUPPORTED_ARCHITECTURES, *CONFIG_KEYS}
-    return arch in known or arch.replace("moe", "_moe").replace("-", "_") in known or "t5" in arch
+    return arch in known or arch.replace("moe", "_moe").replace("-", "_") in known
 
 
 def _check_vocabulary(path: Path, values: dict, tensors: dict[str, tuple[int, ...]]) -> None:

@@ -94,9 +94,7 @@ def tokenizer_reason(exc: BaseException, reader: GGUFReader | None) -> str:
     except (ImportError, KeyError):  # another transformers: the fields named after llama.cpp's keys
         keys = {n: f"tokenizer.ggml.{n}" for n in ("tokens", "scores", "token_type", "merges")}
     name = exc.args[0] if isinstance(exc, KeyError) and exc.args else None
-    if (
-        not isinstance(name, str) or name not in keys
-    ):  # not a field of the file's tokenizer metadata (a token a merge names...)
+    if not isinstance(name, str) or name not in keys:  # not a tokenizer field (a token a merge names...)
         return reason(exc)
     key = keys[name]
     fields = reader.fields if reader is not None else {}
