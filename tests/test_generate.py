@@ -10,6 +10,7 @@ import torch
 from click.testing import CliRunner
 
 from selfextend.cli.main import main
+from selfextend.core.validate import ValidationError
 from selfextend.generation.sampling import SamplingParams, argmax, distribution, sample
 from selfextend.generation.text import StopMatcher, TextStream
 
@@ -105,7 +106,8 @@ def test_draws_after_top_k_are_from_the_same_distribution(vocab):
 def test_greedy_argmax_is_torch_argmax_with_ties_infinities_and_nan():
     """The greedy pick (NumPy's argmax on the CPU) is ``torch.argmax``'s with NaNs taken as -inf: the first
     of tied maxima, +-inf, strided rows, float64 and bfloat16 (which goes through torch); a row with no
-    number above -inf but NaNs (a broken model's logits: greedy read them as token 0 before) is refused."""
+    number above -inf (NaNs: a broken model's logits; all -inf: every token banned; greedy read both as
+    token 0 before) is refused."""
     g = torch.Generator().manual_seed(0)
     for trial in range(500):
         x = torch.randint(-3, 4, (int(torch.randint(1, 200, (1,), generator=g)),), generator=g).float()
@@ -113,8 +115,8 @@ def test_greedy_argmax_is_torch_argmax_with_ties_infinities_and_nan():
             x[torch.rand(x.numel(), generator=g) < 0.05] = special
         for row in (x, x[::3], x.double(), x.bfloat16()):
             numbers = torch.where(row.isnan(), float("-inf"), row)
-            if row.isnan().any() and not bool((numbers > float("-inf")).any()):
-                with pytest.raises(ValueError, match="no logit is a finite number"):
+            if not bool((numbers > float("-inf")).any()):
+                with pytest.raises(ValueError, match="no logit is a finite number|every logit is -inf"):
                     argmax(row)
                 continue
             assert argmax(row) == int(torch.argmax(numbers)), (trial, row)
@@ -124,6 +126,9 @@ def test_greedy_argmax_is_torch_argmax_with_ties_infinities_and_nan():
         torch.full((3,), math.nan).bfloat16(),
     ):
         with pytest.raises(ValueError, match="no logit is a finite number"):
+            argmax(row)
+    for row in (torch.full((9,), -math.inf), torch.full((9,), -math.inf).bfloat16()):
+        with pytest.raises(ValueError, match="every logit is -inf"):
             argmax(row)
     assert sample(torch.tensor([1.0, 3.0, 3.0, -math.inf]), SamplingParams(), NONE) == 1
     assert sample(torch.tensor([1.0, math.nan, 3.0]), SamplingParams(temperature=0), NONE) == 2
@@ -480,6 +485,12 @@ def test_logit_bias_adds_and_bans():
         assert {sample(logits, params, torch.tensor([]), rng) for _ in range(200)} == {0, 3}
     with pytest.raises(ValueError, match="logit bias"):
         SamplingParams(logit_bias={1: 101}).validate()
+    every = SamplingParams(logit_bias=dict.fromkeys(range(4), -math.inf))  # greedy took id 0 of them
+    with pytest.raises(ValidationError, match="bans every one of the 4 token ids"):
+        every.check_ids(4)
+    every.check_ids(5)  # a table of 5: one id left
+    with pytest.raises(ValidationError, match="4 is past the model's 4 token ids"):
+        SamplingParams(logit_bias={4: 1.0}).check_ids(4)
 
 
 def test_logit_bias_tensors_are_built_once_per_table():

@@ -298,6 +298,11 @@ BAD = [
         b'{"prompt": "x", "response_format": {"type": "json_object", "schema": {"type": "objectx"}}}',
         "response_format",
     ),
+    (  # no finite document: was a 200 with an empty reply marked "stop"
+        b'{"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"schema": '
+        b'{"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}}}}',
+        "response_format",
+    ),
 ]
 
 
@@ -650,6 +655,21 @@ def test_logit_bias_bans_tokens(client, tiny):
         model="tiny", prompt="The banned words", max_tokens=8, temperature=1.5, seed=3, logit_bias=banned
     )
     assert not gone & set(tok(sampled.choices[0].text, add_special_tokens=False).input_ids)
+
+
+def test_a_bias_banning_every_token_is_refused(server, tiny):
+    """A probe's find: banning all ids gave a 200 of id 0 (a banned token) at temperature 0 and a 500
+    blaming the model when sampled; now a 400 either way. Leaving one id makes the reply that id."""
+    tok = tiny[1]
+    for temperature in (0, 1):
+        body = {"prompt": "x", "max_tokens": 3, "temperature": temperature}
+        body["logit_bias"] = [[i, False] for i in range(len(tok))]
+        status, out = request(server[0], "POST", "/v1/completions", body)
+        assert status == 400 and "bans every one of the" in out["error"]["message"], out
+        body["logit_bias"] = [[i, False] for i in range(len(tok)) if i != 42]
+        body["ignore_eos"] = True
+        status, out = request(server[0], "POST", "/v1/completions", body)
+        assert status == 200 and out["choices"][0]["text"] == tok.decode([42] * 3), out
 
 
 def test_json_schema_reply_parses_and_validates(client):

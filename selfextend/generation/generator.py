@@ -149,10 +149,7 @@ class Generator:
         if not isinstance(self.sampling, SamplingParams):
             raise ValidationError("sampling", f"must be a SamplingParams, got {type(self.sampling).__name__}")
         self.sampling.validate()
-        rows = self.model.get_input_embeddings().num_embeddings
-        past = sorted(t for t in self.sampling.logit_bias if t >= rows)
-        if past:  # a bias no logit would take: said, not ignored
-            raise ValidationError("logit bias token", f"{past[0]} is past the model's {rows} token ids")
+        self.sampling.check_ids(self.model.get_input_embeddings().num_embeddings)
         self.lookup = check_int(self.lookup, "lookup", 0)
         if self.draft is not None:
             _check_draft(self.draft, self.model, self.lookup)

@@ -55,6 +55,9 @@ class Grammar:
             raise ValidationError("response_format", f"schema is not usable: {' '.join(error.split())[:300]}")
         self.matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
         self.bits = torch.zeros((self.tokenizer.vocab_size + 31) // 32, dtype=torch.int32)
+        self.allowed(self.tokenizer.vocab_size)  # the first mask: where no document matches, an error now
+        if self.matcher.is_error():  # a schema with no finite document ($ref to itself): an empty reply
+            raise ValidationError("response_format", "schema is not usable: no JSON document matches it")
 
     def allowed(self, n_vocab: int) -> torch.Tensor:
         """(n_vocab,) bool: the tokens that may come next (ids the tokenizer does not have never may)."""

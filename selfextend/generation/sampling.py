@@ -31,7 +31,14 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from selfextend.core.validate import GREEDY_BELOW, MAX_TEMPERATURE, PENALTY_RANGE, check_float, check_int
+from selfextend.core.validate import (
+    GREEDY_BELOW,
+    MAX_TEMPERATURE,
+    PENALTY_RANGE,
+    ValidationError,
+    check_float,
+    check_int,
+)
 
 
 @dataclass
@@ -70,6 +77,18 @@ class SamplingParams:
             else check_float(b, "logit bias", -100, 100)
             for t, b in self.logit_bias.items()
         }
+
+    def check_ids(self, rows: int) -> None:
+        """Refuse a ``logit_bias`` that names an id past a table of ``rows`` token ids (no logit would take
+        it) or bans all ``rows`` ids (no token would be left to draw: greedy took id 0 and a draw failed
+        as if the model's output were broken), :class:`~selfextend.core.validate.ValidationError`."""
+        past = sorted(t for t in self.logit_bias if t >= rows)
+        if past:  # a bias no logit would take: said, not ignored
+            raise ValidationError("logit bias token", f"{past[0]} is past the model's {rows} token ids")
+        if sum(b == -math.inf for b in self.logit_bias.values()) >= rows:
+            raise ValidationError(
+                "logit bias", f"bans every one of the {rows} token ids: none is left to draw"
+            )
 
     def bias(self) -> LogitBias:
         """``logit_bias`` as tensors, built once for each table assigned: a request biasing 50,000 ids
@@ -174,10 +193,10 @@ def any_left(logits: torch.Tensor, params: SamplingParams, recent: torch.Tensor)
 
 def argmax(scores: torch.Tensor) -> int:
     """The index of the highest of ``scores`` (vocab,), the first one where several tie; a NaN is never
-    picked (as sampling never draws one), and ``ValueError`` where no score is above -inf but NaNs (a broken
-    model's output). On the CPU through NumPy: its vectorized argmax over a 262k-entry vocabulary takes
-    ~40 us where ``torch.argmax`` takes ~650 (a greedy Gemma 3 token is ~20 ms); on a GPU the id and its
-    score come back in one copy."""
+    picked (as sampling never draws one), and ``ValueError`` where no score is above -inf (NaNs: a broken
+    model's output; all -inf: every token banned). On the CPU through NumPy: its vectorized argmax over a
+    262k-entry vocabulary takes ~40 us where ``torch.argmax`` takes ~650 (a greedy Gemma 3 token is ~20 ms);
+    on a GPU the id and its score come back in one copy."""
     if scores.device.type == "cpu" and scores.dtype in (torch.float32, torch.float64):
         values = scores.detach().numpy()
         index = int(values.argmax())
@@ -193,6 +212,8 @@ def argmax(scores: torch.Tensor) -> int:
             raise ValueError(
                 "cannot pick a token: no logit is a finite number (the model's output is broken)"
             )
+    elif top == float("-inf"):  # every token banned: NumPy's argmax would name id 0
+        raise ValueError("cannot pick a token: every logit is -inf (no token is left to pick)")
     return index
 
 

@@ -342,4 +342,5 @@ def sampling_params(request: Sampling, defaults: SamplingParams, tokenizer) -> S
         changes["logit_bias"] = logit_bias(request, tokenizer)
     params = dataclasses.replace(defaults, **changes)
     params.validate()
+    params.check_ids(len(tokenizer))
     return params
