@@ -41,6 +41,7 @@ from selfextend.server.prompts import (
     Prompt,
     chat_prompt,
     completion_prompt,
+    longest_token,
     parse_json,
     read_body,
     too_long,
@@ -125,6 +126,7 @@ def create_app(engine: Engine, settings: Settings) -> FastAPI:
         return described()
 
     max_prompt = settings.max_prompt_tokens or PROMPT_CELLS * engine.n_ctx
+    per_token = longest_token(engine.tokenizer)
 
     def completion(request: CompletionRequest) -> Prompt:
         return completion_prompt(engine.tokenizer, request.prompt, request.n_keep, engine.vocab, engine.n_ctx)
@@ -137,7 +139,7 @@ def create_app(engine: Engine, settings: Settings) -> FastAPI:
 
     async def answer(raw: Request, kind: type[Body], build: Callable[[Body], Prompt]):
         body = await raw.body()
-        ready = await run_in_threadpool(_prepare, body, kind, build, engine, settings, max_prompt)
+        ready = await run_in_threadpool(_prepare, body, kind, build, engine, settings, max_prompt, per_token)
         return await _answer(engine, settings, ready, raw)
 
     @app.post("/v1/completions")
@@ -181,10 +183,11 @@ def _prepare(
     engine: Engine,
     settings: Settings,
     max_prompt: int,
+    per_token: int,
 ) -> Prepared:
     """``body`` as a ``kind`` request made ready (run on a worker thread: each step may take long): its
     prompt built (over ``max_prompt`` tokens: refused), its logit bias tokenised, its schema compiled."""
-    request = read_body(body, kind, max_prompt)
+    request = read_body(body, kind, max_prompt, per_token)
     prompt = build(request)
     if len(prompt.ids) > max_prompt:
         raise too_long(len(prompt.ids), max_prompt)
