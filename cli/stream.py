@@ -86,7 +86,7 @@ def prefill_bar(n_tokens: int, quiet: bool = False) -> Iterator[Callable[[int], 
 
     Yields the bar's ``update`` (call it with the tokens just written), or None for no bar.
     """
-    if quiet or n_tokens < PROGRESS_MIN_TOKENS:
+    if quiet or n_tokens < PROGRESS_MIN_TOKENS or not sys.stderr.isatty():  # no redrawn frames in a log
         yield None
         return
     from tqdm import tqdm

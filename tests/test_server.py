@@ -678,6 +678,17 @@ def test_text_too_long_for_the_prompt_limit_is_refused_before_tokenizing(server)
     assert status == 400 and re.match(r"the prompt has 20\d\d tokens", out["error"]["message"]), out
 
 
+def test_a_body_that_is_not_an_object_is_refused_in_json_words(server):
+    """A probe's find: pydantic's "valid dictionary or instance of ChatRequest" named our class."""
+    for body, kind in ((b"[1, 2]", "an array"), (b'"x"', "a string"), (b"null", "null"), (b"5", "a number")):
+        for path in ("/v1/chat/completions", "/v1/completions", "/tokenize"):
+            status, out = request(server[0], "POST", path, body)
+            assert (
+                status == 400
+                and out["error"]["message"] == f"the request body must be a JSON object, not {kind}"
+            )
+
+
 def test_a_bias_banning_every_token_is_refused(server, tiny):
     """A probe's find: banning all ids gave a 200 of id 0 (a banned token) at temperature 0 and a 500
     blaming the model when sampled; now a 400 either way. Leaving one id makes the reply that id."""

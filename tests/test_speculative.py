@@ -195,9 +195,15 @@ TOKENS = [f"t{i}" for i in range(300)]
     [
         (TOKENS, None),
         (TOKENS + [f"[PAD{i}]" for i in range(128)], None),  # Qwen2.5-like padding
-        (TOKENS + [f"[PAD{i}]" for i in range(129)], "(429 against 300 entries; 129 ids"),
+        (
+            TOKENS + [f"[PAD{i}]" for i in range(129)],
+            "(429 against 300 entries, up to 128 more at the end of one allowed; 0 of the 300",
+        ),
         ([f"t{i}" for i in range(200)], None),  # the target the longer one, by 100
-        ([f"t{i}" if i != 7 else "seven" for i in range(300)], "(300 against 300 entries; 1 ids are not"),
+        (
+            [f"t{i}" if i != 7 else "seven" for i in range(300)],
+            "(300 against 300 entries, up to 128 more at the end of one allowed; 1 of the 300",
+        ),
     ],
 )
 def test_vocabularies_compare_by_id_up_to_padding(draft: list[str], problem: str | None) -> None:

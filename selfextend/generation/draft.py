@@ -47,14 +47,13 @@ def vocabulary_problem(target: object, draft: object) -> str | None:
     refused, never a wrong output: the check keeps the output the target's, a mismatch only wastes passes)."""
     target_ids = {i: token for token, i in target.get_vocab().items()}
     draft_ids = {i: token for token, i in draft.get_vocab().items()}
-    differ = sum(target_ids[i] != draft_ids[i] for i in target_ids.keys() & draft_ids.keys())
-    if abs(len(target_ids) - len(draft_ids)) > PAD_MOST:
-        differ += len(target_ids.keys() ^ draft_ids.keys())
-    if differ:
+    shared = target_ids.keys() & draft_ids.keys()
+    differ = sum(target_ids[i] != draft_ids[i] for i in shared)
+    if differ or abs(len(target_ids) - len(draft_ids)) > PAD_MOST:
         return (
             f"the draft model's vocabulary differs from the target's ({len(draft_ids)} against "
-            f"{len(target_ids)} entries; {differ} ids are not the same token in both, up to {PAD_MOST} "
-            "more at the end of one allowed)"
+            f"{len(target_ids)} entries, up to {PAD_MOST} more at the end of one allowed; {differ} of the "
+            f"{len(shared)} ids both hold are other tokens)"
         )
     for name in ("bos_token_id", "eos_token_id"):
         if getattr(target, name, None) != getattr(draft, name, None):

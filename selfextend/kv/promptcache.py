@@ -297,7 +297,8 @@ def _verify(path: Path) -> None:
     except (zipfile.BadZipFile, OSError, EOFError, ValueError):
         return
     if bad is not None:
-        raise _bad(path, f"its bytes no longer match the checksums written with them (in {bad})")
+        entry = bad.split("/", 1)[-1]  # after the zip's folder, which torch names after the first file
+        raise _bad(path, f"its bytes no longer match the checksums written with them (in its entry {entry})")
 
 
 def peek(path: str | Path, verify: bool = True) -> dict[str, Any]:

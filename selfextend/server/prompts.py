@@ -61,7 +61,12 @@ def parse_json(body: bytes) -> Any:
 
 def validated(data: Any, kind: type[Model]) -> Model:
     """Parsed JSON as ``kind``: ``RequestValidationError`` (a 400 naming the field) for fields of the wrong
-    type or range."""
+    type or range; :class:`APIError` for JSON that is not an object (pydantic's message named our class)."""
+    if not isinstance(data, dict):
+        kinds = {list: "an array", str: "a string", bool: "true or false", type(None): "null"}
+        raise APIError(
+            400, f"the request body must be a JSON object, not {kinds.get(type(data), 'a number')}"
+        )
     try:
         return kind.model_validate(data)
     except pydantic.ValidationError as e:
