@@ -11,6 +11,7 @@ from selfextend.cli.generation_options import Speculation, decode_options, specu
 from selfextend.cli.options import (
     COUNT,
     POSITIVE,
+    checked_self_extend,
     integer,
     model_options,
     results_file,
@@ -187,10 +188,9 @@ def bench(
     lm, tokenizer = load_with_self_extend(model, dtype, device, None, None, weights)
     cfg.compile, cache_dtype = decode_settings(lm, compile_step, cache_type)
     cfg.cache_type = cache_type
-    from selfextend.core.positions import validate
     from selfextend.hf.facts import trained_window
 
-    validate(group_size, window, trained_window(lm.config))
+    checked_self_extend(group_size, window, trained_window(lm.config))
     proc = psutil.Process()
     device_name = (  # the machine of every row: the GPU's name, or the CPU's model and threads
         torch.cuda.get_device_name(lm.device)

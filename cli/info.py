@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from selfextend.cli.options import gguf_must_exist, self_extend_options
+from selfextend.cli.options import checked_self_extend, gguf_must_exist, self_extend_options
 
 CELL_BYTES = {"bf16": 2, "f32": 4}
 
@@ -107,7 +107,7 @@ def info(model_arg: str | None, model_opt: str | None, group_size: int, window: 
     """
     import torch
 
-    from selfextend.core.positions import max_length, validate
+    from selfextend.core.positions import max_length
     from selfextend.generation.settings import NATIVE_CACHE_TYPE, native_cells_default
     from selfextend.kv.cache import sliding_cells
     from selfextend.models import model_facts
@@ -130,7 +130,7 @@ def info(model_arg: str | None, model_opt: str | None, group_size: int, window: 
     )
     if defaulted and trained and window >= trained:  # a model trained on 1,024 tokens or fewer: half of them
         window = trained // 2
-    group_size, window = validate(group_size, window, trained)
+    group_size, window = checked_self_extend(group_size, window, trained)
     rows = [
         ("model", f"{model} ({facts.model_type})"),
         ("layers", facts.layers),

@@ -326,6 +326,21 @@ def device_map_option(f: Callable) -> Callable:
     )(f)
 
 
+def checked_self_extend(group_size: int, window: int, trained: int | None) -> tuple[int, int]:
+    """G and W as :func:`~selfextend.core.positions.validate` takes them for a model trained on ``trained``
+    tokens; its refusal a usage error naming the option, so the line points to the command's --help."""
+    from selfextend.core.positions import validate
+    from selfextend.core.validate import ValidationError
+
+    try:
+        return validate(group_size, window, trained)
+    except ValidationError as e:
+        option = {"window": "-w/--window", "group size": "-g/--group-size"}.get(e.name)
+        if option is None:
+            raise
+        raise click.UsageError(f"{option} {e.requirement}") from None
+
+
 def load_with_self_extend(
     model: str,
     dtype: str,
@@ -338,6 +353,7 @@ def load_with_self_extend(
     are given."""
     import transformers
 
+    from selfextend.hf.facts import trained_window
     from selfextend.hf.patch import apply_self_extend
     from selfextend.models import load_model
 
@@ -353,5 +369,6 @@ def load_with_self_extend(
     transformers.utils.logging.disable_progress_bar()
     lm, tokenizer = load_model(model, dtype=dtype, device=device, weights=weights, device_map=device_map)
     if group_size is not None:
+        checked_self_extend(group_size, window, trained_window(lm.config))
         apply_self_extend(lm, group_size, window)
     return lm, tokenizer

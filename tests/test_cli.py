@@ -53,6 +53,11 @@ def test_info_reports_reach(tiny_dir):
         and f"up to {(256 - 128) * 4 + 128:,}" in r.stdout
     )
     assert "must be smaller" in invoke("info", tiny_dir, "-w", "300").stderr  # a window given is checked
+    for command in (["info", tiny_dir], ["generate", "-m", tiny_dir, "-p", "hi", "-g", "4"]):
+        r = invoke(*command, "-w", "300")  # the option named and its --help pointed to, as other options'
+        line = "error: -w/--window (300) must be smaller than the model's trained window (256) (see '"
+        assert r.exit_code == 2 and r.stderr.strip().startswith(line), r.stderr
+        assert r.stderr.strip().endswith(f" {command[0]} --help')"), r.stderr  # (CliRunner's: "main")
 
 
 @pytest.mark.parametrize(
