@@ -195,8 +195,10 @@ def _fill(session: ChatSession) -> str:
 
 
 def summary(session: ChatSession) -> str:
-    """The closing line (and /stats): replies, tokens, rates, shifts, cache fill."""
-    st, cache = session.stats, session.cache
+    """The closing line (and /stats): replies, tokens, rates, shifts, cache fill, and with drafts
+    (--lookup, --draft-model) the drafts kept of those checked in this run, as generate's line."""
+    st, cache, gen = session.stats, session.cache, session.gen
+    drafts = f", drafts kept {gen.kept}/{gen.drafted}" if gen.drafted else ""
     return (
         f"{plural(st.replies, 'reply', 'replies')}, {plural(st.tokens, 'token')} in {st.seconds:.1f} s "
         f"({st.rate(st.tokens, st.seconds):.2f} tokens/s; last reply {plural(st.last_tokens, 'token')}, "
@@ -204,7 +206,7 @@ def summary(session: ChatSession) -> str:
         f"prompt {plural(st.prompt_tokens, 'token')} in {st.prompt_seconds:.1f} s, "
         f"{plural(cache.shifts, 'context shift')} ({plural(session.ledger.dropped_exchanges, 'exchange')}, "
         f"{plural(cache.discarded, 'token')} dropped), "
-        f"cache {cache.n_past}/{cache.n_ctx}, {cache.n_keep} kept"
+        f"cache {cache.n_past}/{cache.n_ctx}, {cache.n_keep} kept{drafts}"
     )
 
 

@@ -608,3 +608,22 @@ def test_a_check_past_a_sliding_rings_end_is_each_row_alone(tmp_path) -> None:
     for t, row in zip(tokens, rows, strict=True):
         assert torch.equal(alone.feed([t]), row)
     assert together.cache.can_truncate(base + 1)
+
+
+def test_chat_says_the_drafts_kept_as_generate_does(tmp_path) -> None:
+    """A probe's find: generate's closing line said "drafts kept", chat's (and /stats) never did."""
+    from click.testing import CliRunner
+
+    from selfextend.cli.main import main
+
+    target = write_tiny_gguf(tmp_path / "t.gguf", hidden=256, heads=4, kv_heads=2, quant="Q8_0")
+    args = ["chat", "-m", str(target), "--weights", "gguf", "--temperature", "0", "-n", "24", "--ignore-eos"]
+    said = "the the the the the the the the"
+    r = CliRunner().invoke(main, [*args, "--lookup", "3"], input=f"{said}\n/stats\n")
+    assert r.exit_code == 0, r.output
+    counted = [x for x in r.stderr.splitlines() if "drafts kept" in x]
+    assert len(counted) == 2, r.stderr  # /stats and the closing line
+    kept, drafted = map(int, re.search(r"drafts kept (\d+)/(\d+)", counted[-1]).groups())
+    assert 0 <= kept <= drafted and drafted > 0
+    plain = CliRunner().invoke(main, args, input=f"{said}\n")
+    assert plain.exit_code == 0 and "drafts kept" not in plain.stderr, plain.output
