@@ -122,7 +122,7 @@ def snapshot(cache: ContextShiftCache, n: int) -> tuple[list[torch.Tensor], ...]
 
 
 def _bad(path: str | Path, what: str) -> PromptCacheError:
-    return PromptCacheError(f"{path} is a damaged prompt cache: {what}")
+    return PromptCacheError(f"{path} is a damaged prompt cache or chat session: {what}")
 
 
 def _check_payload(path: str | Path, payload: dict) -> None:
