@@ -450,3 +450,47 @@ def test_a_special_token_stop_ends_the_reply(tiny):
     assert "".join(stopped.reply("one")) == "" and stopped.stats.last_tokens == 0
     "".join(stopped.reply("two"))
     assert stopped.stats.replies == 2
+
+
+def test_library_misuse_is_refused_before_anything_is_written(tiny):
+    """A probe's finds: each was an AttributeError or TypeError from inside, a misleading line ("leaves no
+    room in a cache of True"), or worse: a stop string read letter by letter (a reply cut at "Th"), a bad
+    max_new_tokens refused only after the user turn was written (a half exchange kept), a negative feed
+    chunk that wrote nothing, logits of the wrong size drawn from."""
+    from selfextend.core.validate import ValidationError
+    from selfextend.generation.draft import DraftModel
+    from selfextend.generation.generator import Generator
+    from selfextend.hf.facts import ModelError
+    from selfextend.kv.cache import ContextShiftCache
+
+    model, tok = tiny
+    for kw, error in (
+        (dict(n_ctx="512"), "n_ctx must be an integer"),
+        (dict(n_ctx=True), "n_ctx must be an integer"),
+        (dict(n_ctx=-5), "n_ctx must be an integer >= 2"),
+        (dict(sampling="greedy"), "sampling must be a SamplingParams"),
+        (dict(system=123), "system must be text or None"),
+        (dict(max_new_tokens=-5), "max_new_tokens must be an integer >= -1"),
+    ):
+        with pytest.raises(ValidationError, match=error):
+            ChatSession(model, tok, **{"n_ctx": 128, **kw})
+    with pytest.raises(ModelError, match="ChatSession needs a transformers model"):
+        ChatSession(None, tok, 128)
+    with pytest.raises(ValidationError, match="tokenizer must be a transformers tokenizer"):
+        ChatSession(model, None, 128)
+    with pytest.raises(ModelError, match="DraftModel needs a transformers model"):
+        DraftModel(None)
+    s = ChatSession(model, tok, n_ctx=128, max_new_tokens=4, ignore_eos=True, stops="Hello")
+    assert s.stops == ("Hello",)
+    with pytest.raises(ValidationError, match="user must be text"):
+        list(s.reply(5))
+    assert s.exchanges == [] and s.cache.n_past == len(s.template.ids(s.template.system_text))
+    gen = Generator(model, ContextShiftCache(model, 64))
+    with pytest.raises(ValidationError, match="chunk must be an integer >= 1"):
+        gen.feed([5, 6, 7], chunk=-3)
+    assert gen.cache.n_past == 0
+    logits = gen.feed([5, 6, 7])
+    for bad in (None, logits[:5], logits.view(1, -1), torch.cat((logits, logits))):
+        with pytest.raises(ValidationError, match=rf"logits must be the \({len(tok)},\) scores"):
+            next(gen.decode(bad, 2))
+    assert len(list(gen.decode(logits, 2))) == 2

@@ -535,6 +535,38 @@ def test_cache_entries_and_clear(tiny_gguf: Path, cache: Path) -> None:
     assert list(cache.iterdir()) == []  # the tokenizers' folder too, once emptied
 
 
+def test_cache_clear_says_what_it_could_not_delete(tiny_gguf: Path, cache: Path, monkeypatch) -> None:
+    """A probe's find: on a read-only cache (a read-only mount: root ignores file modes, so the refusal is
+    the file system's, made here by rmtree) clear said "freed 95.8 MiB" and exit 0, deleting nothing."""
+    import errno
+    import shutil
+
+    from selfextend.models import diskcache
+
+    load_model(str(tiny_gguf), weights="int8")
+    load_model(str(tiny_gguf))
+    entries = models.cache_entries()
+    kept = next(e for e in entries if e.form == "int8-float32").path
+    real = shutil.rmtree
+
+    def rmtree(path, *args, **kwargs):
+        if Path(path) == kept:
+            raise OSError(errno.EROFS, "Read-only file system", str(path))
+        real(path, *args, **kwargs)
+
+    monkeypatch.setattr(diskcache.shutil, "rmtree", rmtree)
+    freed = sum(e.bytes for e in entries if e.path != kept) / 2**20
+    with pytest.raises(OSError, match=f"could not delete 1 cache entries .*Read-only.*freed {freed:.1f} MiB"):
+        models.clear_cache()
+    assert [e.path for e in models.cache_entries()] == [kept]  # the others deleted all the same
+    from click.testing import CliRunner
+
+    from selfextend.cli.main import main
+
+    r = CliRunner().invoke(main, ["cache", "clear"])
+    assert r.exit_code == 2 and r.stderr.startswith("error: could not delete 1 cache entries"), r.output
+
+
 def test_load_refuses_non_rope_directory(tmp_path: Path) -> None:
     GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=10).save_pretrained(tmp_path)
     with pytest.raises(ModelError, match="has no rotary position embeddings"):

@@ -29,11 +29,12 @@ from selfextend.chat.sessionfile import (
 )
 from selfextend.chat.template import ChatTemplate
 from selfextend.chat.turns import Exchange, ShiftReport, TurnLedger
-from selfextend.core.validate import first_line
+from selfextend.core.validate import ValidationError, check_int, first_line
 from selfextend.generation.generator import PREFILL_CHUNK, Generator
 from selfextend.generation.sampling import SamplingParams
 from selfextend.generation.speculative import Drafter
 from selfextend.generation.text import StopMatcher, TextStream, eos_token_ids
+from selfextend.hf.facts import require_model
 from selfextend.kv import promptcache
 from selfextend.kv.cache import ContextShiftCache
 
@@ -100,12 +101,22 @@ class ChatSession:
         lookup: int = 0,
         draft: Drafter | None = None,
     ) -> None:
-        self.model, self.tokenizer, self.n_ctx = model, tokenizer, n_ctx
+        require_model(model, "ChatSession")  # each below was an AttributeError or TypeError from inside
+        if not callable(getattr(tokenizer, "apply_chat_template", None)):
+            raise ValidationError(
+                "tokenizer", f"must be a transformers tokenizer, got {type(tokenizer).__name__}"
+            )
+        if sampling is not None and not isinstance(sampling, SamplingParams):
+            raise ValidationError("sampling", f"must be a SamplingParams, got {type(sampling).__name__}")
+        self.model, self.tokenizer, self.n_ctx = model, tokenizer, check_int(n_ctx, "n_ctx", 2)
         self.sampling = sampling or SamplingParams()
         self.sampling.validate()
-        self.seed, self.max_new_tokens = seed, max_new_tokens
+        # checked before a turn is written: a bad count left a half exchange in the cache
+        self.seed, self.max_new_tokens = seed, check_int(max_new_tokens, "max_new_tokens", -1)
         self.eos = () if ignore_eos else eos_token_ids(model, tokenizer)
-        self.stops = tuple(stops)
+        self.stops = (
+            (stops,) if isinstance(stops, str) else tuple(stops)
+        )  # a string is one stop, not each letter
         self.on_shift, self.progress = on_shift, progress
         self.keep = keep
         self.compile, self.cache_dtype = (
@@ -125,6 +136,8 @@ class ChatSession:
         """Begin an empty conversation under ``system``: a fresh cache holding only the system part, and
         fresh :attr:`stats` (what ``/stats`` reports is this conversation's). A system prompt refused (no room
         left, text it cannot take) changes nothing."""
+        if system is not None and not isinstance(system, str):
+            raise ValidationError("system", f"must be text or None, got {type(system).__name__}")
         template = ChatTemplate(self.tokenizer, system)
         system_ids = template.ids(template.system_text)
         n_keep = len(system_ids) if self.keep in (None, -1) else self.keep
@@ -197,6 +210,8 @@ class ChatSession:
     def reply(self, user: str) -> Iterator[str]:
         """Write the user turn and stream the reply's text. Stops at end of sequence, at a stop string,
         after ``max_new_tokens``, or at the next token once :attr:`stop_requested` is set."""
+        if not isinstance(user, str):
+            raise ValidationError("user", f"must be text, got {type(user).__name__}")
         self.stop_requested = False
         if not self.exchanges:
             closing, turn = "", self.template.first_turn(user)

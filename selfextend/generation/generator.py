@@ -241,6 +241,8 @@ class Generator:
         ids = self.checked(ids)
         if not ids:
             raise ValueError("nothing to feed: empty prompt")
+        if chunk is not None:  # a negative one wrote nothing and returned None
+            chunk = check_int(chunk, "chunk", 1)
         if self.cache.n_past == 0 and self.tokens:  # the cache was emptied (its reset()): so are its tokens
             self.tokens, self.last_logits = [], None
         self.refresh()
@@ -300,6 +302,16 @@ class Generator:
         once ``stop()`` is true. Any other negative count is refused (it would otherwise run forever).
         """
         max_new_tokens = check_int(max_new_tokens, "max_new_tokens", -1)
+        rows = getattr(self.model.get_output_embeddings(), "out_features", None)
+        if (
+            not isinstance(logits, torch.Tensor)
+            or logits.dim() != 1
+            or logits.numel() != (rows or logits.numel())
+        ):
+            got = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
+            raise ValidationError(  # None failed as an attribute; 5 scores drew ids 0-4; more, an IndexError
+                "logits", f"must be the ({rows},) scores a feed or write returns, got {got}"
+            )
         most = self.lookup if self.draft is None else self.draft.most
         if most > 0:
             why = speculates(self)

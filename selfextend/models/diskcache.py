@@ -377,17 +377,27 @@ def cache_entries() -> list[CacheEntry]:
 def clear_cache() -> int:
     """Delete what selfextend wrote into the cache (it is rebuilt on the next load): conversions, tokenizers,
     assembled GGUFs, compiled code; files and folders it did not write (``$SELFEXTEND_CACHE`` may name a
-    shared folder) stay. Returns the bytes freed."""
-    freed = 0
+    shared folder) stay. Returns the bytes freed; OSError naming the first entry that could not be deleted
+    (a read-only cache said it freed what it kept), after every other one is."""
+    freed, failed = 0, []
     for entry in cache_entries():
         if entry.form == FOREIGN:
             continue
-        freed += entry.bytes
-        if entry.path.is_dir():
-            shutil.rmtree(entry.path, ignore_errors=True)
-        else:
-            entry.path.unlink(missing_ok=True)
+        try:
+            if entry.path.is_dir():
+                shutil.rmtree(entry.path)
+            else:
+                entry.path.unlink(missing_ok=True)
+            freed += entry.bytes
+        except OSError as e:
+            failed.append((entry.path, e.strerror or type(e).__name__))
     for holder in (_TOKENIZERS, ASSEMBLED_DIR):  # the folders holding entries, gone when emptied
         with contextlib.suppress(OSError):
             (cache_root() / holder).rmdir()
+    if failed:
+        path, why = failed[0]
+        raise OSError(
+            f"could not delete {len(failed)} cache entries ({path}: {why}); freed {freed / 2**20:.1f} MiB of "
+            "the others"
+        )
     return freed
