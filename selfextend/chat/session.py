@@ -114,9 +114,8 @@ class ChatSession:
         # checked before a turn is written: a bad count left a half exchange in the cache
         self.seed, self.max_new_tokens = seed, check_int(max_new_tokens, "max_new_tokens", -1)
         self.eos = () if ignore_eos else eos_token_ids(model, tokenizer)
-        self.stops = (
-            (stops,) if isinstance(stops, str) else tuple(stops)
-        )  # a string is one stop, not each letter
+        # a string is one stop (tuple() read it as one stop per letter)
+        self.stops = (stops,) if isinstance(stops, str) else tuple(stops)
         self.on_shift, self.progress = on_shift, progress
         self.keep = keep
         self.compile, self.cache_dtype = (

@@ -302,12 +302,9 @@ class Generator:
         once ``stop()`` is true. Any other negative count is refused (it would otherwise run forever).
         """
         max_new_tokens = check_int(max_new_tokens, "max_new_tokens", -1)
-        rows = getattr(self.model.get_output_embeddings(), "out_features", None)
-        if (
-            not isinstance(logits, torch.Tensor)
-            or logits.dim() != 1
-            or logits.numel() != (rows or logits.numel())
-        ):
+        rows = getattr(self.model.get_output_embeddings(), "out_features", None)  # None: not known
+        vector = isinstance(logits, torch.Tensor) and logits.dim() == 1
+        if not vector or (rows is not None and logits.numel() != rows):
             got = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
             raise ValidationError(  # None failed as an attribute; 5 scores drew ids 0-4; more, an IndexError
                 "logits", f"must be the ({rows},) scores a feed or write returns, got {got}"
