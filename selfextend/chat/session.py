@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,7 @@ from torch import nn
 from selfextend.chat.sessionfile import (
     SESSION_KIND,
     ChatError,
+    ChatStats,
     cache_type_name,
     check_positions,
     session_state,
@@ -40,23 +41,6 @@ from selfextend.kv.cache import ContextShiftCache
 
 Progress = Callable[[int], AbstractContextManager[Callable[[int], object] | None]]
 """Called with the tokens about to be prefilled; the context's value (if any) gets each piece's length."""
-
-
-@dataclass
-class ChatStats:
-    """Totals over a session: prefilled and generated tokens, their time, replies."""
-
-    replies: int = 0
-    prompt_tokens: int = 0
-    prompt_seconds: float = 0.0
-    tokens: int = 0
-    seconds: float = 0.0
-    last_tokens: int = 0
-    last_seconds: float = 0.0
-
-    @staticmethod
-    def rate(tokens: int, seconds: float) -> float:
-        return tokens / seconds if seconds > 0 else 0.0
 
 
 class FileChangedError(ChatError):

@@ -28,6 +28,23 @@ class ChatError(ValueError):
     """A chat request that cannot be done (nothing to undo, a session file that does not fit); one line."""
 
 
+@dataclass
+class ChatStats:
+    """Totals over a session (saved in its file): prefilled and generated tokens, their time, replies."""
+
+    replies: int = 0
+    prompt_tokens: int = 0
+    prompt_seconds: float = 0.0
+    tokens: int = 0
+    seconds: float = 0.0
+    last_tokens: int = 0
+    last_seconds: float = 0.0
+
+    @staticmethod
+    def rate(tokens: int, seconds: float) -> float:
+        return tokens / seconds if seconds > 0 else 0.0
+
+
 STATE_FIELDS = {
     "n_ctx": int,
     "n_keep": int,

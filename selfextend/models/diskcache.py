@@ -395,9 +395,6 @@ def clear_cache() -> int:
         with contextlib.suppress(OSError):
             (cache_root() / holder).rmdir()
     if failed:
-        path, why = failed[0]
-        raise OSError(
-            f"could not delete {len(failed)} cache entries ({path}: {why}); freed {freed / 2**20:.1f} MiB of "
-            "the others"
-        )
+        (path, why), n = failed[0], len(failed)
+        raise OSError(f"could not delete {n} cache entries ({path}: {why}); freed {freed / 2**20:.1f} MiB")
     return freed

@@ -342,5 +342,6 @@ def sampling_params(request: Sampling, defaults: SamplingParams, tokenizer) -> S
         changes["logit_bias"] = logit_bias(request, tokenizer)
     params = dataclasses.replace(defaults, **changes)
     params.validate()
-    params.check_ids(len(tokenizer))
+    if request.logit_bias:
+        params.check_ids(len(tokenizer))
     return params
