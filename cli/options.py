@@ -110,9 +110,15 @@ def gguf_must_exist(ctx: click.Context, param: click.Parameter, value: str | Non
     """A model named as a ``.gguf`` file that is not there is refused at once, before the seconds of
     importing torch and transformers that resolving it would cost (``resolve_model`` applies the same
     rule, with the same message, to callers of the library)."""
-    if value is not None and value.strip().lower().endswith(".gguf"):
-        if not Path(value.strip()).expanduser().is_file():
-            raise click.BadParameter(f"no such file: {value.strip()}", ctx, param)
+    from selfextend.core.paths import gguf_file_problem
+
+    problem = (
+        gguf_file_problem(value.strip())
+        if value is not None and value.strip().lower().endswith(".gguf")
+        else None
+    )
+    if problem is not None:
+        raise click.BadParameter(problem, ctx, param)
     return value
 
 

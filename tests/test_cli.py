@@ -65,12 +65,14 @@ def test_info_reports_reach(tiny_dir):
     [
         (["info", "no-such-model"], "unknown model"),
         (["info", "missing.gguf"], "no such file"),
+        (["info", "folder.gguf"], "folder.gguf is a directory, not a GGUF file"),  # was "no such file"
         (["generate", "-m", "no-such-model", "-p", "hi"], "unknown model"),
         (["ppl", "-m", "no-such-model", "-o", "x.jsonl"], "unknown model"),
     ],
 )
 def test_unknown_models_one_line(args, message, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
+    (tmp_path / "folder.gguf").mkdir()
     r = invoke(*args)
     assert r.exit_code != 0
     lines = r.stderr.strip().splitlines()

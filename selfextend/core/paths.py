@@ -12,6 +12,17 @@ import secrets
 from pathlib import Path
 
 
+def gguf_file_problem(text: str) -> str | None:
+    """Why ``text``, a model named as a ``.gguf`` file, cannot be read as one (None where it is a file): the
+    one rule of the library's resolver and the CLI's option check (which runs before torch is imported)."""
+    path = Path(text).expanduser()
+    if path.is_file():
+        return None
+    if not path.exists():
+        return f"no such file: {text}"
+    return f"{text} is {'a directory' if path.is_dir() else 'not a regular file'}, not a GGUF file"
+
+
 def cache_root() -> Path:
     """Directory holding converted GGUFs: ``$SELFEXTEND_CACHE``, else ``$XDG_CACHE_HOME/selfextend``,
     else ``~/.cache/selfextend``."""

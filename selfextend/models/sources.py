@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from selfextend.core.paths import cache_root
+from selfextend.core.paths import cache_root, gguf_file_problem
 from selfextend.core.validate import first_line
 from selfextend.hf.facts import ModelError, check_rope_fields, check_size_fields
 
@@ -126,11 +126,9 @@ def resolve_model(name_or_path: str) -> ModelSource:
 
     path = Path(text).expanduser()
     if text.lower().endswith(".gguf"):
-        if not path.is_file():
-            if not path.exists():
-                raise ModelError(f"no such file: {text}")
-            kind = "a directory" if path.is_dir() else "not a regular file"
-            raise ModelError(f"{text} is {kind}, not a GGUF file")
+        problem = gguf_file_problem(text)
+        if problem is not None:
+            raise ModelError(problem)
         path = path.resolve()
         return ModelSource("gguf", str(path.parent), path.name, path.name)
     if path.is_dir():
