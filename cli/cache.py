@@ -27,9 +27,10 @@ def list_() -> None:
     from selfextend.models.diskcache import FOREIGN
 
     entries = cache_entries()
-    click.echo(f"cache: {cache_root()}")
+    root = cache_root()
+    click.echo(f"cache: {root}")
     if not entries:
-        click.echo("(empty)")
+        click.echo("(empty)" if root.exists() else "(no such folder yet: nothing cached)")
         return
     for e in entries:
         form = (
@@ -48,8 +49,12 @@ def clear() -> None:
     from selfextend.models import cache_entries, cache_root, clear_cache
     from selfextend.models.diskcache import FOREIGN
 
+    root = cache_root()
+    if not root.exists():
+        click.echo(f"nothing to free: no folder {root} (nothing cached yet)")
+        return
     freed = clear_cache()
-    click.echo(f"freed {_mb(freed)} in {cache_root()}")
+    click.echo(f"freed {_mb(freed)} in {root}")
     kept = [e.path.name for e in cache_entries() if e.form == FOREIGN]
     if kept:
         click.echo(f"left {len(kept)} not written by selfextend: {', '.join(kept)}")

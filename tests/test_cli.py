@@ -174,7 +174,9 @@ def test_cache_list_and_clear(tmp_path, monkeypatch):
     from selfextend.models import load_model
 
     monkeypatch.setenv("SELFEXTEND_CACHE", str(tmp_path / "cache"))
-    assert "(empty)" in invoke("cache", "list").stdout
+    assert "(no such folder yet: nothing cached)" in invoke("cache", "list").stdout  # it said "(empty)"
+    assert "nothing to free: no folder" in invoke("cache", "clear").stdout  # it said "freed 0.0 MiB"
+    assert not (tmp_path / "cache").exists()
     gguf = write_tiny_gguf(tmp_path / "tiny.gguf")
     load_model(str(gguf), weights="int8")
     load_model(str(gguf), dtype="bfloat16")

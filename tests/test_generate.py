@@ -470,6 +470,27 @@ def test_greedy_reply_is_the_same_fresh_or_cached(tiny_dir, cells):
     assert fresh == cached == again and len(fresh) == 12
 
 
+def test_rewind_forgets_the_logits_of_the_tokens_it_drops(tiny_dir):
+    """After going back, ``last_logits`` are never those of a forgotten token (a chat's /undo or a stop
+    string's cut then saved them beside the shorter token list): None where the new last token's are not
+    known, and what a fresh feed gives once it is fed again."""
+    from selfextend.generation.generator import Generator
+    from selfextend.kv.cache import ContextShiftCache
+    from selfextend.models import load_model
+
+    model, tok = load_model(str(tiny_dir))
+    ids = tok("Going back forgets what came after the point it goes back to").input_ids
+    gen = Generator(model, ContextShiftCache(model, 128))
+    gen.feed(ids)
+    gen.rewind(len(ids))  # nothing dropped: the logits still belong to the last token
+    assert gen.last_logits is not None
+    gen.rewind(len(ids) - 3)
+    assert gen.last_logits is None and gen.tokens == ids[:-3]
+    again = gen.feed(ids[-3:])
+    fresh = Generator(model, ContextShiftCache(model, 128)).feed(ids)
+    assert torch.allclose(again, fresh, atol=1e-4) and torch.equal(gen.last_logits, again)
+
+
 def test_logit_bias_adds_and_bans():
     """Issue 30 item 6: a bias is added to its token's logit before every other step; -inf bans the token
     from greedy and sampled draws alike (top-k's candidates included)."""

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 from test_gguf_fuzz import _layout, _put
-from test_models import write_tiny_gguf
+from test_models import HAS_SMOLLM2, write_tiny_gguf
 
 from selfextend.cli.main import main
 from selfextend.models.gguf_config import reason
@@ -169,3 +169,33 @@ def test_a_reason_cut_at_a_colon_keeps_its_next_line() -> None:
     )
     assert reason(exc) == "Class validation error for validator 'validate_rope': ValueError: RoPE requires X."
     assert reason(ValueError("one line\nsecond")) == "one line"
+
+
+def test_the_fast_reader_reads_what_the_gguf_package_reads(tmp_path) -> None:
+    """``GGUFFileReader`` (plain ndarray slices instead of memmap ones, 3x faster on a 49k vocabulary) parses
+    every field, part by part, and every tensor's name, type, shape and bytes as ``gguf.GGUFReader`` does:
+    on the shipped SmolLM2 file where it is installed, and on a tiny file written here."""
+    from gguf import GGUFReader
+
+    from selfextend.models.gguf_reader import GGUFFileReader
+    from selfextend.models.sources import DEFAULT_MODEL, resolve_model
+
+    files = [write_tiny_gguf(tmp_path / "tiny.gguf")]
+    if HAS_SMOLLM2:
+        files.append(resolve_model(DEFAULT_MODEL).gguf_path)
+    for path in files:
+        theirs, ours = GGUFReader(path), GGUFFileReader(path)
+        assert list(theirs.fields) == list(ours.fields) and len(theirs.fields) > 5
+        for a, b in zip(theirs.fields.values(), ours.fields.values(), strict=True):
+            assert (a.offset, a.types, a.data) == (b.offset, b.types, b.data), a.name
+            assert all(np.array_equal(x, y) for x, y in zip(a.parts, b.parts, strict=True)), a.name
+        assert len(theirs.tensors) == len(ours.tensors) > 0
+        for a, b in zip(theirs.tensors, ours.tensors, strict=True):
+            assert (a.name, a.tensor_type, list(a.shape), a.data_offset) == (
+                b.name,
+                b.tensor_type,
+                list(b.shape),
+                b.data_offset,
+            )
+            assert a.data.dtype == b.data.dtype and np.array_equal(a.data, b.data), a.name
+        assert ours.data.filename == theirs.data.filename  # the tokenizer's conversion finds the file by it

@@ -106,6 +106,19 @@ def test_a_compiler_that_hangs_is_stopped(tmp_path, monkeypatch, capfd) -> None:
 
 
 @needs_cc
+def test_a_cache_it_cannot_write_is_said_as_the_reason(tmp_path, monkeypatch) -> None:
+    """The GGUF products' kernels cannot be built where the cache root cannot be written: the warning
+    says why (it said only "using the reference products", so the fallback read as a missing compiler)."""
+    from selfextend.native import quant
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv("SELFEXTEND_CACHE", str(blocker / "cache"))
+    with pytest.warns(UserWarning, match=r"GGUF block products not built \(.*a-file.*\); using the"):
+        assert quant.quant_kernels.__wrapped__() is None
+
+
+@needs_cc
 def test_generate_builds_the_kernels_before_the_clock_starts(tiny_dir, tmp_path, monkeypatch) -> None:
     """With an empty cache, ``generate -n 5`` says on stderr that it compiles the kernels, and they are built
     before the generation loop (which holds the clock of the reported rates) is entered: a first run's rate

@@ -214,12 +214,16 @@ class Generator:
         Exact where every layer still holds the cells the tokens before ``n_past`` attend. A sliding-window
         layer keeps only its window, so going back further than that is not: then the cells after the kept
         ones are recomputed from the tokens (the kept cells stay), which is what a fresh forward over the
-        kept tokens gives, as after a context shift, and sets :attr:`last_logits`.
+        kept tokens gives, as after a context shift, and sets :attr:`last_logits`. Otherwise the logits of
+        the new last token are not known: :attr:`last_logits` is None (a save then stores none, and the
+        next feed or :func:`run` computes them), never those of a token forgotten.
         """
         n_past = check_int(n_past, "n_past", 0)
         tokens = self.tokens[:n_past]
         if self.cache.can_truncate(n_past):
             self.cache.truncate(n_past)
+            if len(tokens) < len(self.tokens):
+                self.last_logits = None
             self.tokens = tokens
             return
         keep = min(n_past, self.cache.n_keep)

@@ -99,9 +99,9 @@ class GGUFTable:
     @classmethod
     def read(cls, path: str | Path) -> GGUFTable:
         """The table of the GGUF at ``path`` (parsing its metadata: seconds for a large vocabulary)."""
-        from gguf import GGUFReader
+        from selfextend.models.gguf_reader import GGUFFileReader
 
-        return cls.of(GGUFReader(str(path)))
+        return cls.of(GGUFFileReader(str(path)))
 
 
 def check_gguf(path: str | os.PathLike[str]) -> GGUFTable:
@@ -141,10 +141,10 @@ def checked_reader(path: str | os.PathLike[str]) -> GGUFReader:
     if magic != b"GGUF":
         raise ModelError(f"{p} is not a GGUF file (it does not start with the GGUF magic bytes)")
     check_table(p)  # counts, sizes and the vocabulary, before the reader builds anything on them
-    from gguf import GGUFReader
+    from selfextend.models.gguf_reader import GGUFFileReader
 
     try:
-        reader = GGUFReader(p)
+        reader = GGUFFileReader(p)
     except Exception as exc:  # the reader raises ValueError, IndexError, struct errors... on bad bytes
         raise ModelError(
             f"{p} is truncated or corrupted: its GGUF header, metadata or tensor table cannot be read "

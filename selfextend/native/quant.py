@@ -195,5 +195,8 @@ def quant_kernels() -> QuantKernels | None:
     ``$SELFEXTEND_NATIVE`` is ``0`` or it cannot be built (then with one warning saying why)."""
     portable = os.environ.get(PORTABLE_ENV) == "1"
     return kernels(
-        SOURCE, "quant", lambda library: QuantKernels(library, portable), "using the reference products"
+        SOURCE,
+        "quant",
+        lambda library: QuantKernels(library, portable),
+        "GGUF block products not built ({reason}); using the reference products",
     )
