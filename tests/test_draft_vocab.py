@@ -38,7 +38,7 @@ def test_it_scores_the_first_ids_and_the_held_ones(tmp_path, form: str, extra: i
     part = PartialHead(head, 13)  # rounded up to 16
     assert part.n == 16 and part.vocab == head.out_features
     x = torch.randn(3, 64)
-    full = product_of((head,))(x).float()  # the decode step's product of the whole head
+    full = product_of((head,), logits=True)(x).float()  # the decode step's product of the whole head
     context = [3, 200, 7, 250, 200, part.vocab - 1]
     part.hold(context)
     got = part(x).float()

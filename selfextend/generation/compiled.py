@@ -77,7 +77,9 @@ class CompiledStep:
         ]
         self.gate_up = [fuse_projections([m.mlp.gate_proj, m.mlp.up_proj]) for m in self.layers]
         self.layer_fn: Callable[..., tuple[torch.Tensor, torch.Tensor]] = layer_rows
-        self.head_row = product_of((self.head,), native_kernels()) if direct((self.head,)) else None
+        self.head_row = (
+            product_of((self.head,), native_kernels(), logits=True) if direct((self.head,)) else None
+        )
 
     def supported(self) -> bool:
         """Whether the model's current attention implementation is one this step computes."""

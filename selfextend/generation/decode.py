@@ -202,7 +202,7 @@ class DecodeStep:
             )
         head = (self.head,)
         self.final_norm = norm_of(self.norm, dtype, self.native if direct(head) else None)
-        self.head_product = product_of(head, self.native)
+        self.head_product = product_of(head, self.native, logits=True)
 
     def embed_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The embedding's rows ``ids`` (M,) -> (M, hidden), unscaled: a copy, which callers add to."""

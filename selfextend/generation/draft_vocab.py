@@ -52,7 +52,7 @@ class PartialHead:
             raise ValueError(
                 f"a draft vocabulary needs a GGUF block or float output layer, not {type(head).__name__}"
             )
-        self._first = product_of((first,))
+        self._first = product_of((first,), logits=True)
         self.device = head.weight.device if isinstance(head, nn.Linear) else head.blocks.device
         self.ids = torch.empty(0, dtype=torch.long, device=self.device)  # (E,) the extra ids, sorted
         self.rows = torch.empty(0, head.in_features, device=self.device)  # (E, hidden) float32

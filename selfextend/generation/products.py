@@ -108,14 +108,16 @@ def direct(parts: tuple[nn.Module, ...]) -> bool:
     return isinstance(layer, Int8Linear) and layer.weight_int8.device.type == "cpu"
 
 
-def product_of(parts: tuple[nn.Module, ...], native: NativeKernels | None = None) -> Fn:
+def product_of(parts: tuple[nn.Module, ...], native: NativeKernels | None = None, logits: bool = False) -> Fn:
     """``x (1, K) -> (1, N)``: the int4 or int8 kernel called directly (bfloat16 out) for one bias-less
     quantized layer with contiguous buffers (int8: the native one where ``native`` is given), the native
     GGUF block product for block layers (several: side by side; a bias added as :func:`blocks_product`
-    says), else the modules' forwards (out in ``x``'s type)."""
+    says), else the modules' forwards (out in ``x``'s type). ``logits``: ``parts`` is the output layer,
+    whose block product is float32 out, as the model's forward and llama.cpp give logits: in bfloat16 two
+    logits near 25 are 0.125 apart, so near-ties fell to the lower id."""
     layer = parts[0]
     if direct(parts) and isinstance(layer, BlockLinear):
-        return blocks_product(parts, quant_kernels())
+        return blocks_product(parts, quant_kernels(), torch.float32 if logits else torch.bfloat16)
     if direct(parts) and isinstance(layer, Int4Linear):
         w, sz = layer.weight_int4, layer.scales_zeros
         return lambda x: torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), w, INT4_GROUP, sz)
@@ -140,15 +142,17 @@ def each_add(add: Add, x: torch.Tensor, y: torch.Tensor) -> None:
         add(x[i : i + 1], y[i : i + 1])
 
 
-def blocks_product(parts: tuple[BlockLinear, ...], kernels: QuantKernels) -> Fn:
-    """``x (M, K) -> (M, N)``: the block layers' products in bfloat16, side by side where there are several
-    (of different types: a Q4_K_M file's v projection is Q6_K); where a part has a bias, ``float32(y) +
-    bias`` (:func:`blocks_bias`), float32 out."""
+def blocks_product(
+    parts: tuple[BlockLinear, ...], kernels: QuantKernels, out_dtype: torch.dtype = torch.bfloat16
+) -> Fn:
+    """``x (M, K) -> (M, N)``: the block layers' products in ``out_dtype``, side by side where there are
+    several (of different types: a Q4_K_M file's v projection is Q6_K); where a part has a bias,
+    ``float32(y) + bias`` (:func:`blocks_bias`), float32 out."""
     held = [(p.blocks.contiguous(), p.kind) for p in parts]
     bias = blocks_bias(parts)
 
     def product(x: torch.Tensor) -> torch.Tensor:
-        ys = [kernels(x, b, k, torch.bfloat16) for b, k in held]
+        ys = [kernels(x, b, k, out_dtype) for b, k in held]
         y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
         return y if bias is None else y.float().add_(bias)
 
