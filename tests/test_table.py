@@ -264,6 +264,30 @@ def test_table_keeps_models_and_dtypes_apart_and_counts_a_point_once(tmp_path):
     assert r.exit_code == 0 and "1/2" in r.output and "2/4" not in r.output, r.output
 
 
+def test_two_texts_under_one_document_name_are_two_documents(tmp_path):
+    """A probe's case: a sweep of another file named like the first (``--corpus alt``) into the same output
+    is measured again (its text differs), but table put the new text's 512 beside the old text's 1k in one
+    row, the old 512 gone. Each text is now its own document, said in a warning."""
+    path = tmp_path / "two.jsonl"
+    base = {"model": "m", "dtype": "float32", "doc": "sherlock-holmes", "method": "plain"}
+    rows = [("aaaaaaaaaaaaaaaa", 512, 47.5), ("aaaaaaaaaaaaaaaa", 1024, 34.8), ("bbbbbbbbbbbbbbbb", 512, 7.4)]
+    path.write_text(
+        "".join(
+            json.dumps({**base, "text": t, "length": n, "ppl": v, "ppl_last": v}) + "\n" for t, n, v in rows
+        )
+    )
+    r = CliRunner().invoke(main, ["table", str(path), "--trained-window", "2048", "-f", "csv"])
+    assert r.exit_code == 0, r.output
+    assert "sherlock-holmes: records of 2 texts under one name" in r.stderr
+    cells = {
+        int(n): (float(v), int(docs))
+        for _, n, v, _, _, docs in map(lambda x: x.split(","), r.stdout.splitlines()[1:])
+    }
+    assert cells == {512: (pytest.approx((47.5 + 7.4) / 2), 2), 1024: (34.8, 1)}  # the 1k: one text's only
+    r = CliRunner().invoke(main, ["table", str(path), "--trained-window", "2048"])
+    assert "over 2 documents: sherlock-holmes [aaaaaaaa], sherlock-holmes [bbbbbbbb]" in r.stdout, r.output
+
+
 def test_a_byte_order_mark_costs_no_record(tmp_path):
     path = tmp_path / "bom.jsonl"
     records = [r for r in _records() if r["length"] == 1024 and r["method"] == "plain"]

@@ -173,6 +173,30 @@ def summarize(
     return summary
 
 
+def distinct_texts(records: Records) -> Records:
+    """``records`` with a document name that holds several texts (``text``: another file of the same name,
+    another dataset's ``train-0``) split into one document per text, named ``NAME [first digits of the
+    text's id]``, with a warning: their numbers are of different texts, never one cell's. A record without
+    ``text`` (written before it was recorded) stays under the plain name."""
+    texts: dict[str, set[str]] = defaultdict(set)
+    for r in records:
+        if r.get("text"):
+            texts[r["doc"]].add(r["text"])
+    split = sorted(doc for doc, ids in texts.items() if len(ids) > 1)
+    if not split:
+        return records
+    warnings.warn(
+        f"{', '.join(split)}: records of {plural(max(len(texts[d]) for d in split), 'text')} under one name "
+        "(another file or dataset of that name): each text is its own document, named with its text id",
+        ResultsWarning,
+        stacklevel=2,
+    )
+    return [
+        {**r, "doc": f"{r['doc']} [{r['text'][:8]}]"} if r["doc"] in split and r.get("text") else r
+        for r in records
+    ]
+
+
 def _shared_documents(
     records: list[dict[str, Any]],
 ) -> tuple[list[dict[str, Any]], list[str], dict[str, int]]:

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from selfextend.core.validate import plural
-from selfextend.evaluation.aggregate import fmt_tokens, summarize
+from selfextend.evaluation.aggregate import distinct_texts, fmt_tokens, summarize
 from selfextend.evaluation.results import record_kind
 
 
@@ -87,6 +87,8 @@ def usable_records(
         )
     if not usable:
         raise ValueError(f"{source}: no {kind} record has every field the plot needs")
+    if kind == "ppl":
+        usable = distinct_texts(usable)
     return kind, _one_per_point(_per_run(usable, kind), kind)
 
 
