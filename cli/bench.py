@@ -164,8 +164,8 @@ def bench(
     )
     from selfextend.bench.speed import bench_first_token, bench_generate, cpu_model
     from selfextend.cli.options import load_with_self_extend
+    from selfextend.evaluation.lengths import parse_lengths
     from selfextend.evaluation.results import append_jsonl, own_records
-    from selfextend.evaluation.sweep import parse_lengths
     from selfextend.generation.settings import decode_settings
 
     if out and Path(out).exists():  # its rows in a ppl file made that sweep refuse to resume

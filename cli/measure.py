@@ -9,6 +9,7 @@ from pathlib import Path
 
 import click
 
+from selfextend.cli.interrupts import prompt_interrupts
 from selfextend.cli.options import (
     POSITIVE,
     SEED,
@@ -110,14 +111,18 @@ def _resumable(out: str, what: str, mine: Path) -> Iterator[list[int]]:
     """
     written = [0]
     where = str(out) if str(mine) == str(out) else f"{mine} (merged into {out} by the next run)"
-    try:
-        yield written
-    except KeyboardInterrupt as e:
-        click.echo(
-            f"\ninterrupted: {where} keeps every {what} finished ({written[0]} new in this run; the one in "
-            "progress is lost). Run the same command again to resume: finished ones are skipped.",
-            err=True,
+
+    def kept() -> str:
+        return (
+            f"interrupted: {where} keeps every {what} finished ({written[0]} new in this run; the one in "
+            "progress is lost). Run the same command again to resume: finished ones are skipped."
         )
+
+    try:
+        with prompt_interrupts(lambda: f"{kept()} (Stopped inside a long forward pass, not waiting for it.)"):
+            yield written
+    except KeyboardInterrupt as e:
+        click.echo(f"\n{kept()}", err=True)
         sys.exit(interrupt_status(e))
 
 
@@ -189,9 +194,11 @@ def ppl(
     forward scores every shorter length it covers).
     """
     from selfextend.evaluation.corpus import load_corpus, select
-    from selfextend.evaluation.sweep import dtype_name, parse_lengths, plan, ppl_sweep, tokenize_docs
+    from selfextend.evaluation.lengths import parse_lengths
 
-    parsed_lengths, parsed_methods = parse_lengths(lengths, "--lengths"), _methods(methods)
+    parsed_lengths, parsed_methods = parse_lengths(lengths, "--lengths"), _methods(methods)  # before torch
+    from selfextend.evaluation.sweep import dtype_name, plan, ppl_sweep, tokenize_docs
+
     if not corpus.strip():  # ('' read as the current folder's text files)
         raise click.BadParameter(
             "names no file or folder (leave it out for the default)", param_hint="--corpus"
@@ -293,12 +300,9 @@ def passkey(
     """Passkey retrieval: a 5-digit key hidden in filler, asked for at the end, answered greedily."""
     from selfextend.cli.options import load_with_self_extend
     from selfextend.core.validate import ValidationError
-    from selfextend.evaluation.distributed import forward_cost
-    from selfextend.evaluation.passkey import build_passkey_prompt, passkey_plan, passkey_sweep, point_key
-    from selfextend.evaluation.results import read_jsonl
-    from selfextend.evaluation.sweep import dtype_name, parse_lengths
+    from selfextend.evaluation.lengths import parse_lengths
 
-    parsed_lengths, parsed_methods = parse_lengths(lengths, "--lengths"), _methods(methods)
+    parsed_lengths, parsed_methods = parse_lengths(lengths, "--lengths"), _methods(methods)  # before torch
     try:
         parsed_depths = sorted({float(d) for d in depths.split(",") if d.strip()})
     except ValueError:
@@ -311,6 +315,11 @@ def passkey(
         raise click.BadParameter("depths must lie in [0, 1]", param_hint="--depths")
     if trials < 1:
         raise click.BadParameter("at least 1", param_hint="--trials")
+    from selfextend.evaluation.distributed import forward_cost
+    from selfextend.evaluation.passkey import build_passkey_prompt, passkey_plan, passkey_sweep, point_key
+    from selfextend.evaluation.results import read_jsonl
+    from selfextend.evaluation.sweep import dtype_name
+
     procs, device, dtype = _join(out, point_key, dtype, model)
     name = run_name(model, weights, device)
     done = len(read_jsonl(out))

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from selfextend.cli.options import in_writable_folder, integer, model_of_run_name
+from selfextend.cli.options import integer, model_of_run_name
 
 
 def summary_options(f):
@@ -43,7 +43,7 @@ def summary_options(f):
         "--trained-window",
         type=integer(2),
         default=None,
-        help="The model's trained window in tokens (plot marks it; the default reference of --ratio); "
+        help="The model's trained window in tokens (a plot marks it; the default reference of --ratio); "
         "default: the model's, when it can be read.",
     )(f)
     return f
@@ -91,14 +91,45 @@ def _records(results: str, trained_window: int | None, field: str = "ppl_last", 
     return records, kind, trained_window
 
 
+def _check_picture(target: Path) -> None:
+    """Refuse, before anything is read or drawn, a picture that could not be written: a format matplotlib
+    does not write, something other than a file, a file or name that cannot be written (tried: the folders
+    made, an existing file opened to append, a new one made and removed; as root ``os.access`` passes
+    everything, /proc too)."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if target.suffix[1:].lower() not in formats:
+        raise click.UsageError(
+            f"cannot draw {target}: {target.suffix} is not a picture format (use one of "
+            f"{', '.join('.' + f for f in sorted(formats))})"
+        )
+    if target.exists() and not target.is_file():
+        raise click.UsageError(f"cannot draw {target}: it is not a regular file")
+    above = next(p for p in target.absolute().parents if p.exists())
+    if not above.is_dir():
+        raise click.UsageError(f"cannot write {target}: {above} is not a folder")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if target.exists():
+            with target.open("ab"):
+                pass
+        else:
+            with target.open("xb"):
+                pass
+            target.unlink()
+    except OSError as e:
+        raise click.UsageError(f"cannot write {target}: {e.strerror or e}") from None
+
+
 @click.command()
 @click.argument("results", type=click.Path(exists=True, dir_okay=False))
 @click.option(
     "-o",
     "--out",
     type=click.Path(dir_okay=False),
-    callback=in_writable_folder,
-    help="PNG to write (default: RESULTS with .png; .png added to a name without a suffix).",
+    help="Picture to write, in the format its suffix names (.png, .pdf, .svg...; default: RESULTS with "
+    ".png; .png added to a name without a suffix; missing folders are made).",
 )
 @summary_options
 @click.option("--per-doc", is_flag=True, help="Perplexity: one panel per document instead of the aggregate.")
@@ -124,6 +155,7 @@ def plot(
         target = target.with_name(target.name + ".png")
     if target.resolve() == Path(results).resolve():
         raise click.UsageError(f"the picture would overwrite the results {results}: name another with -o")
+    _check_picture(target)
     records, kind, trained_window = _records(results, trained_window, field)
     if kind == "ppl":
         plot_ppl(records, target, trained_window, field, stat, per_doc, ratio, reference)

@@ -35,10 +35,11 @@ from selfextend import apply_self_extend, max_usable_length, remove_self_extend
 from selfextend.bench.runner import BenchConfig
 from selfextend.cli.main import main
 from selfextend.core.validate import ValidationError
+from selfextend.evaluation.lengths import check_lengths
 from selfextend.evaluation.methods import Method, MethodError, parse_method, parse_methods
 from selfextend.evaluation.passkey import passkey_plan
 from selfextend.evaluation.results import ResultsError, ResultsWarning, read_jsonl, rejected_path, repair_tail
-from selfextend.evaluation.sweep import check_lengths, plan
+from selfextend.evaluation.sweep import plan
 from selfextend.generation.decode import decode_step_for
 from selfextend.generation.draft import DraftModel
 from selfextend.generation.generator import Generator, run
@@ -127,7 +128,10 @@ PARSE_CASES = [
     (["bench", "--cases", ""], "--cases"),
     (["generate", "--draft-max", "5", "-p", "hi"], "--draft-max needs --draft-model"),
     (["ppl", "--dataset", "", "-o", "out.jsonl"], "names no dataset"),
-    (["plot", "results.jsonl", "-o", "nodir/sub/x.png"], "no writable folder"),
+    (
+        ["plot", "results.jsonl", "-o", "results.jsonl/x.png"],
+        "results.jsonl is not a folder",
+    ),
     (["plot", "results.jsonl", "--trained-window", "0"], "--trained-window"),
     (["table", "results.jsonl", "--reference", "-4"], "--reference"),
 ]
@@ -155,11 +159,12 @@ def test_parse_time_refusals_subprocess(args, message, tmp_path):
 # --------------------------------------------------------------------------------------------------
 
 METHOD_CASES = [
-    (["ppl", "--lengths", "infk"], "finite"),
-    (["ppl", "--lengths", "nank"], "finite"),
+    (["ppl", "--lengths", "infk"], "is not a length"),
+    (["ppl", "--lengths", "nank"], "is not a length"),
     (["ppl", "--lengths", "1"], "--lengths"),
-    (["ppl", "--lengths", "0.001k"], "whole number"),
-    (["ppl", "--lengths", "1e30"], "integer"),
+    (["ppl", "--lengths", "0.001k"], "is 1.024 tokens: a length is at least 4"),
+    (["ppl", "--lengths", "1e30"], "is not a length"),
+    (["ppl", "--lengths", "0.5"], "is 0.5 tokens"),
     (["ppl", "--lengths", ","], "at least one"),
     (["ppl", "--method", "ntk:factor=nan"], "finite"),
     (["ppl", "--method", "yarn:factor=inf"], "finite"),
@@ -822,16 +827,19 @@ def test_a_sweep_killed_in_its_first_record_resumes(tmp_path):
             repair_tail(other)
 
 
-def test_passkey_resume_keys_include_seed_and_dtype(tmp_path):
+def test_passkey_resume_keys_include_seed_dtype_and_prompt_form(tmp_path):
     out = tmp_path / "pk.jsonl"
     out.write_text(
-        '{"model": "m", "dtype": "float32", "seed": 1, "method": "plain", "length": 64, "depth": 0.5, '
-        '"trial": 0, "correct": true}\n'
-        '{"model": "m", "method": "plain", "length": 64, "depth": 0.5, "trial": 1, "correct": true}\n'
+        '{"model": "m", "dtype": "float32", "seed": 1, "prompt": 2, "method": "plain", "length": 64, '
+        '"depth": 0.5, "trial": 0, "correct": true}\n'
+        '{"model": "m", "dtype": "float32", "seed": 0, "prompt": 2, "method": "plain", "length": 64, '
+        '"depth": 0.5, "trial": 1, "correct": true}\n'
+        '{"model": "m", "method": "plain", "length": 64, "depth": 0.5, "trial": 0, "correct": true}\n'
     )
     args = ("m", [Method("plain")], [64], [0.5], 2, out)
     assert [p.trial for p in passkey_plan(*args, "float32", 1)] == [1]
-    assert [p.trial for p in passkey_plan(*args, "float32", 0)] == [0]  # the old record: seed 0
+    # the old record (seed 0, float32, the first prompt form) is asked again in the current form
+    assert [p.trial for p in passkey_plan(*args, "float32", 0)] == [0]
     assert [p.trial for p in passkey_plan(*args, "float32", 2)] == [0, 1]
     assert [p.trial for p in passkey_plan(*args, "bfloat16", 1)] == [0, 1]
 

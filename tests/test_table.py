@@ -170,6 +170,16 @@ def test_table_and_plot_commands(tmp_path):
         r = runner.invoke(main, ["plot", *args, "--trained-window", "2048"])
         assert r.exit_code == 2 and "would overwrite the results" in r.stderr, r.output
     assert named_png.read_bytes() == path.read_bytes()
+    # pictures that cannot be written: refused before anything is drawn (they failed after it, in raw words)
+    for out, says in (
+        ("/proc/x.png", "cannot write /proc/x.png: No such file or directory"),
+        (str(tmp_path / "x.txt"), ".txt is not a picture format (use one of"),
+        (str(tmp_path), "is a directory"),
+    ):
+        r = runner.invoke(main, ["plot", str(path), "--trained-window", "2048", "-o", out])
+        assert r.exit_code == 2 and says in r.stderr and "wrote" not in r.output, r.output
+    r = runner.invoke(main, ["plot", str(path), "--trained-window", "2048", "-o", str(tmp_path / "d/x.pdf")])
+    assert r.exit_code == 0 and (tmp_path / "d/x.pdf").read_bytes().startswith(b"%PDF"), r.output
     r = runner.invoke(main, ["table", str(path), "--ratio", "--reference", "999"])
     assert r.exit_code == 2 and "reference length 999 was not measured" in r.stderr
     bench = tmp_path / "bench.jsonl"
@@ -262,6 +272,11 @@ def test_table_keeps_models_and_dtypes_apart_and_counts_a_point_once(tmp_path):
     trials.write_text("".join(json.dumps(rec) + "\n" for rec in once + once))
     r = CliRunner().invoke(main, ["table", str(trials), "--trained-window", "2048"])
     assert r.exit_code == 0 and "1/2" in r.output and "2/4" not in r.output, r.output
+    newer = [{**rec, "prompt": 2, "correct": True} for rec in once]  # the same trials asked in form 2
+    trials.write_text("".join(json.dumps(rec) + "\n" for rec in once + newer))
+    r = CliRunner().invoke(main, ["table", str(trials), "--trained-window", "2048"])
+    assert r.exit_code == 0 and "2/2" in r.stdout and "3/4" not in r.stdout, r.output
+    assert "2 trials of an older passkey prompt left out" in r.stderr, r.output
 
 
 def test_two_texts_under_one_document_name_are_two_documents(tmp_path):

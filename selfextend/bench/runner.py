@@ -108,7 +108,7 @@ class BenchConfig:
         """Every setting checked (:class:`~selfextend.core.validate.ValidationError`), so no case runs zero
         times or loops on a nonsense count."""
         from selfextend.core.positions import validate
-        from selfextend.evaluation.sweep import check_lengths
+        from selfextend.evaluation.lengths import check_lengths
 
         self.prefill_lengths = check_lengths(self.prefill_lengths, "prefill lengths")
         self.decode_lengths = check_lengths(self.decode_lengths, "decode lengths")

@@ -197,6 +197,23 @@ def distinct_texts(records: Records) -> Records:
     ]
 
 
+def one_prompt_form(records: Records) -> Records:
+    """Passkey ``records`` of the newest prompt form only (``prompt``; 1 where a record predates it), with a
+    warning naming how many trials of older forms are left out: hits of two prompts are not one accuracy."""
+    forms = {r.get("prompt", 1) for r in records}
+    if len(forms) < 2:
+        return records
+    newest = max(forms)
+    kept = [r for r in records if r.get("prompt", 1) == newest]
+    warnings.warn(
+        f"{plural(len(records) - len(kept), 'trial')} of an older passkey prompt left out: the numbers are "
+        f"of prompt form {newest} only (the same command asks them again in it)",
+        ResultsWarning,
+        stacklevel=2,
+    )
+    return kept
+
+
 def _shared_documents(
     records: list[dict[str, Any]],
 ) -> tuple[list[dict[str, Any]], list[str], dict[str, int]]:

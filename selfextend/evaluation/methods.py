@@ -14,13 +14,12 @@ import copy
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from torch import nn
-
-from selfextend.core.rope import find_rotary_embedding
 from selfextend.core.validate import ValidationError, check_float, check_int, parse_float, parse_int
-from selfextend.hf.facts import trained_window
-from selfextend.hf.patch import self_extend
+
+if TYPE_CHECKING:  # the model code is imported where a method is applied: a bad --method is refused at once
+    from torch import nn
 
 KINDS = {
     "plain": {},
@@ -158,6 +157,9 @@ def _parent_of(model: nn.Module, child: nn.Module) -> tuple[nn.Module, str]:
 @contextmanager
 def rope_scaling(model: nn.Module, rope_type: str, factor: float) -> Iterator[nn.Module]:
     """Swap in a rotary embedding of another RoPE type (``dynamic`` or ``yarn``) for the block."""
+    from selfextend.core.rope import find_rotary_embedding
+    from selfextend.hf.facts import trained_window
+
     rotary = find_rotary_embedding(model)
     parent, name = _parent_of(model, rotary)
     config = copy.deepcopy(model.config)
@@ -179,6 +181,8 @@ def rope_scaling(model: nn.Module, rope_type: str, factor: float) -> Iterator[nn
 @contextmanager
 def applied(model: nn.Module, method: Method) -> Iterator[nn.Module]:
     """The model changed as ``method`` says for the block (the shift cache is the scorer's part)."""
+    from selfextend.hf.patch import self_extend
+
     p = method.params
     if method.kind == "selfextend" or (method.kind == "shift" and "G" in p):
         with self_extend(model, int(p["G"]), int(p["W"])):

@@ -18,42 +18,50 @@ import torch
 from torch import nn
 
 from selfextend.core.validate import MAX_SEED, ValidationError, check_float, check_int
+from selfextend.evaluation.lengths import check_lengths
 from selfextend.evaluation.methods import Method, applied, unique_methods
 from selfextend.evaluation.nll import dense_sliding_mask
 from selfextend.evaluation.results import append_jsonl, own_records, repair_tail
-from selfextend.evaluation.sweep import SCORING_CHUNK, check_lengths, dtype_name
+from selfextend.evaluation.sweep import SCORING_CHUNK, dtype_name
 from selfextend.generation.generator import Generator
 from selfextend.kv.cache import ContextShiftCache
 
 TASK = (
     "There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
-    "I will quiz you about the important information there.\n"
+    "I will quiz you about the important information there."
 )
-FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
-KEY = "The pass key is {key}. Remember it. {key} is the pass key. "
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+KEY = "The pass key is {key}. Remember it. {key} is the pass key."
 QUESTION = "What is the pass key? The pass key is"
 ANSWER_TOKENS = 8
+PROMPT = 2
+"""The prompt's form, in every record (a point of another form is measured again; ``table`` and ``plot``
+count one form): 2, the task, the filler before the key, the key, the filler after it and the question on
+lines of their own, as the Self-Extend and Landmark Attention code joins them. Form 1 ran them together, so
+at depth 1 the key sentence ran into the question and the model echoed "the pass key" (0 of 4 at 512 tokens
+on SmolLM2 where form 2 found 4 of 4)."""
 
 
 def build_passkey_prompt(tokenizer, length: int, depth: float, key: int) -> list[int]:
-    """Token ids of about ``length`` tokens, ``key`` at relative ``depth`` of the filler (0 start, 1 end).
-    :class:`~selfextend.core.validate.ValidationError` where ``length`` cannot hold the task, one filler
-    sentence, the key and the question (its record would name a length its prompt is not)."""
+    """Token ids of about ``length`` tokens, ``key`` at relative ``depth`` of the filler (0 start, 1 end), in
+    the form :data:`PROMPT` says. :class:`~selfextend.core.validate.ValidationError` where ``length`` cannot
+    hold the task, one filler sentence, the key and the question (its record would name a length its
+    prompt is not)."""
 
     depth = check_float(depth, "passkey depth", 0.0, 1.0)  # 2.0 made a prompt twice the length asked for
 
     def count(text: str) -> int:
         return len(tokenizer(text).input_ids)
 
-    fixed = count(TASK + KEY.format(key=key) + QUESTION)
-    per_filler = count(FILLER * 20) / 20
+    fixed = count("\n".join((TASK, "", KEY.format(key=key), "", QUESTION)))
+    per_filler = count(" ".join([FILLER] * 20)) / 20
     if length < fixed + per_filler:
         least = math.ceil(fixed + per_filler)
         raise ValidationError("lengths", f"must be at least {least} for a passkey prompt here, got {length}")
     n_filler = max(1, int((length - fixed) / per_filler))
     before = round(n_filler * depth)
-    text = TASK + FILLER * before + KEY.format(key=key) + FILLER * (n_filler - before) + QUESTION
-    return list(tokenizer(text).input_ids)
+    lines = (TASK, " ".join([FILLER] * before), KEY.format(key=key), " ".join([FILLER] * (n_filler - before)))
+    return list(tokenizer("\n".join((*lines, QUESTION))).input_ids)
 
 
 def is_correct(text: str, key: int) -> bool:
@@ -76,16 +84,18 @@ def answer(model: nn.Module, ids: list[int], method: Method) -> list[int]:
         return list(gen.decode(logits, ANSWER_TOKENS))
 
 
-LEGACY = {"dtype": "float32", "seed": 0}
-"""Records written before ``dtype`` and ``seed`` were recorded: float32 and seed 0, the defaults then."""
-KEY_FIELDS = ("model", "dtype", "seed", "method", "length", "depth", "trial")
+LEGACY = {"dtype": "float32", "seed": 0, "prompt": 1}
+"""Records written before ``dtype``, ``seed`` and ``prompt`` were recorded: float32, seed 0 and the first
+prompt form, the defaults then."""
+KEY_FIELDS = ("model", "dtype", "seed", "prompt", "method", "length", "depth", "trial")
 
 
 def point_key(record: dict) -> tuple:
     """What identifies a passkey point: a resumed or merged sweep holds each key once.
 
-    Everything that changes the answer (it is greedy): model and weights, dtype, seed (the passkey),
-    method, length, depth, trial. A record missing a field gets None there and matches no real point.
+    Everything that changes the answer (it is greedy): model and weights, dtype, seed (the passkey), the
+    prompt's form, method, length, depth, trial. A record missing a field gets None there and matches no
+    real point.
     """
     return tuple(record.get(f, LEGACY.get(f)) for f in KEY_FIELDS)
 
@@ -127,7 +137,7 @@ def passkey_plan(
         for length in lengths
         for depth in depths
         for trial in range(trials)
-        if (model_name, dtype, seed, method.name, length, depth, trial) not in done
+        if (model_name, dtype, seed, PROMPT, method.name, length, depth, trial) not in done
     ]
 
 
@@ -155,6 +165,7 @@ def passkey_sweep(
             "model": model_name,
             "dtype": dtype,
             "seed": seed,
+            "prompt": PROMPT,
             "method": p.method.name,
             "length": p.length,
             "depth": p.depth,

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from selfextend.core.validate import plural
-from selfextend.evaluation.aggregate import distinct_texts, fmt_tokens, summarize
+from selfextend.evaluation.aggregate import distinct_texts, fmt_tokens, one_prompt_form, summarize
 from selfextend.evaluation.results import record_kind
 
 
@@ -89,6 +89,8 @@ def usable_records(
         raise ValueError(f"{source}: no {kind} record has every field the plot needs")
     if kind == "ppl":
         usable = distinct_texts(usable)
+    elif kind == "passkey":
+        usable = one_prompt_form(usable)
     return kind, _one_per_point(_per_run(usable, kind), kind)
 
 

@@ -17,47 +17,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from selfextend.core.validate import ValidationError, check_int, parse_float, parse_int
 from selfextend.evaluation.corpus import CorpusError
 from selfextend.evaluation.distributed import forward_cost
+from selfextend.evaluation.lengths import check_lengths
 from selfextend.evaluation.methods import Method, applied, unique_methods
 from selfextend.evaluation.nll import dense_sliding_mask, segment_ppl, shift_nll, token_nll
 from selfextend.evaluation.results import append_jsonl, own_records, repair_tail
-
-MAX_LENGTH = 2**24
-"""Longest context a sweep accepts (16M tokens): far beyond any model, short of absurd allocations."""
-MIN_LENGTH = 4  # the last quarter (ppl_last) of a shorter one holds no token
-
-
-def parse_lengths(spec: str, name: str = "lengths") -> list[int]:
-    """``"1k,2k,4096"`` -> [1024, 2048, 4096] (k = 1024 tokens), each in [MIN_LENGTH, MAX_LENGTH]; sorted,
-    unique."""
-    lengths = []
-    for part in filter(None, (p.strip().lower() for p in str(spec).split(","))):
-        if part.endswith("k"):
-            n = parse_float(part[:-1], f"{name} ({part})", lo=0.0) * 1024
-            if n > MAX_LENGTH:  # said as given (1e300k: not its 301 digits)
-                raise ValidationError(f"{name} ({part})", f"must be at most {MAX_LENGTH}")
-            if n != int(n):
-                raise ValidationError(f"{name} ({part})", "must be a whole number of tokens")
-            n = int(n)
-        else:
-            n = parse_int(part, f"{name} ({part})", hi=MAX_LENGTH)
-        lengths.append(check_int(n, f"{name} ({part})", MIN_LENGTH, MAX_LENGTH))
-    if not lengths:
-        raise ValidationError(name, "needs at least one length, such as 2048 or 2k")
-    return sorted(set(lengths))
-
-
-def check_lengths(lengths: list[int], name: str = "lengths") -> list[int]:
-    """Lengths given as numbers through the API: each an integer in [MIN_LENGTH, MAX_LENGTH]; sorted,
-    unique."""
-    if isinstance(lengths, (str, bytes)) or not hasattr(lengths, "__iter__"):
-        raise ValidationError(name, f"must be a list of token counts, got {type(lengths).__name__}")
-    checked = [check_int(n, name, MIN_LENGTH, MAX_LENGTH) for n in lengths]
-    if not checked:
-        raise ValidationError(name, "needs at least one length")
-    return sorted(set(checked))
 
 
 def dtype_name(model_or_dtype: nn.Module | torch.dtype | str) -> str:
