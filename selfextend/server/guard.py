@@ -35,10 +35,14 @@ ERROR_TYPES = {
 
 
 class APIError(Exception):
-    """A request refused with ``status`` and an OpenAI error body."""
+    """A request refused with ``status`` and an OpenAI error body; a 400 that names its ``param`` has the
+    code ``invalid_value`` unless another is given, as every refused field value has (it was null for
+    some fields and ``invalid_value`` for others)."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
+        if code is None and status == 400 and param is not None:
+            code = "invalid_value"
         self.status, self.message, self.param, self.code = status, message, param, code
 
 

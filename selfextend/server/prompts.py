@@ -65,7 +65,10 @@ def validated(data: Any, kind: type[Model]) -> Model:
     if not isinstance(data, dict):
         kinds = {list: "an array", str: "a string", bool: "true or false", type(None): "null"}
         raise APIError(
-            400, f"the request body must be a JSON object, not {kinds.get(type(data), 'a number')}"
+            400,
+            f"the request body must be a JSON object, not {kinds.get(type(data), 'a number')}",
+            None,
+            "invalid_json",
         )
     try:
         return kind.model_validate(data)
