@@ -945,6 +945,7 @@ def test_nan_logits_end_one_stream_while_another_finishes(tiny):
         side_by_side(engine, [victim, other])  # both queued before the engine takes either
         assert "generation failed" in str(out["victim"]) and out["victim_text"]  # it failed mid-stream
         assert out["other"] == "length"  # the other stream ran to its end
+        assert (engine.metrics.failed, engine.metrics.requests) == (1, 1)  # /metrics counts the failure
         # top_k > 0: no finite logit to choose among; a plain request gets an OpenAI error body
         with pytest.raises(openai.InternalServerError, match="generation failed"):
             client.completions.create(
@@ -1200,6 +1201,9 @@ def test_plain_request_whose_client_left_is_cancelled(tiny):
         shifts = slot.gen.cache.shifts
         time.sleep(0.3)
         assert slot.gen.cache.shifts == shifts and request(base, "GET", "/health")[0] == 200
+        status, text = request(base, "GET", "/metrics")  # a cancelled request was counted nowhere
+        assert status == 200 and "llamacpp:requests_cancelled_total 1\n" in text, text
+        assert "llamacpp:requests_total 0\n" in text and "llamacpp:requests_failed_total 0\n" in text
 
 
 def _timed_health(base: str, stop: threading.Event, waits: list[float]) -> None:

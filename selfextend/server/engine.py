@@ -13,7 +13,6 @@ The requests past their prompt decode together, in one batched forward where the
 (:class:`~selfextend.generation.batched.BatchedDecode`: continuous batching), else one after the other.
 So ``--parallel N`` requests progress together, and a request whose client left (:attr:`Job.cancelled`)
 ends within a step and frees its slot. Results go back through each job's ``emit`` (thread-safe there).
-
 A failure (a step that raises, NaN logits) ends only its requests, with an ``error`` event, their slots
 left consistent (:meth:`Slot.recover`); whoever still waits when the loop ends is answered.
 """
@@ -219,6 +218,7 @@ class Engine:
         for job in list(self.queue):
             if job.cancelled.is_set():
                 self.queue.remove(job)
+                self.metrics.count("cancelled")
                 continue
             slot = pick(self.slots, job.prompt if job.cache_prompt else [], job.slot_id)
             if slot is not None:
@@ -264,6 +264,7 @@ class Engine:
         slot.recover()
         slot.finish(job.prompt, [], complete=False)
         slot.busy = False
+        self.metrics.count("failed")
         job.emit({"type": "error", "message": str(error) or type(error).__name__})
 
     def _drop(self, r: Running, error: Exception) -> None:
@@ -275,9 +276,8 @@ class Engine:
         self._fail(r.job, r.slot, error)
 
     def _turn(self) -> None:
-        """One step: a chunk of the oldest prompt still being read (its first token once it is all
-        written), then the next token of every job past its prompt in one batched decode. An error ends
-        only its job."""
+        """One step: a chunk of the oldest prompt still being read (its first token once it is all written),
+        then the next token of every job past its prompt in one batched decode. An error ends only its job."""
         decoding, reading = [], []
         for r in list(self.running):
             try:
@@ -394,7 +394,7 @@ class Engine:
         slot.busy = False
         release_free_memory()  # prompts of every size leave freed heap pages resident in glibc's arenas
         if reason == "cancelled":
-            return
+            return self.metrics.count("cancelled")
         done = r.report(reason, reason == "stop" and bool(r.generated) and r.generated[-1] in self.eos)
         self.metrics.record(done)
         job.emit({"type": "done", **done})

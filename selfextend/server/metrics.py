@@ -22,6 +22,8 @@ class Metrics:
     predicted_seconds: float = 0.0
     reused_tokens: int = 0  # prompt tokens taken from a slot's cache (common prefix or moved by K-shift)
     reuse_hits: int = 0  # requests that reused at least one cached prompt token
+    cancelled: int = 0  # requests whose client left before the end (queued or running)
+    failed: int = 0  # requests ended by an error (the model's output not numbers, a failed step)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def record(self, done: dict[str, Any]) -> None:
@@ -35,6 +37,11 @@ class Metrics:
                 self.predicted_seconds += max(done["completion_tokens"] - 1, 0) / done["tokens_per_second"]
             self.reused_tokens += done["cached_tokens"]
             self.reuse_hits += done["cached_tokens"] > 0
+
+    def count(self, kind: str) -> None:
+        """Count one request that ended without a reply: ``cancelled`` or ``failed``."""
+        with self.lock:
+            setattr(self, kind, getattr(self, kind) + 1)
 
     def prometheus(
         self, slots: list[dict[str, Any]], queued: int, stored: tuple[int, int, int] = (0, 0, 0)
@@ -53,6 +60,8 @@ class Metrics:
                 ),
                 ("tokens_predicted_seconds_total", "counter", "Predict process time", self.predicted_seconds),
                 ("requests_total", "counter", "Number of requests finished.", self.requests),
+                ("requests_cancelled_total", "counter", "Requests whose client left first.", self.cancelled),
+                ("requests_failed_total", "counter", "Requests ended by an error.", self.failed),
                 (
                     "prompt_tokens_reused_total",
                     "counter",
