@@ -33,11 +33,12 @@ def section_blocks(kind: str) -> list[str]:
 
 def test_answers_and_reuses(server):
     client = openai.OpenAI(base_url=server + "/v1", api_key="none", max_retries=0, timeout=300)
-    # the README's example; with no system prompt this 4-bit model answers in French (llama.cpp on the same
-    # file too: "L'Étoile, la Marseillaise, ...")
+    # the README's example. Asked the bare question this 4-bit model starts in French, as its own forward
+    # and llama.cpp on the same file do ("Al" 25.47 against "The" 25.46 first); the decode step's bfloat16
+    # logits tied the two at 25.5, and the lower id, "The", answered "Paris" by luck
     messages = [
         {"role": "system", "content": "You are terse."},
-        {"role": "user", "content": "What is the capital of France?"},
+        {"role": "user", "content": "What is the capital of France? Answer in one sentence."},
     ]
     out = client.chat.completions.create(model="m", messages=messages, max_tokens=24, temperature=0)
     assert "Paris" in out.choices[0].message.content
