@@ -137,6 +137,13 @@ def bench(
         raise click.BadParameter(f"unknown case {', '.join(sorted(unknown))}", param_hint="--cases")
     if not wanted:
         raise click.BadParameter("names no case", param_hint="--cases")
+    from selfextend.evaluation.lengths import parse_lengths  # (no torch: bad values said at once)
+
+    prefill_lengths = parse_lengths(lengths, "--lengths")
+    decode_at = parse_lengths(decode_lengths, "--decode-lengths")
+    timed_forms = [f.strip() for f in forms.split(",") if f.strip()]
+    if not timed_forms or set(timed_forms) - {"int8", "int4", "gguf"}:
+        raise click.BadParameter(f"'{forms}': name int8, int4 or gguf, comma-separated", param_hint="--forms")
     if out:
         from selfextend.evaluation.results import repair_tail
 
@@ -163,20 +170,19 @@ def bench(
         summarize,
     )
     from selfextend.bench.speed import bench_first_token, bench_generate, cpu_model
+    from selfextend.cli.interrupts import prompt_interrupts
     from selfextend.cli.options import load_with_self_extend
-    from selfextend.evaluation.lengths import parse_lengths
+    from selfextend.evaluation.memory import check_memory
+    from selfextend.evaluation.methods import Method
     from selfextend.evaluation.results import append_jsonl, own_records
     from selfextend.generation.settings import decode_settings
 
     if out and Path(out).exists():  # its rows in a ppl file made that sweep refuse to resume
         own_records(out, "bench")
 
-    timed_forms = [f.strip() for f in forms.split(",") if f.strip()]
-    if not timed_forms or set(timed_forms) - {"int8", "int4", "gguf"}:
-        raise click.BadParameter(f"'{forms}': name int8, int4 or gguf, comma-separated", param_hint="--forms")
     cfg = BenchConfig(
-        parse_lengths(lengths, "--lengths"),
-        parse_lengths(decode_lengths, "--decode-lengths"),
+        prefill_lengths,
+        decode_at,
         group_size,
         window,
         repeats,
@@ -191,6 +197,10 @@ def bench(
     from selfextend.hf.facts import trained_window
 
     checked_self_extend(group_size, window, trained_window(lm.config))
+    timed = [*(prefill_lengths if "prefill" in wanted else ()), *(decode_at if "decode" in wanted else ())]
+    warning = check_memory(lm, [(n, Method("plain")) for n in timed], cells="decode" in wanted)
+    if warning:  # (past the memory there is: refused above, in one line naming --lengths)
+        click.echo(f"warning: {warning}", err=True)
     proc = psutil.Process()
     device_name = (  # the machine of every row: the GPU's name, or the CPU's model and threads
         torch.cuda.get_device_name(lm.device)
@@ -215,12 +225,14 @@ def bench(
         if out:
             append_jsonl(out, r)
 
-    if "prefill" in wanted:
-        for r in bench_prefill(lm, cfg, MemoryMeter(lm.device)):
-            record(r)
-    if "decode" in wanted:
-        for r in bench_decode(lm, cfg):
-            record(r)
+    kept = f"; {out} keeps every row written" if out else ""
+    with prompt_interrupts(lambda: f"interrupted inside a long forward pass: not waiting for it{kept}"):
+        if "prefill" in wanted:  # (one forward of a long prompt: minutes in one operation on a CPU)
+            for r in bench_prefill(lm, cfg, MemoryMeter(lm.device)):
+                record(r)
+        if "decode" in wanted:
+            for r in bench_decode(lm, cfg):
+                record(r)
     if "endless" in wanted and endless_tokens > 0:
         for r in bench_endless(lm, cfg, lambda: proc.memory_info().rss / 2**20):
             record(r)

@@ -18,6 +18,7 @@ from test_gguf_fuzz import _layout, _put
 from test_models import HAS_SMOLLM2, write_tiny_gguf
 
 from selfextend.cli.main import main
+from selfextend.hf.facts import ModelError
 from selfextend.models.gguf_config import reason
 
 Edit = Callable[[bytes, dict, dict], bytes]
@@ -199,3 +200,18 @@ def test_the_fast_reader_reads_what_the_gguf_package_reads(tmp_path) -> None:
             )
             assert a.data.dtype == b.data.dtype and np.array_equal(a.data, b.data), a.name
         assert ours.data.filename == theirs.data.filename  # the tokenizer's conversion finds the file by it
+
+
+def test_a_value_of_unknown_type_is_named_once(tmp_path) -> None:
+    """A flipped byte in a value's type: the key is named, and "metadata key" said once (it was twice)."""
+    from selfextend.models.gguf_check import check_table
+
+    path = write_tiny_gguf(tmp_path / "m.gguf")
+    keys, _, _ = _layout(path)
+    at = keys["general.architecture"] - 4  # the value type, before the value
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(_put(path.read_bytes(), at, 4278190088, "<u4"))
+    with pytest.raises(
+        ModelError, match=r": metadata key general.architecture has an unknown value type \d+$"
+    ):
+        check_table(bad)

@@ -188,6 +188,12 @@ METHOD_CASES = [
     (["passkey", "--lengths", "-2k"], "--lengths"),
     (["bench", "--lengths", "infk"], "--lengths"),
     (["bench", "--cases", "nope"], "--cases"),
+    # refused before the model is even looked for (a probe waited 6-13 s for these, torch imported first)
+    (["bench", "-m", "no/such/model", "--forms", "foo"], "--forms"),
+    (["bench", "-m", "no/such/model", "--decode-lengths", "nan"], "--decode-lengths (nan) is not a length"),
+    (["ppl", "-m", "no/such/model", "--lengths", "abc"], "--lengths (abc) is not a length"),
+    (["passkey", "-m", "no/such/model", "--lengths", "abc"], "--lengths (abc) is not a length"),
+    (["ppl", "-m", "no/such/model", "--method", "ntk:factor=1"], "must be a finite number > 1"),
 ]
 
 

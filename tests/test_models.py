@@ -575,11 +575,26 @@ def test_load_refuses_non_rope_directory(tmp_path: Path) -> None:
         load_model(str(tmp_path))  # refused before looking for weights (there are none)
 
 
+def test_a_file_that_is_no_gguf_is_refused_before_a_kernel_is_built(tmp_path, monkeypatch) -> None:
+    """A probe's zero-byte .gguf: "auto" weights compiled the block kernels (10 s) before the magic bytes
+    were read. The file is refused first, and nothing is built."""
+    from selfextend.models import load as loading
+
+    def build() -> None:
+        raise AssertionError("the kernels were asked for first")
+
+    monkeypatch.setattr(loading, "quant_kernels", build)
+    empty = tmp_path / "zero.gguf"
+    empty.write_bytes(b"")
+    with pytest.raises(ModelError, match="is not a GGUF file"):
+        load_model(str(empty), weights="auto")
+
+
 def test_bad_dtype_and_device(tiny_gguf: Path) -> None:
     with pytest.raises(ModelError, match="unknown dtype 'float8'"):
         load_model(str(tiny_gguf), dtype="float8")
-    with pytest.raises(ModelError, match="unknown device"):
-        load_model(str(tiny_gguf), device="no-such-device")
+    with pytest.raises(ModelError, match=r"unknown device 'no-such-device': use cpu, cuda, cuda:N or mps$"):
+        load_model(str(tiny_gguf), device="no-such-device")  # it said torch's list of 20 device types
     with pytest.raises(ModelError, match="holds no data"):  # loaded, then failed at the first token
         load_model(str(tiny_gguf), device="meta")
     if not torch.cuda.is_available():

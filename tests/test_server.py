@@ -313,7 +313,7 @@ def test_bad_requests_get_openai_errors(server, body, param):
     assert status == 400, out
     assert set(out["error"]) == {"message", "type", "param", "code"}
     assert out["error"]["type"] == "invalid_request_error" and out["error"]["param"] == param
-    # a field's value: invalid_value (it was null for some fields); a body that is no JSON object: invalid_json
+    # a field's value: invalid_value (null for some fields before); a body not a JSON object: invalid_json
     assert out["error"]["code"] == ("invalid_json" if param is None else "invalid_value"), out
 
 

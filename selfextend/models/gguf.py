@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 from selfextend.hf.facts import ModelError
 from selfextend.models.blocks import block_packable
-from selfextend.models.gguf_check import check_table
+from selfextend.models.gguf_check import check_magic, check_table
 from selfextend.models.gguf_config import gguf_config
 from selfextend.models.gguf_families import check_present, read_by, tensor_names
 from selfextend.models.gguf_rope import GGUFRope
@@ -133,13 +133,7 @@ def checked_reader(path: str | os.PathLike[str]) -> GGUFReader:
     costs seconds (it parses the vocabulary), so it runs only before a conversion or a metadata read.
     """
     p = Path(path)
-    try:
-        with p.open("rb") as f:
-            magic = f.read(4)
-    except OSError as exc:
-        raise ModelError(f"cannot read {p}: {exc.strerror or exc}") from exc
-    if magic != b"GGUF":
-        raise ModelError(f"{p} is not a GGUF file (it does not start with the GGUF magic bytes)")
+    check_magic(p)
     check_table(p)  # counts, sizes and the vocabulary, before the reader builds anything on them
     from selfextend.models.gguf_reader import GGUFFileReader
 

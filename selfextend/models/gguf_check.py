@@ -70,13 +70,25 @@ class _Walk:
             elif item in _SCALARS:
                 self.take(count * struct.calcsize(_SCALARS[item]), what)
             else:
-                raise ModelError(f"{self.path}: metadata key {what} holds an array of unknown type {item}")
+                raise ModelError(f"{self.path}: {what} holds an array of unknown type {item}")
             return ("array", count)  # type: ignore[return-value]
         if kind not in _SCALARS:
-            raise ModelError(f"{self.path}: metadata key {what} has an unknown value type {kind}")
+            raise ModelError(f"{self.path}: {what} has an unknown value type {kind}")
         return struct.unpack_from(
             _SCALARS[kind], self.data, self.take(struct.calcsize(_SCALARS[kind]), what)
         )[0]
+
+
+def check_magic(path: Path) -> None:
+    """Refuse a file that cannot be read or does not start with the GGUF magic bytes (:class:`ModelError`):
+    at once, before anything slow (a kernel build, a conversion) is started for it."""
+    try:
+        with path.open("rb") as f:
+            magic = f.read(4)
+    except OSError as exc:
+        raise ModelError(f"cannot read {path}: {exc.strerror or exc}") from exc
+    if magic != b"GGUF":
+        raise ModelError(f"{path} is not a GGUF file (it does not start with the GGUF magic bytes)")
 
 
 def check_table(path: Path) -> None:

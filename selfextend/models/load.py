@@ -19,6 +19,7 @@ from selfextend.models.diskcache import (
     run_form,
 )
 from selfextend.models.gguf import GGUFTable, read_gguf
+from selfextend.models.gguf_check import check_magic
 from selfextend.models.quantize import Int8Linear, quantize_int8
 from selfextend.models.sources import DEFAULT_MODEL, ModelSource, hub_load, resolve_model
 from selfextend.models.weights import (
@@ -38,7 +39,7 @@ def _parse_device(device: str | torch.device) -> torch.device:
     try:
         target = torch.device(device)
     except (RuntimeError, TypeError) as exc:
-        raise ModelError(f"unknown device '{device}': {first_line(exc)}") from exc
+        raise ModelError(f"unknown device '{device}': use cpu, cuda, cuda:N or mps") from exc
     if target.type == "cuda" and not torch.cuda.is_available():
         raise ModelError(f"device '{device}' asked for, but this torch sees no CUDA GPU")
     if target.type == "mps" and not torch.backends.mps.is_available():
@@ -223,6 +224,8 @@ def load_model(
     target = _parse_device(device)
     if dtype is None:
         dtype = default_dtype(target, device_map)
+    if source.gguf_path is not None:  # a file that is no GGUF, before "auto" builds the block kernels for it
+        check_magic(source.gguf_path)
     form = run_form(auto_weights(weights, source, target, device_map is not None), dtype)
     if form.weights in ("int4", "gguf") and target.type != "cpu":
         raise ModelError(f"--weights {form.weights} runs on the CPU only (its kernels), not on {target}")
