@@ -283,6 +283,11 @@ def files(tmp_path, tiny_dir, real_gguf, monkeypatch) -> Path:
     for f in tiny_dir.iterdir():
         raw = f.read_bytes()
         (cut / f.name).write_bytes(raw[: len(raw) // 2] if f.name.endswith(".safetensors") else raw)
+    notok = d / "notokenizer"
+    notok.mkdir()
+    for f in tiny_dir.iterdir():
+        if not f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            (notok / f.name).write_bytes(f.read_bytes())
     (d / "latin1.txt").write_bytes("caf\xe9 cr\xe8me\n".encode("latin-1"))
     (d / "empty.txt").write_text("  \n")
     (d / "emptydir").mkdir()
@@ -317,7 +322,9 @@ FILE_CASES = [
     (["chat", "-m", "{in}/raising"], "the model's chat template failed: x"),
     (["generate", "-m", "{in}/morelayers", "-p", "x"], "lack 9 tensors its config.json asks for"),
     (["generate", "-m", "{in}/noweights", "-p", "x"], "cannot load"),
-    (["generate", "-m", "{in}/cutweights", "-p", "x"], "cannot load"),
+    (["generate", "-m", "{in}/cutweights", "-p", "x"], ".safetensors weights file is truncated or corrupted"),
+    # it ended at "Couldn't instantiate the backend tokenizer from one of:"
+    (["generate", "-m", "{in}/notokenizer", "-p", "x"], "no tokenizer it can read (tokenizer.json, or"),
     (["generate", "-m", "{tiny}", "-f", "{in}/latin1.txt"], "not UTF-8"),
     (["generate", "-m", "{tiny}", "-f", "{in}/empty.txt"], "empty"),
     (["generate", "-m", "{tiny}", "-f", "{in}/missing.txt"], "cannot read"),

@@ -244,4 +244,16 @@ def hub_load(source: ModelSource, loader: Callable[..., Any], **kwargs: Any) -> 
             where = f"'{source.name}' from the Hugging Face hub or its local cache"
         else:
             where = f"'{source.location}'"
-        raise ModelError(f"cannot load {where}: {first_line(exc)}") from exc
+        raise ModelError(f"cannot load {where}: {_what_failed(exc)}") from exc
+
+
+def _what_failed(exc: Exception) -> str:
+    """The failure in words a user can act on: a weights file cut short or a missing tokenizer said as such
+    (safetensors' "incomplete metadata, file not fully covered"; transformers' tokenizer error stopped at
+    "from one of:" on its first line), else the first line of the error."""
+    said = first_line(exc)
+    if type(exc).__name__ == "SafetensorError":
+        return f"a .safetensors weights file is truncated or corrupted ({said})"
+    if "instantiate the backend tokenizer" in said:
+        return "no tokenizer it can read (tokenizer.json, or tokenizer.model beside tokenizer_config.json)"
+    return said
