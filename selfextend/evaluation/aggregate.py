@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from selfextend.core.validate import plural
-from selfextend.evaluation.results import ResultsWarning
+from selfextend.evaluation.results import FIRST_PROMPT, ResultsWarning
 
 STATS: dict[str, Callable[[list[float]], float]] = {
     "mean": statistics.fmean,
@@ -198,13 +198,14 @@ def distinct_texts(records: Records) -> Records:
 
 
 def one_prompt_form(records: Records) -> Records:
-    """Passkey ``records`` of the newest prompt form only (``prompt``; 1 where a record predates it), with a
-    warning naming how many trials of older forms are left out: hits of two prompts are not one accuracy."""
-    forms = {r.get("prompt", 1) for r in records}
+    """Passkey ``records`` of the newest prompt form only (``prompt``; :data:`FIRST_PROMPT` where a record
+    predates it), with a warning naming how many trials of older forms are left out: hits of two prompts
+    are not one accuracy."""
+    forms = {r.get("prompt", FIRST_PROMPT) for r in records}
     if len(forms) < 2:
         return records
     newest = max(forms)
-    kept = [r for r in records if r.get("prompt", 1) == newest]
+    kept = [r for r in records if r.get("prompt", FIRST_PROMPT) == newest]
     warnings.warn(
         f"{plural(len(records) - len(kept), 'trial')} of an older passkey prompt left out: the numbers are "
         f"of prompt form {newest} only (the same command asks them again in it)",

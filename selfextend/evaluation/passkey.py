@@ -21,7 +21,7 @@ from selfextend.core.validate import MAX_SEED, ValidationError, check_float, che
 from selfextend.evaluation.lengths import check_lengths
 from selfextend.evaluation.methods import Method, applied, unique_methods
 from selfextend.evaluation.nll import dense_sliding_mask
-from selfextend.evaluation.results import append_jsonl, own_records, repair_tail
+from selfextend.evaluation.results import FIRST_PROMPT, append_jsonl, own_records, repair_tail
 from selfextend.evaluation.sweep import SCORING_CHUNK, dtype_name
 from selfextend.generation.generator import Generator
 from selfextend.kv.cache import ContextShiftCache
@@ -38,8 +38,8 @@ PROMPT = 2
 """The prompt's form, in every record (a point of another form is measured again; ``table`` and ``plot``
 count one form): 2, the task, the filler before the key, the key, the filler after it and the question on
 lines of their own, as the Self-Extend and Landmark Attention code joins them. Form 1 ran them together, so
-at depth 1 the key sentence ran into the question and the model echoed "the pass key" (0 of 4 at 512 tokens
-on SmolLM2 where form 2 found 4 of 4)."""
+at depth 1 the key sentence ran into the question and SmolLM2 echoed "the pass key" in every trial; form 2
+finds the key there (tests/test_measure.py)."""
 
 
 def build_passkey_prompt(tokenizer, length: int, depth: float, key: int) -> list[int]:
@@ -84,7 +84,7 @@ def answer(model: nn.Module, ids: list[int], method: Method) -> list[int]:
         return list(gen.decode(logits, ANSWER_TOKENS))
 
 
-LEGACY = {"dtype": "float32", "seed": 0, "prompt": 1}
+LEGACY = {"dtype": "float32", "seed": 0, "prompt": FIRST_PROMPT}
 """Records written before ``dtype``, ``seed`` and ``prompt`` were recorded: float32, seed 0 and the first
 prompt form, the defaults then."""
 KEY_FIELDS = ("model", "dtype", "seed", "prompt", "method", "length", "depth", "trial")

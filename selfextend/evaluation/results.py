@@ -29,6 +29,11 @@ class ResultsWarning(UserWarning):
 _CUT = "not JSON (cut off?)"
 
 
+FIRST_PROMPT = 1
+"""The passkey prompt's form in a record written before ``prompt`` was recorded (the one place it is said:
+the passkey sweep's resume key and the plots' one-form rule read it)."""
+
+
 def _parse(line: bytes) -> dict[str, Any] | str:
     """The record on ``line``, or why it is not one."""
     try:
