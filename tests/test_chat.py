@@ -366,6 +366,14 @@ class Terminal:
     def send(self, keys: str) -> None:
         os.write(self.fd, keys.encode())
 
+    def quiet(self, seconds: float) -> None:
+        """Read until the child has printed nothing for ``seconds`` (done drawing, waiting for a key)."""
+        while select.select([self.fd], [], [], seconds)[0]:
+            try:
+                self.text += os.read(self.fd, 65536).decode(errors="replace")
+            except OSError:
+                return
+
     def wait(self) -> int:
         _, status = os.waitpid(self.pid, 0)
         return os.waitstatus_to_exitcode(status)
@@ -391,7 +399,9 @@ def test_chat_on_a_terminal_shifts_and_ctrl_c(tmp_path):
     term.send("half a thought")
     at = term.expect("half a thought", after=at)
     # CPython's readline sees a SIGINT only while it waits in select(): one that lands while it still draws
-    # the echo is left pending until the next key (a user presses one; the test would wait forever)
+    # the echo is left pending until the next key (a user presses one; the test would wait forever). A fixed
+    # second was too short once on a loaded CI host: wait until it has printed nothing for 2 s, then 1 s more
+    term.quiet(2.0)
     time.sleep(1)
     term.send("\x03")  # Ctrl-C with text typed: the line is cleared, as a shell clears it (it ended the chat)
     at = term.expect("\n> ", after=at)

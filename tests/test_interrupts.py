@@ -63,6 +63,6 @@ def test_sigterm_inside_one_long_operation_ends_the_process_after_the_grace():
 
 def test_work_that_ends_on_its_own_leaves_no_wakeup_descriptor():
     proc = _run("short")
-    out, err = proc.communicate(timeout=60)
-    assert proc.returncode == 0, err
+    out, err = proc.stdout.read(), proc.stderr.read()  # (communicate reads past the line buffer _run filled)
+    assert proc.wait(timeout=60) == 0, err
     assert out.strip() == "after: wakeup fd -1"
