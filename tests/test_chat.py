@@ -347,6 +347,9 @@ class Terminal:
     def __init__(self, args: list[str], cwd: Path) -> None:
         self.pid, self.fd = pty.fork()
         if self.pid == 0:  # the child: the pty is its controlling terminal, so Ctrl-C is SIGINT
+            # as in a terminal's own session; a runner started in the background (bash: `( ... & )`) passes
+            # SIGINT down ignored, and Python then keeps it so at the prompt: the Ctrl-C below did nothing
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
             os.chdir(cwd)
             os.execvpe(args[0], args, chat_env())
         self.text = ""
