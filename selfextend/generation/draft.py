@@ -113,8 +113,14 @@ class DraftModel:
             return logits[: self.ids]
         return torch.cat((logits, logits.new_full((self.ids - self.rows,), float("-inf"))))
 
-    def _follow(self, target: ContextShiftCache) -> Generator:
-        """The draft's generator with the target's shifts since the last proposal made in its cache too."""
+    def _follow(self, target: ContextShiftCache, context: Sequence[int]) -> Generator:
+        """The draft's generator with the target's shifts since the last proposal made in its cache too.
+
+        A shift is made where the target made it: a token the target wrote before its shift attended the
+        cells it then dropped, so the draft first writes the tokens the target held then (``context``, the
+        target's tokens now, holds those it kept), then drops the same cells. Where more than one shift
+        came between two proposals (a long turn), or the draft lacks the dropped tokens, it drops them
+        where it stands: its cache then differs from the target's, which costs drafts, never tokens."""
         if self.gen is None or self._target is not target:
             cache = ContextShiftCache(self.model, target.n_ctx, target.n_keep, dtype=self.cache_dtype)
             self.gen = Generator(self.model, cache)
@@ -123,9 +129,13 @@ class DraftModel:
                 self._score_part(self.gen)
         gen, dropped = self.gen, target.discarded - self._discarded
         self._discarded = target.discarded
-        if dropped and 0 < dropped <= gen.cache.n_past - gen.cache.n_keep:
+        keep = gen.cache.n_keep
+        cached, last = target.last_shift
+        if dropped and dropped == last and len(gen.tokens) >= keep + dropped:
+            held = [*gen.tokens[: keep + dropped], *context[keep : cached - dropped]]  # the target's, then
+            self._catch_up(gen, held, logits=False)
+        if dropped and 0 < dropped <= gen.cache.n_past - keep:
             gen.cache.shift(dropped)  # the target dropped these cells: the same ones, after the kept ones
-            keep = gen.cache.n_keep
             gen.tokens = gen.tokens[:keep] + gen.tokens[keep + dropped :]
         return gen
 
@@ -145,19 +155,21 @@ class DraftModel:
         the target just read is read by the draft with it (its time the prompt's, as llama.cpp's speculative
         runs read it), not at the first proposal after it."""
         if context:
-            self._catch_up(self._follow(cache), context)
+            self._catch_up(self._follow(cache, context), context)
 
-    def _catch_up(self, gen: Generator, context: Sequence[int]) -> torch.Tensor:
+    def _catch_up(self, gen: Generator, context: Sequence[int], logits: bool = True) -> torch.Tensor | None:
         """The draft's cache made to hold ``context``: its tokens past what it shares with it rewound, the
-        rest written (the last one always, for its logits, which are returned)."""
+        rest written (with ``logits``, the last one always, for its logits, which are returned)."""
         if self.ids > self.rows:  # the target's padding ids, which the draft's table lacks
             context = [t if t < self.rows else 0 for t in context]
-        same = min(common_prefix(gen.tokens, context), len(context) - 1)
+        same = common_prefix(gen.tokens, context)
+        if logits:
+            same = min(same, len(context) - 1)
         if self.part is not None:
             self.part.hold(context)
         if same < len(gen.tokens):
             gen.rewind(same)
-        return self._write(gen, context[same:])
+        return self._write(gen, context[same:]) if same < len(context) else None
 
     @staticmethod
     def _write(gen: Generator, ids: Sequence[int]) -> torch.Tensor:
@@ -183,7 +195,7 @@ class DraftModel:
         """Up to ``n`` tokens to follow ``context`` (the target's cached tokens and its last token drawn, in
         ``cache``) under ``sampling``, drawn with ``rng`` (the target's), and the distributions they were
         drawn from (n, vocab), None when greedy."""
-        gen = self._follow(cache)
+        gen = self._follow(cache, context)
         gen.sampling = sampling
         logits = self._as_target(self._catch_up(gen, context))
         n = min(n, gen.cache.free())

@@ -160,6 +160,7 @@ class ContextShiftCache(Cache):
         self.n_ctx, self.n_keep = n_ctx, n_keep
         self.shifts = 0
         self.discarded = 0
+        self.last_shift = (0, 0)  # (cells cached before it, cells it dropped): a draft model replays it
         self.discard_policy: DiscardPolicy | None = None  # None: discard_count (llama.cpp's half)
 
     @property
@@ -303,6 +304,7 @@ class ContextShiftCache(Cache):
         self.move(self.n_keep + n_discard, end, -n_discard)
         self.shifts += 1
         self.discarded += n_discard
+        self.last_shift = (end, n_discard)
 
 
 def _covers(layer: CellLayer, positions: torch.Tensor, n_past: int) -> bool:
