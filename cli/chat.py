@@ -323,8 +323,11 @@ class Repl:
                 s.start(arg)
                 self._say(f"started over with the new system prompt ({s.n_keep} tokens kept)")
             elif command == "/undo":
-                s.undo()
-                self._say(f"dropped the last exchange; {_fill(s)}")
+                before = s.cache.n_past
+                gone = s.undo()
+                seen = gone.start is not None or s.cache.n_past != before
+                where = "" if seen else " (shifted out of the cache already)"
+                self._say(f"dropped the last exchange{where}; {_fill(s)}")
             elif command == "/retry":
                 self._stream(s.retry())
                 return not self.terminated

@@ -284,9 +284,12 @@ class Speculation:
         from selfextend.cli.options import load_with_self_extend
         from selfextend.generation.draft import DraftModel, vocabulary_problem
 
-        draft, draft_tokenizer = load_with_self_extend(
-            self.draft_model, dtype, device, group_size, window, weights
-        )
+        try:
+            draft, draft_tokenizer = load_with_self_extend(
+                self.draft_model, dtype, device, group_size, window, weights
+            )
+        except ValueError as e:  # the model's refusals (ModelError): said of this option, not of -m
+            raise click.UsageError(f"--draft-model {self.draft_model}: {e}") from None
         problem = vocabulary_problem(tokenizer, draft_tokenizer)
         if problem is not None:
             raise click.UsageError(f"--draft-model {self.draft_model}: {problem}")

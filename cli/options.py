@@ -135,8 +135,9 @@ def in_writable_folder(ctx: click.Context, param: click.Parameter, value: str | 
 def results_file(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
     """A results file to append to, refused at once where it could not be written (found otherwise after
     the first point was measured, and that point lost): an empty name, something other than a file, a file
-    or nearest existing folder not writable, a name that cannot be created there (tried: the folders are
-    made now, the file made and removed; as root every folder passes ``os.access``, /proc too)."""
+    or nearest existing folder not writable, a name that cannot be created there (tried: an existing file
+    opened to append, or the folders made now, the file made and removed; as root every file and folder
+    passes ``os.access``, /proc too)."""
     if value is None:
         return value
     path = Path(value).expanduser().absolute()
@@ -147,6 +148,11 @@ def results_file(ctx: click.Context, param: click.Parameter, value: str | None) 
             raise click.BadParameter(f"{value} is not a regular file", ctx, param)
         if not os.access(path, os.W_OK):
             raise click.BadParameter(f"{value} is not writable", ctx, param)
+        try:  # as root os.access passes every file: /proc/version opens for reading only
+            with path.open("ab"):
+                pass
+        except OSError as e:
+            raise click.BadParameter(f"cannot append to {value}: {e.strerror or e}", ctx, param) from None
         return value
     folder = next(p for p in path.parents if p.exists())
     if not folder.is_dir() or not os.access(folder, os.W_OK):

@@ -7,6 +7,7 @@ import os
 import pty
 import select
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -261,6 +262,38 @@ def test_saving_over_a_file_not_ours_is_refused(tiny, tmp_path):
         assert (tmp_path / name).read_bytes() == before
     s.save(tmp_path / "s.pt")
     s.save(tmp_path / "s.pt")
+
+
+def test_a_save_over_a_session_is_as_an_overwrite_in_place(tiny, tmp_path):
+    """Saving over a session file keeps what an overwrite in place keeps: its permission bits (a private
+    chat stays private: the new file had been 0644) and a symlink (its target written, the link kept, where
+    the link had become a file). A read-only file, a folder's name and a missing folder are refused, nothing
+    written; no temporary file stays."""
+    model, tok = tiny
+    s = ChatSession(model, tok, n_ctx=64, max_new_tokens=2)
+    private = tmp_path / "private.pt"
+    s.save(private)
+    private.chmod(0o600)
+    s.save(private)
+    assert stat.S_IMODE(private.stat().st_mode) == 0o600
+    (tmp_path / "real").mkdir()
+    target, link = tmp_path / "real" / "t.pt", tmp_path / "link.pt"
+    s.save(target)
+    link.symlink_to(target)
+    inode = target.stat().st_ino
+    s.save(link)
+    assert link.is_symlink() and target.stat().st_ino != inode  # the target replaced, through the link
+    target.chmod(0o444)
+    before = target.read_bytes()
+    with pytest.raises(ChatError, match=f"cannot save the session to {link}: the file is read-only$"):
+        s.save(link)
+    assert target.read_bytes() == before
+    with pytest.raises(ChatError, match="a file's name is needed, not a folder's"):
+        s.save(f"{tmp_path}/newdir/")
+    with pytest.raises(ChatError, match="no folder"):
+        s.save(tmp_path / "gone" / "s.pt")
+    assert not (tmp_path / "newdir").exists()
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["link.pt", "private.pt", "real", "t.pt"]
 
 
 # --- selfextend chat on the real default model --------------------------------------------------

@@ -136,3 +136,15 @@ def test_context_shift_notes_come_before_or_after_a_reply_never_inside():
         ("text", "\n\n"),
         ("note", "[shift while the reply streamed]"),
     ]
+
+
+def test_undo_of_an_exchange_already_shifted_out_says_so(tiny_dir, tmp_path):
+    """/undo past what the context shifts kept: the exchange is dropped from the conversation, and the line
+    says the cache held none of it (it said "dropped the last exchange" with the cache unchanged)."""
+    turns = ["One two three", "Four five six", "Seven eight nine", "Ten eleven twelve"]
+    r = chat(tiny_dir, tmp_path / "t.pt", [*turns, *["/undo"] * 4], "--ctx", "64")
+    assert r.exit_code == 0, r.output
+    undone = [line for line in r.stderr.splitlines() if line.startswith("dropped the last exchange")]
+    assert len(undone) == 4, r.stderr
+    assert "shifted out" not in undone[0] and "shifted out" in undone[-1], undone
+    assert undone[-1].startswith("dropped the last exchange (shifted out of the cache already); 0 exchanges")

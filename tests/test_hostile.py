@@ -185,6 +185,7 @@ METHOD_CASES = [
     (["passkey", "--depths", ""], "names no depth"),  # was "must lie in [0, 1]"
     (["ppl", "--corpus", ""], "--corpus"),  # read the current folder's files
     (["ppl", "-o", "/proc/nonexistent/r.jsonl"], "cannot create"),  # after the first point, lost
+    (["passkey", "-o", "/proc/version"], "cannot append to /proc/version"),  # root passes os.access: lost
     (["passkey", "--lengths", "-2k"], "--lengths"),
     (["bench", "--lengths", "infk"], "--lengths"),
     (["bench", "--cases", "nope"], "--cases"),
@@ -347,6 +348,7 @@ FILE_CASES = [
         ["passkey", "-m", "{tiny}", "--lengths", "16", "--trials", "1", "-o", "{in}/pk.jsonl"],
         "must be at least",
     ),
+    (["generate", "-m", "{tiny}", "-p", "x", "--draft-model", "{in}/missing.gguf"], "--draft-model"),
     (["generate", "-m", "{tiny}", "-p", "x", "-g", "2", "-w", "256"], "trained window"),
     (["generate", "-m", "{tiny}", "-p", "x", "--ctx", "8", "--keep", "8"], "--keep"),
     (
@@ -667,6 +669,20 @@ def _llama_with(**overrides) -> torch.nn.Module:
     return LlamaForCausalLM(LlamaConfig(**{**COMMON, **overrides})).eval()
 
 
+def _on_meta() -> torch.nn.Module:
+    """The tiny Llama built on the meta device: no weights."""
+    with torch.device("meta"):
+        return _llama_with()
+
+
+def _sharing_a_patched_config() -> None:
+    """A model built from the config object another model was built from and then Self-Extended (which
+    switched the shared config): its forward, which failed with an AttributeError deep inside."""
+    config = LlamaConfig(**COMMON)
+    apply_self_extend(LlamaForCausalLM(config).eval(), 2, 8)
+    LlamaForCausalLM(config).eval()(torch.tensor([[1, 2, 3]]))
+
+
 API_CASES = {
     "apply None": (lambda m: apply_self_extend(None, 4, 16), ModelError),
     "apply Linear": (lambda m: apply_self_extend(torch.nn.Linear(2, 2), 4, 16), ModelError),
@@ -690,6 +706,17 @@ API_CASES = {
     "sampling inf penalty": (
         lambda m: SamplingParams(repetition_penalty=float("inf")).validate(),
         ValidationError,
+    ),
+    "sampling -1 temperature given": (lambda m: SamplingParams(temperature=-1), ValidationError),
+    "sampling text temperature given": (lambda m: SamplingParams(temperature="0.5"), ValidationError),
+    "sampling top-p 2 given": (lambda m: SamplingParams(top_p=2), ValidationError),
+    "generator of a model never loaded": (
+        lambda m: Generator(_on_meta(), ContextShiftCache(m, 16)),
+        ModelError,
+    ),
+    "forward of a model whose config another's patch switched": (
+        lambda m: _sharing_a_patched_config(),
+        ModelError,
     ),
     "generator seed -1": (lambda m: Generator(m, ContextShiftCache(m, 16), seed=-1), ValidationError),
     "generator seed float": (lambda m: Generator(m, ContextShiftCache(m, 16), seed=1.5), ValidationError),

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -22,9 +23,14 @@ from selfextend.generation.text import eos_token_ids
 
 
 @pytest.fixture(scope="module")
-def server(tiny, tmp_path_factory):
+def slots(tmp_path_factory):
+    """The server's slot folder."""
+    return tmp_path_factory.mktemp("slots")
+
+
+@pytest.fixture(scope="module")
+def server(tiny, slots):
     model, tok = tiny
-    slots = tmp_path_factory.mktemp("slots")
     with serving(model, tok, n_ctx=256, parallel=2, max_tokens=64, slot_save_path=str(slots)) as (
         base,
         engine,
@@ -374,7 +380,7 @@ def test_disconnect_frees_the_slot(server):
     assert written < 4 + 64  # stopped before max_tokens
 
 
-def test_slot_save_restore(server, client, tiny):
+def test_slot_save_restore(server, client, tiny, slots):
     base, engine = server
     messages = [{"role": "user", "content": "Keep this conversation for later."}]
     client.chat.completions.create(
@@ -390,6 +396,9 @@ def test_slot_save_restore(server, client, tiny):
         model="tiny", messages=messages, max_tokens=4, temperature=0, extra_body={"id_slot": 1}
     )
     assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens - 1
+    asked = {"messages": messages, "max_tokens": 2}
+    assert request(base, "POST", "/v1/chat/completions", {**asked, "id_slot": -1})[0] == 200  # any: was 400
+    assert request(base, "POST", "/v1/chat/completions", {**asked, "id_slot": -2})[0] == 400
     for bad in ({"filename": "../x"}, {"filename": "a/b"}):
         assert request(base, "POST", "/slots/1?action=save", bad)[0] == 400
     assert request(base, "POST", "/slots/1?action=restore", {"filename": "missing.bin"})[0] == 404
@@ -404,6 +413,16 @@ def test_slot_save_restore(server, client, tiny):
     form = {"Content-Type": "application/x-www-form-urlencoded"}  # curl -d's: the body is JSON all the same
     status, out = request(base, "POST", "/slots/1?action=restore", {"filename": "talk.bin"}, form)
     assert status == 200 and out["n_restored"] == saved["n_saved"], out
+    saved_file = slots / "talk.bin"
+    saved_file.chmod(0o600)  # saved over, it stays private (it became 0644)
+    assert request(base, "POST", "/slots/1?action=save", {"filename": "talk.bin"})[0] == 200
+    assert stat.S_IMODE(saved_file.stat().st_mode) == 0o600
+    aside = saved_file.parent.rename(saved_file.parent.with_name("moved"))
+    try:  # the folder gone: torch.save's RuntimeError was a 500 "internal error: RuntimeError"
+        status, out = request(base, "POST", "/slots/1?action=save", {"filename": "talk.bin"})
+        assert status == 500 and out["error"]["message"].endswith("no folder " + str(saved_file.parent)), out
+    finally:
+        aside.rename(saved_file.parent)
 
 
 def test_max_completion_tokens_is_max_tokens(server, client):

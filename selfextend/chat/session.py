@@ -337,7 +337,8 @@ class ChatSession:
         try:
             promptcache.save(path, self.model, self.cache, self.gen.tokens, logits, extra=self.state())
         except (OSError, RuntimeError) as e:  # torch.save reports some file errors as RuntimeError
-            raise ChatError(f"cannot save the session to {path}: {first_line(e)}") from None
+            why = e.strerror if isinstance(e, OSError) and e.strerror else first_line(e)
+            raise ChatError(f"cannot save the session to {path}: {why}") from None
         self._files[Path(path).absolute()] = _stamp(path)
 
     def load(self, path: str | Path) -> None:

@@ -1,5 +1,5 @@
 """Where the library may write: the cache root (converted GGUFs, compiled kernels, inductor's code), and
-the name a file is written under before it replaces the old one whole.
+how a file is replaced whole (written under another name beside it first).
 
 Here, at the bottom of the import order, because the native kernels' build (:mod:`selfextend.native`)
 and the model loading (:mod:`selfextend.models`) both write under it.
@@ -7,8 +7,12 @@ and the model loading (:mod:`selfextend.models`) both write under it.
 
 from __future__ import annotations
 
+import errno
 import os
 import secrets
+import stat
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -40,3 +44,33 @@ def temporary_beside(path: Path) -> Path:
     file name may hold where ``path``'s is near them)."""
     stem = path.name.encode()[:200].decode(errors="ignore")
     return path.with_name(f".{stem}.{secrets.token_hex(4)}.tmp")
+
+
+@contextmanager
+def replacing(path: str | Path) -> Iterator[Path]:
+    """``with replacing(path) as tmp:`` write ``tmp``; then it replaces ``path`` whole (``os.replace``: a
+    reader never sees half a file), as an overwrite in place would leave it: a symlink's target written (the
+    link kept), the old file's permission bits kept (a private session stays private). A missing folder, one
+    that may not be written in, or a read-only file raise OSError, whose ``strerror`` says which, before
+    anything is written; ``tmp`` never stays behind."""
+    if str(path).endswith(("/", os.sep)):
+        raise IsADirectoryError(errno.EISDIR, "a file's name is needed, not a folder's", str(path))
+    target = Path(os.path.realpath(Path(path).expanduser()))
+    folder = target.parent
+    if not folder.is_dir():
+        raise FileNotFoundError(errno.ENOENT, f"no folder {folder}", str(path))
+    mode = None
+    if target.exists():
+        mode = stat.S_IMODE(target.stat().st_mode)
+        if not mode & stat.S_IWUSR or not os.access(target, os.W_OK):
+            raise PermissionError(errno.EACCES, "the file is read-only", str(path))
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise PermissionError(errno.EACCES, f"no permission to write in {folder}", str(path))
+    tmp = temporary_beside(target)
+    try:
+        yield tmp
+        if mode is not None:
+            os.chmod(tmp, mode)
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)

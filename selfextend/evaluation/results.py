@@ -15,7 +15,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from selfextend.core.paths import temporary_beside
+from selfextend.core.paths import replacing
 
 
 class ResultsError(ValueError):
@@ -175,12 +175,8 @@ def repair_tail(path: str | Path) -> None:
     set_aside(p, bad, p)
     bad_numbers = {i for i, _ in bad}
     kept = [line for i, line in enumerate(lines, 1) if i not in bad_numbers]
-    tmp = temporary_beside(p)
-    try:
+    with replacing(p) as tmp:
         tmp.write_bytes(b"".join(line + b"\n" for line in kept))
-        os.replace(tmp, p)
-    finally:
-        tmp.unlink(missing_ok=True)
     warnings.warn(
         f"{p}: {len(bad)} line(s) that are not records moved to {rejected_path(p)}",
         ResultsWarning,

@@ -20,7 +20,7 @@ from selfextend.generation.decode import tensors_key
 from selfextend.generation.grammar import Grammar, GrammarMask, NoTokenLeft
 from selfextend.generation.sampling import SamplingParams, any_left, distribution, sample
 from selfextend.generation.speculative import Drafter, DraftOdds, speculates, speculative_decode
-from selfextend.hf.facts import cache_kwargs, kv_shape, layer_kinds, require_model
+from selfextend.hf.facts import cache_kwargs, kv_shape, layer_kinds, require_model, require_weights
 from selfextend.kv.cache import ContextShiftCache
 from selfextend.models.blocks import TokenIdError
 
@@ -139,6 +139,7 @@ class Generator:
 
     def __post_init__(self) -> None:
         require_model(self.model, "Generator")
+        require_weights(self.model, "Generator")
         if not isinstance(self.cache, ContextShiftCache):
             raise ValidationError("cache", f"must be a ContextShiftCache, got {type(self.cache).__name__}")
         _check_cells(self.model, self.cache)

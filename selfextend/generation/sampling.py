@@ -43,7 +43,8 @@ from selfextend.core.validate import (
 
 @dataclass
 class SamplingParams:
-    """Sampling settings; ``temperature == 0`` means greedy (after the penalties)."""
+    """Sampling settings; ``temperature == 0`` means greedy (after the penalties). A value out of range
+    raises :class:`~selfextend.core.validate.ValidationError` where it is given and where it is used."""
 
     temperature: float = 0.0
     top_k: int = 0
@@ -54,6 +55,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # subtracted once per occurrence in the last repeat_last_n tokens
     presence_penalty: float = 0.0  # subtracted once from every token that occurs there
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit; -inf bans
+
+    def __post_init__(self) -> None:
+        self.validate()  # a bad value refused where it is given (a Generator validates again: fields change)
 
     def validate(self) -> None:
         """Refuse settings that cannot work (:class:`~selfextend.core.validate.ValidationError`) and store

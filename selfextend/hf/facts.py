@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import itertools
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -30,6 +31,18 @@ def require_model(model: Any, what: str) -> None:
     if not isinstance(model, nn.Module) or not hasattr(getattr(model, "config", None), "model_type"):
         raise ModelError(
             f"{what} needs a transformers model (a PreTrainedModel with a config), got {type(model).__name__}"
+        )
+
+
+def require_weights(model: Any, what: str) -> None:
+    """Refuse a model whose weights were never loaded (built on the ``meta`` device, not offloaded by a
+    device map) with a ModelError: it would fail at its first forward, deep inside, with torch's words."""
+    table = model.get_input_embeddings()  # a float table, or GGUF blocks held as buffers
+    held = next(itertools.chain(table.parameters(), table.buffers()), None)
+    if held is not None and held.device.type == "meta" and not hasattr(model, "hf_device_map"):
+        raise ModelError(
+            f"{what} needs a model with weights; this one's are on the meta device (never loaded): load them "
+            "first (from_pretrained, or to_empty() then load_state_dict())"
         )
 
 

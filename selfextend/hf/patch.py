@@ -95,7 +95,15 @@ def _own_attention(
     (made additive for eager attention): the unpatched model's very path, so its numbers are the plain
     model's.
     """
-    if not isinstance(module.self_extend, OwnAttention):
+    settings = getattr(module, "self_extend", None)
+    if settings is None:
+        raise ModelError(
+            f"layer {module.layer_idx} is set to selfextend attention but has no Self-Extend settings: its "
+            "config was switched by apply_self_extend on another model built from the same config object "
+            "(transformers models share the one they are given); call apply_self_extend on this model too, "
+            "or build it from a copy of the config"
+        )
+    if not isinstance(settings, OwnAttention):
         return None
     window = kwargs.get("sliding_window")
     if attention_mask is None and window is not None and query.shape[2] > 1:
@@ -260,7 +268,10 @@ def apply_self_extend(
 
     ``group_size`` G >= 1 and ``window`` W >= 1 with W below the trained window; the model then
     reads up to ``max_length(trained, G, W)`` tokens. ``implementation="selfextend_reference"``
-    selects the full-matrix reference (quadratic memory). Calling it again changes the settings.
+    selects the full-matrix reference (quadratic memory). Calling it again changes the settings. The
+    attention implementation is set on ``model.config`` (transformers' ``set_attn_implementation``), which
+    a model shares with the config object it was built from: a model built later from that object runs
+    Self-Extend attention and is refused at its first forward until it is patched too.
     Raises :class:`~selfextend.core.validate.ValidationError` for bad G/W and
     :class:`~selfextend.models.ModelError` for a model it cannot patch (both ``ValueError``).
     """

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -16,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from selfextend.core.paths import temporary_beside
+from selfextend.core.paths import replacing
 from selfextend.kv.cache import ContextShiftCache
 from selfextend.models.quantize import weight_format
 
@@ -67,10 +66,11 @@ def save(
     extra: dict[str, Any] | None = None,
 ) -> None:
     """Write each layer's cells of the first ``len(tokens)`` positions and the last token's ``logits``
-    (atomically: temp file, then rename). A sliding-window layer has only its window and the kept cells;
-    ``positions`` records each layer's cells' positions, increasing. With the logits, a run whose prompt is
-    exactly ``tokens`` starts from the same numbers as the run that saved it, instead of recomputing the last
-    token another way. ``extra``: JSON-able state of the cache's owner (a chat session), stored with it."""
+    (whole, as :func:`~selfextend.core.paths.replacing` writes: OSError where it cannot be). A sliding-window
+    layer has only its window and the kept cells; ``positions`` records each layer's cells' positions,
+    increasing. With the logits, a run whose prompt is exactly ``tokens`` starts from the same numbers as the
+    run that saved it, instead of recomputing the last token another way. ``extra``: JSON-able state of the
+    cache's owner (a chat session), stored with it."""
     positions, keys, values = snapshot(cache, len(tokens))
     payload = {
         "format": FORMAT,
@@ -83,13 +83,8 @@ def save(
     }
     if extra is not None:
         payload["extra"] = json.dumps(extra)
-    path = Path(path)
-    tmp = temporary_beside(path)
-    try:
+    with replacing(path) as tmp:
         torch.save(payload, tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def may_replace(path: str | Path) -> bool:
@@ -309,13 +304,19 @@ def peek(path: str | Path, verify: bool = True) -> dict[str, Any]:
         raise PromptCacheError(f"no file {path}")
     if Path(path).is_dir():
         raise PromptCacheError(f"{path} is a folder, not a selfextend prompt cache or chat session")
+    try:
+        with open(path, "rb") as f:
+            empty = not f.read(1)
+    except OSError as e:  # a file it may not read: said as such, not as a file of another kind
+        raise PromptCacheError(f"cannot read {path}: {e.strerror or type(e).__name__}") from None
+    if empty:
+        raise PromptCacheError(f"{path} is empty, not a selfextend prompt cache or chat session")
     if verify:
         _verify(Path(path))
     try:
         payload = torch.load(Path(path), map_location="cpu", weights_only=True)
-    except Exception as e:  # torch raises many types for a file that is not its own
-        kind = type(e).__name__
-        raise PromptCacheError(f"{path} is not a selfextend prompt cache or chat session ({kind})") from None
+    except Exception:  # torch raises many types for a file that is not its own
+        raise PromptCacheError(f"{path} is not a selfextend prompt cache or chat session") from None
     if not isinstance(payload, dict) or payload.get("format") not in READABLE:
         raise PromptCacheError(f"{path} is not a {FORMAT} file (another version or another program)")
     _check_payload(path, payload)

@@ -108,7 +108,7 @@ class Sampling(Strict):
     n_keep: int | None = Field(None, ge=-1)
     stream: bool | None = False  # null: false, as OpenAI's
     stream_options: StreamOptions | None = None
-    id_slot: int | None = Field(None, ge=0)
+    id_slot: int | None = Field(None, ge=-1)  # -1: any idle slot (llama.cpp's default), as none
     cache_prompt: bool = True  # llama.cpp's: False recomputes the whole prompt
     # llama.cpp's: drafts checked per pass at most (0: none), within the server's --lookup / --draft-max
     speculative_n_max: int | None = Field(None, ge=0, alias="speculative.n_max")
@@ -153,10 +153,10 @@ class Sampling(Strict):
             )
         return value
 
-    @field_validator("seed")
+    @field_validator("seed", "id_slot")
     @classmethod
-    def _seed(cls, value: int | None) -> int | None:
-        return None if value == -1 else value  # llama.cpp's "a random seed": as none given
+    def _unsaid(cls, value: int | None) -> int | None:
+        return None if value == -1 else value  # llama.cpp's "a random seed", "any slot": as none given
 
     @field_validator("stream_options")
     @classmethod
