@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import click
 
 from selfextend.cli.generation_options import Speculation, generation_options
-from selfextend.cli.options import in_writable_folder
+from selfextend.cli.options import replaceable_file
 from selfextend.core.validate import first_line, plural
 
 if TYPE_CHECKING:
@@ -42,7 +42,7 @@ class _Terminate(Exception):
     "--session",
     "session_file",
     type=click.Path(dir_okay=False),
-    callback=in_writable_folder,
+    callback=replaceable_file,
     help="Session file: resumed at the start if it exists, with the model, --ctx, --keep, system prompt, "
     "-g/-w, --weights and --cache-type it was saved with (a flag that contradicts them is refused); "
     "written at the end (also on SIGTERM).",

@@ -132,6 +132,18 @@ def in_writable_folder(ctx: click.Context, param: click.Parameter, value: str | 
     return value
 
 
+def replaceable_file(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """A file written whole at the end (a chat's session), refused at once where it could not be: a missing
+    or unwritable folder, a read-only file, a folder's name (found otherwise after the conversation)."""
+    from selfextend.core.paths import cannot_replace
+
+    value = in_writable_folder(ctx, param, value)
+    problem = None if value is None else cannot_replace(value)
+    if problem is not None:
+        raise click.BadParameter(f"{value}: {problem.strerror}", ctx, param)
+    return value
+
+
 def results_file(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
     """A results file to append to, refused at once where it could not be written (found otherwise after
     the first point was measured, and that point lost): an empty name, something other than a file, a file

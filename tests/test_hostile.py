@@ -186,6 +186,9 @@ METHOD_CASES = [
     (["ppl", "--corpus", ""], "--corpus"),  # read the current folder's files
     (["ppl", "-o", "/proc/nonexistent/r.jsonl"], "cannot create"),  # after the first point, lost
     (["passkey", "-o", "/proc/version"], "cannot append to /proc/version"),  # root passes os.access: lost
+    # found when the session ended, the conversation unsaved (a read-only file had been replaced)
+    (["chat", "--session", "/proc/version"], "/proc/version: the file is read-only"),
+    (["chat", "--session", "new/"], "a file's name is needed, not a folder's"),  # saved as the file "new"
     (["passkey", "--lengths", "-2k"], "--lengths"),
     (["bench", "--lengths", "infk"], "--lengths"),
     (["bench", "--cases", "nope"], "--cases"),

@@ -46,26 +46,36 @@ def temporary_beside(path: Path) -> Path:
     return path.with_name(f".{stem}.{secrets.token_hex(4)}.tmp")
 
 
+def cannot_replace(path: str | Path) -> OSError | None:
+    """Why :func:`replacing` would refuse ``path`` (the OSError it raises, ``strerror`` in words), or None:
+    a folder's name (ending in ``/``), a missing folder, one that may not be written in, a read-only file
+    (its owner's write bit off: as root ``os.access`` passes every file). Asked again where the file is
+    written: a chat's session file is asked at the start too, not only after the conversation."""
+    if str(path).endswith(("/", os.sep)):
+        return IsADirectoryError(errno.EISDIR, "a file's name is needed, not a folder's", str(path))
+    target = Path(os.path.realpath(Path(path).expanduser()))
+    folder = target.parent
+    if not folder.is_dir():
+        return FileNotFoundError(errno.ENOENT, f"no folder {folder}", str(path))
+    if target.exists():
+        if not target.stat().st_mode & stat.S_IWUSR or not os.access(target, os.W_OK):
+            return PermissionError(errno.EACCES, "the file is read-only", str(path))
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return PermissionError(errno.EACCES, f"no permission to write in {folder}", str(path))
+    return None
+
+
 @contextmanager
 def replacing(path: str | Path) -> Iterator[Path]:
     """``with replacing(path) as tmp:`` write ``tmp``; then it replaces ``path`` whole (``os.replace``: a
     reader never sees half a file), as an overwrite in place would leave it: a symlink's target written (the
-    link kept), the old file's permission bits kept (a private session stays private). A missing folder, one
-    that may not be written in, or a read-only file raise OSError, whose ``strerror`` says which, before
-    anything is written; ``tmp`` never stays behind."""
-    if str(path).endswith(("/", os.sep)):
-        raise IsADirectoryError(errno.EISDIR, "a file's name is needed, not a folder's", str(path))
+    link kept), the old file's permission bits kept (a private session stays private). What
+    :func:`cannot_replace` finds is raised before anything is written; ``tmp`` never stays behind."""
+    problem = cannot_replace(path)
+    if problem is not None:
+        raise problem
     target = Path(os.path.realpath(Path(path).expanduser()))
-    folder = target.parent
-    if not folder.is_dir():
-        raise FileNotFoundError(errno.ENOENT, f"no folder {folder}", str(path))
-    mode = None
-    if target.exists():
-        mode = stat.S_IMODE(target.stat().st_mode)
-        if not mode & stat.S_IWUSR or not os.access(target, os.W_OK):
-            raise PermissionError(errno.EACCES, "the file is read-only", str(path))
-    if not os.access(folder, os.W_OK | os.X_OK):
-        raise PermissionError(errno.EACCES, f"no permission to write in {folder}", str(path))
+    mode = stat.S_IMODE(target.stat().st_mode) if target.exists() else None
     tmp = temporary_beside(target)
     try:
         yield tmp
