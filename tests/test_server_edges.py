@@ -10,7 +10,7 @@ import time
 
 import openai
 import pytest
-from server_util import request, serving
+from server_util import connect, request, serving
 
 from selfextend.generation.text import TextStream
 from selfextend.server import schemas
@@ -111,7 +111,73 @@ def test_deeply_nested_json_is_a_400(server, path, body):
     """Item 3: 100,000 nested arrays (a RecursionError in the parser): a 400 ``invalid_json``, not a 500."""
     status, out = request(server[0], "POST", path, body)
     assert status == 400 and out["error"]["code"] == "invalid_json", out
+    assert "nested too deep" in out["error"]["message"], out  # (it said "not valid JSON", which it is)
     assert request(server[0], "GET", "/health")[0] == 200
+
+
+def test_logit_bias_keys_of_ascii_digits_alone_are_ids(tiny):
+    """A key of ASCII digits alone is a token id; " 2024", "2024 " or Arabic-Indic digits are text (they
+    were read as ids: ``{" 2024": -100}``, written as the docs teach " Paris", banned token 2024)."""
+    _, tok = tiny
+
+    def biased(key: str) -> dict[int, float]:
+        return schemas.logit_bias(schemas.CompletionRequest(prompt="a", logit_bias={key: 5}), tok)
+
+    for key in (" 42", "42 ", "\u0664\u0662", "+42"):
+        assert biased(key) == dict.fromkeys(tok(key, add_special_tokens=False).input_ids, 5.0), key
+    assert biased("42") == biased("0042") == {42: 5.0}
+
+
+@pytest.mark.parametrize(
+    "fields,said",
+    [
+        ({"response_format": _format(BOOL_A), "json_schema": {"type": "integer"}}, "give the schema once"),
+        ({"response_format": {"type": "json_object"}, "json_schema": BOOL_A}, "give the schema once"),
+        ({"response_format": _format(False)}, "needs a schema object in json_schema.schema, got false"),
+        (
+            {"messages": [{"role": "user", "content": [{"text": "hi"}]}]},
+            'a part is an object such as {"type"',
+        ),
+        ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, 'a text part needs its "text"'),
+    ],
+    ids=["format-and-schema", "object-and-schema", "schema-false", "part-without-type", "part-without-text"],
+)
+def test_fields_that_contradict_or_lack_a_part_are_400s_that_say_so(server, fields, said):
+    """Two schemas at once were resolved silently (response_format won); a part without a type was "not
+    None parts", one without text "Input should be a valid string"."""
+    body = {"messages": ASK, "max_tokens": 4, "temperature": 0} | fields
+    status, out = request(server[0], "POST", "/v1/chat/completions", body)
+    assert status == 400 and said in out["error"]["message"], out
+
+
+def test_schema_true_is_any_json_document(client):
+    """JSON Schema's ``true`` (any document) is taken (it was "needs json_schema.schema")."""
+    out = client.chat.completions.create(
+        model="t", messages=ASK, max_tokens=24, temperature=0, response_format=_format(True)
+    )
+    if out.choices[0].finish_reason == "stop":
+        json.loads(out.choices[0].message.content)
+    assert out.choices[0].finish_reason in ("stop", "length")
+
+
+def test_a_405_names_the_methods_and_a_429_says_when_to_retry(server):
+    """A 405 carries ``Allow`` (RFC 9110); a full queue's 429 ``Retry-After`` (they had neither)."""
+    base, engine = server
+    conn = connect(base)
+    conn.request("GET", "/v1/chat/completions")
+    answer = conn.getresponse()
+    answer.read()
+    assert answer.status == 405 and "POST" in answer.getheader("Allow", ""), answer.headers
+    engine.max_queue, before = 0, engine.max_queue
+    try:
+        body = json.dumps({"prompt": "The sea", "max_tokens": 2}).encode()
+        conn.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
+        answer = conn.getresponse()
+        assert answer.status == 429 and json.loads(answer.read())["error"]["code"] == "queue_full"
+        assert answer.getheader("Retry-After") == "1", answer.headers
+    finally:
+        engine.max_queue = before
+        conn.close()
 
 
 class _Gate:

@@ -44,6 +44,7 @@ class APIError(Exception):
         if code is None and status == 400 and param is not None:
             code = "invalid_value"
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = {"Retry-After": "1"} if status == 429 else {}  # a queue frees in about a reply's time
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
@@ -52,9 +53,17 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
 
 
 def error_response(
-    status: int, message: str, param: str | None = None, code: str | None = None
+    status: int,
+    message: str,
+    param: str | None = None,
+    code: str | None = None,
+    headers: dict[str, str] | None = None,
 ) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param, code), status_code=status)
+    return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
+
+
+NOT_JSON = "the request body is not valid JSON"
+TOO_DEEP = "the request body is JSON nested too deep to read"
 
 
 TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
@@ -76,13 +85,13 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(APIError)
     async def _api(request: Request, e: APIError) -> JSONResponse:
-        return error_response(e.status, e.message, e.param, e.code)
+        return error_response(e.status, e.message, e.param, e.code, e.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, e: RequestValidationError) -> JSONResponse:
         first = e.errors()[0] if e.errors() else {}
         if first.get("type") == "json_invalid":
-            return error_response(400, "the request body is not valid JSON", None, "invalid_json")
+            return error_response(400, NOT_JSON, None, "invalid_json")
         param = _param(tuple(first.get("loc", ())))
         message = (
             f"{param}: {first.get('msg', 'invalid value')}" if param else first.get("msg", "invalid body")
@@ -93,8 +102,9 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http(request: Request, e: HTTPException) -> JSONResponse:
         if e.status_code == 400 and isinstance(e.__cause__, (ValueError, RecursionError)):
             # FastAPI's parse of a route's body failed other than by a JSONDecodeError (nested too deep)
-            return error_response(400, "the request body is not valid JSON", None, "invalid_json")
-        return error_response(e.status_code, str(e.detail))
+            message = TOO_DEEP if isinstance(e.__cause__, RecursionError) else NOT_JSON
+            return error_response(400, message, None, "invalid_json")
+        return error_response(e.status_code, str(e.detail), headers=e.headers)  # a 405's Allow
 
     @app.exception_handler(Exception)
     async def _unforeseen(request: Request, e: Exception) -> JSONResponse:

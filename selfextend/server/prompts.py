@@ -25,7 +25,7 @@ from fastapi.exceptions import RequestValidationError
 from selfextend.chat.template import ChatTemplate
 from selfextend.generation.text import ChatTemplateError, bos_count, common_prefix
 from selfextend.kv.cache import default_keep
-from selfextend.server.guard import APIError
+from selfextend.server.guard import NOT_JSON, TOO_DEEP, APIError
 from selfextend.server.schemas import Message, Sampling
 
 Body = TypeVar("Body", bound=Sampling)
@@ -55,8 +55,10 @@ def parse_json(body: bytes) -> Any:
     ``-d``, send JSON as a form): :class:`APIError` where it does not parse."""
     try:
         return json.loads(body)
-    except (ValueError, RecursionError):  # bad JSON, bytes that are not UTF-8, arrays nested 1,000 deep
-        raise APIError(400, "the request body is not valid JSON", None, "invalid_json") from None
+    except ValueError:  # bad JSON, bytes that are not UTF-8
+        raise APIError(400, NOT_JSON, None, "invalid_json") from None
+    except RecursionError:  # arrays nested 1,000 deep
+        raise APIError(400, TOO_DEEP, None, "invalid_json") from None
 
 
 def validated(data: Any, kind: type[Model]) -> Model:

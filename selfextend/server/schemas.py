@@ -10,7 +10,9 @@ probabilities...) is a 400 naming it unless its value asks for nothing, never ig
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
@@ -65,6 +67,7 @@ asks for none of it only as the same kind of value: ``logprobs: 0`` asks for the
 probabilities where ``false`` asks for none."""
 
 Bias = float | Literal[False]
+TOKEN_ID = re.compile(r"-?[0-9]+")  # a logit_bias key of ASCII digits alone is an id (" 2024" is text)
 MAX_STOPS = 64  # stop strings a request may give (OpenAI takes 4): each is looked for at every token
 
 
@@ -82,8 +85,12 @@ class ResponseFormat(Strict):
         if self.type == "json_object":
             return self.schema_ or {"type": "object"}
         schema = (self.json_schema or {}).get("schema", self.schema_)
+        if schema is True:  # JSON Schema's "anything": any JSON document
+            return {}
         if not isinstance(schema, dict):
-            raise APIError(400, "response_format json_schema needs json_schema.schema", "response_format")
+            said = "none" if schema is None else json.dumps(schema)[:40]
+            message = f"response_format json_schema needs a schema object in json_schema.schema, got {said}"
+            raise APIError(400, message, "response_format")
         return schema
 
 
@@ -258,11 +265,16 @@ class Message(Strict):
     @classmethod
     def _text_only(cls, value: Any) -> Any:
         if isinstance(value, list):
-            kinds = sorted(map(str, {p.get("type") for p in value if isinstance(p, dict)} - {"text"}))
+            if any(not isinstance(p, dict) or not isinstance(p.get("type"), str) for p in value):
+                example = '{"type": "text", "text": "Hi"}'
+                raise PydanticCustomError("content", f"a part is an object such as {example}")
+            kinds = sorted({p["type"] for p in value} - {"text"})
             if kinds:
                 raise PydanticCustomError(
                     "content", f"this server reads text only, not {', '.join(kinds)} parts"
                 )
+            if any(not isinstance(p.get("text"), str) for p in value):
+                raise PydanticCustomError("content", 'a text part needs its "text", a string')
         return value
 
     @field_validator("content")
@@ -307,7 +319,7 @@ def logit_bias(request: Sampling, tokenizer) -> dict[int, float]:
     the vocabulary."""
     out: dict[int, float] = {}
     for key, bias in request.logit_bias or []:
-        key = int(key) if isinstance(key, str) and key.strip().lstrip("-").isdigit() else key
+        key = int(key) if isinstance(key, str) and TOKEN_ID.fullmatch(key) else key
         ids = tokenizer(key, add_special_tokens=False).input_ids if isinstance(key, str) else [key]
         if any(not 0 <= t < len(tokenizer) for t in ids):
             raise APIError(400, f"logit_bias token ids must be in [0, {len(tokenizer)})", "logit_bias")
@@ -319,6 +331,8 @@ def response_grammar(request: Sampling, tokenizer, eos: tuple[int, ...]) -> Gram
     """The grammar the reply must follow (``response_format`` json_object / json_schema, or llama.cpp's
     ``json_schema``), None for free text. :class:`APIError` for a schema llguidance cannot use."""
     schema = request.response_format.schema_of() if request.response_format is not None else None
+    if schema is not None and request.json_schema is not None:
+        raise APIError(400, "give the schema once: in response_format or in json_schema", "json_schema")
     schema = request.json_schema if schema is None else schema
     if schema is None:
         return None
