@@ -88,6 +88,22 @@ def run(case: tuple) -> dict[str, object]:
     return {"case": name, "dtype": str(dtype), "error": error, "tol": TOL[dtype]}
 
 
+def low_scores(dtype: torch.dtype, score: float) -> dict[str, object]:
+    """Every pair scores ``score`` (q and -q, a rotation of ~0): rows below W in a block across the window's
+    edge see nothing in its grouped range first. Their running max was then held at 0, and scores far
+    below it underflowed to an empty sum: NaN rows in float16 at -20, float32 at -120."""
+    lk, d, window = 40, 16, 8
+    inv_freq = torch.full((d // 2,), 1e-9)
+    q = torch.full((1, 2, lk, d), (-score / d**0.5) ** 0.5)  # q . k * d**-0.5 = score
+    v = torch.randn(1, 1, lk, d, generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(lk)[None]
+    reference = self_extend_attention_reference(q, -q[:, :1], v, pos, pos, 2, window, inv_freq)
+    q, v = q.to(dtype), v.to(dtype)
+    out = fused_self_extend_prefill(q, -q[:, :1], v, q, -q[:, :1, : lk - window], window, d**-0.5)
+    error = (out.float() - reference.float()).abs().max().item()
+    return {"case": f"all scores {score}", "dtype": str(dtype), "error": error, "tol": TOL[dtype]}
+
+
 def main() -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
     calls = []
@@ -100,6 +116,8 @@ def main() -> None:
     attention.fused_self_extend_prefill = counted
     for case in CASES:
         print(json.dumps(run(case)), flush=True)
+    for dtype, score in ((torch.float16, -20.0), (torch.float32, -120.0)):
+        print(json.dumps(low_scores(dtype, score)), flush=True)  # (NaN is written NaN, read back as nan)
     print(json.dumps({"dispatched": len(calls)}))
 
 

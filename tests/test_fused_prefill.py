@@ -25,8 +25,9 @@ CASES = ROOT / "tests" / "fused_prefill_cases.py"
 
 def test_kernel_equals_reference_in_the_interpreter():
     """Every case of fused_prefill_cases.py (G 1-4, W inside and past the length, chunked prefill, GQA 4/2
-    and 4/1, head sizes 16-128, float32, bfloat16, float16, softcap, lengths off the tiles, strided views)
-    within its dtype's tolerance; three of them through self_extend_attention's dispatch."""
+    and 4/1, head sizes 16-128, float32, bfloat16, float16, softcap, lengths off the tiles, strided views,
+    rows whose every score is far below 0: they were NaN) within its dtype's tolerance; three of them
+    through self_extend_attention's dispatch."""
     # triton 3.6's interpreter (the GPU machines' of issue 48) cannot run a loop whose bounds come from
     # program_id under numpy 2.4 ("only 0-dimensional arrays can be converted"); the kernels compile there
     # (experiments/gpu/kernel_build.py run with triton 3.6 for sm_90: none failed)

@@ -134,11 +134,15 @@ def _key_range(
                 keep = distance.to(tl.uint32) < window
             s = tl.where(keep, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet: p and alpha 0, not NaN
+            # Nothing seen yet: p and alpha 0 against a max of 0, not NaN. The max itself stays -inf: kept
+            # as 0 it would stand for the row's first scores, and scores far below 0 (-20 in float16, -120
+            # in float32) would underflow against it to an empty sum, 0/0 at the end.
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         else:
             m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None]).to(v_base.dtype.element_ty)  # rounded as the product reads it
-        alpha = tl.exp2(m_i - m_new)
+            m_use = m_new  # (every pair here is seen: finite)
+        p = tl.exp2(s - m_use[:, None]).to(v_base.dtype.element_ty)  # rounded as the product reads it
+        alpha = tl.exp2(m_i - m_use)  # 0 where nothing was seen before (m_i -inf)
         if IEEE:  # float32 p: summed as it is (a float32 product would run off the matrix units)
             l_i = l_i * alpha[:, None] + tl.sum(p, 1)[:, None]
         else:  # the rows' sums of the rounded p, on the matrix units: p @ ones, every column a row's sum
