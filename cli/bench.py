@@ -205,20 +205,20 @@ def bench(
     device_name = (  # the machine of every row: the GPU's name, or the CPU's model and threads
         torch.cuda.get_device_name(lm.device)
         if lm.device.type == "cuda"
-        else f"{cpu_model()} x{torch.get_num_threads()}"
+        else f"{cpu_model()}, {plural(torch.get_num_threads(), 'thread')}"
     )
     runs: list[dict] = []
 
     def record(r: dict) -> None:
         r.setdefault("weights", weights)  # generate and first-token runs name their variant's own
-        r.update(model=model, dtype=dtype, device=device_name)
+        r.update(model=model, dtype=dtype, device=device_name, group_size=group_size, window=window)
         runs.append(r)
         click.echo(
             "  "
             + " ".join(
                 f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                 for k, v in r.items()
-                if k not in ("model", "dtype", "weights", "device")
+                if k not in ("model", "dtype", "weights", "device", "group_size", "window")
             ),
             err=True,
         )

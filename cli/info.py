@@ -81,6 +81,21 @@ def _kv(config, tokens: int, cells: str) -> str:
     return f"{_mib(now)} ({cells})" + (f"; {_mib(every)} if every layer held them all" if now < every else "")
 
 
+def _rope(config, facts) -> str:
+    """The RoPE line: each attention kind's where the layers differ (Gemma 3's sliding layers rotate by
+    another base than its full ones: both said, the full one first, the one long context reads)."""
+    said = f"{facts.rope_type}, theta {facts.rope_theta:g}" if facts.rope_theta else facts.rope_type
+    kinds = getattr(getattr(config, "text_config", config), "rope_parameters", None)
+    if not isinstance(kinds, dict) or not all(isinstance(v, dict) for v in kinds.values()) or len(kinds) < 2:
+        return said
+    others = [
+        f"{p.get('rope_type', 'default')}, theta {p['rope_theta']:g} ({kind.replace('_', ' ')})"
+        for kind, p in kinds.items()
+        if kind != "full_attention" and isinstance(p.get("rope_theta"), (int, float))
+    ]
+    return "; ".join([f"{said} (full attention)", *others])
+
+
 @click.command()
 @click.argument("model_arg", metavar="[MODEL]", required=False, callback=gguf_must_exist)
 @click.option(
@@ -142,7 +157,7 @@ def info(model_arg: str | None, model_opt: str | None, group_size: int, window: 
             else facts.kv_heads,
         ),
         ("head dim", f"{facts.head_dim} (rotary dims {facts.rotary_dim})"),
-        ("RoPE", f"{facts.rope_type}, theta {facts.rope_theta:g}" if facts.rope_theta else facts.rope_type),
+        ("RoPE", _rope(config, facts)),
         ("trained window", f"{trained} tokens"),
         ("vocab", facts.vocab_size),
         (

@@ -18,7 +18,7 @@ def summary_options(f):
         type=integer(2),
         default=None,
         help="With --ratio: the length (tokens) each method is divided by; default: the longest "
-        "measured length within the trained window.",
+        "length within the trained window that every method measured.",
     )(f)
     f = click.option(
         "--ratio",
@@ -80,12 +80,23 @@ def _records(results: str, trained_window: int | None, field: str = "ppl_last", 
     kind, records = usable_records(records, field, results)
     _check_options(kind, results)
     if trained_window is None:
-        trained_window = _trained_window(records[0].get("model"))
-        if trained_window is None and kind == "ppl":
+        models = list(dict.fromkeys(r.get("model") for r in records))
+        windows = {m: _trained_window(m) for m in models}
+        trained_window = windows[models[0]]
+        if len(set(windows.values())) > 1:
+            said = ", ".join(f"{m} {'unknown' if w is None else f'{w:,}'}" for m, w in windows.items())
+            click.echo(
+                f"warning: these records are of models with other trained windows ({said}): none is "
+                "marked, and --ratio's default reference is the longest length every method measured; give "
+                "--trained-window N",
+                err=True,
+            )
+            trained_window = None
+        elif trained_window is None and kind == "ppl":
             click.echo(
                 f"warning: the trained window of {records[0].get('model')!r} is not known here (its model "
-                "cannot be read): --ratio's default reference is then the longest length, and no window is "
-                "marked; give --trained-window N",
+                "cannot be read): --ratio's default reference is then the longest length every method "
+                "measured, and no window is marked; give --trained-window N",
                 err=True,
             )
     return records, kind, trained_window

@@ -42,7 +42,9 @@ def test_bench_records_and_plot(tiny_dir, tmp_path):
     assert all(x["seconds"] > 0 and x["peak_mib"] >= 0 for x in runs if x["case"] == "prefill")
     from selfextend.bench.speed import cpu_model  # every row names its machine: the CPU's model, threads
 
-    assert {x["device"] for x in runs} == {f"{cpu_model()} x{torch.get_num_threads()}"}
+    threads = torch.get_num_threads()
+    assert {x["device"] for x in runs} == {f"{cpu_model()}, {threads} thread{'s' * (threads != 1)}"}
+    assert {(x["group_size"], x["window"]) for x in runs} == {(2, 32)}  # the settings every row ran with
     assert {x["variant"] for x in runs if x["case"] == "decode"} == {"plain", "selfextend"}
     endless = [x for x in runs if x["case"] == "endless" and x["variant"] == "shift"]
     assert endless and endless[0]["shifts"] >= 1
@@ -116,6 +118,8 @@ def test_bench_plot_axis_keeps_to_the_data(tmp_path, monkeypatch, trained):
     ]
     plot_bench(runs, tmp_path / "b.png", trained_window=trained)
     ax = saved[0].axes[0]
+    named = sorted(label for line in ax.get_lines() if not (label := line.get_label()).startswith("_"))
+    assert named == ["plain", "selfextend"]  # records written before G and W were kept: by variant alone
     ticks = [t.get_text() for t in ax.get_xticklabels()]
     if trained == 48:
         assert any("trained" in t for t in ticks)
@@ -294,3 +298,34 @@ def test_bench_speculative_case(tmp_path):
     drafted = [x for x in runs if x["variant"] == "lookup 4"]
     assert all(x["drafted"] > 0 and x["tokens_per_pass"] >= 1 for x in drafted)
     assert "speculative lookup 4:" in r.stdout and "identical to plain's in every round" in r.stdout
+
+
+def test_bench_plot_keeps_runs_of_other_settings_apart(tmp_path, monkeypatch):
+    """Two bench runs appended to one file with other G and W: two Self-Extend lines (they were one, the
+    medians of both, records naming no G or W); its decode records not drawn, said."""
+    from matplotlib.figure import Figure
+
+    from selfextend.evaluation.plot import plot_bench
+    from selfextend.evaluation.results import ResultsWarning
+
+    saved = []
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: saved.append(fig))
+    runs = [
+        {
+            "case": "prefill",
+            "variant": v,
+            "length": n,
+            "seconds": n / g,
+            "peak_mib": 1.0,
+            "group_size": g,
+            "window": w,
+        }
+        for g, w in ((4, 256), (2, 512))
+        for v in ("plain", "selfextend")
+        for n in (512, 1024)
+    ]
+    runs.append({"case": "decode", "variant": "plain", "length": 96, "ms_per_token": 9.0})
+    with pytest.warns(ResultsWarning, match="decode records not drawn"):
+        plot_bench(runs, tmp_path / "b.png")
+    labels = sorted(line.get_label() for line in saved[0].axes[0].get_lines())
+    assert labels == ["plain", "selfextend G=2 W=512", "selfextend G=4 W=256"]

@@ -132,3 +132,17 @@ def test_bounded_sliding_layers_equal_full_buffer(gemma, text):
             runs.append(torch.stack(steps))
     bounded, full = runs
     assert (bounded - full).abs().max() / full.abs().max() < 1e-4
+
+
+def test_info_names_both_rope_bases():
+    """``info`` printed the full layers' base alone (1e6); the 15 sliding layers rotate by 10k."""
+    from click.testing import CliRunner
+
+    from selfextend.cli.main import main
+
+    r = CliRunner().invoke(main, ["info", "gemma3-270m"])
+    assert r.exit_code == 0, r.output
+    (line,) = [x for x in r.stdout.splitlines() if x.startswith("RoPE")]
+    assert line.split(None, 1)[1] == (
+        "default, theta 1e+06 (full attention); default, theta 10000 (sliding attention)"
+    )

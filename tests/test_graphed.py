@@ -223,3 +223,60 @@ def test_one_gate_picks_the_steps(monkeypatch) -> None:
     assert decode_backends(model, direct=False) == (None, None)
     gen = Generator(model, ContextShiftCache(model, 40))
     assert isinstance(gen.step, DecodeStep) and isinstance(gen.fast, GraphedDecode)
+
+
+def test_the_servers_slots_step_through_the_captured_step(tiny, monkeypatch) -> None:
+    """On a GPU the server's slots share the captured step: one slot's token is a replay of its graph, two
+    slots' tokens one replay of theirs (they stepped through the direct step, launched from Python token
+    by token, because the slots' generators were made without the single-token step). Here a stand-in for
+    the CUDA check; the logits those of the CPU's engine."""
+    import selfextend.generation.backends as backends
+    from selfextend.server.engine import Engine
+
+    model, tok = tiny
+    engines = {"direct": Engine(model, tok, n_ctx=48, parallel=2)}
+    stand_in = GraphedDecode(model, capture=False, notify=pytest.fail)
+    monkeypatch.setattr(backends, "graphed_decode_for", lambda m: stand_in)
+    engines["graphed"] = Engine(model, tok, n_ctx=48, parallel=2)
+    served = {"single": 0, "rows": 0}
+    single, rows = stand_in.__call__, stand_in.rows
+
+    def counted(kind, call):
+        def run(*args):
+            out = call(*args)
+            served[kind] += out is not None
+            return out
+
+        return run
+
+    monkeypatch.setattr(GraphedDecode, "__call__", lambda self, *a: counted("single", single)(*a))
+    monkeypatch.setattr(stand_in, "rows", counted("rows", rows))
+    logits = {}
+    for name, engine in engines.items():
+        gens = [slot.generator(4) for slot in engine.slots]
+        a, b = gens[0].feed(list(range(200, 230))), gens[1].feed(list(range(300, 320)))
+        out = []
+        for _ in range(24):  # through a context shift of the first slot
+            a, b = engine.batched([(gens[0], int(a.argmax())), (gens[1], int(b.argmax()))])
+            out += [a, b]
+        for _ in range(3):
+            a = gens[0].write([int(a.argmax())])  # one slot alone
+            out.append(a)
+        logits[name] = torch.stack(out)
+        assert gens[0].cache.shifts >= 1
+    # every single token and nearly every pair in one replay (a token that would take a layer's last slot
+    # goes the other way: there is none here but at a shift); a single token is a one-row replay
+    assert served["single"] == 3 and served["rows"] - served["single"] >= 20, served
+    assert all(slot.generator(4).fast is stand_in for slot in engines["graphed"].slots)
+    torch.testing.assert_close(logits["graphed"], logits["direct"], atol=2e-5, rtol=1e-5)
+
+
+def test_a_graph_is_keyed_by_every_buffer_it_reads() -> None:
+    """A cache's positions are read by its graph as its keys and values are: a layer given another
+    positions buffer (a slot's cache made again) is another graph, not a replay reading the freed one."""
+    model = make_model("llama")
+    cache = ContextShiftCache(model, 40, n_keep=4)
+    graphed = GraphedDecode(model, capture=False)
+    key = graphed._key([cache], [None], [[]])
+    cache.layers[1].positions = cache.layers[1].positions.clone()
+    assert graphed._key([cache], [None], [[]]) != key

@@ -40,7 +40,7 @@ from selfextend.evaluation.methods import Method, MethodError, parse_method, par
 from selfextend.evaluation.passkey import passkey_plan
 from selfextend.evaluation.results import ResultsError, ResultsWarning, read_jsonl, rejected_path, repair_tail
 from selfextend.evaluation.sweep import plan
-from selfextend.generation.decode import decode_step_for
+from selfextend.generation.backends import decode_backends
 from selfextend.generation.draft import DraftModel
 from selfextend.generation.generator import Generator, run
 from selfextend.generation.sampling import SamplingParams
@@ -1080,7 +1080,7 @@ def test_failed_decode_step_leaves_the_slot_consistent(tiny):
     holds answers as a fresh slot does."""
     model, tok = tiny
     with _engine(model, tok) as engine:
-        step = engine.slots[0].step
+        step = engine.slots[0].backends.rows
         assert step is not None and step.supported()
         plan = step.plan[1]
         step.plan[1] = plan._replace(o_proj=_fails_once(plan.o_proj, 3, MemoryError("no scratch space")))
@@ -1107,19 +1107,19 @@ def test_slot_file_whose_history_is_not_token_ids_is_refused(tiny, tmp_path, bad
     from selfextend.server.guard import APIError
 
     model, tok = tiny
-    slot = Slot(0, model, 64, decode_step_for(model))
+    slot = Slot(0, model, 64, decode_backends(model))
     slot.generator(0).feed(list(range(200, 230)))
     slot.finish(list(range(200, 230)), [], True)
     slot.history[3] = bad
     slotfiles.save(slot, tmp_path / "s.slot", "tiny")
-    other = Slot(1, model, 64, slot.step)
+    other = Slot(1, model, 64, slot.backends)
     logits = other.generator(0).feed(list(range(300, 310)))
     other.finish(list(range(300, 310)), [], True)
     with pytest.raises(APIError, match="damaged slot state") as e:
         slotfiles.restore(other, tmp_path / "s.slot", "tiny")
     assert e.value.status == 400 and other.gen.tokens == list(range(300, 310))
     torch.testing.assert_close(
-        other.gen.write([5]), Slot(2, model, 64, slot.step).generator(0).feed([*range(300, 310), 5])
+        other.gen.write([5]), Slot(2, model, 64, slot.backends).generator(0).feed([*range(300, 310), 5])
     )
     assert torch.isfinite(logits).all()
 
@@ -1130,7 +1130,7 @@ def test_slot_files_that_are_no_slot_files_are_refused_by_name(tiny, tmp_path):
     from selfextend.server.guard import APIError
 
     model, tok = tiny
-    slot = Slot(0, model, 64, decode_step_for(model))
+    slot = Slot(0, model, 64, decode_backends(model))
     slot.generator(0).feed(list(range(200, 230)))
     slot.finish(list(range(200, 230)), [], True)
     (tmp_path / "dir.bin").mkdir()
@@ -1147,12 +1147,12 @@ def test_slot_files_that_are_no_slot_files_are_refused_by_name(tiny, tmp_path):
 
 def test_slot_restore_failing_unexpectedly_leaves_the_slot_empty(tiny, tmp_path, monkeypatch):
     model, tok = tiny
-    slot = Slot(0, model, 64, decode_step_for(model))
+    slot = Slot(0, model, 64, decode_backends(model))
     gen = slot.generator(0)
     gen.feed(list(range(200, 230)))
     slot.finish(list(range(200, 230)), [], True)
     slotfiles.save(slot, tmp_path / "s.slot", "tiny")
-    other = Slot(1, model, 64, slot.step)
+    other = Slot(1, model, 64, slot.backends)
     other.generator(0).feed(list(range(300, 310)))
     real = ContextShiftCache.load_prefix
 
@@ -1168,7 +1168,7 @@ def test_slot_restore_failing_unexpectedly_leaves_the_slot_empty(tiny, tmp_path,
     monkeypatch.setattr(ContextShiftCache, "load_prefix", real)
     assert other.gen.tokens == [] and other.history == []
     assert all(layer.n_used == 0 and layer.next_pos == 0 for layer in other.gen.cache.layers)
-    fresh = Slot(2, model, 64, slot.step).generator(0)
+    fresh = Slot(2, model, 64, slot.backends).generator(0)
     torch.testing.assert_close(other.gen.feed([5, 6, 7]), fresh.feed([5, 6, 7]))
 
 

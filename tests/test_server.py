@@ -171,7 +171,7 @@ def test_parallel_requests_decode_together_and_match_alone(tiny, client):
     with selfextend.self_extend(model, group_size=2, window=8):
         alone = [greedy(model, tok, tok(p).input_ids, 16) for p in prompts]
         with serving(model, tok, n_ctx=64, parallel=2, max_tokens=64) as (base, engine):
-            step = engine.slots[0].step  # the direct step all slots share: busy slots go through its rows
+            step = engine.slots[0].backends.rows  # the direct step all slots share
             rows, sizes = step.rows, []
 
             def counted(tokens, *args):

@@ -211,11 +211,14 @@ def test_methods_are_compared_over_the_documents_they_share():
 def test_ratio_leaves_out_methods_without_the_reference_instead_of_empty_rows():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        s = summarize(_mixed(), ratio=True, trained_window=2048)
+        s = summarize(_mixed(), ratio=True, reference=2048)
     assert any("no PPL at the reference length 2048 for ntk" in str(w.message) for w in caught)
     assert s.methods == ["plain", "selfextend:G=4,W=512"]
     rows = format_table(s).splitlines()[4:]
     assert len(rows) == 2 and all("|  |" not in row for row in rows)
+    # the default reference: the longest length inside the window that every method measured (1k), not
+    # the longest inside it (2k), which two of the four lack
+    assert summarize(_mixed(), ratio=True, trained_window=2048).reference == 1024
 
 
 def test_methods_without_a_shared_document_carry_their_counts():
@@ -362,3 +365,28 @@ def test_ratio_finds_the_trained_window_of_a_weights_run(tmp_path, weights):
     path.write_text(path.read_text().replace("smollm2-135m", "no-such-model-here"))
     r = CliRunner().invoke(main, ["table", str(path), "--ratio"])
     assert r.exit_code == 0 and "relative to 16384 tokens" in r.output and "--trained-window" in r.stderr
+
+
+def test_records_of_two_models_name_both_and_mark_no_single_window(tmp_path, monkeypatch):
+    """A file with SmolLM2 (8k window) and Gemma 3 (32k) points: the plot's title named only the first
+    record's model and marked its window for both; --ratio divided by the longest length in the first
+    one's window (4k, which only SmolLM2 measured), leaving Gemma out. Now both are named, no window is
+    marked (said), and the ratio divides by the longest length both measured."""
+    from matplotlib.figure import Figure
+
+    path = tmp_path / "two.jsonl"
+    base = {"dtype": "float32", "doc": "a", "method": "plain", "ppl": 1.0}
+    points = [("smollm2-135m", n) for n in (1024, 2048, 4096)] + [("gemma3-270m", n) for n in (1024, 2048)]
+    path.write_text(
+        "".join(json.dumps({**base, "model": m, "length": n, "ppl_last": n / 512}) + "\n" for m, n in points)
+    )
+    r = CliRunner().invoke(main, ["table", str(path), "--ratio"])
+    assert r.exit_code == 0 and "relative to 2048 tokens" in r.output, r.output
+    assert "smollm2-135m 8,192, gemma3-270m 32,768" in r.stderr and "left out" not in r.stderr, r.stderr
+    saved = []
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: saved.append(fig))
+    r = CliRunner().invoke(main, ["plot", str(path), "-o", str(tmp_path / "two.png")])
+    assert r.exit_code == 0, r.output
+    (fig,) = saved
+    assert fig._suptitle.get_text().endswith("— smollm2-135m, gemma3-270m")
+    assert not any("trained" in t.get_text() for t in fig.axes[0].get_xticklabels())

@@ -18,7 +18,7 @@ from __future__ import annotations
 import statistics
 import warnings
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -90,12 +90,17 @@ class Summary:
         return f"{self.what}, over {plural(len(self.documents), 'document')}: {', '.join(self.documents)}"
 
 
-def reference_length(lengths: list[int], trained_window: int | None) -> int:
-    """The default reference of the ratio view: the longest measured length within the trained window."""
+def reference_length(
+    lengths: list[int], trained_window: int | None, shared: Collection[int] | None = None
+) -> int:
+    """The default reference of the ratio view: the longest measured length within the trained window
+    among those every method measured (``shared``; where none is, among all: the methods without it are
+    then left out, said)."""
     inside = [n for n in lengths if trained_window is None or n <= trained_window]
     if not inside:
         raise AggregateError(f"no measured length within the trained window ({trained_window} tokens)")
-    return max(inside)
+    common = [n for n in inside if shared is None or n in shared]
+    return max(common or inside)
 
 
 def summarize(
@@ -127,7 +132,9 @@ def summarize(
     what = "perplexity, last quarter of the context" if field == "ppl_last" else "perplexity, whole context"
     what = f"{what} ({field})"
     if ratio:
-        reference = reference or reference_length(lengths, trained_window)
+        measured = [{n for (m, n), docs in values.items() if m == k and docs} for k in methods]
+        every = set.intersection(*measured)  # the lengths every method measured
+        reference = reference or reference_length(lengths, trained_window, every)
         if reference not in lengths:
             raise AggregateError(f"reference length {reference} was not measured ({lengths})")
         missing = [m for m in methods if not values.get((m, reference))]

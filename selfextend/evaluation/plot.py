@@ -12,7 +12,7 @@ from typing import Any
 
 from selfextend.core.validate import plural
 from selfextend.evaluation.aggregate import distinct_texts, fmt_tokens, one_prompt_form, summarize
-from selfextend.evaluation.results import record_kind
+from selfextend.evaluation.results import ResultsWarning, record_kind
 
 
 def _pyplot():
@@ -70,8 +70,6 @@ def usable_records(
     value there), are skipped with one :class:`~selfextend.evaluation.results.ResultsWarning` saying how many;
     ValueError when none is left.
     """
-    from selfextend.evaluation.results import ResultsWarning
-
     kind = records_kind(records, source)
     usable = [r for r in records if record_kind(r) == kind and _fits(r, kind, field)]
     other = len(records) - sum(k == kind for k in map(record_kind, records))
@@ -81,12 +79,13 @@ def usable_records(
     if broken:
         what = f"'{field}' or other fields" if kind == "ppl" else "fields"
         warnings.warn(
-            f"{source}: {broken} {kind} record(s) missing {what} (or not finite numbers) skipped",
+            f"{source}: {broken} {kind} record(s) missing {what}, or holding a value out of their range "
+            "(not a finite number, a perplexity below 1, a length that is no count), skipped",
             ResultsWarning,
             stacklevel=2,
         )
     if not usable:
-        raise ValueError(f"{source}: no {kind} record has every field the plot needs")
+        raise ValueError(f"{source}: no {kind} record has every field a plot or table reads")
     if kind == "ppl":
         usable = distinct_texts(usable)
     elif kind == "passkey":
@@ -119,6 +118,20 @@ def _one_per_point(records: list[dict[str, Any]], kind: str) -> list[dict[str, A
 
 MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
 STYLES = ("-", "--", "-.", ":")
+
+
+def _models(records: list[dict[str, Any]]) -> str:
+    """The models of ``records``, each once in the order they come (a title's: not only the first's)."""
+    return ", ".join(dict.fromkeys(str(r.get("model", "")) for r in records))
+
+
+def _variant(record: dict[str, Any]) -> str:
+    """A bench record's line: its variant, with the Self-Extend settings it ran with (records of runs with
+    other G or W are other lines; records written before they were kept are named by variant alone)."""
+    name = str(record["variant"])
+    if name == "plain" or "group_size" not in record:
+        return name
+    return f"{name} G={record['group_size']} W={record['window']}"
 
 
 def _line_style(i: int) -> dict[str, Any]:
@@ -290,12 +303,10 @@ def plot_ppl(
         fontsize=8,
         frameon=False,
     )
-    model = records[0].get("model", "")
+    model = _models(records)
     over = "per document" if per_doc else "one document"  # (one document was titled "per document" too)
-    fig.suptitle(
-        f"Perplexity against context length, {stat if several else over}{spread} — {model}",
-        fontsize=10,
-    )
+    what = f"PPL over its own at {fmt_tokens(summary.reference)} tokens" if ratio else "Perplexity"
+    fig.suptitle(f"{what} against context length, {stat if several else over}{spread} — {model}", fontsize=10)
     fig.savefig(out, dpi=120)
     plt.close(fig)
     return Path(out)
@@ -350,7 +361,7 @@ def plot_passkey(records: list[dict[str, Any]], out: str | Path, trained_window:
         f"prompt length (tokens)\n{star.lstrip('; ')}{'; ' if star else ''}empty: not measured", fontsize=10
     )
     fig.colorbar(image, ax=axes[0].tolist(), label="retrieval accuracy")
-    fig.suptitle(f"Passkey retrieval — {records[0].get('model', '')}")
+    fig.suptitle(f"Passkey retrieval — {_models(records)}")
     fig.savefig(out, dpi=120)
     plt.close(fig)
     return Path(out)
@@ -363,17 +374,20 @@ def plot_bench(records: list[dict[str, Any]], out: str | Path, trained_window: i
     plt = _pyplot()
     runs = [r for r in records if r.get("case") == "prefill" and not r.get("summary")]
     if not runs:
-        raise ValueError("no prefill runs in these bench records")
+        raise ValueError("no prefill runs in these bench records (the plot draws prefill time and memory)")
+    others = sorted({str(r.get("case")) for r in records if not r.get("summary")} - {"prefill"})
+    if others:
+        warnings.warn(f"{', '.join(others)} records not drawn: the plot draws prefill", ResultsWarning, 2)
+    named = [(_variant(r), r) for r in runs]
     fig, axes = plt.subplots(1, 2, figsize=(14, 4.5), layout="constrained")
     for ax, key, label in (
         (axes[0], "seconds", "prefill time (s)"),
         (axes[1], "peak_mib", "peak memory added (MiB)"),
     ):
-        for name in sorted({r["variant"] for r in runs}):
-            lengths = sorted({r["length"] for r in runs if r["variant"] == name})
+        for name in sorted({v for v, _ in named}):
+            lengths = sorted({r["length"] for v, r in named if v == name})
             values = [
-                statistics.median(r[key] for r in runs if r["variant"] == name and r["length"] == n)
-                for n in lengths
+                statistics.median(r[key] for v, r in named if v == name and r["length"] == n) for n in lengths
             ]
             ax.plot(lengths, values, label=name, **_line_style(len(ax.lines)))
         ax.set_yscale("log")
@@ -383,8 +397,8 @@ def plot_bench(records: list[dict[str, Any]], out: str | Path, trained_window: i
         ax.set_ylabel(label + ", log scale")
         ax.grid(True, which="major", alpha=0.3)
     axes[1].legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=8, frameon=False)
-    r0 = runs[0]
-    fig.suptitle(f"Prefill cost — {r0.get('model', '')}, {r0.get('dtype', '')}, {r0.get('device', '')}")
+    said = ("; ".join(dict.fromkeys(str(r.get(k, "")) for r in runs)) for k in ("model", "dtype", "device"))
+    fig.suptitle(f"Prefill cost — {', '.join(said)}")
     fig.savefig(out, dpi=120)
     plt.close(fig)
     return Path(out)

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from selfextend.core.validate import ValidationError, check_int, check_seed, first_line, plural
-from selfextend.generation.backends import decode_backends, weight_owners
+from selfextend.generation.backends import DecodeBackends, decode_backends, weight_owners
 from selfextend.generation.decode import tensors_key
 from selfextend.generation.grammar import Grammar, GrammarMask, NoTokenLeft
 from selfextend.generation.sampling import SamplingParams, any_left, distribution, sample
@@ -130,6 +130,8 @@ class Generator:
     last_logits: torch.Tensor | None = None  # the logits after the last token written to the cache
     direct_decode: bool = True  # single tokens through a DecodeStep where it serves the model
     compile: bool = False  # single tokens through the compiled step (generation.compiled) where it serves
+    backends: DecodeBackends | None = None  # steps shared with other generators (a server's slots): taken
+    # as they are, in place of those decode_backends makes (refresh makes this generator's own)
     grammar: Grammar | None = None  # the response format every token drawn must keep (None: any text)
     lookup: int = 0  # drafts checked per pass by prompt lookup (generation.speculative); 0: off
     draft: Drafter | None = None  # drafts from a smaller model instead (generation.draft), its own count
@@ -162,10 +164,10 @@ class Generator:
             self.rng.seed()
         self.device = next(self.model.parameters()).device
         self._asked = (self.direct_decode, self.compile)  # decode_backends' flags
-        self._make_steps()
+        self._make_steps(self.backends)
 
-    def _make_steps(self) -> None:
-        self.step, self.fast = decode_backends(self.model, *self._asked)
+    def _make_steps(self, shared: DecodeBackends | None = None) -> None:
+        self.step, self.fast = shared if shared is not None else decode_backends(self.model, *self._asked)
         self._owners = weight_owners(self.model, self.fast)  # none on the CPU: nothing to check
         self._weights = tensors_key(self._owners)
 

@@ -147,13 +147,15 @@ class GraphedDecode(FastDecode):
         return self.step.rows(tokens, pos, cells, grouped)
 
     def _key(self, caches: Sequence[ContextShiftCache], grouped: list, stored: list[list]) -> tuple:
-        """What a captured graph holds fixed: the caches' buffers (the grouped keys' too) by address and
-        shape, the attention and Self-Extend's tables."""
+        """What a captured graph holds fixed: the caches' buffers (keys, values, positions; the grouped
+        keys' too) by address and shape, the attention and Self-Extend's tables. (Every buffer the graph
+        reads: a slot's cache made again may get its old keys' addresses back from the allocator, and
+        another cache its Python id.)"""
         buffers = tuple(
             (t.data_ptr(), t.shape)
             for cache in caches
             for layer in cache.layers
-            for t in (layer.keys, layer.values)
+            for t in (layer.keys, layer.values, layer.positions)
         )
         kept = tuple(None if t is None else t.data_ptr() for row in stored for t in row)
         tables = tuple(None if g is None else (g.window, g.keys.cos.data_ptr()) for g in grouped)

@@ -75,9 +75,9 @@ class Engine:
         set_chunk_engine(model, default="int8")
         self.cache_reuse, self.max_queue, self.prefill_chunk = cache_reuse, max_queue, prefill_chunk
         self.eos = eos_token_ids(model, tokenizer)
-        step = decode_backends(model).rows  # one for all slots; their batches go through it or BatchedDecode
+        steps = decode_backends(model)  # one for all slots; their batches go through them or BatchedDecode
         self.slots = [
-            Slot(i, model, n_ctx, step, cache_dtype, None if draft is None else draft.for_another())
+            Slot(i, model, n_ctx, steps, cache_dtype, None if draft is None else draft.for_another())
             for i in range(parallel)
         ]
         self.batched = BatchedDecode(model)

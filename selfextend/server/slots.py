@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from selfextend.generation.decode import DecodeStep
+from selfextend.generation.backends import DecodeBackends
 from selfextend.generation.generator import Generator
 from selfextend.generation.settings import CACHE_DTYPES
 from selfextend.generation.speculative import Drafter
@@ -101,7 +101,8 @@ class Slot:
     id: int
     model: nn.Module
     n_ctx: int
-    step: DecodeStep | None = None  # one decode step shared by all slots (it fuses the int8 weights once)
+    backends: DecodeBackends | None = None  # the decode steps all slots share (the int8 weights fused once,
+    # on a GPU one captured step whose graphs are kept per set of slots); None: every token by the forward
     cache_dtype: torch.dtype | None = None  # the cells' element type (None: the model's)
     draft: Drafter | None = None  # the slot's own draft model state (generation.draft), None: lookup or none
     gen: Generator | None = None
@@ -111,8 +112,8 @@ class Slot:
 
     def _build(self, n_keep: int) -> Generator:
         cache = ContextShiftCache(self.model, n_ctx=self.n_ctx, n_keep=n_keep, dtype=self.cache_dtype)
-        gen = Generator(self.model, cache, direct_decode=False, draft=self.draft)
-        gen.step = self.step
+        shared = self.backends is not None
+        gen = Generator(self.model, cache, direct_decode=shared, backends=self.backends, draft=self.draft)
         self.history = []
         return gen
 
