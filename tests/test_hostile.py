@@ -837,9 +837,10 @@ def test_offline_hub_id_fails_at_once():
 
 def test_repeat_last_n_llama_cpp_semantics():
     tokens = list(range(10))
-    assert SamplingParams(repeat_last_n=0).recent(tokens) == []
-    assert SamplingParams(repeat_last_n=-1).recent(tokens) == tokens
-    assert SamplingParams(repeat_last_n=3).recent(tokens) == [7, 8, 9]
+    assert SamplingParams(repeat_last_n=0, repetition_penalty=1.1).recent(tokens) == []
+    assert SamplingParams(repeat_last_n=-1, repetition_penalty=1.1).recent(tokens) == tokens
+    assert SamplingParams(repeat_last_n=3, frequency_penalty=0.5).recent(tokens) == [7, 8, 9]
+    assert SamplingParams(repeat_last_n=3).recent(tokens) == []  # no penalty reads them
 
 
 def test_resume_keeps_last_record_without_newline_and_sets_bad_lines_aside(tmp_path):

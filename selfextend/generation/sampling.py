@@ -106,8 +106,10 @@ class SamplingParams:
 
     def recent(self, tokens: list[int]) -> list[int]:
         """The tokens the penalties look at: the last ``repeat_last_n`` (llama.cpp: 0 = none,
-        -1 = every token in the context)."""
-        if self.repeat_last_n == 0:
+        -1 = every token in the context); none where no penalty is set (nothing reads them, and on a GPU
+        each token would copy them over)."""
+        penalised = self.repetition_penalty != 1.0 or self.frequency_penalty or self.presence_penalty
+        if self.repeat_last_n == 0 or not penalised:
             return []
         return tokens if self.repeat_last_n < 0 else tokens[-self.repeat_last_n :]
 
