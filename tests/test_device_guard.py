@@ -122,6 +122,7 @@ def test_the_gpu_check_script_runs_dry(tmp_path) -> None:
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "ok   parity two slots" in done.stdout and "failed=[]" in done.stdout
+    assert "ok   parity two server slots" in done.stdout, done.stdout
     for check in (
         "8b generate self-extend",
         "8b two slots",

@@ -12,11 +12,14 @@ from conftest import make_model, tiny_gemma3
 from selfextend.evaluation.methods import applied, parse_method
 from selfextend.evaluation.nll import token_nll
 from selfextend.evaluation.passkey import answer
+from selfextend.generation.backends import decode_backends
 from selfextend.generation.batched import BatchedDecode
 from selfextend.generation.generator import Generator, run
+from selfextend.generation.graphed import GraphedDecode
 from selfextend.generation.sampling import SamplingParams
 from selfextend.hf.patch import apply_self_extend
 from selfextend.kv.cache import ContextShiftCache
+from selfextend.server.slots import Slot
 
 PROMPT = list(range(3, 40))
 CTX, KEEP, TOKENS = 48, 4, 60  # two shifts or more
@@ -64,9 +67,13 @@ def parity(report: Callable[..., None], device: str = "cuda") -> None:
     model = make_model("llama")
     apply_self_extend(model, group_size=4, window=16)
     model.to(device)
-    for shared_from in (1, 8):
+    steps = decode_backends(model)  # as the server's engine shares them between its slots
+    for shared_from, server in ((1, False), (8, False), (None, True)):
         batched = BatchedDecode(model, shared_from=shared_from)
-        gens = [Generator(model, _cells(model)) for _ in range(2)]
+        if server:
+            gens = [Slot(i, model, 40, steps).generator(4) for i in range(2)]
+        else:
+            gens = [Generator(model, _cells(model)) for _ in range(2)]
         alone = [Generator(model, _cells(model)) for _ in range(2)]
         out, want = [[], []], [[], []]
         logits = [g.feed(PROMPT[:n]) for g, n in zip(gens, (30, 25), strict=True)]
@@ -79,9 +86,11 @@ def parity(report: Callable[..., None], device: str = "cuda") -> None:
                 t = int(solo[j].argmax())
                 want[j].append(t)
                 solo[j] = alone[j].write([t])
+        graphed = all(isinstance(g.fast, GraphedDecode) for g in gens)  # a GPU's slots replay one graph
         report(
-            f"parity two slots (shared_from={shared_from})",
-            ok=out == want,
+            "parity two server slots" if server else f"parity two slots (shared_from={shared_from})",
+            ok=out == want and (graphed or device != "cuda"),
+            graphed=graphed,
             shifts=[g.cache.shifts for g in gens],
         )
     cpu = make_model("llama")
