@@ -226,6 +226,7 @@ class Repl:
         self.notes = notes if notes is not None else []
         self.reading = False
         self.terminated = False
+        self.lines_read = 0  # lines of input so far: a piped line no tokenizer takes is named by its number
 
     def run(self) -> None:
         if self.interactive:
@@ -270,6 +271,7 @@ class Repl:
             self.reading = True
             try:
                 line = input(("... " if lines else "> ") if self.interactive else "")
+                self.lines_read += 1
             except KeyboardInterrupt:
                 click.echo("", err=True)
                 if not lines and not _typed():
@@ -302,7 +304,7 @@ class Repl:
                 self._stream(s.reply(text))
             except ChatError as e:  # text no tokenizer takes: at a prompt it is said, from a pipe it ends
                 if not self.interactive:
-                    raise
+                    raise ChatError(f"input line {self.lines_read}: {e}") from None
                 click.echo(f"error: {e}; not sent", err=True)
             return not self.terminated
         command, _, arg = line.strip().partition(" ")

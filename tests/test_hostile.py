@@ -383,7 +383,7 @@ def test_info_counts_a_huge_model_without_allocating_it(tmp_path):
     "command,stdin,message",
     [
         ("generate", b"caf\xe9\n", "standard input is not UTF-8"),
-        ("chat", b"hello\ncaf\xe9\n", "bytes that are not UTF-8"),  # was a TypeError's traceback
+        ("chat", b"hello\ncaf\xe9\n", "input line 2: the text holds bytes that are not UTF-8"),
     ],
 )
 def test_non_utf8_stdin_subprocess(command, stdin, message, tiny_dir, tmp_path):
