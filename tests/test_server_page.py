@@ -223,3 +223,59 @@ def test_cors_lets_only_the_named_origin_call_the_api(tiny_dir, tmp_path):
     finally:
         browser.close()
         site.shutdown()
+
+
+@needs_chromium
+def test_a_refused_message_stays_out_of_the_conversation(tiny_dir, tmp_path):
+    """Sent without the server's key: the error is shown on a line of its own and neither the message nor
+    the error text joins the conversation (the error was sent back as the assistant's turn, and the model
+    repeated it); with the key typed, the next message is answered alone. An empty temperature is said,
+    not sent as 0. "New chat" during a reply leaves nothing of it (its text reached the next request)."""
+    model, tok, name = _tiny(tiny_dir)
+    with serving(model, tok, n_ctx=512, max_tokens=4000, model_name=name, api_key="k") as (base, engine):
+        browser = Browser(str(tmp_path / "profile"))
+        try:
+            browser.call("Page.enable")
+            browser.call("Page.navigate", url=base + "/")
+            ready = "document.readyState === 'complete' && document.getElementById('model').textContent"
+            browser.wait(f"{ready}.includes('needs an API key')")
+            browser.js("document.getElementById('temperature').value = 0")
+            send(browser, "hi", 8)
+            browser.wait("document.querySelectorAll('.msg.error').length === 1")
+            assert "invalid or missing API key" in browser.js(
+                "document.querySelector('.msg.error').textContent"
+            )
+            assert (
+                browser.js("turns.length") == 0
+                and browser.js("document.querySelectorAll('.unsent').length") == 1
+            )
+            browser.js(
+                "const k = document.getElementById('key'); k.value = 'k'; k.dispatchEvent(new Event('input'))"
+            )
+            browser.wait("document.getElementById('model').textContent.startsWith('tiny')")
+            send(browser, "Hello", 8)
+            browser.wait("document.querySelectorAll('.stats').length === 1")
+            turns = browser.js("turns")
+            assert [t["role"] for t in turns] == ["user", "assistant"] and turns[0]["content"] == "Hello"
+            assert "error" not in turns[1]["content"]
+
+            browser.js("document.getElementById('temperature').value = ''")
+            send(browser, "  indented", 8)
+            browser.wait("document.querySelectorAll('.msg.error').length === 2")
+            assert "Temperature must be a number" in browser.js(
+                "[...document.querySelectorAll('.msg.error')].pop().textContent"
+            )
+            assert browser.js("document.getElementById('input').value") == "  indented"  # kept, not sent
+
+            browser.js("document.getElementById('temperature').value = 0")
+            send(browser, "Tell me a very long story.", 4000)
+            browser.wait("[...document.querySelectorAll('.msg.assistant')].pop().textContent.length > 5")
+            browser.js("document.getElementById('clear').click()")
+            browser.wait("!document.getElementById('send').disabled")
+            time.sleep(0.3)
+            assert (
+                browser.js("turns.length") == 0
+                and browser.js("document.getElementById('log').children.length") == 0
+            )
+        finally:
+            browser.close()
