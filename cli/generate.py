@@ -111,7 +111,13 @@ def generate(
 
         from selfextend.kv import promptcache
 
-        if Path(prompt_cache).exists():
+        if Path(prompt_cache).exists() and len(ids) > ctx:  # its cells would shift at other places than
+            # a prompt read whole (the reply then differs from the one without the file): read as without it
+            click.echo(
+                f"note: --prompt-cache {prompt_cache} not read: the prompt goes through context shifts",
+                err=True,
+            )
+        elif Path(prompt_cache).exists():
             gen.tokens, reused_logits = promptcache.load(prompt_cache, lm, cache, ids)
             reused = len(gen.tokens)
 

@@ -70,7 +70,7 @@ def _check_options(kind: str, results: str) -> None:
 
 def _records(results: str, trained_window: int | None, field: str = "ppl_last", command: str = "plot"):
     """The usable records of RESULTS (bad lines, other kinds, records missing fields: skipped, said)."""
-    from selfextend.evaluation.plot import records_kind, usable_records
+    from selfextend.evaluation.usable import records_kind, usable_records
     from selfextend.evaluation.results import read_jsonl
 
     records = read_jsonl(results)

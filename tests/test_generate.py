@@ -330,6 +330,13 @@ def test_prompt_cache_gives_same_greedy_output(tmp_path):
     assert second.exit_code == 0 and "from the prompt cache" in second.stderr
     assert plain.stdout == first.stdout == second.stdout
     assert len(plain.stdout.split()) > 5
+    # at a --ctx the prompt overflows, the file is not read: its cells would shift elsewhere than the prompt
+    # read whole, and the reply differed from the one without it
+    short = [*args[:-1], "30"]  # the prompt: 36 tokens
+    without = invoke(*short)
+    read = invoke(*short, "--prompt-cache", str(pc))
+    assert read.exit_code == 0 and "not read: the prompt goes through" in read.stderr, read.stderr
+    assert read.stdout == without.stdout and "from the prompt cache" not in read.stderr
 
 
 def test_fingerprint_ignores_where_the_model_was_loaded_from():

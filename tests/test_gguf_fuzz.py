@@ -33,7 +33,17 @@ from selfextend.native.quant import quant_kernels
 
 pytestmark = pytest.mark.skipif(quant_kernels() is None, reason="no C compiler here to build the kernels")
 HIDDEN, HEADS, KV_HEADS = 64, 4, 2
-Q4_0, F32 = 2, 0
+Q4_0, F32, F16 = 2, 0, 1
+
+
+def _bytes(dims: list[int], kind: int) -> int:
+    """The bytes a tensor of ``dims`` takes in type ``kind``."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    per_block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
+    return int(np.prod(dims)) // per_block * block_bytes
+
+
 WORKER = r"""
 import json, sys, traceback
 import torch
@@ -139,8 +149,11 @@ def variants(base: Path) -> list[tuple[str, bytes, tuple[str, ...], bool]]:
             }
         for label, new in cases.items():
             out.append((f"{name} {label} {new}", dims_to(new), (name,), new != dims))
-        for kind in (Q4_0, F32, 99):
-            out.append((f"{name} type {kind}", _put(data, t["type_at"], kind, "<u4"), (name,), kind == 99))
+        last = t["data"] == max(u["data"] for u in tensors)  # no tensor after it to find it wrong
+        for kind in (Q4_0, F32, F16, 99):
+            # a type of other bytes is refused (one of fewer left a gap, read as garbage) unless the last
+            must = kind == 99 or (not last and _bytes(dims, kind) != t["end"] - t["data"])
+            out.append((f"{name} type {kind}", _put(data, t["type_at"], kind, "<u4"), (name,), must))
         moved = t["data"] - start
         for offset, must in ((moved + 32, True), (moved + 2, True), (1 << 63, True), (len(data), True)):
             edited = _put(data, t["offset_at"], offset, "<u8")

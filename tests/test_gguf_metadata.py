@@ -108,7 +108,8 @@ CASES = {
     "no blocks": (_value("llama.block_count", 0), ": llama.block_count is 0 (a model needs at least one)"),
     "norm of the wrong size": (
         _dims("blk.1.attn_norm.weight", [16]),
-        ": blk.1.attn_norm.weight: shape (16,) where the file's metadata says (32,)",
+        ": tensor blk.1.attn_norm.weight (F32, shape (16,)) is followed by 64 bytes that type and shape "
+        "do not account for",  # (a shape of fewer bytes leaves a gap, found before the metadata is read)
     ),
 }
 

@@ -277,6 +277,12 @@ def files(tmp_path, tiny_dir, real_gguf, monkeypatch) -> Path:
         (d / "morelayers" / f.name).write_bytes(f.read_bytes())
     config = json.loads((tiny_dir / "config.json").read_text())
     (d / "morelayers" / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 3}))
+    (d / "widerffn").mkdir()  # weights of other shapes than the config's: "look at the above report" (none)
+    for f in tiny_dir.iterdir():
+        (d / "widerffn" / f.name).write_bytes(f.read_bytes())
+    (d / "widerffn" / "config.json").write_text(
+        json.dumps({**config, "intermediate_size": config["intermediate_size"] + 16})
+    )
     noweights = d / "noweights"
     noweights.mkdir()
     for f in tiny_dir.iterdir():
@@ -326,6 +332,7 @@ FILE_CASES = [
     (["chat", "-m", "{in}/raising"], "the model's chat template failed: x"),
     (["generate", "-m", "{in}/morelayers", "-p", "x"], "lack 9 tensors its config.json asks for"),
     (["generate", "-m", "{in}/noweights", "-p", "x"], "cannot load"),
+    (["generate", "-m", "{in}/widerffn", "-p", "x"], "mlp.down_proj.weight of shape ("),
     (["generate", "-m", "{in}/cutweights", "-p", "x"], ".safetensors weights file is truncated or corrupted"),
     # it ended at "Couldn't instantiate the backend tokenizer from one of:"
     (["generate", "-m", "{in}/notokenizer", "-p", "x"], "no tokenizer it can read (tokenizer.json, or"),

@@ -5,11 +5,12 @@ past 2^64 wraps), a zero or huge dimension is a shape like any other, and it bui
 every string of the vocabulary (a minute for 4M tokens) before anyone can look at the table. This walk
 reads only counts and lengths, refusing in one line naming the key or tensor: anything that ends past the
 end of the file, an unknown type, a dimension that is zero or makes the tensor's byte count overflow,
-rows that are not whole blocks of the tensor's type, data not at the file's alignment or overlapping
-another tensor's, a tensor named twice, a metadata string that is not UTF-8, a special token's id past
-the token list, a vocabulary longer than the embedding table (a token id past the table's rows would
-read memory past it), no ``general.architecture`` or none of its keys, and sizes no model can have (a
-zero head count, a window past 2^31 - 1, an odd RoPE dimension count, a NaN epsilon). What it accepts,
+rows that are not whole blocks of the tensor's type, data not at the file's alignment or not where the
+tensor before it ends (a gap or an overlap: a type or shape that lies), a tensor named twice, a metadata
+string that is not UTF-8, a special token's id past the token list, a vocabulary longer than the
+embedding table (a token id past the table's rows would read memory past it), no
+``general.architecture`` or none of its keys, and sizes no model can have (a zero head count, a window
+past 2^31 - 1, an odd RoPE dimension count, a NaN epsilon). What it accepts,
 ``gguf``'s reader then parses (:func:`~selfextend.models.gguf.checked_reader`).
 """
 
@@ -113,6 +114,7 @@ def check_table(path: Path) -> None:
         seen: dict[str, tuple[int, ...]] = {}
         starts: dict[str, int] = {}  # each tensor's start and end in the data section
         ends: dict[str, int] = {}
+        kinds: dict[str, str] = {}  # each tensor's type by name (Q4_1, F32...)
         for _ in range(n_tensors):
             name = walk.string("a tensor's name")
             what = f"tensor {name}'s entry"
@@ -148,24 +150,37 @@ def check_table(path: Path) -> None:
                     f"alignment ({alignment})"
                 )
             seen[name], ends[name] = dims, offset + count // values_per_block * block_bytes
-            starts[name] = offset
+            starts[name], kinds[name] = offset, GGMLQuantizationType(kind).name
         start = (walk.at + alignment - 1) // alignment * alignment
         for name, end in ends.items():
             if start + end > len(data):
                 raise ModelError(f"{path} is truncated: tensor {name} ends past the end of the file")
-        _check_apart(path, starts, ends)
         _check_vocabulary(path, values, seen)  # first: a token id past the table reads past its memory
         _check_architecture(path, values)
         _check_sizes(path, values, seen)
+        _check_packed(path, starts, ends, alignment, {n: f"{kinds[n]}, shape {seen[n]}" for n in seen})
 
 
-def _check_apart(path: Path, starts: dict[str, int], ends: dict[str, int]) -> None:
-    """ModelError naming two tensors whose data overlap (one tensor's bytes read as another's; llama.cpp
-    refuses any layout but the tensors one after the other)."""
-    order = sorted(starts, key=starts.get)
-    for before, after in zip(order, order[1:], strict=False):
-        if starts[after] < ends[before]:
-            raise ModelError(f"{path}: tensors {before} and {after} share bytes (their data overlap)")
+def _check_packed(
+    path: Path, starts: dict[str, int], ends: dict[str, int], alignment: int, said: dict[str, str]
+) -> None:
+    """ModelError unless the tensors' data lie one after the other in the table's order, each where the one
+    before it ends rounded up to the alignment (the first at 0): llama.cpp's loader takes no other layout.
+    A tensor whose type or shape was changed to one of fewer bytes left a gap that nothing noticed (its
+    bytes read as that type: garbage text, exit 0); one of more bytes overlaps the next."""
+    expected, before = 0, None
+    for name, start in starts.items():  # (in the table's order)
+        if start < expected:
+            raise ModelError(f"{path}: tensors {before} and {name} share bytes (their data overlap)")
+        if start > expected:
+            if before is None:
+                raise ModelError(f"{path}: tensor {name}'s data starts at {start}, not at the data's start")
+            raise ModelError(
+                f"{path}: tensor {before} ({said[before]}) is followed by {start - expected} bytes that "
+                f"type and shape do not account for ({name} starts at {start}, not at {expected}): its "
+                "type or shape is wrong"
+            )
+        expected, before = (ends[name] + alignment - 1) // alignment * alignment, name
 
 
 def _check_architecture(path: Path, values: dict) -> None:

@@ -284,10 +284,22 @@ def _checked_load(source: ModelSource, kwargs: dict[str, Any]) -> torch.nn.Modul
     hf_logging.set_verbosity_error()  # its load report: what is said below, in one line
     try:
         model, info = hub_load(
-            source, AutoModelForCausalLM.from_pretrained, output_loading_info=True, **kwargs
+            source,
+            AutoModelForCausalLM.from_pretrained,
+            output_loading_info=True,
+            ignore_mismatched_sizes=True,  # (refused below, by name: it raised pointing at the report)
+            **kwargs,
         )
     finally:
         hf_logging.set_verbosity(verbosity)
+    mismatched = sorted(info.get("mismatched_keys") or ())
+    if mismatched:
+        key, found, wanted = mismatched[0]
+        more = f" (and {len(mismatched) - 1} more)" if len(mismatched) > 1 else ""
+        raise ModelError(
+            f"the weights of '{source.name}' hold {key} of shape {tuple(found)} where its config.json asks "
+            f"for {tuple(wanted)}{more}"
+        )
     missing, unexpected = sorted(info.get("missing_keys") or ()), sorted(info.get("unexpected_keys") or ())
     if missing:
         raise ModelError(
