@@ -156,6 +156,20 @@ def test_resolve_alias() -> None:
     assert resolve_model("SmolLM2-135M").gguf_path == source.gguf_path  # aliases ignore case
 
 
+def test_a_folder_named_as_a_built_in_model_is_said(tmp_path, monkeypatch, caplog) -> None:
+    """A folder named smollm2-135m in the working folder: the built-in model is loaded (as before), and a
+    note says how to name the folder instead (it was silent)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "SmolLM2-135M").mkdir()
+    with caplog.at_level("WARNING", logger="selfextend"):
+        assert resolve_model("SmolLM2-135M").kind == "gguf"
+        assert resolve_model("SmolLM2-135M").kind == "gguf"  # said once
+    said = [r.getMessage() for r in caplog.records if "names the built-in model" in r.getMessage()]
+    assert said == [
+        "note: 'SmolLM2-135M' names the built-in model; for the folder of that name here, give ./SmolLM2-135M"
+    ]
+
+
 def test_resolve_alias_without_package(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sources.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ModelError) as err:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import warnings
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -314,7 +315,9 @@ def peek(path: str | Path, verify: bool = True) -> dict[str, Any]:
     if verify:
         _verify(Path(path))
     try:
-        payload = torch.load(Path(path), map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # torch's own about a file of another kind: said below, in one line
+            warnings.simplefilter("ignore")
+            payload = torch.load(Path(path), map_location="cpu", weights_only=True)
     except Exception:  # torch raises many types for a file that is not its own
         raise PromptCacheError(f"{path} is not a selfextend prompt cache or chat session") from None
     if not isinstance(payload, dict) or payload.get("format") not in READABLE:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
 import re
 from collections.abc import Callable
@@ -21,6 +22,8 @@ from selfextend.hf.facts import ModelError, check_rope_fields, check_size_fields
 
 if TYPE_CHECKING:
     pass
+
+log = logging.getLogger(__name__)
 
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -107,6 +110,9 @@ class ModelSource:
         return Path(self.location) / self.gguf_file if self.gguf_file else None
 
 
+_SHADOWED: set[str] = set()  # built-in names also on disk in the working folder, said already
+
+
 def resolve_model(name_or_path: str) -> ModelSource:
     """Work out what ``name_or_path`` names: an alias, a ``.gguf`` file, a model directory or a hub id.
 
@@ -121,6 +127,15 @@ def resolve_model(name_or_path: str) -> ModelSource:
         )
     resolver = ALIASES.get(text.lower())
     if resolver is not None:
+        if Path(text).expanduser().exists() and text not in _SHADOWED:
+            _SHADOWED.add(text)  # (said once: a command resolves its model more than once)
+            kind = "folder" if Path(text).expanduser().is_dir() else "file"
+            log.warning(
+                "note: '%s' names the built-in model; for the %s of that name here, give ./%s",
+                text,
+                kind,
+                text,
+            )
         gguf = resolver()
         return ModelSource("gguf", str(gguf.parent), text.lower(), gguf.name)
 
