@@ -70,8 +70,8 @@ def _check_options(kind: str, results: str) -> None:
 
 def _records(results: str, trained_window: int | None, field: str = "ppl_last", command: str = "plot"):
     """The usable records of RESULTS (bad lines, other kinds, records missing fields: skipped, said)."""
-    from selfextend.evaluation.usable import records_kind, usable_records
     from selfextend.evaluation.results import read_jsonl
+    from selfextend.evaluation.usable import records_kind, usable_records
 
     records = read_jsonl(results)
     if command == "table" and records_kind(records, results) not in ("ppl", "passkey"):
