@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+import os
+import signal
 import sys
 import time
 from typing import TYPE_CHECKING
@@ -158,6 +160,7 @@ def generate(
     t0 = time.perf_counter()
     read = [0]  # prompt tokens written in this run
     stopped_by: KeyboardInterrupt | None = None
+    closed = False  # standard output closed under us (a pipe's reader gone)
     try:
         with prefill_bar(len(ids) - reused) as bar:
 
@@ -192,13 +195,21 @@ def generate(
             stats = prompt_only(f"interrupted while reading the prompt ({done} of {len(ids)} tokens)")
         else:
             stats.stop_reason = "interrupted"
+    except BrokenPipeError:  # `| head`: the reader is gone; said on stderr, and a script sees it (141)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (Python's flush at exit: no error)
+        closed = True
+        if stats is not None:
+            stats.stop_reason = "standard output was closed"
     finally:
         out.close()
-    click.echo("", err=False)
+    if not closed:
+        click.echo("", err=False)
     if stats is not None:
         click.echo(stats.summary(), err=True)
     if stopped_by is not None:  # a script sees the stop, as after a sweep's: 130 for Ctrl-C, 143 for SIGTERM
         sys.exit(interrupt_status(stopped_by))
+    if closed:
+        sys.exit(128 + signal.SIGPIPE)  # what a shell reports for a writer killed by SIGPIPE
 
 
 def warn_beyond_reach(model, ctx: int, group_size: int | None, window: int | None) -> None:

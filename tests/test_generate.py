@@ -717,3 +717,26 @@ def test_interrupt_while_the_prompt_is_read_prints_the_summary(tiny_dir, monkeyp
     assert (
         last.startswith("0 tokens in ") and "stopped: interrupted while reading the prompt (20 of 101" in last
     )
+
+
+def test_a_closed_standard_output_stops_with_its_reason_and_141(tiny_dir, tmp_path):
+    """``generate ... | head -c 20``: the run stops, says why in its summary on stderr, and exits 141 as a
+    writer killed by SIGPIPE does (it stopped without a word, exit 1: a script saw a failure of nothing
+    it could name); the --output file keeps what was written."""
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "out.txt"
+    args = ["-m", "selfextend", "generate", "-m", str(tiny_dir), "-p", "hi", "-n", "2000", "--ignore-eos"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, *args, "--no-chat", "-o", str(out)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+    )  # fmt: skip
+    first = proc.stdout.read(20)
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=300) == 141, err
+    assert len(first) == 20 and "stopped: standard output was closed" in err and "Traceback" not in err, err
+    assert out.read_bytes().startswith(first)
