@@ -71,9 +71,9 @@ def generate(
 
       selfextend generate --system "Answer as a pirate." -f question.txt -g 4 -w 1024 --ctx 16384
     """
-    from selfextend.cli.generation_options import check_cache, check_keep, system_prompt
+    from selfextend.cli.generation_options import check_cache, check_keep, kept_part, system_prompt
     from selfextend.cli.options import load_with_self_extend
-    from selfextend.cli.stream import Output, prefill_bar
+    from selfextend.cli.stream import Output, OutputFileError, prefill_bar
     from selfextend.core.validate import first_line
     from selfextend.evaluation.corpus import read_stdin, read_text_file
     from selfextend.generation.generator import GenerationStats, Generator, run
@@ -95,8 +95,10 @@ def generate(
     lm, tokenizer = load_with_self_extend(model, dtype, device, group_size, window, weights)
     warn_beyond_reach(lm, ctx, group_size, window)
     ids, n_system = build_prompt(tokenizer, prompt, system, chat)
+    # --keep counts prompt tokens, at most the whole prompt (as llama.cpp's and our server's n_keep)
     n_keep = len(ids) if keep == -1 else (default_keep(n_system, len(ids), ctx) if keep is None else keep)
-    check_keep(n_keep, ctx, "the system prompt" if keep is None and n_system else None)
+    n_keep = min(n_keep, len(ids))
+    check_keep(n_keep, ctx, kept_part(system, chat, tokenizer) if keep is None and n_system else None)
     if len(ids) > ctx:
         click.echo(
             f"note: the prompt's {len(ids):,} tokens are more than --ctx {ctx:,} cells: it is read through "
@@ -145,10 +147,11 @@ def generate(
             why = e.strerror if isinstance(e, OSError) and e.strerror else str(e).rsplit("strerror: ", 1)[-1]
             out.note(f"warning: --prompt-cache {prompt_cache} not written: {first_line(why)}")
 
-    def prompt_only(reason: str) -> GenerationStats:
-        """The summary of a run that made no token: the prompt's time, shifts and cache fill."""
+    def prompt_only(reason: str, read_tokens: int | None = None) -> GenerationStats:
+        """The summary of a run that made no token: the prompt's tokens read (all unless told), time, shifts
+        and cache fill."""
         return GenerationStats(
-            prompt_tokens=len(ids),
+            prompt_tokens=len(ids) if read_tokens is None else read_tokens,
             reused_tokens=reused,
             prompt_seconds=time.perf_counter() - t0,
             shifts=cache.shifts,
@@ -161,6 +164,7 @@ def generate(
     read = [0]  # prompt tokens written in this run
     stopped_by: KeyboardInterrupt | None = None
     closed = False  # standard output closed under us (a pipe's reader gone)
+    failed: OutputFileError | None = None  # the -o file could not be written
     try:
         with prefill_bar(len(ids) - reused) as bar:
 
@@ -192,7 +196,7 @@ def generate(
         stopped_by = e
         if stats is None:  # while the prompt was read: said all the same (it ended on the progress bar)
             done = reused + read[0]
-            stats = prompt_only(f"interrupted while reading the prompt ({done} of {len(ids)} tokens)")
+            stats = prompt_only(f"interrupted while reading the prompt ({done} of {len(ids)} tokens)", done)
         else:
             stats.stop_reason = "interrupted"
     except BrokenPipeError:  # `| head`: the reader is gone; said on stderr, and a script sees it (141)
@@ -200,12 +204,21 @@ def generate(
         closed = True
         if stats is not None:
             stats.stop_reason = "standard output was closed"
+    except OutputFileError as e:
+        failed = e
     finally:
-        out.close()
-    if not closed:
+        try:
+            out.close()
+        except OutputFileError as e:
+            failed = failed or e
+    if failed is not None and stats is not None:
+        stats.stop_reason = f"{failed.path} could not be written"
+    if not closed and not out.at_line_start:  # the text's last line ended (no text: no blank line)
         click.echo("", err=False)
     if stats is not None:
         click.echo(stats.summary(), err=True)
+    if failed is not None:
+        raise failed
     if stopped_by is not None:  # a script sees the stop, as after a sweep's: 130 for Ctrl-C, 143 for SIGTERM
         sys.exit(interrupt_status(stopped_by))
     if closed:

@@ -53,7 +53,8 @@ def cache_options(f: Callable) -> Callable:
         type=integer(-1),
         default=None,
         help="Tokens kept at every shift. Default: BOS + the system prompt, or the first 4 tokens where "
-        "there is neither (attention sinks); -1: the whole prompt (in chat: the system prompt).",
+        "there is neither (attention sinks); -1: the whole prompt (in chat: the system prompt). In generate "
+        "at most the prompt's tokens.",
     )(f)
     f = click.option(
         "-c",
@@ -82,6 +83,16 @@ def check_keep(n_keep: int, ctx: int, kept: str | None = None) -> None:
             f"keeping {n_keep} tokens leaves no room in a cache of {ctx}; raise --ctx or lower --keep",
             param_hint="--keep",
         )
+
+
+def kept_part(system: str | None, chat: bool, tokenizer) -> str:
+    """What the kept system part is, named for an error: the user's system prompt, or the block a chat
+    template writes on its own (its default system prompt, the user's header), which no option gave."""
+    if system:
+        return "the system prompt"
+    if chat and getattr(tokenizer, "chat_template", None):
+        return "the chat template's own start (its default system prompt and the user's header)"
+    return "the BOS token"
 
 
 def _stop_texts(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -> tuple[str, ...]:

@@ -13,6 +13,15 @@ import click
 PROGRESS_MIN_TOKENS = 256  # prompts shorter than this prefill in a blink: no bar
 
 
+class OutputFileError(click.ClickException):
+    """The ``-o`` file could not be written (a full disk, a quota): named, so the one-line error says which
+    file, not only an errno."""
+
+    def __init__(self, path: str, error: OSError) -> None:
+        super().__init__(f"cannot write {path}: {error.strerror or error}")
+        self.path = path
+
+
 class Output:
     """Streamed text on stdout (and appended to ``path``, flushed as it goes), notes on stderr.
 
@@ -23,6 +32,7 @@ class Output:
     def __init__(self, path: str | None = None, stats_every: int = 0) -> None:
         import psutil
 
+        self.path = path
         self.file = open(path, "a", encoding="utf-8") if path else None  # noqa: SIM115 (closed in close())
         self.stats_every = stats_every
         self.proc = psutil.Process()
@@ -37,8 +47,20 @@ class Output:
         sys.stdout.flush()
         self.at_line_start = text.endswith("\n")
         if self.file:
+            self._write(text)
+
+    def _write(self, text: str) -> None:
+        """Append to the file now; the first failure closes it (nothing more is tried) and is raised."""
+        try:
             self.file.write(text)
             self.file.flush()
+        except OSError as e:
+            file, self.file = self.file, None
+            try:
+                file.close()
+            except OSError:  # the same unwritable bytes, still buffered
+                pass
+            raise OutputFileError(self.path, e) from None
 
     def note(self, line: str) -> None:
         """One line on stderr, never inside a line of streamed text on a shared terminal."""
@@ -55,15 +77,17 @@ class Output:
         self.mark = (tokens, time.perf_counter())
 
     def tokens(self, tokens: int, shifts: int, n_past: int) -> None:
-        """Every ``stats_every`` tokens: a JSON line with the rate over them, RSS, shifts and cache fill."""
+        """Every ``stats_every`` tokens: a JSON line with the rate over them (null where none was made since
+        the last mark: the first token comes with the prompt), RSS, shifts and cache fill."""
         if not self.stats_every or tokens % self.stats_every:
             return
         now = time.perf_counter()
-        rate = (tokens - self.mark[0]) / max(now - self.mark[1], 1e-9)
+        made = tokens - self.mark[0]
+        rate = round(made / max(now - self.mark[1], 1e-9), 2) if made > 0 else None
         self.mark = (tokens, now)
         record = {
             "tokens": tokens,
-            "tokens_per_s": round(rate, 2),
+            "tokens_per_s": rate,
             "rss_mib": round(self.rss_mib(), 1),
             "shifts": shifts,
             "n_past": n_past,
@@ -75,7 +99,7 @@ class Output:
         on a line of its own (two runs' texts ran together)."""
         if self.file:
             if self.file.tell() and not self.at_line_start:
-                self.file.write("\n")
+                self._write("\n")
             self.file.close()
             self.file = None
 

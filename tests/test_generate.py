@@ -717,6 +717,7 @@ def test_interrupt_while_the_prompt_is_read_prints_the_summary(tiny_dir, monkeyp
     assert (
         last.startswith("0 tokens in ") and "stopped: interrupted while reading the prompt (20 of 101" in last
     )
+    assert ", prompt 20 tokens in " in last  # those read, not the whole prompt's count
 
 
 def test_a_closed_standard_output_stops_with_its_reason_and_141(tiny_dir, tmp_path):
@@ -740,3 +741,45 @@ def test_a_closed_standard_output_stops_with_its_reason_and_141(tiny_dir, tmp_pa
     assert proc.wait(timeout=300) == 141, err
     assert len(first) == 20 and "stopped: standard output was closed" in err and "Traceback" not in err, err
     assert out.read_bytes().startswith(first)
+
+
+def test_a_template_start_too_long_for_ctx_is_named_as_such(tmp_path):
+    """No --system given, the chat template writes its own default system block: the refusal named it
+    "the system prompt", which the user never gave."""
+    r = invoke("generate", "-p", "hi", "-n", "1", "--ctx", "16")
+    said = "the chat template's own start (its default system prompt"
+    assert r.exit_code == 2 and said in r.stderr, r.output
+
+
+def test_keep_counts_prompt_tokens_at_most(tiny_dir):
+    """--keep past the prompt's length kept generated tokens too; as llama.cpp's (and our server's
+    n_keep), it is at most the prompt: the text and the shifts (more, with more kept) are --keep -1's."""
+    args = ["generate", "-m", str(tiny_dir), "--no-chat", "-p", "one two three", "-n", "80", "--ignore-eos"]
+    args += ["--temperature", "0"]
+    texts = [invoke(*args, "--ctx", "32", "--keep", keep) for keep in ("-1", "20")]
+    assert all(r.exit_code == 0 for r in texts), texts[0].output
+    shifts = [r.stderr.strip().splitlines()[-1].split(" context shifts")[0].rsplit(" ", 1)[-1] for r in texts]
+    assert texts[0].stdout == texts[1].stdout and shifts[0] == shifts[1] and int(shifts[0]) >= 2, shifts
+
+
+def test_an_unwritable_output_file_is_named_and_the_run_stops(tiny_dir):
+    """``-o`` on a full disk said "[Errno 28] No space left on device", naming no file; now the summary
+    says the run stopped for it and the error names the file; standard output keeps the text."""
+    import os
+
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full here")
+    r = invoke("generate", "-m", str(tiny_dir), "--no-chat", "-p", "hi", "-n", "50", "-o", "/dev/full")
+    lines = r.stderr.strip().splitlines()
+    assert r.exit_code == 1 and lines[-1] == "error: cannot write /dev/full: No space left on device", lines
+    assert lines[-2].endswith("stopped: /dev/full could not be written") and r.stdout.strip()
+
+
+def test_no_tokens_print_no_blank_line_and_the_first_rate_is_null(tiny_dir):
+    """-n 0 printed an empty line; --stats-every 1 said 0 tokens/s for the first token (made with the
+    prompt, no interval of its own): null."""
+    base = ["generate", "-m", str(tiny_dir), "--no-chat", "-p", "hi"]
+    assert invoke(*base, "-n", "0").stdout == ""
+    r = invoke(*base, "-n", "3", "--ignore-eos", "--stats-every", "1")
+    rates = [json.loads(x)["tokens_per_s"] for x in r.stderr.splitlines() if x.startswith("{")]
+    assert rates[0] is None and len(rates) == 3 and all(x > 0 for x in rates[1:]), r.stderr
