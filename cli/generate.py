@@ -228,7 +228,7 @@ def generate(
 def warn_beyond_reach(model, ctx: int, group_size: int | None, window: int | None) -> None:
     """A cache larger than what the model can attend over well is allowed, but said."""
     from selfextend.hf.facts import trained_window
-    from selfextend.hf.patch import max_usable_length
+    from selfextend.hf.patch import check_reach
 
     trained = trained_window(model.config)
     if group_size is None and ctx > trained:
@@ -237,7 +237,5 @@ def warn_beyond_reach(model, ctx: int, group_size: int | None, window: int | Non
             "unless Self-Extend is on (-g/-w)",
             err=True,
         )
-    elif group_size is not None and ctx > (reach := max_usable_length(model, group_size, window)):
-        click.echo(
-            f"warning: --ctx {ctx} exceeds what G={group_size}, W={window} reach ({reach} tokens)", err=True
-        )
+    elif group_size is not None:  # said by the library, once: not again when the cache is made
+        check_reach(model, ctx, "--ctx of")

@@ -783,3 +783,35 @@ def test_no_tokens_print_no_blank_line_and_the_first_rate_is_null(tiny_dir):
     r = invoke(*base, "-n", "3", "--ignore-eos", "--stats-every", "1")
     rates = [json.loads(x)["tokens_per_s"] for x in r.stderr.splitlines() if x.startswith("{")]
     assert rates[0] is None and len(rates) == 3 and all(x > 0 for x in rates[1:]), r.stderr
+
+
+def test_library_misuse_is_refused_in_words(tiny):
+    """What a researcher's first tries met: a list as logit_bias (AttributeError), a tokenizer's whole
+    output or a batch of one as ids (told "too many dimensions 'str'", "2-D"), a Generator over a cache a
+    forward of their own filled (its stats then counted cells it never wrote), a GPT-2 draft model (refused
+    only at the first run), a CUDA cache on a torch without one (torch's AssertionError)."""
+    from transformers import BatchEncoding, GPT2Config, GPT2LMHeadModel
+
+    from selfextend.generation.draft import DraftModel
+    from selfextend.generation.generator import Generator, run
+    from selfextend.hf.facts import ModelError
+    from selfextend.kv.cache import ContextShiftCache
+    from selfextend.models.blocks import TokenIdError
+
+    model, _ = tiny
+    with pytest.raises(ValidationError, match="must map token ids to biases .* got a list"):
+        SamplingParams(logit_bias=[1, 2]).validate()
+    gen = Generator(model, ContextShiftCache(model, 64, 4))
+    with pytest.raises(TokenIdError, match=r"pass its \.input_ids"):
+        list(run(gen, BatchEncoding({"input_ids": [1, 2, 3]}), 2))
+    with pytest.raises(TokenIdError, match=r"a batch of one: pass its row \[0\]"):
+        list(run(gen, torch.tensor([[1, 2, 3]]), 2))
+    assert len(list(run(gen, [1, 2, 3], 2))) == 2
+    with pytest.raises(ValidationError, match="holds 5 cells and tokens= names 0"):
+        Generator(model, gen.cache)
+    assert Generator(model, gen.cache, tokens=list(gen.tokens)).tokens == gen.tokens
+    with pytest.raises(ModelError, match="no rotary position embeddings"):
+        DraftModel(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50)))
+    if not torch.cuda.is_available():
+        with pytest.raises(ValidationError, match="cuda is not available here"):
+            ContextShiftCache(model, 64, device="cuda")

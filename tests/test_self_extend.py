@@ -391,3 +391,31 @@ def test_cuda_fallback_warns_once(monkeypatch):
     assert len([w for w in caught if "fused CUDA" in str(w.message)]) == 1
     want = attention.attend_math(q, k, v, 0.3, True, None)
     assert (out[0] - want[0]).abs().max() < TOL and (out[1] - want[1]).abs().max() < TOL
+
+
+def test_an_input_or_cache_past_the_reach_is_warned_once():
+    """A library user reading past (L - W) * G + W got no word (the CLI warned; a forward, a cache did
+    not): one warning per apply_self_extend, from whichever meets it first; none within the reach."""
+    import warnings
+
+    from selfextend.hf.patch import max_usable_length
+    from selfextend.kv.cache import ContextShiftCache
+
+    model = make_model()
+    selfextend.apply_self_extend(model, 2, TRAINED // 2)
+    reach = max_usable_length(model, 2, TRAINED // 2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model(torch.zeros(1, reach, dtype=torch.long))
+        ContextShiftCache(model, reach)
+        assert not caught
+        model(torch.zeros(1, reach + 1, dtype=torch.long))
+        ContextShiftCache(model, 2 * reach)
+        model(torch.zeros(1, reach + 2, dtype=torch.long))
+    said = [str(w.message) for w in caught]
+    assert len(said) == 1 and said[0].startswith(f"an input of {reach + 1:,} tokens is past what Self-Extend")
+    selfextend.apply_self_extend(model, 2, TRAINED // 2)  # applied again: said again, here by the cache
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ContextShiftCache(model, 2 * reach)
+    assert [str(w.message).split(" is past")[0] for w in caught] == [f"a cache of {2 * reach:,} tokens"]

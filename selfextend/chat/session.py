@@ -135,7 +135,8 @@ class ChatSession:
         if system_ids:
             self._prefill(system_ids)
 
-    def _build(self, cache: ContextShiftCache) -> None:
+    def _build(self, cache: ContextShiftCache, tokens: list[int] | None = None) -> None:
+        """A conversation over ``cache``, which holds ``tokens`` (none: it is empty)."""
         self.cache = cache
         self.exchanges: list[Exchange] = []
         self.ledger = TurnLedger(self.exchanges, self.on_shift)
@@ -148,6 +149,7 @@ class ChatSession:
             compile=self.compile,
             lookup=self.lookup,
             draft=self.draft,
+            tokens=tokens or [],
         )
         self.closed = True  # the last reply's closing markers are in the cache (or there is no reply)
         self._before_reply: tuple[Exchange | None, torch.Tensor | None] = (None, None)  # for /retry
@@ -380,8 +382,7 @@ class ChatSession:
         except ValueError as e:
             raise ChatError(f"{path}: {e}") from None
         self.keep, self.template = state["keep"], template
-        self._build(cache)
-        self.gen.tokens = tokens
+        self._build(cache, tokens)
         self.gen.last_logits = payload["logits"] if payload["logits"].numel() else None
         self.gen.rng.set_state(rng)
         self.exchanges.extend(exchanges)

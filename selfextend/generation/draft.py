@@ -31,7 +31,7 @@ from selfextend.generation.draft_vocab import PartialHead
 from selfextend.generation.generator import Generator
 from selfextend.generation.sampling import SamplingParams
 from selfextend.generation.text import common_prefix
-from selfextend.hf.facts import require_model
+from selfextend.hf.facts import check_rope, require_model
 from selfextend.kv.cache import ContextShiftCache
 
 DRAFT_MAX = 16  # drafts asked for per pass by default: llama.cpp's --draft-max
@@ -77,6 +77,7 @@ class DraftModel:
         vocab: int | PartialHead | None = None,
     ) -> None:
         require_model(model, "DraftModel")
+        check_rope(model.config)  # ModelError for GPT-2 here, not at the first run that drafts
         self.model, self.most = model, check_int(most, "draft tokens per pass", 1)
         self.cache_dtype = cache_dtype
         self.part = (

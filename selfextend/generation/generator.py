@@ -14,15 +14,15 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from selfextend.core.validate import ValidationError, check_int, check_seed, first_line, plural
+from selfextend.core.validate import ValidationError, check_int, check_seed, plural
 from selfextend.generation.backends import DecodeBackends, decode_backends, weight_owners
 from selfextend.generation.decode import tensors_key
 from selfextend.generation.grammar import Grammar, GrammarMask, NoTokenLeft
 from selfextend.generation.sampling import SamplingParams, any_left, distribution, sample
 from selfextend.generation.speculative import Drafter, DraftOdds, speculates, speculative_decode
+from selfextend.generation.text import token_ids
 from selfextend.hf.facts import cache_kwargs, kv_shape, layer_kinds, require_model, require_weights
 from selfextend.kv.cache import ContextShiftCache
-from selfextend.models.blocks import TokenIdError
 
 log = logging.getLogger(__name__)
 PREFILL_CHUNK = 512  # prompt pieces in run(): as llama.cpp's default micro-batch; also the progress step
@@ -61,27 +61,6 @@ class GenerationStats:
 
 
 _SAID: set[str] = set()
-_INTEGER_TYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
-
-
-def token_ids(ids: Sequence[int] | torch.Tensor, rows: int) -> list[int]:
-    """``ids`` (a sequence of ints, or a 1-D integer tensor) as a list of ints, each a row of an embedding
-    table of ``rows``; :class:`~selfextend.models.blocks.TokenIdError` (a ValueError) for text (tokenize it
-    first), floats, bools, or an id outside ``[0, rows)``."""
-    if isinstance(ids, (str, bytes)):
-        raise TokenIdError(f"token ids must be integers, got {type(ids).__name__}: tokenize the text first")
-    try:
-        t = ids if isinstance(ids, torch.Tensor) else torch.tensor(list(ids))
-    except (TypeError, ValueError, RuntimeError, OverflowError) as exc:
-        raise TokenIdError(f"token ids must be a sequence of integers: {first_line(exc)}") from None
-    if t.numel() == 0:
-        return []
-    if t.dim() != 1 or t.dtype not in _INTEGER_TYPES:
-        got = f"{t.dim()}-D" if t.dim() != 1 else str(t.dtype).removeprefix("torch.")
-        raise TokenIdError(f"token ids must be a sequence of integers, got {got}")
-    if int(t.min()) < 0 or int(t.max()) >= rows:
-        raise TokenIdError(f"token ids must lie in [0, {rows}), got {int(t.min())}..{int(t.max())}")
-    return t.tolist()
 
 
 def _check_cells(model: nn.Module, cache: ContextShiftCache) -> None:
@@ -145,6 +124,12 @@ class Generator:
         if not isinstance(self.cache, ContextShiftCache):
             raise ValidationError("cache", f"must be a ContextShiftCache, got {type(self.cache).__name__}")
         _check_cells(self.model, self.cache)
+        if self.cache.n_past != len(self.tokens):  # its stats and shifts would count what it never wrote
+            raise ValidationError(
+                "cache",
+                f"holds {self.cache.n_past} cells and tokens= names {len(self.tokens)}: give an empty cache "
+                "(cache.reset()), or the tokens it holds as tokens=",
+            )
         if self.cache.layers[0].keys.shape[0] != 1:  # it failed at the first feed, in a matrix product
             raise ValidationError(
                 "cache", f"must hold one sequence (batch_size=1), not {self.cache.layers[0].keys.shape[0]}"

@@ -18,6 +18,7 @@ step's attention.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -75,6 +76,9 @@ class SamplingParams:
         self.repeat_last_n = check_int(self.repeat_last_n, "repeat-last-n", -1)
         self.frequency_penalty = check_float(self.frequency_penalty, "frequency penalty", -2.0, 2.0)
         self.presence_penalty = check_float(self.presence_penalty, "presence penalty", -2.0, 2.0)
+        if not isinstance(self.logit_bias, Mapping):
+            kind = type(self.logit_bias).__name__
+            raise ValidationError("logit bias", f"must map token ids to biases ({{id: bias}}), got a {kind}")
         self.logit_bias = {
             check_int(t, "logit bias token", 0): b
             if b == -math.inf

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+import torch
 from torch import nn
 
 from selfextend.core.validate import first_line
+from selfextend.models.blocks import TokenIdError
 
 
 class TextStream:
@@ -193,3 +195,29 @@ def bos_count(tokenizer, ids: Sequence[int]) -> int:
     """1 where ``ids`` begin with the tokenizer's BOS (a plain prompt's part every shift keeps), else 0."""
     bos = tokenizer.bos_token_id
     return int(bool(ids) and bos is not None and ids[0] == bos)
+
+
+_INTEGER_TYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+
+
+def token_ids(ids: Sequence[int] | torch.Tensor, rows: int) -> list[int]:
+    """``ids`` (a sequence of ints, or a 1-D integer tensor) as a list of ints, each a row of an embedding
+    table of ``rows``; :class:`~selfextend.models.blocks.TokenIdError` (a ValueError) for text (tokenize it
+    first), floats, bools, or an id outside ``[0, rows)``."""
+    if isinstance(ids, (str, bytes)):
+        raise TokenIdError(f"token ids must be integers, got {type(ids).__name__}: tokenize the text first")
+    if isinstance(ids, Mapping):  # a tokenizer's whole output (BatchEncoding): its ids are one field of it
+        raise TokenIdError("token ids must be a sequence of integers, got a mapping: pass its .input_ids")
+    try:
+        t = ids if isinstance(ids, torch.Tensor) else torch.tensor(list(ids))
+    except (TypeError, ValueError, RuntimeError, OverflowError) as exc:
+        raise TokenIdError(f"token ids must be a sequence of integers: {first_line(exc)}") from None
+    if t.numel() == 0:
+        return []
+    if t.dim() != 1 or t.dtype not in _INTEGER_TYPES:
+        got = f"{t.dim()}-D" if t.dim() != 1 else str(t.dtype).removeprefix("torch.")
+        hint = " (a batch of one: pass its row [0])" if t.dim() == 2 and len(t) == 1 else ""
+        raise TokenIdError(f"token ids must be a sequence of integers, got {got}{hint}")
+    if int(t.min()) < 0 or int(t.max()) >= rows:
+        raise TokenIdError(f"token ids must lie in [0, {rows}), got {int(t.min())}..{int(t.max())}")
+    return t.tolist()

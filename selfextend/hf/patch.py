@@ -54,6 +54,30 @@ class OwnAttention:
 
 
 @dataclass
+class Reach:
+    """The longest input Self-Extend G, W reaches on a model (:func:`~selfextend.core.positions.max_length`)
+    and whether a longer one was said: one warning per :func:`apply_self_extend` (a library user got none,
+    and read garbage past it), from whichever layer, cache or command meets it first."""
+
+    length: int
+    group_size: int
+    window: int
+    said: bool = False
+
+    def check(self, n: int, what: str = "an input of") -> None:
+        """Warn once where ``n`` positions are past the reach (quality falls past it, as the plain model's
+        past its trained window)."""
+        if n > self.length and not self.said:
+            self.said = True
+            g, w = self.group_size, self.window
+            warnings.warn(
+                f"{what} {n:,} tokens is past what Self-Extend G={g}, W={w} reaches on this model "
+                f"({self.length:,} tokens): quality falls past it; raise the group size",
+                stacklevel=4,  # ContextShiftCache's caller
+            )
+
+
+@dataclass
 class SelfExtendParams:
     """What one attention layer needs: group size, window and where its rotary frequencies live."""
 
@@ -62,6 +86,7 @@ class SelfExtendParams:
     rotary: Frequencies
     previous_implementation: str
     rotations: RotationTable = field(default_factory=RotationTable)  # the decode query's rotation, shared
+    reach: Reach | None = None  # shared by the model's layers: said once
 
     @property
     def inv_freq(self) -> torch.Tensor:
@@ -149,6 +174,8 @@ def self_extend_attention_forward(
     if cells is None:
         key, value = written(key, value, q_pos)
     lk = key.shape[2]
+    if params.reach is not None:
+        params.reach.check(lk)
     pads = split_padding(attention_mask, lk)
 
     def run(
@@ -288,13 +315,14 @@ def apply_self_extend(
         raise ModelError(f"{type(model).__name__}: no attention modules found")
     frequencies = layer_frequencies(model)
     rotations = RotationTable()  # one table for all layers: a decode step rotates each by the same deltas
+    reach = Reach(max_length(trained_window(model.config), group_size, window), group_size, window)
     previous = model.config._attn_implementation
     if previous in (IMPLEMENTATION, REFERENCE_IMPLEMENTATION):
         previous = modules[0].self_extend.previous_implementation
     for m in modules:
         if kinds[m.layer_idx] == "full_attention":
             freq = frequencies[m.layer_idx]
-            m.self_extend = SelfExtendParams(group_size, window, freq, previous, rotations)
+            m.self_extend = SelfExtendParams(group_size, window, freq, previous, rotations, reach)
         else:
             m.self_extend = OwnAttention(previous)
     model.set_attn_implementation(implementation)
@@ -333,6 +361,15 @@ def self_extend(
             m.self_extend = params
         if before:
             model.set_attn_implementation(previous)
+
+
+def check_reach(model: nn.Module, n: int, what: str = "an input of") -> None:
+    """Warn (once per :func:`apply_self_extend`) where ``n`` positions are past what the model's Self-Extend
+    reaches; nothing for a model without it."""
+    extended = (getattr(m, "self_extend", None) for m in attention_modules(model))
+    params = next((p for p in extended if isinstance(p, SelfExtendParams)), None)
+    if params is not None and params.reach is not None:
+        params.reach.check(n, what)
 
 
 def max_usable_length(model_or_config: Any, group_size: int, window: int) -> int:

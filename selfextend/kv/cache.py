@@ -29,6 +29,7 @@ from transformers.cache_utils import Cache
 from selfextend.core.rope import layer_frequencies
 from selfextend.core.validate import ValidationError, check_int, first_line
 from selfextend.hf.facts import check_rope, kv_shape, require_model, sliding_windows
+from selfextend.hf.patch import check_reach
 from selfextend.kv.layers import CellLayer, ContextShiftLayer
 from selfextend.kv.sliding import SlidingShiftLayer
 from selfextend.models.diskcache import parse_dtype
@@ -102,9 +103,12 @@ def _cell_dtype(dtype: Any) -> torch.dtype:
 def _device(device: Any) -> torch.device:
     """``device`` as a torch device; ValidationError for a name torch does not know."""
     try:
-        return torch.device(device)
+        device = torch.device(device)
     except (RuntimeError, TypeError) as exc:
         raise ValidationError("cache device", f"{device!r} is not a device: {first_line(exc)}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():  # torch's AssertionError otherwise
+        raise ValidationError("cache device", f"{device} is not available here (no CUDA GPU torch can use)")
+    return device
 
 
 class ContextShiftCache(Cache):
@@ -157,6 +161,7 @@ class ContextShiftCache(Cache):
             ) from None
         super().__init__(layers=layers)
         self.frequencies = layer_frequencies(model)  # each layer's own (Gemma 3: local and global bases)
+        check_reach(model, n_ctx, "a cache of")
         self.n_ctx, self.n_keep = n_ctx, n_keep
         self.shifts = 0
         self.discarded = 0
