@@ -312,6 +312,10 @@ def test_the_default_model_as_its_own_draft_keeps_every_draft_through_shifts() -
     ids, _ = build_prompt(tok, "Tell me a long story about a lighthouse keeper.")
     _, gen = _greedy(model, 0, 64, 120, ids, draft=DraftModel(model, 4))  # its tokens plain's: tests above
     assert gen.cache.shifts >= 3 and gen.drafted > 60 and gen.kept == gen.drafted
+    # a prompt of a few tokens: the draft wrote them through its decode step's rows, the target through
+    # its forward; the cells differed and near-ties flipped (69 of 86 kept)
+    _, gen = _greedy(model, 0, 512, 80, tok("Once upon a time").input_ids, draft=DraftModel(model, 8))
+    assert gen.drafted > 40 and gen.kept == gen.drafted
 
 
 @pytest.fixture(scope="module")

@@ -151,16 +151,21 @@ class DraftModel:
             return
         gen.step.head_product = self.part
 
-    def prepare(self, context: Sequence[int], cache: ContextShiftCache) -> None:
+    def prepare(self, context: Sequence[int], cache: ContextShiftCache, chunk: int | None = None) -> None:
         """Write ``context`` (the target's cached tokens, in ``cache``) into the draft's cache now: a prompt
         the target just read is read by the draft with it (its time the prompt's, as llama.cpp's speculative
-        runs read it), not at the first proposal after it."""
+        runs read it), not at the first proposal after it; in the pieces of ``chunk`` tokens the target's
+        feed wrote, through the same path (a few tokens through the decode step's rows gave other cells
+        than the target's forward: an identical draft model lost a fifth of its drafts after them)."""
         if context:
-            self._catch_up(self._follow(cache, context), context)
+            self._catch_up(self._follow(cache, context), context, chunk=chunk or cache.max_chunk())
 
-    def _catch_up(self, gen: Generator, context: Sequence[int], logits: bool = True) -> torch.Tensor | None:
+    def _catch_up(
+        self, gen: Generator, context: Sequence[int], logits: bool = True, chunk: int | None = None
+    ) -> torch.Tensor | None:
         """The draft's cache made to hold ``context``: its tokens past what it shares with it rewound, the
-        rest written (with ``logits``, the last one always, for its logits, which are returned)."""
+        rest written (with ``logits``, the last one always, for its logits, which are returned; with
+        ``chunk``, as a feed of pieces of that many tokens writes them)."""
         if self.ids > self.rows:  # the target's padding ids, which the draft's table lacks
             context = [t if t < self.rows else 0 for t in context]
         same = common_prefix(gen.tokens, context)
@@ -170,13 +175,15 @@ class DraftModel:
             self.part.hold(context)
         if same < len(gen.tokens):
             gen.rewind(same)
-        return self._write(gen, context[same:]) if same < len(context) else None
+        if same >= len(context):
+            return None
+        return gen.feed(context[same:], chunk) if chunk else self._write(gen, context[same:])
 
     @staticmethod
     def _write(gen: Generator, ids: Sequence[int]) -> torch.Tensor:
         """Write ``ids`` into the draft's cache, the last one's logits: a few (the target's new token and
         the drafts it kept) in one pass of the decode step where it takes several rows, as the target checks
-        them; a prompt through the model's forward."""
+        them; more through the model's forward."""
         step = gen.step
         if 1 < len(ids) <= FEW and step is not None and step.supported() and step.native_layers is not None:
             gen.make_room(len(ids))

@@ -246,7 +246,7 @@ class Generator:
             if progress is not None:
                 progress(len(piece))
         if self.draft is not None:
-            self.draft.prepare(self.tokens, self.cache)
+            self.draft.prepare(self.tokens, self.cache, step)
         return logits
 
     def _allowed(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -49,7 +49,7 @@ class Drafter(Protocol):
 
     most: int
 
-    def prepare(self, context: Sequence[int], cache: ContextShiftCache) -> None: ...
+    def prepare(self, context: Sequence[int], cache: ContextShiftCache, chunk: int | None = None) -> None: ...
 
     def propose(
         self,
