@@ -92,6 +92,7 @@ def chat(
     from selfextend.chat import ChatSession, ShiftReport
     from selfextend.cli.generate import warn_beyond_reach
     from selfextend.cli.generation_options import check_cache, system_prompt
+    from selfextend.cli.interrupts import held_interrupts
     from selfextend.cli.options import load_with_self_extend
     from selfextend.cli.resume import in_use, model_id, resume
     from selfextend.cli.stream import Output, prefill_bar
@@ -123,11 +124,12 @@ def chat(
     def on_shift(r: ShiftReport) -> None:
         if quiet:
             return
-        what = (
-            f"dropped {plural(r.exchanges, 'old exchange')}, {plural(r.tokens, 'token')}"
-            if r.whole
-            else f"dropped {plural(r.tokens, 'token')}, cutting through a turn"
-        )
+        if r.whole and not r.exchanges:  # up to the next exchange: the rest of one whose start went before
+            what = f"dropped the rest of an exchange cut before, {plural(r.tokens, 'token')}"
+        elif r.whole:
+            what = f"dropped {plural(r.exchanges, 'old exchange')}, {plural(r.tokens, 'token')}"
+        else:
+            what = f"dropped {plural(r.tokens, 'token')}, cutting through a turn"
         notes.append(f"[context shift: {what}; cache {r.n_past}/{ctx}]")
 
     compile_step, cache_dtype = decode_settings(lm, compile_step, cache_type)
@@ -157,13 +159,17 @@ def chat(
         if not quiet:
             click.echo(f"resumed {session_file} ({in_use(session)}): {_fill(session)}", err=True)
     saved = True
+    repl = Repl(session, out, quiet, sys.stdin.isatty(), notes)
     try:
-        Repl(session, out, quiet, sys.stdin.isatty(), notes).run()
-    finally:  # whatever ended the session (EOF, /quit, Ctrl-C, SIGTERM, an error), its file is written
-        if session_file:
-            saved = _save(session, session_file, quiet)
-        out.close()
-        click.echo(summary(session), err=True)
+        repl.run()
+    finally:  # whatever ended the session (EOF, /quit, Ctrl-C, SIGTERM, an error), its file is written,
+        with held_interrupts() as came:  # a Ctrl-C while it is written waits for it
+            if session_file:
+                saved = _save(session, session_file, quiet)
+            out.close()
+            click.echo(summary(session), err=True)
+    if came or repl.terminated:  # as generate's: a script sees the stop (143 for SIGTERM, 130 for Ctrl-C)
+        sys.exit(128 + (came[0] if came else signal.SIGTERM))
     if not saved:
         sys.exit(1)
 

@@ -63,3 +63,24 @@ def prompt_interrupts(say: Callable[[], str], grace: float = GRACE_SECONDS) -> I
         watcher.join()
         os.close(read_end)
         os.close(write_end)
+
+
+@contextmanager
+def held_interrupts() -> Iterator[list[int]]:
+    """Ctrl-C and SIGTERM held off for the block (a session file being written on the way out: a Ctrl-C
+    there lost the whole run's exchanges); yields a list that holds the signal that came, if one did, for
+    the exit status after it. Off the main thread, nothing changes."""
+    came: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield came
+        return
+
+    def hold(signum, frame) -> None:
+        came[:] = [signum]
+
+    previous = {sig: signal.signal(sig, hold) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield came
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -364,7 +364,7 @@ def test_chat_through_a_pipe_shifts_saves_and_resumes(tiny, tmp_path):
     b.send_signal(signal.SIGTERM)
     out, rest = b.communicate(timeout=60)
     err += rest
-    assert b.returncode == 0, err
+    assert b.returncode == 143, err  # as generate's and the sweeps': a script sees the stop
     assert "saved the session" in err and err.strip().splitlines()[-1].count("replies,") == 1
     assert a.stdout.endswith(out) and out.count("\n\n") >= 3  # the same replies as the uninterrupted run
     resumed = torch.load(tmp_path / "s1.pt", weights_only=True)

@@ -148,3 +148,14 @@ def test_undo_of_an_exchange_already_shifted_out_says_so(tiny_dir, tmp_path):
     assert len(undone) == 4, r.stderr
     assert "shifted out" not in undone[0] and "shifted out" in undone[-1], undone
     assert undone[-1].startswith("dropped the last exchange (shifted out of the cache already); 0 exchanges")
+
+
+def test_the_rest_of_a_cut_exchange_is_not_said_as_0_old_exchanges(tiny_dir, tmp_path):
+    """A turn longer than --ctx is cut through shifts; at the next turn the rest of it goes up to where the
+    new one starts, which was said "dropped 0 old exchanges, 92 tokens" beside stats that count 1."""
+    r = chat(tiny_dir, tmp_path / "s.pt", ["word " * 300, "Summarize."], "--ctx", "128")
+    assert r.exit_code == 0, r.output
+    notes = [x for x in r.stderr.splitlines() if x.startswith("[context shift:")]
+    assert any("cutting through a turn" in x for x in notes), notes
+    assert any("the rest of an exchange cut before" in x for x in notes), notes
+    assert not any("0 old exchanges" in x for x in notes), notes
