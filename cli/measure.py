@@ -31,7 +31,8 @@ def _methods(specs: tuple[str, ...]):
 
 
 def _progress_bar(total: int, desc: str, procs=None):
-    """A token progress bar; launched on several processes, only the main one draws it."""
+    """A token progress bar on a terminal (a log gets no redrawn frames: each record's line says the
+    progress there); launched on several processes, only the main one draws it."""
     from tqdm import tqdm
 
     if procs is not None and procs.world > 1:
@@ -42,7 +43,7 @@ def _progress_bar(total: int, desc: str, procs=None):
         unit_scale=True,
         desc=desc,
         dynamic_ncols=True,
-        disable=procs is not None and not procs.main,
+        disable=(procs is not None and not procs.main) or not sys.stderr.isatty(),
     )
 
 
@@ -327,6 +328,8 @@ def passkey(
         name, parsed_methods, parsed_lengths, parsed_depths, trials, out, dtype_name(dtype), seed
     )
     procs.agree((name, str(dtype), seed, str(Path(out).absolute()), [str(p) for p in points]))
+    if procs.main and not points:
+        click.echo(f"all trials already in {out}", err=True)
     if points and procs.main:
         total = len(parsed_methods) * len(parsed_lengths) * len(parsed_depths) * trials
         _resuming(out, len(points), total, "trial")
@@ -352,8 +355,8 @@ def passkey(
     if not procs.main:
         return
     records = read_jsonl(out)
-    click.echo(
-        f"wrote {out}: {len(records) - done} new, accuracy over the file "
-        f"{sum(r.get('correct') is True for r in records)}/{len(records)}",
-        err=True,
-    )
+    by_method: dict[str, list[bool]] = {}  # one figure per method (a pooled one hid which method missed)
+    for r in records:
+        by_method.setdefault(str(r.get("method")), []).append(r.get("correct") is True)
+    accuracy = ", ".join(f"{m} {sum(c)}/{len(c)}" for m, c in by_method.items())
+    click.echo(f"wrote {out}: {len(records) - done} new; accuracy over the file: {accuracy}", err=True)

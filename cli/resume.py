@@ -112,8 +112,11 @@ def resume(path: str, given: dict[str, Any], ctx: click.Context | None = None) -
         for f in fields(SamplingParams)
         if f.name in saved.sampling and not _explicit(ctx, SAMPLING_FLAGS.get(f.name, f.name))
     }
-    sampling = SamplingParams(**{**vars(given["sampling"]), **kept})
-    sampling.validate()
+    try:
+        sampling = SamplingParams(**{**vars(given["sampling"]), **kept})
+        sampling.validate()
+    except ValueError as e:  # a value from the file (a hand edit), which no flag of this run gave
+        raise Contradiction(f"{path}: saved sampling settings: {e}") from None
     out["sampling"] = sampling
     return out
 

@@ -560,3 +560,19 @@ def test_a_passkey_length_too_short_names_the_option(tiny_dir, tmp_path):
     )
     assert r.exit_code == 2 and "--lengths" in r.stderr and "must be at least" in r.stderr, r.stderr
     assert not out.exists() or not out.read_text()
+
+
+def test_a_log_gets_no_progress_bar_frames(tiny_dir, tmp_path):
+    """ppl and passkey drew tqdm's redrawn frames ("\\rpasskey:  17%|...") into a log file; chat and
+    generate draw none off a terminal, and each record's line already says the progress there."""
+    out = tmp_path / "pk.jsonl"
+    args = ["passkey", "--model", tiny_dir, "--lengths", "256", "--depths", "0", "--trials", "1", "-o", out]
+    r = invoke(*args)
+    assert r.exit_code == 0 and "\r" not in r.stderr and "tok/s" not in r.stderr, r.stderr
+    assert re.search(r"1 new; accuracy over the file: plain [01]/1$", r.stderr.strip()), r.stderr  # by method
+    r = invoke(*args, "--method", "selfextend:G=2,W=16")
+    assert re.search(r"file: plain [01]/1, selfextend:G=2,W=16 [01]/1$", r.stderr.strip()), r.stderr
+    r = invoke(*args)  # nothing left: said so (it said only "0 new")
+    assert r.exit_code == 0 and f"all trials already in {out}" in r.stderr, r.stderr
+    r = invoke("ppl", "--model", tiny_dir, "--docs", "surgery", "--lengths", "64", "-o", tmp_path / "p.jsonl")
+    assert r.exit_code == 0 and "\r" not in r.stderr and "tok/s" not in r.stderr, r.stderr

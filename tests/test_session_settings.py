@@ -280,6 +280,10 @@ HAND_EDITS = {  # each once a traceback after the file was re-saved, or a resume
     "shifts-negative": _set("shifts", -3),
     "n-keep-not-the-settings": _set("n_keep", 0),
     "sampling-list": _set("sampling", [1, 2]),
+    # a saved sampling value no flag of the run gave: said without the file's name ("temperature must be...")
+    "temperature-nan": _set("sampling.temperature", float("nan")),
+    "top-p-2": _set("sampling.top_p", 2.0),
+    "logit-bias-list": _set("sampling.logit_bias", [1, 2]),
 }
 
 
