@@ -37,6 +37,8 @@ def _progress_bar(total: int, desc: str, procs=None):
 
     if procs is not None and procs.world > 1:
         desc = f"{desc} rank {procs.rank}/{procs.world}"
+        if procs.main and not sys.stderr.isatty():  # a log still says the sweep is shared, and how
+            click.echo(f"{desc}: {total:,} of the sweep's tokens on this process", err=True)
     return tqdm(
         total=total,
         unit="tok",
