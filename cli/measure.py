@@ -122,11 +122,42 @@ def _resumable(out: str, what: str, mine: Path) -> Iterator[list[int]]:
         )
 
     try:
-        with prompt_interrupts(lambda: f"{kept()} (Stopped inside a long forward pass, not waiting for it.)"):
+        with (
+            _only_writer(mine),
+            prompt_interrupts(lambda: f"{kept()} (Stopped inside a long forward pass, not waiting for it.)"),
+        ):
             yield written
     except KeyboardInterrupt as e:
         click.echo(f"\n{kept()}", err=True)
         sys.exit(interrupt_status(e))
+
+
+@contextmanager
+def _only_writer(path: Path) -> Iterator[None]:
+    """Hold an exclusive lock on the results file ``path`` while this sweep appends to it: a second sweep
+    given the same ``-o`` planned the same points and wrote each one twice; now it stops in one line.
+    (An advisory ``flock``, released when the process ends however it ends; none where fcntl is not.)"""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    made = not path.exists()
+    with open(path, "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise click.ClickException(
+                f"{path} is being written by another sweep: wait for it to end (its points are then "
+                "skipped), or give another -o"
+            ) from None
+        try:
+            yield
+        finally:
+            if made and path.exists() and not path.stat().st_size:  # no record came: no empty file left
+                path.unlink()
 
 
 METHOD_HELP = (

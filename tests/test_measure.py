@@ -576,3 +576,19 @@ def test_a_log_gets_no_progress_bar_frames(tiny_dir, tmp_path):
     assert r.exit_code == 0 and f"all trials already in {out}" in r.stderr, r.stderr
     r = invoke("ppl", "--model", tiny_dir, "--docs", "surgery", "--lengths", "64", "-o", tmp_path / "p.jsonl")
     assert r.exit_code == 0 and "\r" not in r.stderr and "tok/s" not in r.stderr, r.stderr
+
+
+def test_a_second_sweep_on_the_same_output_stops_in_one_line(tiny_dir, tmp_path):
+    """Two sweeps given one -o planned the same points and wrote each twice; the second now stops, the
+    first's records untouched (here the first is this process's lock on the file)."""
+    import fcntl
+
+    out = tmp_path / "ppl.jsonl"
+    args = ["ppl", "--model", tiny_dir, "--docs", "surgery", "--lengths", "64", "-o", out]
+    with open(out, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        r = invoke(*args)
+    assert r.exit_code == 1 and "is being written by another sweep" in r.stderr, r.output
+    assert out.read_text() == ""
+    r = invoke(*args)
+    assert r.exit_code == 0 and len(out.read_text().splitlines()) == 1, r.output
