@@ -42,6 +42,20 @@ def test_grouped_key_position_by_hand(j, group_size, expected):
 def test_max_length_by_hand():
     assert max_length(8192, 4, 1024) == 29696  # (8192 - 1024) * 4 + 1024
     assert max_length(4096, 16, 1024) == 50176
+    assert max_length(8192, 6, 1024) == 44028  # the paper's 44,032: its last query was at distance 8192
+
+
+@pytest.mark.parametrize(
+    "trained, group_size, window", [(8192, 6, 1024), (64, 3, 16), (64, 4, 16), (50, 7, 3)]
+)
+def test_max_length_is_the_last_length_inside_the_trained_window(trained, group_size, window):
+    """The last query of max_length tokens attends key 0 at most L - 1 away; one more token is L away."""
+    n = max_length(trained, group_size, window)
+    assert (
+        grouped_query_positions(n - 1, group_size, window) - grouped_key_positions(0, group_size)
+        <= trained - 1
+    )
+    assert grouped_query_positions(n, group_size, window) - grouped_key_positions(0, group_size) >= trained
 
 
 # Relative distance (query position minus key position) that each (i, j) pair attends at, G = 2, W = 3,

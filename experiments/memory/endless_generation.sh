@@ -3,8 +3,8 @@
 # Every 1000 tokens a JSON line (tokens/s over those 1000, resident MiB, shifts) goes to the results.
 #   CTX=1024 WEIGHTS=float bash experiments/memory/endless_generation.sh   # ~15 minutes on a 2-core CPU
 #   CTX=2048 WEIGHTS=int8  bash experiments/memory/endless_generation.sh   # int8 weights, ~8 minutes
-#   TOKENS=100000 bash experiments/memory/endless_generation.sh            # the 100k-token run (~30-40 minutes;
-#       the default weights: int4 from the GGUF's 4-bit blocks, which generate's auto picks here):
+#   TOKENS=100000 bash experiments/memory/endless_generation.sh            # the 100k-token run (~20 minutes;
+#       the script's default weights: int4 from the GGUF's 4-bit blocks; generate's own default is gguf):
 #       prints RSS at 5k and at the end, and tokens/s of tokens 5k-10k against the last 5k
 #   COMPILE=1 ...                                                    # decode through the compiled step
 #   MODEL=gemma3-270m ...                                            # another shipped model

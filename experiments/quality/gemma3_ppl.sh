@@ -3,7 +3,7 @@
 # layers slide over 512 tokens), first 64k tokens of sherlock-holmes, float32: plain against
 # Self-Extend G=4 W=1024 up to twice the window. One forward per method at the longest length scores
 # every shorter prefix (both methods are causal), so the cost is that of the 64k forwards.
-# Cost on the 2-core CPU (quiet): a 16k forward 245 s plain; see README "Hybrid attention (Gemma 3)"
+# Cost on the 2-core CPU (quiet): a 16k forward 245 s plain; see docs/models.md "Hybrid attention (Gemma 3)"
 # for the 64k figures. Plain runs transformers' own SDPA path, whose sliding layers use a dense
 # (L x L) mask and so cost quadratically; Self-Extend's sliding layers attend their band block by block.
 # Resumable: rerun to continue after an interruption.

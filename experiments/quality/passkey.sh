@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Passkey retrieval on the default model (trained window 8k), plain against Self-Extend:
 # 4k-16k tokens with the key at 25% and 75% of the filler, and 32k (4x the window) at 50%.
-# About 25 minutes on a 2-core CPU (a 32k prompt costs a few minutes per method). Resumable.
+# About 40 minutes on a 2-core CPU (results/passkey.jsonl: 42; a 32k prompt costs a few minutes per method). Resumable.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 out=experiments/quality/results/passkey.jsonl

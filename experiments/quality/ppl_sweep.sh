@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Perplexity against length on the default model (SmolLM2-135M, trained window 8k) and corpus:
 # two books, 2k-32k tokens, plain against two Self-Extend settings, dynamic NTK and context shift.
-# About 55 minutes on a 2-core CPU (float32). Resumable: rerun to continue after an interruption.
+# About 80 minutes on a 2-core CPU (float32; the forwards of results/ppl_sweep.jsonl took 82). Resumable: rerun to continue after an interruption.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 out=experiments/quality/results/ppl_sweep.jsonl

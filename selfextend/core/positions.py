@@ -32,13 +32,15 @@ def is_neighbor(distance: torch.Tensor, window: int) -> torch.Tensor:
 
 
 def max_length(trained_window: int, group_size: int, window: int) -> int:
-    """Longest sequence whose grouped distances stay inside the trained window: ``(L - W) * G + W``.
+    """Longest sequence whose grouped distances stay inside the trained window: ``G * (L - W + W // G)``,
+    the paper's ``(L - W) * G + W`` where G divides W and up to G - 1 tokens fewer where it does not (the
+    last query's distance to key 0, ``(n - 1) // G + W - W // G``, must be at most ``L - 1``).
 
     Raises :class:`~selfextend.core.validate.ValidationError` where the sizes cannot work (G and W
     integers >= 1, W below the trained window L)."""
     trained_window = check_int(trained_window, "trained window", 2)
     group_size, window = validate(group_size, window, trained_window)
-    return (trained_window - window) * group_size + window
+    return group_size * (trained_window - window + window // group_size)
 
 
 def validate(group_size: int, window: int, trained_window: int | None = None) -> tuple[int, int]:

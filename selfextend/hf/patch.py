@@ -373,7 +373,8 @@ def check_reach(model: nn.Module, n: int, what: str = "an input of") -> None:
 
 
 def max_usable_length(model_or_config: Any, group_size: int, window: int) -> int:
-    """Largest length this model (or config) reaches with Self-Extend G, W: ``(L - W) * G + W``.
+    """Largest length this model (or config) reaches with Self-Extend G, W: ``(L - W) * G + W`` where G
+    divides W (:func:`~selfextend.core.positions.max_length`: a few tokens fewer where it does not).
 
     Refuses (:class:`~selfextend.core.validate.ValidationError`) a window not smaller than the trained one,
     and (:class:`ModelError`) a model without rotary positions.
