@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import click
 
 from selfextend.cli.generation_options import Speculation, generation_options
-from selfextend.cli.options import device_map_option, in_writable_folder, interrupt_status
+from selfextend.cli.options import Terminated, device_map_option, in_writable_folder, interrupt_status
 
 if TYPE_CHECKING:
     from selfextend.generation.sampling import SamplingParams
@@ -194,11 +194,12 @@ def generate(
         out.text(stops.flush())
     except KeyboardInterrupt as e:
         stopped_by = e
+        how = "terminated (SIGTERM)" if isinstance(e, Terminated) else "interrupted"
         if stats is None:  # while the prompt was read: said all the same (it ended on the progress bar)
             done = reused + read[0]
-            stats = prompt_only(f"interrupted while reading the prompt ({done} of {len(ids)} tokens)", done)
+            stats = prompt_only(f"{how} while reading the prompt ({done:,} of {len(ids):,} tokens)", done)
         else:
-            stats.stop_reason = "interrupted"
+            stats.stop_reason = how
     except BrokenPipeError:  # `| head`: the reader is gone; said on stderr, and a script sees it (141)
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (Python's flush at exit: no error)
         closed = True

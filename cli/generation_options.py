@@ -174,10 +174,10 @@ def sampling_options(f: Callable) -> Callable:
             ),
             click.option(
                 "--top-p",
-                type=number(0.0, 1.0, lo_open=True),
+                type=number(0.0, 1.0),
                 default=0.95,
                 show_default=True,
-                help="Nucleus: smallest set with this mass.",
+                help="Nucleus: smallest set with this mass (0: the most likely token alone, greedy).",
             ),
             click.option(
                 "--min-p",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -43,8 +44,15 @@ class Output:
     def text(self, text: str) -> None:
         if not text:
             return
-        click.echo(text, nl=False)
-        sys.stdout.flush()
+        try:
+            click.echo(text, nl=False)
+            sys.stdout.flush()
+        except BrokenPipeError:  # the reader gone: the caller's own stop (generate: exit 141)
+            raise
+        except OSError as e:  # a full disk behind `> file`: named as -o's is; the rest of the run's
+            # writes (and the exit's flush) go nowhere
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            raise OutputFileError("standard output", e) from None
         self.at_line_start = text.endswith("\n")
         if self.file:
             self._write(text)

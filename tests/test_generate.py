@@ -775,6 +775,26 @@ def test_an_unwritable_output_file_is_named_and_the_run_stops(tiny_dir):
     assert lines[-2].endswith("stopped: /dev/full could not be written") and r.stdout.strip()
 
 
+def test_a_full_standard_output_is_named_and_exits_1(tiny_dir):
+    """``generate > /dev/full`` said "[Errno 28] No space left on device" with exit 2 (a usage error) and
+    no summary: named as -o's file is, the summary printed, exit 1."""
+    import os
+    import subprocess
+    import sys
+
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full here")
+    args = ["-m", "selfextend", "generate", "-m", str(tiny_dir), "--no-chat", "-p", "hi", "-n", "20"]
+    with open("/dev/full", "w") as full:
+        r = subprocess.run(
+            [sys.executable, *args], stdout=full, stderr=subprocess.PIPE, text=True, timeout=300,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )  # fmt: skip
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 1 and lines[-1] == "error: cannot write standard output: No space left on device"
+    assert lines[-2].endswith("stopped: standard output could not be written") and "Traceback" not in r.stderr
+
+
 def test_no_tokens_print_no_blank_line_and_the_first_rate_is_null(tiny_dir):
     """-n 0 printed an empty line; --stats-every 1 said 0 tokens/s for the first token (made with the
     prompt, no interval of its own): null."""
@@ -815,3 +835,14 @@ def test_library_misuse_is_refused_in_words(tiny):
     if not torch.cuda.is_available():
         with pytest.raises(ValidationError, match="cuda is not available here"):
             ContextShiftCache(model, 64, device="cuda")
+
+
+def test_a_piped_turns_last_newline_is_not_part_of_it(tiny):
+    """``echo "Say hello." | generate`` read "Say hello.\\n" and got another reply than ``-p "Say hello."``:
+    a chat turn's trailing line breaks are dropped; a plain prompt keeps them (its text goes on below)."""
+    from selfextend.generation.text import build_prompt
+
+    _, tok = tiny
+    assert build_prompt(tok, "Say hello.\n") == build_prompt(tok, "Say hello.")
+    assert build_prompt(tok, "Say hello.\r\n\n", "Be brief.") == build_prompt(tok, "Say hello.", "Be brief.")
+    assert build_prompt(tok, "Say hello.\n", chat=False) != build_prompt(tok, "Say hello.", chat=False)

@@ -96,7 +96,7 @@ PARSE_CASES = [
     (["generate", "-p", "x", "--keep", "-3"], "--keep"),
     (["generate", "-p", "x", "--temperature", "nan"], "finite"),
     (["generate", "-p", "x", "--temperature", "-1"], "--temperature"),
-    (["generate", "-p", "x", "--top-p", "0"], "--top-p"),
+    (["generate", "-p", "x", "--top-p", "-0.1"], "--top-p"),
     (["generate", "-p", "x", "--top-p", "1.5"], "--top-p"),
     (["generate", "-p", "x", "--top-p", "inf"], "finite"),
     (["generate", "-p", "x", "--temperature", "1e308"], "--temperature"),  # was torch's "probability tensor"
@@ -933,7 +933,7 @@ def test_sigterm_stops_generate_like_ctrl_c(tiny_dir, tmp_path):
     assert proc.returncode == 143, stderr  # 128 + SIGTERM, as a sweep's
     assert "Traceback" not in stderr.decode()
     summary = stderr.decode().strip().splitlines()[-1]
-    assert "stopped: interrupted" in summary and "context shift" in summary
+    assert "stopped: terminated (SIGTERM)" in summary and "context shift" in summary
     # Everything streamed was flushed. Bytes, not text: a random token may hold "\r", which
     # read_text's universal newlines would turn into "\n".
     assert out.read_bytes() and out.read_bytes() in stdout

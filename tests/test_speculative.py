@@ -136,10 +136,10 @@ def test_a_draft_model_gives_plain_greedy_through_shifts(model, small, self_exte
 class Tempting(DraftModel):
     """A draft model whose scores favour the ids past 262 (the tiny target's table) at every proposal."""
 
-    def _catch_up(self, gen, context, logits=True):
+    def _catch_up(self, gen, context, logits=True, chunk=None):
         if not logits:  # the target's cells before its shift, written without scores
-            return super()._catch_up(gen, context, logits)
-        logits = super()._catch_up(gen, context).clone()
+            return super()._catch_up(gen, context, logits, chunk)
+        logits = super()._catch_up(gen, context, chunk=chunk).clone()
         logits[262:] += 1e4
         return logits
 
@@ -646,3 +646,17 @@ def test_chat_says_the_drafts_kept_as_generate_does(tmp_path) -> None:
     assert 0 <= kept <= drafted and drafted > 0
     plain = CliRunner().invoke(main, args, input=f"{said}\n")
     assert plain.exit_code == 0 and "drafts kept" not in plain.stderr, plain.output
+
+
+def test_a_prompt_read_from_a_prompt_cache_is_read_by_the_draft_with_it(model) -> None:
+    """A whole prompt from --prompt-cache: the draft model read it at its first draft, so its seconds went
+    to the reply's rate (0.17 tokens/s for the second token) and the prompt said 0.0 s; now it is read as
+    the prompt is, before the first token."""
+    prompt = list(range(5, 45))
+    plain = Generator(model, ContextShiftCache(model, 96, n_keep=4))
+    plain.feed(prompt)
+    draft = DraftModel(model, 4)
+    gen = Generator(model, plain.cache, tokens=list(plain.tokens), draft=draft)
+    tokens = run(gen, prompt, 8, reused=len(prompt), reused_logits=plain.last_logits)
+    next(tokens)
+    assert draft.gen is not None and draft.gen.tokens == prompt

@@ -364,6 +364,8 @@ def run(
     t0 = time.perf_counter()
     if reused == len(prompt_ids) and reused_logits is not None:
         logits = reused_logits.to(generator.device)
+        if generator.draft is not None:  # the draft reads the prompt now, in its time (not at a draft)
+            generator.draft.prepare(generator.tokens, generator.cache)
     else:
         if reused == len(prompt_ids):
             # the whole prompt is cached without its logits: re-feed its last token to get them

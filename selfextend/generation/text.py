@@ -170,9 +170,13 @@ def build_prompt(
     """Token ids of the prompt and how many leading ones are the system part (BOS, system prompt).
 
     With a chat template, the system part is what two renders with different user texts share
-    (the template's system block and the user header); without, it is the BOS and ``system``.
+    (the template's system block and the user header); without, it is the BOS and ``system``. A user
+    turn's trailing line breaks are dropped (a file's or ``echo``'s last newline: a piped prompt got
+    another reply than the same text given with ``-p``); a plain prompt keeps them (the text continues
+    on the next line).
     """
     if chat and getattr(tokenizer, "chat_template", None):
+        prompt = prompt.rstrip("\r\n")
 
         def render(user: str) -> list[int]:
             msgs = ([{"role": "system", "content": system}] if system else []) + [
