@@ -45,6 +45,18 @@ def test_shift_nll_without_shift_equals_one_forward():
     assert not torch.allclose(shift_nll(model, ids, n_ctx=64, chunk=16), token_nll(model, ids), atol=1e-3)
 
 
+@pytest.mark.parametrize("n_ctx, chunk", [(64, 40), (64, 16), (50, 256)])
+def test_shift_nll_of_a_prefix_is_the_shorter_streams(n_ctx, chunk):
+    """One stream scores every shorter length of a sweep: a chunk that did not fit the cache shifted it a
+    few tokens early, so the tokens before a shorter run's end were scored over other cells."""
+    model = make_model("qwen2")
+    ids = torch.randint(3, 97, (1, 200))
+    whole = shift_nll(model, ids, n_ctx=n_ctx, n_keep=4, chunk=chunk)
+    for n in (n_ctx, n_ctx + 7, 2 * n_ctx - 3, 150):
+        part = shift_nll(model, ids[:, :n], n_ctx=n_ctx, n_keep=4, chunk=chunk)
+        torch.testing.assert_close(part, whole[: n - 1])
+
+
 def test_chunked_prefill_scores_a_hybrid_model_as_one_forward():
     """Models with sliding layers are scored by chunked prefill (no (L, L) mask): same NLL as one forward,
     for chunks shorter and longer than the sliding window; a plain Llama needs no chunking."""

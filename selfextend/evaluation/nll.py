@@ -72,7 +72,10 @@ def shift_nll(
     """NLL of tokens 1..L-1 when the text streams through a context-shift cache of ``n_ctx`` tokens.
 
     Chunks of at most ``chunk`` tokens are written after making room; each token is scored
-    against whatever the cache holds at that moment, as during endless generation.
+    against whatever the cache holds at that moment, as during endless generation. A chunk stops where
+    the cache is full, so shifts come at the same tokens whatever the text's length: a prefix scores as
+    a shorter run of it does (one stream serves every shorter length of a sweep; a chunk that did not
+    fit shifted the cache a few tokens early, and the length-256 point from a 512-token stream differed).
     """
     from selfextend.kv.cache import ContextShiftCache
 
@@ -81,11 +84,13 @@ def shift_nll(
     step = min(chunk, cache.max_chunk())
     targets = ids[0, 1:]
     nll = torch.empty(targets.shape[0], dtype=torch.float32)
-    for a in range(0, targets.shape[0], step):
-        b = min(a + step, targets.shape[0])
+    a = 0
+    while a < targets.shape[0]:
+        b = min(a + (min(step, cache.free()) or step), targets.shape[0])
         cache.make_room(b - a)
         out = decoder(input_ids=ids[:, a:b].to(model.device), **cache_kwargs(decoder, cache), use_cache=True)
         nll[a:b] = _head_nll(model, out.last_hidden_state[0], targets[a:b])
+        a = b
     return nll
 
 
