@@ -556,7 +556,9 @@ def prompt_caches(tiny_dir, tmp_path_factory):
     assert at >= 0
     raw[at] ^= 1  # the lowest mantissa bit of the first key: still a number, one no run made
     out = {}
-    for name, content in {**_prompt_cache_cases(payload), "flipped-bit": bytes(raw)}.items():
+    cut = good.read_bytes()[: good.stat().st_size // 2]  # a write stopped half way: no zip directory
+    cases = {**_prompt_cache_cases(payload), "flipped-bit": bytes(raw), "cut-short": cut}
+    for name, content in cases.items():
         p = d / f"{name}.pc"
         if isinstance(content, bytes):
             p.write_bytes(content)
@@ -585,6 +587,7 @@ PROMPT_CACHE_CASES = [
     "other-cells",
     "a-chat-session",
     "flipped-bit",  # loaded without a word: torch.load does not check the zip's CRC-32s
+    "cut-short",  # said to be "not a selfextend prompt cache": it is one, cut short
 ]
 
 
@@ -596,6 +599,7 @@ def test_bad_prompt_cache_cli(name, prompt_caches, tiny_dir):
         ["generate", "-m", tiny_dir, "-p", "hello there", "-n", "2", "--prompt-cache", path], path.parent
     )
     assert_one_line_error(code, stderr, before, str(path.name))
+    assert name != "cut-short" or "is cut short or damaged" in stderr, stderr
 
 
 def test_bad_prompt_cache_api(prompt_caches, tiny):

@@ -307,11 +307,13 @@ def peek(path: str | Path, verify: bool = True) -> dict[str, Any]:
         raise PromptCacheError(f"{path} is a folder, not a selfextend prompt cache or chat session")
     try:
         with open(path, "rb") as f:
-            empty = not f.read(1)
+            head = f.read(4)
     except OSError as e:  # a file it may not read: said as such, not as a file of another kind
         raise PromptCacheError(f"cannot read {path}: {e.strerror or type(e).__name__}") from None
-    if empty:
+    if not head:
         raise PromptCacheError(f"{path} is empty, not a selfextend prompt cache or chat session")
+    if head == b"PK\x03\x04" and not zipfile.is_zipfile(path):  # torch's zip without its end: cut short
+        raise PromptCacheError(f"{path} is cut short or damaged (its end is missing: was its write stopped?)")
     if verify:
         _verify(Path(path))
     try:
