@@ -114,7 +114,7 @@ def test_the_gpu_check_script_runs_dry(tmp_path) -> None:
 
     root = Path(__file__).resolve().parents[1]
     done = subprocess.run(
-        [sys.executable, str(root / "experiments/gpu/check.py"), "--dry-run", "--only", "parity,8b"],
+        [sys.executable, str(root / "experiments/gpu/check.py"), "--dry-run", "--only", "parity,8b,8b-cpu"],
         capture_output=True,
         text=True,
         env={**os.environ, "OUT": str(tmp_path)},

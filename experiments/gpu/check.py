@@ -13,11 +13,12 @@
    64k with ``--short``) with peak memory; our engine's decode ms/token at 8k and 32k cells, plain and
    Self-Extend; then generate through a context shift (plain and Self-Extend), two batched slots, ``ppl``,
    ``passkey`` and two ``chat`` turns through a shift with that shape, against a CPU copy to bfloat16's
-   tolerance (``gpu_8b_runs.py``).
+   tolerance (``gpu_8b_runs.py``). **8b-cpu** is that comparison with the CPU copy alone (a few minutes of
+   the host's time: a short lease takes ``--only kernel,8b,parity``).
 
     bash experiments/gpu/prepare.sh          # here, once: wheels and the tiny model into .gpu/
     # on the GPU machine (the device tool: carry [".gpu"]):
-    bash experiments/gpu/run.sh [--short] [--only parity,cli,8b,kernel]
+    bash experiments/gpu/run.sh [--short] [--only parity,cli,kernel,8b,8b-cpu]
 
 Prints one line a check and appends each, as it is made, to ``$OUT/gpu_check.jsonl`` (else
 ./gpu_check.jsonl) as JSON Lines.
@@ -41,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(Path(__file__).parent))
 
-SECTIONS = ("parity", "cli", "kernel", "8b")  # in the order they run
+SECTIONS = ("parity", "cli", "kernel", "8b", "8b-cpu")  # in the order they run
 FAILED: list[str] = []
 OUT = Path(os.environ.get("OUT") or ".") / "gpu_check.jsonl"
 
@@ -93,10 +94,10 @@ def main() -> int:
         guarded("cli", cli_checks, report, ROOT, device)
     if "kernel" in sections:  # before the 8B shape, whose CPU runs take the longest: tiles are timed first
         kernel_check(device)
-    if "8b" in sections:
+    if sections & {"8b", "8b-cpu"}:
         from gpu_8b import eight_b
 
-        eight_b(report, gpu, not args.short, device, guarded)
+        eight_b(report, gpu, not args.short, device, guarded, "8b" in sections, "8b-cpu" in sections)
     if "kernel" in sections and device == "cuda":  # last: a read out of bounds would end the GPU's use
         guarded("kernel prefill past 2**31 elements", prefill_past_int32)
     report("done", seconds=round(time.perf_counter() - t0, 1), failed=FAILED)

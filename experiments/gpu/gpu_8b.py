@@ -57,18 +57,25 @@ def build(device: str) -> torch.nn.Module:
 
 
 def eight_b(
-    report: Callable[..., None], gpu: str, long: bool, device: str = "cuda", guarded: Callable = None
+    report: Callable[..., None],
+    gpu: str,
+    long: bool,
+    device: str = "cuda",
+    guarded: Callable = None,
+    speed: bool = True,
+    cpu_copy: bool = True,
 ) -> None:
-    """Prefill, decode, then the engine's paths against the CPU, each through ``guarded`` (check.py's: one
-    that raises is reported and the next runs)."""
+    """Prefill, decode and two slots (``speed``), then the engine's paths against a CPU copy (``cpu_copy``),
+    each through ``guarded`` (check.py's: one that raises is reported and the next runs)."""
     guarded = guarded or (lambda _name, check, *args: check(*args))
     model = build(device)
     k = 1 if device == "cuda" else DRY_SCALE
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     report("8b model", gpu=gpu, weights_gb=round(weight_bytes / 1e9, 2))
-    guarded("8b prefill", prefill, report, model, gpu, long, k)
-    guarded("8b engine decode", decode, report, model, gpu, k, weight_bytes)
-    runs(report, model, gpu, group=4, window=16, guarded=guarded)
+    if speed:
+        guarded("8b prefill", prefill, report, model, gpu, long, k)
+        guarded("8b engine decode", decode, report, model, gpu, k, weight_bytes)
+    runs(report, model, gpu, group=4, window=16, guarded=guarded, slots=speed, cpu_copy=cpu_copy)
 
 
 def prefill(report: Callable[..., None], model: torch.nn.Module, gpu: str, long: bool, k: int) -> None:

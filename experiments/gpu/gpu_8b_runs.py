@@ -95,23 +95,29 @@ def runs(
     group: int,
     window: int,
     guarded: Callable[..., None],
+    slots: bool = True,
+    cpu_copy: bool = True,
 ) -> None:
-    """The 8B shape's runs on ``gpu_model``'s device against a CPU copy (``group``/``window``: Self-Extend's
-    setting for this short context), each through ``guarded`` (one that raises is reported, the next runs)."""
-    device = next(gpu_model.parameters()).device
-    cpu = copy.deepcopy(gpu_model).to("cpu") if device.type != "cpu" else copy.deepcopy(gpu_model)
+    """The 8B shape's runs on ``gpu_model``'s device: two slots (``slots``), then those against a CPU copy
+    (``cpu_copy``; ``group``/``window``: Self-Extend's setting for this short context), each through
+    ``guarded`` (one that raises is reported, the next runs)."""
     vocab = gpu_model.config.vocab_size
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(100, vocab - 1, (PROMPT_LEN,), generator=g).tolist()
     spec = f"selfextend:G={group},W={window}"
+    if slots:
+        with applied(gpu_model, parse_method(spec)):  # the slots' rows through Self-Extend's grouped cells
+            guarded("8b two slots", _two_slots, report, gpu_model, prompt, gpu)
+            guarded("8b two slots ms a step", _report_slot_times, report, gpu_model, prompt, gpu)
+    if not cpu_copy:
+        return
+    device = next(gpu_model.parameters()).device
+    cpu = copy.deepcopy(gpu_model).to("cpu") if device.type != "cpu" else copy.deepcopy(gpu_model)
     for se in (False, True):
         name = "8b generate" + (f" self-extend G={group} W={window}" if se else "")
         guarded(
             name, _generate, report, name, gpu_model, cpu, prompt, parse_method(spec) if se else None, gpu
         )
-    with applied(gpu_model, parse_method(spec)):  # the slots' rows through Self-Extend's grouped cells
-        guarded("8b two slots", _two_slots, report, gpu_model, prompt, gpu)
-        guarded("8b two slots ms a step", _report_slot_times, report, gpu_model, prompt, gpu)
     for method in ("plain", spec):
         guarded(f"8b ppl {method}", _ppl, report, gpu_model, cpu, prompt, method, gpu)
     guarded(f"8b passkey answer {spec}", _passkey, report, gpu_model, cpu, prompt, spec, gpu)

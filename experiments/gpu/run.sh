@@ -9,8 +9,8 @@ if [ ! -d .gpu/wheels ] || [ ! -d .gpu/tiny ]; then
         "then carry .gpu" >&2
     exit 2
 fi
-python -m pip install -q --no-deps --no-index --find-links .gpu/wheels --target .gpu/site \
-    $(grep -v '^#' experiments/gpu/carried.txt) 2>&1 | grep -v "^WARNING" || true
+[ -d .gpu/site ] || python -m pip install -q --no-deps --no-index --find-links .gpu/wheels --target .gpu/site \
+    $(grep -v '^#' experiments/gpu/carried.txt) 2>&1 | grep -v "^WARNING" || true  # once a machine
 export PYTHONPATH="$PWD/.gpu/site:$PWD" HF_HUB_OFFLINE=1 SELFEXTEND_COMPILE=0 PYTHONUNBUFFERED=1
 # the whole output also into $OUT/check.log (the device tool returns only the output's tail, and what is
 # under $OUT even when the run is cut off)

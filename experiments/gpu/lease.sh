@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# One device lease's run: check.py's sections, each in its own process under its own time limit, its
+# records and log under $OUT/SECTION/ (check.py empties its file each run). A section that hangs, or
+# breaks the GPU's context, costs only its own seconds; the others still run and come back.
+#   bash experiments/gpu/lease.sh kernel:110 parity:70 "8b:150:--short" ...   (SECTION:SECONDS[:FLAGS])
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+out=${OUT:-.}
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv > "$out/smi.csv" 2>&1
+for spec in "$@"; do
+    IFS=: read -r section seconds flags <<< "$spec"
+    mkdir -p "$out/$section"
+    start=$SECONDS
+    OUT="$out/$section" timeout "$seconds" bash experiments/gpu/run.sh --only "$section" $flags
+    echo "== section $section: exit $? after $((SECONDS - start)) s (limit $seconds)" | tee -a "$out/smi.csv"
+done
