@@ -16,7 +16,9 @@ from pathlib import Path
 import torch
 from server_util import free_port, request, wait_healthy
 
-FLOAT = ["--dtype", "float32"]  # on both devices (a GPU's default is bfloat16): tokens equal in float32
+# float32 weights on both devices: a GPU's default dtype is bfloat16, and --weights auto is int8 on the CPU
+# (a first GPU run compared int8 CPU runs with float GPU ones, and chat and serve parted a few tokens in)
+FLOAT = ["--dtype", "float32", "--weights", "float"]
 COMMON = ["--temperature", "0", "--cache-type", "f32", *FLOAT]
 DEVICES = ["cpu", "cuda"]  # against the CPU: the device under test (check.py --dry-run: the CPU again)
 
@@ -34,9 +36,26 @@ def _cli(root: Path, args: list[str], stdin: str | None = None) -> subprocess.Co
 
 
 def _said(report: Callable[..., None], name: str, runs: tuple, same: bool) -> None:
+    """One record of a command run on both devices; where the outputs part, where and how (and both
+    outputs whole in ``$OUT/cli_outputs.json``)."""
     codes = [r.returncode for r in runs]
     tail = runs[1].stderr.strip().splitlines()[-1:] if runs[1].stderr.strip() else []
-    report(name, ok=same and codes == [0, 0], exit_codes=codes, cuda_said=tail)
+    parted = {}
+    a, b = runs[0].stdout, runs[1].stdout
+    if a != b:
+        at = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+        around = slice(max(0, at - 40), at + 40)
+        parted = {"parts_at_char": at, "cpu": a[around], "cuda": b[around]}
+        errs = {"cpu_err": runs[0].stderr[-2000:], "cuda_err": runs[1].stderr[-2000:]}
+        _dump(name, {"cpu": a, "cuda": b, **errs})
+    report(name, ok=same and codes == [0, 0], exit_codes=codes, cuda_said=tail, **parted)
+
+
+def _dump(name: str, record: dict) -> None:
+    """``record`` under ``name`` in ``$OUT/cli_outputs.json`` (else ./cli_outputs.json)."""
+    path = Path(os.environ.get("OUT") or ".") / "cli_outputs.json"
+    known = json.loads(path.read_text()) if path.exists() else {}
+    path.write_text(json.dumps({**known, name: record}, indent=1))
 
 
 def _records(path: Path, field: str) -> list:
@@ -164,4 +183,14 @@ def serve_check(report: Callable[..., None], root: Path, model: str) -> None:
             proc.terminate()
             proc.wait(30)
     together, alone = replies[1]
-    report("cli serve 2 slots", ok=together == alone == replies[0][0], replies=[r[:40] for r in together])
+    ok = together == alone == replies[0][0]
+    if not ok:
+        _dump("cli serve 2 slots", {"cpu together": replies[0][0], "cpu alone": replies[0][1],
+                                    "cuda together": together, "cuda alone": alone})  # fmt: skip
+    report(
+        "cli serve 2 slots",
+        ok=ok,
+        replies=[r[:40] for r in together],
+        cuda_alone_same=together == alone,
+        cpu_same=replies[0][0] == replies[0][1],
+    )
