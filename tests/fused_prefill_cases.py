@@ -15,7 +15,7 @@ import torch
 import selfextend.core.attention as attention
 from selfextend.core.attention import self_extend_attention, self_extend_attention_reference
 from selfextend.core.decode_query import grouped_keys
-from selfextend.core.fused_prefill import BlockConfig, fused_self_extend_prefill
+from selfextend.core.fused_prefill import BlockConfig, fused_rotate, fused_self_extend_prefill
 from selfextend.core.positions import grouped_query_positions
 from selfextend.core.rope import rotate
 
@@ -57,6 +57,10 @@ CASES = [
     ("dispatch g3 w20 90 b2", 2, 4, 2, 90, 90, 16, 3, 20, torch.float32, None, None, "dispatch"),
     ("dispatch chunk 40/90", 1, 4, 2, 40, 90, 64, 4, 16, torch.float32, 4.0, None, "dispatch"),
     ("dispatch bf16 g4 w8 70", 1, 4, 4, 70, 70, 64, 4, 8, torch.bfloat16, None, None, "dispatch"),
+    # the grouped pairs through torch's causal kernel first, the kernel walking the band alone (SPLIT_ROWS 1)
+    ("split bf16 g4 w8 70", 1, 4, 2, 70, 70, 64, 4, 8, torch.bfloat16, None, SMALL, "split"),
+    ("split bf16 chunk 40/90 gqa4/1", 1, 4, 1, 40, 90, 32, 3, 16, torch.bfloat16, None, SMALL, "split"),
+    ("split fp16 chunk 20/90 w80 b2", 2, 4, 2, 20, 90, 16, 2, 80, torch.float16, None, SMALL, "split"),
 ]
 
 
@@ -75,7 +79,8 @@ def run(case: tuple) -> dict[str, object]:
     q_r, k_r, v = rotate(q, q_pos, inv_freq).to(dtype), rotate(k, k_pos, inv_freq).to(dtype), v.to(dtype)
     if through == "strided":  # as transformers hands them: (B, L, H, D) storage seen as (B, H, L, D)
         q_r, k_r, v = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q_r, k_r, v))
-    if through == "dispatch":
+    if through in ("dispatch", "split"):
+        attention.SPLIT_ROWS = 1 if through == "split" else 1 << 30
         out = self_extend_attention(q_r, k_r, v, q_pos, group, window, inv_freq, softcap=softcap)
     else:
         n_grouped = lk - window
@@ -104,21 +109,44 @@ def low_scores(dtype: torch.dtype, score: float) -> dict[str, object]:
     return {"case": f"all scores {score}", "dtype": str(dtype), "error": error, "tol": TOL[dtype]}
 
 
+def rotate_cases() -> list[dict[str, object]]:
+    """:func:`fused_rotate` against :func:`rotate`: float32 and bfloat16, one delta row and one a batch row,
+    strided (B, L, H, D) storage, a length off the kernel's 64-row blocks; partial rotary (a fallback)."""
+    rows = []
+    for name, dtype, b, d, rot_dim, strided in (
+        ("rotate f32 b2 strided", torch.float32, 2, 32, 32, True),
+        ("rotate bf16 d128", torch.bfloat16, 1, 128, 128, False),
+        ("rotate f32 partial rotary", torch.float32, 1, 32, 16, False),
+    ):
+        torch.manual_seed(2)
+        length = 70
+        x = torch.randn(b, 3, length, d).to(dtype)
+        if strided:
+            x = x.transpose(1, 2).contiguous().transpose(1, 2)
+        inv_freq = 1.0 / (10000 ** (torch.arange(0, rot_dim, 2).float() / rot_dim))
+        delta = -torch.arange(length)[None] * 3 // 4 - 5 * torch.arange(b)[:, None]  # (B, L)
+        error = (fused_rotate(x, delta, inv_freq).float() - rotate(x, delta, inv_freq).float()).abs().max()
+        rows.append({"case": name, "dtype": str(dtype), "error": error.item(), "tol": TOL[dtype]})
+    return rows
+
+
 def main() -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
     calls = []
     fused = attention.fused_self_extend_prefill
 
     def counted(*args: object, **kwargs: object) -> torch.Tensor:
-        calls.append(1)
+        calls.append(kwargs.get("grouped") is not None)
         return fused(*args, **kwargs)
 
     attention.fused_self_extend_prefill = counted
     for case in CASES:
         print(json.dumps(run(case)), flush=True)
+    for row in rotate_cases():
+        print(json.dumps(row), flush=True)
     for dtype, score in ((torch.float16, -20.0), (torch.float32, -120.0)):
         print(json.dumps(low_scores(dtype, score)), flush=True)  # (NaN is written NaN, read back as nan)
-    print(json.dumps({"dispatched": len(calls)}))
+    print(json.dumps({"dispatched": len(calls), "split": sum(calls)}))
 
 
 if __name__ == "__main__":

@@ -26,8 +26,9 @@ CASES = ROOT / "tests" / "fused_prefill_cases.py"
 def test_kernel_equals_reference_in_the_interpreter():
     """Every case of fused_prefill_cases.py (G 1-4, W inside and past the length, chunked prefill, GQA 4/2
     and 4/1, head sizes 16-128, float32, bfloat16, float16, softcap, lengths off the tiles, strided views,
-    rows whose every score is far below 0: they were NaN) within its dtype's tolerance; three of them
-    through self_extend_attention's dispatch."""
+    rows whose every score is far below 0: they were NaN) within its dtype's tolerance; six of them
+    through self_extend_attention's dispatch, three of those split (the grouped pairs through torch's
+    causal kernel, the band in ours); the grouped rotation's kernel against ``rotate``."""
     # triton 3.6's interpreter (the GPU machines' of issue 48) cannot run a loop whose bounds come from
     # program_id under numpy 2.4 ("only 0-dimensional arrays can be converted"); the kernels compile there
     # (experiments/gpu/kernel_build.py run with triton 3.6 for sm_90: none failed)
@@ -39,7 +40,7 @@ def test_kernel_equals_reference_in_the_interpreter():
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     results, dispatched = rows[:-1], rows[-1]
-    assert len(results) >= 17 and dispatched == {"dispatched": 3}
+    assert len(results) >= 23 and dispatched == {"dispatched": 6, "split": 3}
     assert [r for r in results if not r["error"] < r["tol"]] == []
 
 
@@ -82,17 +83,27 @@ def test_self_extend_attention_dispatch(monkeypatch):
     args = (rotate(q, q_pos, inv_freq), rotate(k, k_pos, inv_freq), v, q_pos, group, window, inv_freq)
     taken = []
 
-    def kernel(q, k, v, q_g, k_g, window, scale, softcap=None):
+    def kernel(q, k, v, q_g, k_g, window, scale, softcap=None, grouped=None):
         shapes = [None if x is None else tuple(x.shape) for x in (q_g, k_g)]
         taken.append((*shapes, window, scale, softcap))
+        assert grouped is None  # float32 rows: never split (tests/fused_prefill_cases.py runs the split)
         return torch.zeros_like(q)
 
+    turned = []
+
+    def turn(x, delta, inv_freq):  # the grouped rotation's kernel: rotate's math, counted
+        turned.append(tuple(x.shape))
+        return rotate(x, delta, inv_freq)
+
     monkeypatch.setattr(attention, "fused_self_extend_prefill", kernel)
+    monkeypatch.setattr(attention, "fused_rotate", turn)
     monkeypatch.setattr(attention, "fused_prefill_applies", lambda q, k, cells: False)
     reference = self_extend_attention_reference(q, k, v, q_pos, k_pos, group, window, inv_freq)
     assert (self_extend_attention(*args) - reference).abs().max() < 1e-5 and taken == []
     monkeypatch.setattr(attention, "fused_prefill_applies", lambda q, k, cells: cells.first is not None)
+    assert turned == []  # (the two-pass path rotates with torch's ops)
     assert self_extend_attention(*args, softcap=3.0).abs().max() == 0
     assert taken == [((1, 4, lq, d), (1, 2, lk - window, d), window, d**-0.5, 3.0)]
+    assert turned == [(1, 2, lk - window, d), (1, 4, lq, d)]  # the grouped keys, then queries
     self_extend_attention(*args[:4], 1, window, inv_freq)  # G = 1: no grouped q/k (plain causal)
     assert taken[-1][:2] == (None, None)

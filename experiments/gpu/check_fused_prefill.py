@@ -1,13 +1,16 @@
-"""The fused Self-Extend prefill kernel on a GPU: its speed against flash causal attention and today's
-two-pass path, its tiles, and its error against the reference. For whoever has a CUDA GPU lent.
+"""The fused Self-Extend prefill kernel on a GPU: its speed against flash causal attention, its tiles, and
+its error against the reference and the two-pass path. For whoever has a CUDA GPU lent.
 
 One layer of the Llama-3.1-8B shape (32 query / 8 KV heads, head 128, bfloat16), Self-Extend G=32 W=2048
 (issue 48's setting). Per length, rounds interleaved, the median of each:
 
 - ``flash``: ``scaled_dot_product_attention(is_causal=True, enable_gqa=True)`` (the plain model's prefill);
 - ``kernel``: the fused kernel alone, the grouped q/k made beforehand;
-- ``fused``: ``self_extend_attention`` as a model calls it (grouped q/k made, then the kernel);
-- ``two-pass``: ``self_extend_attention`` with the fused kernel refused (the path before it).
+- ``split``: the grouped pairs through torch's causal kernel (cuDNN's on an H200), then the kernel on the
+  neighbor band alone, each row's softmax starting from the grouped result (the grouped q/k made before);
+- ``fused``: ``self_extend_attention`` as a model calls it (grouped q/k made, then the split from
+  ``attention.SPLIT_ROWS`` rows on);
+- ``fused one kernel``: the same with every pair in the one kernel.
 
 Then the kernel's tiles: a few configurations timed at 32k, the fastest named (to make it the default in
 ``fused_prefill.default_config``). Errors: the fused path against the full-matrix reference at 4k (L x L
@@ -92,6 +95,21 @@ def two_pass(*args: object) -> torch.Tensor:
         attention.fused_prefill_applies = applies
 
 
+def split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_g: torch.Tensor, k_g: torch.Tensor):
+    """The grouped pairs through torch's causal kernel, then the kernel on the band."""
+    grouped = attention.grouped_pass(q_g, k_g, v, WINDOW, D**-0.5, None)
+    return fused_self_extend_prefill(q, k, v, None, None, WINDOW, D**-0.5, grouped=grouped)
+
+
+def one_kernel(*args: object) -> torch.Tensor:
+    """``self_extend_attention`` with the split refused: every pair in the one kernel."""
+    rows, attention.SPLIT_ROWS = attention.SPLIT_ROWS, 1 << 40
+    try:
+        return self_extend_attention(*args)
+    finally:
+        attention.SPLIT_ROWS = rows
+
+
 def problem(length: int, inv_freq: torch.Tensor) -> dict[str, object]:
     """Random rotated q/k/v of one layer at ``length`` tokens, and the grouped q/k the kernel reads."""
     gen = torch.Generator(device=DEVICE).manual_seed(0)
@@ -138,8 +156,9 @@ def one_length(length: int, inv_freq: torch.Tensor, rounds: int) -> None:
             q, k, v, is_causal=True, scale=scale, enable_gqa=True
         ),
         "kernel": lambda: fused_self_extend_prefill(q, k, v, q_g, k_g, WINDOW, scale),
+        "split": lambda: split(q, k, v, q_g, k_g),
         "fused": lambda: self_extend_attention(*se),
-        "two-pass": lambda: two_pass(*se),
+        "fused one kernel": lambda: one_kernel(*se),
     }
     reps = REPS or max(1, min(20, int(5 * (32768 / length) ** 2)))  # about 5 flash calls' time at 32k
     times: dict[str, list[float]] = {name: [] for name in paths}
@@ -157,6 +176,8 @@ def one_length(length: int, inv_freq: torch.Tensor, rounds: int) -> None:
     if length <= REFERENCE_AT:
         ref = self_extend_attention_reference(p["q0"], p["k0"], v.float(), pos, pos, GROUP, WINDOW, inv_freq)
         print(f"{length:>6} tokens: fused vs reference (float32) max abs {(fused - ref).abs().max():.2e}")
+        alone = (one_kernel(*se).float() - ref).abs().max()
+        print(f"{length:>6} tokens: fused one kernel vs reference (float32) max abs {alone:.2e}")
     elif length == COMPARE_AT:
         diff = (fused - two_pass(*se).float()).abs().max()
         print(f"{length:>6} tokens: fused vs two-pass max abs {diff:.2e}")

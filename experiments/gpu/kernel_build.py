@@ -54,7 +54,7 @@ import triton.language as tl
 
 import selfextend.core.fused_prefill as fused_prefill
 from selfextend.core.fused_decode import DecodeConfig, fused_decode_attention
-from selfextend.core.fused_prefill import BlockConfig, fused_self_extend_prefill, shared_kib
+from selfextend.core.fused_prefill import BlockConfig, fused_rotate, fused_self_extend_prefill, shared_kib
 from selfextend.core.fused_step import KeyWrite, RowNorm, fused_gated, fused_rms_norm, fused_rope_write
 from selfextend.core.rope import Rotation
 
@@ -202,14 +202,25 @@ def reference(dtype: torch.dtype, d: int, config: BlockConfig) -> Callable[[], o
 
 
 def prefill(
-    dtype: torch.dtype, d: int, softcap: float | None, config: BlockConfig | None
+    dtype: torch.dtype, d: int, softcap: float | None, config: BlockConfig | None, band: bool = False
 ) -> Callable[[], object]:
-    """A Self-Extend prefill launch as transformers' layout hands it: 8 query / 2 KV heads, 256 tokens."""
+    """A Self-Extend prefill launch as transformers' layout hands it: 8 query / 2 KV heads, 256 tokens
+    (``band``: the split's, the grouped pairs' result given, as cuDNN returns it)."""
     b, h, hkv, n, w = 1, 8, 2, 256, 64
     q, q_g = (torch.zeros(b, n, h, d, dtype=dtype).transpose(1, 2) for _ in range(2))  # (B, H, L, D) views
     k, v = (torch.zeros(b, n, hkv, d, dtype=dtype).transpose(1, 2) for _ in range(2))
     k_g = torch.zeros(b, hkv, n - w, d, dtype=dtype)
+    if band:
+        out_g = torch.zeros(b, n - w, h, d, dtype=dtype).transpose(1, 2)
+        grouped = (w, out_g, torch.zeros(b, h, n - w, 1)[..., 0])
+        return lambda: fused_self_extend_prefill(q, k, v, None, None, w, d**-0.5, None, config, grouped)
     return lambda: fused_self_extend_prefill(q, k, v, q_g, k_g, w, d**-0.5, softcap, config)
+
+
+def rotation(dtype: torch.dtype, d: int) -> Callable[[], object]:
+    """A launch of the grouped rotation's kernel on (B, L, H, D) storage seen as (B, H, L, D)."""
+    x = torch.zeros(1, 256, 8, d, dtype=dtype).transpose(1, 2)
+    return lambda: fused_rotate(x, torch.arange(256), torch.ones(d // 2))
 
 
 def decode(
@@ -267,6 +278,10 @@ def defaults() -> dict[str, Callable[[], object]]:
         for d in (64, 80, 128, 256):
             cases[f"prefill {name} d{d}"] = prefill(dtype, d, None, None)
     cases["prefill bf16 d256 softcap"] = prefill(torch.bfloat16, 256, 50.0, None)
+    for d in (64, 128, 256):
+        cases[f"prefill bf16 d{d} band"] = prefill(torch.bfloat16, d, None, None, band=True)
+        cases[f"rotate bf16 d{d}"] = rotation(torch.bfloat16, d)
+    cases["rotate f32 d128"] = rotation(torch.float32, 128)
     hopper = fused_prefill.default_config(128, torch.bfloat16)
     cases["flash reference bf16 d128"] = reference(torch.bfloat16, 128, hopper)
     for name in ("bf16", "f32"):

@@ -31,13 +31,18 @@ import torch
 
 from selfextend.core.cells import KeyCells
 from selfextend.core.decode_query import grouped_prefix, self_extend_decode
-from selfextend.core.fused_prefill import fused_prefill_applies, fused_self_extend_prefill
+from selfextend.core.fused_prefill import fused_prefill_applies, fused_rotate, fused_self_extend_prefill
 from selfextend.core.masked import attention_by_position, repeat_kv, soft_cap
 from selfextend.core.positions import grouped_key_positions, grouped_query_positions, is_neighbor
 from selfextend.core.rope import RotationTable, rotate
 from selfextend.core.validate import first_line
 
 NEIGHBOR_BLOCK = 256
+# Prefills of this many query rows or more, in 16-bit floats, split Self-Extend in two on the fused path:
+# the grouped pairs through torch's causal kernel (cuDNN's on an H200: 610 TFLOP/s where our kernel makes
+# 420), then the neighbor band in our kernel, each row's softmax starting from the grouped result. Shorter
+# ones take the one kernel (a new shape costs cuDNN a plan, worth it only over many rows).
+SPLIT_ROWS = 4096
 
 
 def attend(
@@ -110,13 +115,22 @@ def attend_cuda(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``attend`` through torch's fused CUDA kernels that return the log-sum-exp.
 
-    Flash attention for half-precision inputs without a mask; memory-efficient attention (which
-    takes an additive bias and float32) otherwise. Raises RuntimeError where neither applies, and
-    ``attend`` then falls back to the portable kernel. Causal calls here are always square
-    (Lq == Lk), where top-left and bottom-right alignment agree. Not yet run on a GPU: no GPU was
-    available while it was written, so only its CPU fallback is tested.
+    cuDNN's attention for half-precision inputs without a mask (KV heads read in place; on an H200 with
+    torch 2.11 it is what ``scaled_dot_product_attention`` picks, 610 TFLOP/s at 32k tokens against flash
+    attention's 345: ``experiments/gpu/sdpa_probe.py``), flash attention where cuDNN refuses;
+    memory-efficient attention (which takes an additive bias and float32) otherwise. Raises RuntimeError
+    where none applies, and ``attend`` then falls back to the portable kernel. Causal calls here are
+    always square (Lq == Lk), where top-left and bottom-right alignment agree.
     """
     lq, lk = q.shape[-2], k.shape[-2]
+    if mask is None and q.dtype in (torch.float16, torch.bfloat16):
+        try:
+            out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
+                q, k, v, None, True, 0.0, is_causal, scale=scale
+            )[:2]
+            return out, lse.reshape(q.shape[:-1]).float()  # (B, H, Lq, 1) -> (B, H, Lq)
+        except RuntimeError:  # (a cuDNN without attention, a shape it refuses)
+            pass
     k, v = repeat_kv(k, q.shape[1] // k.shape[1]), repeat_kv(v, q.shape[1] // v.shape[1])
     if mask is None and q.dtype in (torch.float16, torch.bfloat16):
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, scale=scale)[
@@ -225,7 +239,7 @@ def sliding_window_attention(
     return out
 
 
-def _grouped_pass(
+def grouped_pass(
     q_g: torch.Tensor, k_g: torch.Tensor, v: torch.Tensor, window: int, scale: float, softcap: float | None
 ) -> tuple[int, torch.Tensor, torch.Tensor] | None:
     """Query rows against keys at distance >= W, at grouped positions.
@@ -247,6 +261,12 @@ def _grouped_pass(
         out_a, lse_a = attend(q_g, k_g[..., :c, :], v[..., :c, :], scale, softcap=softcap)
         out, lse = merge_into(out, lse, out_a, lse_a)
     return 0, out, lse
+
+
+def split_applies(q: torch.Tensor) -> bool:
+    """Whether a fused prefill of ``q`` takes its grouped pairs from torch's causal kernel first
+    (:data:`SPLIT_ROWS`): 16-bit floats, where cuDNN and flash attention run, and many rows."""
+    return q.dtype in (torch.float16, torch.bfloat16) and q.shape[-2] >= SPLIT_ROWS
 
 
 def untagged_cells(k: torch.Tensor, q_pos: torch.Tensor) -> KeyCells:
@@ -300,17 +320,22 @@ def self_extend_attention(
 
     n_grouped = lk - window
     q_g = k_g = None
+    fused = fused_prefill_applies(q, k, cells)
     if n_grouped > 0 and group_size > 1:  # G = 1: grouped positions are the normal ones
-        k_g = grouped_prefix(k, cells, n_grouped, group_size, inv_freq)
-        q_g = rotate(q, grouped_query_positions(q_pos, group_size, window) - q_pos, inv_freq)
-    if fused_prefill_applies(q, k, cells):
-        return fused_self_extend_prefill(q, k, v, q_g, k_g, window, scale, softcap)
+        turn = fused_rotate if fused else rotate
+        k_g = grouped_prefix(k, cells, n_grouped, group_size, inv_freq, turn=turn)
+        q_g = turn(q, grouped_query_positions(q_pos, group_size, window) - q_pos, inv_freq)
+    if fused:
+        grouped = None
+        if q_g is not None and k_g is not None and softcap is None and split_applies(q):
+            grouped = grouped_pass(q_g, k_g, v, window, scale, None)
+        return fused_self_extend_prefill(q, k, v, q_g, k_g, window, scale, softcap, grouped=grouped)
     out, lse = _neighbor_pass(q, k, v, window, scale, softcap)
     if n_grouped <= 0:
         return out
     if q_g is None or k_g is None:
         q_g, k_g = q, k[..., :n_grouped, :]
-    grouped = _grouped_pass(q_g, k_g, v, window, scale, softcap)
+    grouped = grouped_pass(q_g, k_g, v, window, scale, softcap)
     if grouped is not None:
         first, out_g, lse_g = grouped
         out[..., first:, :], _ = merge_into(out[..., first:, :], lse[..., first:], out_g, lse_g)

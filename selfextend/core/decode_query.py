@@ -9,6 +9,8 @@ the decode step's native kernel (:mod:`selfextend.native.decode`) reads too.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -17,12 +19,15 @@ from selfextend.core.masked import soft_cap
 from selfextend.core.positions import grouped_key_positions, grouped_query_positions
 from selfextend.core.rope import RotationTable, rotate
 
+Turn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # rotate(x, delta, inv_freq)
+
 
 def grouped_keys(
-    k: torch.Tensor, k_pos: torch.Tensor, group_size: int, inv_freq: torch.Tensor
+    k: torch.Tensor, k_pos: torch.Tensor, group_size: int, inv_freq: torch.Tensor, turn: Turn = rotate
 ) -> torch.Tensor:
-    """Keys (B, Hkv, n, D) rotated at positions ``k_pos`` (n,) or (B, n) moved to their grouped positions."""
-    return rotate(k, grouped_key_positions(k_pos, group_size) - k_pos, inv_freq)
+    """Keys (B, Hkv, n, D) rotated at positions ``k_pos`` (n,) or (B, n) moved to their grouped positions
+    (by ``turn``: :func:`~selfextend.core.rope.rotate` or a kernel of it)."""
+    return turn(k, grouped_key_positions(k_pos, group_size) - k_pos, inv_freq)
 
 
 def grouped_prefix(
@@ -33,12 +38,13 @@ def grouped_prefix(
     inv_freq: torch.Tensor,
     rotations: RotationTable | None = None,
     dtype: torch.dtype | None = None,
+    turn: Turn = rotate,
 ) -> torch.Tensor:
     """The first ``n`` keys at grouped positions, in ``dtype`` (default ``k``'s): from their owner when it
-    keeps them (float32 for a narrower cache), else rotated here."""
+    keeps them (float32 for a narrower cache), else rotated here (by ``turn``)."""
     if cells.grouped is not None:
         return cells.grouped(group_size, inv_freq, n, rotations).to(dtype or k.dtype)
-    return grouped_keys(k[..., :n, :], cells.positions[..., :n], group_size, inv_freq)
+    return grouped_keys(k[..., :n, :], cells.positions[..., :n], group_size, inv_freq, turn)
 
 
 def grouped_count(pos: int, window: int, lk: int, first: int | None, positions: torch.Tensor) -> int:

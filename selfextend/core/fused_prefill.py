@@ -25,6 +25,7 @@ from typing import NamedTuple
 import torch
 
 from selfextend.core.cells import KeyCells
+from selfextend.core.rope import Rotation
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
@@ -114,14 +115,15 @@ def default_config(
     head_dim: int, dtype: torch.dtype, softcap: bool = False, arch: int = HOPPER
 ) -> BlockConfig:
     """Tiles for a head size, dtype and GPU (compute capability x 10): the largest of those tried whose
-    program compiles without spilling registers (``experiments/gpu/kernel_build.py``, sm_90 and sm_80; not
-    yet timed on a GPU: ``experiments/gpu/check_fused_prefill.py`` times them). float32 (tests, and CUDA
-    float32 models) multiplies in float32 without tensor cores and takes smaller tiles; ``softcap`` (Gemma 2)
-    keeps more values live a tile; an A100 or an Ada card (whose matrix products read their operands from
-    registers, where Hopper's read shared memory) spills at Hopper's tiles and takes smaller ones (head 64:
-    2 stages; on Hopper 8 warps for every head size up to 128: 4 spilled at head 64); the cards with 99 KiB
-    of shared memory a program (8.6, 8.9; 12.0, which spilled 192 bytes at Hopper's tiles) spill 8 bytes at
-    the A100's 3 stages and take 2."""
+    program compiles without spilling registers (``experiments/gpu/kernel_build.py``, sm_90 and sm_80).
+    Hopper's 16-bit tiles at head 128 are the fastest of six ``experiments/gpu/check_fused_prefill.py`` timed
+    on an H200 at 32k tokens (18.96 ms, 3 stages 19.52; the others 22.9-34.3); the rest untimed. float32
+    (tests, and CUDA float32 models) multiplies in float32 without tensor cores and takes smaller tiles;
+    ``softcap`` (Gemma 2) keeps more values live a tile; an A100 or an Ada card (whose matrix products read
+    their operands from registers, where Hopper's read shared memory) spills at Hopper's tiles and takes
+    smaller ones (head 64: 2 stages; on Hopper 8 warps for every head size up to 128: 4 spilled at head 64);
+    the cards with 99 KiB of shared memory a program (8.6, 8.9; 12.0, which spilled 192 bytes at Hopper's
+    tiles) spill 8 bytes at the A100's 3 stages and take 2."""
     if dtype == torch.float32:
         if head_dim <= 64:
             return BlockConfig(32, 32, 4, 2)
@@ -131,7 +133,7 @@ def default_config(
     small = small_shared(arch)
     if arch < HOPPER or small:
         return BlockConfig(64, 32, 4, 2) if head_dim <= 64 or small else BlockConfig(64, 32, 4, 3)
-    return BlockConfig(128, 64, 8, 3)
+    return BlockConfig(128, 64, 8, 4)
 
 
 def fused_self_extend_prefill(
@@ -144,6 +146,7 @@ def fused_self_extend_prefill(
     scale: float,
     softcap: float | None = None,
     config: BlockConfig | None = None,
+    grouped: tuple[int, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Self-Extend attention for gapless keys, the queries' keys last, in one kernel.
 
@@ -154,6 +157,10 @@ def fused_self_extend_prefill(
     distance >= ``window``, at their own the rest, under one softmax of the scaled scores (soft-capped by
     ``softcap``, Gemma 2). ``q_g``/``k_g`` None (or no key ever grouped): plain causal attention, exact for
     G = 1. Returns (B, H, Lq, D) in q's dtype.
+
+    ``grouped`` = (first, out, lse): the grouped pairs already attended, by another kernel, for the rows
+    from ``first`` on (out (B, H, Lq - first, D), lse (B, H, Lq - first) natural, float32); the kernel then
+    walks only the neighbor band, each row's softmax starting from that result (``q_g``/``k_g`` unread).
     """
     from selfextend.core.fused_prefill_kernel import self_extend_prefill_kernel
 
@@ -161,9 +168,14 @@ def fused_self_extend_prefill(
     hkv, lk = k.shape[1], k.shape[2]
     if h % hkv or v.shape[1] != hkv or lk < lq:
         raise ValueError(f"fused prefill: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
-    n_grouped = 0 if k_g is None else min(k_g.shape[2], lk - window)
-    if q_g is None or k_g is None or n_grouped <= 0:
-        q_g, k_g, window, n_grouped = q, k, lk, 0  # every pair a neighbor (no distance reaches lk)
+    if grouped is not None:
+        first, out_g, lse_g = grouped
+        q_g, k_g, n_grouped = q, k, 0
+    else:
+        first, out_g, lse_g = 0, q, q.new_empty(1, 1, 1, dtype=torch.float32)  # (unread)
+        n_grouped = 0 if k_g is None else min(k_g.shape[2], lk - window)
+        if q_g is None or k_g is None or n_grouped <= 0:
+            q_g, k_g, window, n_grouped = q, k, lk, 0  # every pair a neighbor (no distance reaches lk)
     window = min(window, lk)
     cfg = config or default_config(d, q.dtype, softcap is not None, compute_capability(q.device))
     block_d = max(16, 1 << (d - 1).bit_length())  # tl.dot wants 16 or more, a power of two
@@ -174,6 +186,8 @@ def fused_self_extend_prefill(
             q, q_g, k, k_g, v, out,
             *q.stride(), *q_g.stride(), *k.stride(), *k_g.stride(), *v.stride(), *out.stride(),
             h, h // hkv, lq, lk, n_grouped, window, float(scale), float(softcap or 0.0),
+            out_g, lse_g, first, *out_g.stride(), *lse_g.stride(),
+            BAND=grouped is not None,
             SOFTCAP=softcap is not None,
             IEEE=q.dtype == torch.float32,
             UPCAST=interpreting() and q.dtype == torch.bfloat16,
@@ -184,5 +198,27 @@ def fused_self_extend_prefill(
             BLOCK_D=block_d,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
+        )  # fmt: skip
+    return out
+
+
+def fused_rotate(x: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """:func:`~selfextend.core.rope.rotate` in one kernel where every dimension rotates (else that
+    function): ``x`` (B, H, L, D) read once and the result written once, in x's type, where torch's ops
+    make four float32 passes (2.1 ms of a 32k-token layer's grouped queries and keys on an H200, against
+    20.9 for the attention itself). The angles and their cos/sin as ``Rotation.of`` makes them."""
+    from selfextend.core.fused_prefill_kernel import rotate_kernel
+
+    rot = Rotation.of(delta, inv_freq.to(x.device))
+    b, h, length, d = x.shape
+    if rot.cos.shape[-1] != d or d % 2:
+        return rot.apply(x)
+    cos, sin = rot.cos.contiguous(), rot.sin.contiguous()  # (B or 1, 1, L, D)
+    out = torch.empty(b, h, length, d, dtype=x.dtype, device=x.device)
+    block_l = max(4, 2048 // d)  # 2,048 elements a program: 16 a thread, none spilled at head 256
+    with on_device(x.device):
+        rotate_kernel[(b * h, -(-length // block_l))](
+            x, cos, sin, out, *x.stride(), cos.stride(0) if cos.shape[0] > 1 else 0, cos.stride(2),
+            h, length, HALF=d // 2, BLOCK_L=block_l, BLOCK_H=pow2(d // 2), num_warps=4,
         )  # fmt: skip
     return out

@@ -202,6 +202,17 @@ def self_extend_prefill_kernel(
     window,
     qk_scale,
     softcap,
+    go_ptr,
+    glse_ptr,
+    first,
+    s_ib,
+    s_ih,
+    s_im,
+    s_id,
+    s_lb,
+    s_lh,
+    s_lm,
+    BAND: tl.constexpr,
     SOFTCAP: tl.constexpr,
     IEEE: tl.constexpr,
     UPCAST: tl.constexpr,
@@ -213,7 +224,12 @@ def self_extend_prefill_kernel(
 ):
     """One block of query rows of one (batch, head): grid (B * H, cdiv(Lq, BLOCK_M)), heads varying fastest
     and the longest blocks (last rows, most keys) launched first, so the causal tail is short and the query
-    heads sharing a KV head run side by side. Query head ``h`` reads KV head ``h // n_rep`` in place."""
+    heads sharing a KV head run side by side. Query head ``h`` reads KV head ``h // n_rep`` in place.
+
+    ``BAND``: the grouped pairs were attended elsewhere (a causal kernel of the grouped queries over the
+    grouped keys: :func:`~selfextend.core.fused_prefill.fused_self_extend_prefill`'s ``grouped``): row
+    ``r >= first`` starts its softmax from that result's row ``r - first`` (``go``: its output, ``glse``:
+    its natural log-sum-exp) and this program walks the neighbor pairs alone."""
     m_block = tl.cdiv(lq, BLOCK_M) - 1 - tl.program_id(1)
     bh = tl.program_id(0)
     b = (bh // n_heads).to(tl.int64)
@@ -250,17 +266,26 @@ def self_extend_prefill_kernel(
     else:
         l_i = tl.zeros([BLOCK_M, 16], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    q_g = tl.load(qg_base + g_tile, mask=q_ok, other=0.0)
-    acc, l_i, m_i = _key_range(
-        acc, l_i, m_i, q_g, kg_base, v_base, s_cn, s_cd, s_vn, s_vd,
-        rows, 0, g_end, n_grouped, lk, window, qk_scale, softcap,
-        True, False, SOFTCAP, PAD_D, IEEE, UPCAST, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D,
-    )  # fmt: skip
-    acc, l_i, m_i = _key_range(
-        acc, l_i, m_i, q_g, kg_base, v_base, s_cn, s_cd, s_vn, s_vd,
-        rows, g_end, b_end, n_grouped, lk, window, qk_scale, softcap,
-        True, True, SOFTCAP, PAD_D, IEEE, UPCAST, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D,
-    )  # fmt: skip
+    if BAND:  # the grouped result as the softmax's state: max lse (base 2), sum 1, accumulator its output
+        has = (offs_m >= first) & (offs_m < lq)  # (BLOCK_M,) rows with grouped keys
+        g_row = tl.where(has, offs_m - first, 0).to(tl.int64)
+        lse = tl.load(glse_ptr + b * s_lb + h * s_lh + g_row * s_lm, mask=has, other=float("-inf"))
+        m_i = lse * LOG2E
+        l_i += tl.where(has, 1.0, 0.0)[:, None]
+        go = go_ptr + b * s_ib + h * s_ih + g_row[:, None] * s_im + offs_d[None, :] * s_id
+        acc += tl.load(go, mask=has[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0).to(tl.float32)
+    if not BAND:
+        q_g = tl.load(qg_base + g_tile, mask=q_ok, other=0.0)
+        acc, l_i, m_i = _key_range(
+            acc, l_i, m_i, q_g, kg_base, v_base, s_cn, s_cd, s_vn, s_vd,
+            rows, 0, g_end, n_grouped, lk, window, qk_scale, softcap,
+            True, False, SOFTCAP, PAD_D, IEEE, UPCAST, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D,
+        )  # fmt: skip
+        acc, l_i, m_i = _key_range(
+            acc, l_i, m_i, q_g, kg_base, v_base, s_cn, s_cd, s_vn, s_vd,
+            rows, g_end, b_end, n_grouped, lk, window, qk_scale, softcap,
+            True, True, SOFTCAP, PAD_D, IEEE, UPCAST, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D,
+        )  # fmt: skip
     q = tl.load(q_base + q_tile, mask=q_ok, other=0.0)
     acc, l_i, m_i = _key_range(
         acc, l_i, m_i, q, k_base, v_base, s_kn, s_kd, s_vn, s_vd,
@@ -280,3 +305,42 @@ def self_extend_prefill_kernel(
     out = acc / tl.max(l_i, 1)[:, None]  # (its columns are equal)
     o_ptrs = o_ptr + b * s_ob + h * s_oh + at * s_om + in_m * s_om + offs_d[None, :] * s_od
     tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=q_ok)
+
+
+@_jit
+def rotate_kernel(
+    x_ptr,
+    cos_ptr,
+    sin_ptr,
+    o_ptr,
+    s_xb,
+    s_xh,
+    s_xl,
+    s_xd,
+    s_cb,
+    s_cl,
+    n_heads,
+    length,
+    HALF: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """``x * cos + swap_halves(x) * sin`` (:meth:`~selfextend.core.rope.Rotation.apply`, every dimension
+    rotating) for ``BLOCK_L`` rows of one (batch, head): x read once in its type, float32 inside, the
+    result stored once in x's type into the contiguous (B, H, L, D) ``o``. Grid (B * H, cdiv(L, BLOCK_L))."""
+    bh = tl.program_id(0)
+    b = (bh // n_heads).to(tl.int64)
+    h = (bh % n_heads).to(tl.int64)
+    rows = (tl.program_id(1) * BLOCK_L + tl.arange(0, BLOCK_L)).to(tl.int64)  # (BLOCK_L,)
+    cols = tl.arange(0, BLOCK_H)  # (BLOCK_H,) a half's dimensions
+    ok = (rows < length)[:, None] & (cols < HALF)[None, :]
+    x = x_ptr + b * s_xb + h * s_xh + rows[:, None] * s_xl + cols[None, :] * s_xd  # (BLOCK_L, BLOCK_H)
+    lo = tl.load(x, mask=ok, other=0.0).to(tl.float32)
+    hi = tl.load(x + HALF * s_xd, mask=ok, other=0.0).to(tl.float32)
+    t = b * s_cb + rows[:, None] * s_cl + cols[None, :]
+    c_lo, c_hi = tl.load(cos_ptr + t, mask=ok, other=0.0), tl.load(cos_ptr + t + HALF, mask=ok, other=0.0)
+    s_lo, s_hi = tl.load(sin_ptr + t, mask=ok, other=0.0), tl.load(sin_ptr + t + HALF, mask=ok, other=0.0)
+    o = o_ptr + ((b * n_heads + h) * length + rows[:, None]) * (2 * HALF) + cols[None, :]
+    ty = o_ptr.dtype.element_ty
+    tl.store(o, (lo * c_lo + hi * s_lo).to(ty), mask=ok)
+    tl.store(o + HALF, (hi * c_hi + lo * s_hi).to(ty), mask=ok)
