@@ -317,19 +317,20 @@ def test_self_extend_blocks_nest():
 
 def test_portable_kernel_equals_cpu_flash_kernel(monkeypatch):
     """The matmul fallback used off-CPU computes the same attention and log-sum-exp as the fused kernel."""
+    import selfextend.core.attend as attend
     import selfextend.core.attention as attention
 
     torch.manual_seed(0)
     q, k, v = torch.randn(1, 4, 300, 16), torch.randn(1, 4, 300, 16), torch.randn(1, 4, 300, 16)
     mask = torch.zeros(300, 300).masked_fill_(torch.rand(300, 300) < 0.3, float("-inf")).fill_diagonal_(0.0)
     for kwargs in ({"is_causal": True}, {"mask": mask}, {}):
-        fused = attention.attend(q, k, v, 0.25, **kwargs)
-        portable = attention.attend_math(q, k, v, 0.25, chunk=64, **kwargs)
+        fused = attend.attend(q, k, v, 0.25, **kwargs)
+        portable = attend.attend_math(q, k, v, 0.25, chunk=64, **kwargs)
         assert (fused[0] - portable[0]).abs().max() < TOL and (fused[1] - portable[1]).abs().max() < TOL
     inv_freq = 1.0 / (10000 ** (torch.arange(0, 16, 2).float() / 16))
     pos = torch.arange(300)[None]
     reference = self_extend_attention_reference(q, k[:, :2], v[:, :2], pos, pos, 3, 20, inv_freq)
-    monkeypatch.setattr(attention, "attend", attention.attend_math)
+    monkeypatch.setattr(attention, "attend", attend.attend_math)
     portable = self_extend_attention(
         rotate(q, pos, inv_freq), rotate(k[:, :2], pos, inv_freq), v[:, :2], pos, 3, 20, inv_freq
     )
@@ -341,7 +342,7 @@ def test_portable_kernel_equals_cpu_flash_kernel(monkeypatch):
 def test_cuda_fused_kernels_equal_portable(dtype):
     """cuDNN / flash / memory-efficient attention with log-sum-exp against the portable kernel, on a GPU,
     two query heads to a KV head (cuDNN reads them in place)."""
-    import selfextend.core.attention as attention
+    import selfextend.core.attend as attend
 
     torch.manual_seed(0)
     q = torch.randn(1, 4, 300, 64, device="cuda", dtype=dtype)
@@ -350,8 +351,8 @@ def test_cuda_fused_kernels_equal_portable(dtype):
     mask.masked_fill_(torch.rand(300, 300, device="cuda") < 0.3, float("-inf")).fill_diagonal_(0.0)
     tol = TOL if dtype == torch.float32 else 2e-2
     for kwargs in ({"is_causal": True}, {"mask": mask}, {}):
-        fused = attention.attend_cuda(q, k, v, 0.125, **kwargs)
-        portable = attention.attend_math(q, k, v, 0.125, chunk=64, **kwargs)
+        fused = attend.attend_cuda(q, k, v, 0.125, **kwargs)
+        portable = attend.attend_math(q, k, v, 0.125, chunk=64, **kwargs)
         assert (fused[0].float() - portable[0].float()).abs().max() < tol
         assert (fused[1] - portable[1]).abs().max() < tol
 
@@ -379,19 +380,19 @@ def test_real_model_efficient_equals_reference_and_plain_at_g1():
 def test_cuda_fallback_warns_once(monkeypatch):
     """Fused CUDA kernels that refuse the problem: one warning per kind of refusal, then the portable math
     (the GPU path's fallback run on CPU tensors, with the fused call made to fail)."""
-    import selfextend.core.attention as attention
+    import selfextend.core.attend as attend
 
     def refuse(*args, **kwargs):
         raise RuntimeError("no kernel for head size 72\ndetails")
 
-    monkeypatch.setattr(attention, "attend_cuda", refuse)
-    monkeypatch.setattr(attention, "_FALLBACK_WARNED", set())
+    monkeypatch.setattr(attend, "attend_cuda", refuse)
+    monkeypatch.setattr(attend, "_FALLBACK_WARNED", set())
     q, k, v = (torch.randn(1, 2, 5, 8) for _ in range(3))
     with pytest.warns(UserWarning, match="no kernel for head size 72") as caught:
-        out = attention.fused_or_portable(q, k, v, 0.3, is_causal=True)
-        attention.fused_or_portable(q, k, v, 0.3, is_causal=True)
+        out = attend.fused_or_portable(q, k, v, 0.3, is_causal=True)
+        attend.fused_or_portable(q, k, v, 0.3, is_causal=True)
     assert len([w for w in caught if "fused CUDA" in str(w.message)]) == 1
-    want = attention.attend_math(q, k, v, 0.3, True, None)
+    want = attend.attend_math(q, k, v, 0.3, True, None)
     assert (out[0] - want[0]).abs().max() < TOL and (out[1] - want[1]).abs().max() < TOL
 
 

@@ -57,6 +57,7 @@ CONFIGS = [
     DecodeConfig(64, 512, 4, 3),
     DecodeConfig(64, 512, 4, 2),
     DecodeConfig(64, 1024, 4, 3),
+    DecodeConfig(64, 2048, 4, 3),
     DecodeConfig(64, 256, 4, 3),
     DecodeConfig(32, 512, 4, 3),
     DecodeConfig(64, 512, 8, 3),

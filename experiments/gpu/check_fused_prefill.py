@@ -97,7 +97,7 @@ def two_pass(*args: object) -> torch.Tensor:
 
 def split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_g: torch.Tensor, k_g: torch.Tensor):
     """The grouped pairs through torch's causal kernel, then the kernel on the band."""
-    grouped = attention.grouped_pass(q_g, k_g, v, WINDOW, D**-0.5, None)
+    grouped = attention.grouped_pass(q_g, k_g, v, WINDOW, D**-0.5, None, attention.attend_split)
     return fused_self_extend_prefill(q, k, v, None, None, WINDOW, D**-0.5, grouped=grouped)
 
 

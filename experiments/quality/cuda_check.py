@@ -1,6 +1,6 @@
 """The CUDA attention paths against the portable math on a GPU: run where torch sees one.
 
-The fused kernels (flash / memory-efficient with log-sum-exp, ``attention.attend_cuda``) and Self-Extend's
+The fused kernels (flash / memory-efficient with log-sum-exp, ``attend.attend_cuda``) and Self-Extend's
 efficient prefill on CUDA tensors against the full-matrix reference computed on the CPU, in float32 and
 bfloat16. Prints the largest differences and exits non-zero past the tolerance (1e-4 for float32, 2e-2 for
 bfloat16, the test suite's). ``pytest -k cuda tests/test_self_extend.py`` runs the same kernel check.
@@ -14,7 +14,7 @@ import sys
 
 import torch
 
-from selfextend.core import attention
+from selfextend.core import attend
 from selfextend.core.attention import self_extend_attention, self_extend_attention_reference
 from selfextend.core.rope import rotate
 
@@ -31,8 +31,8 @@ def main() -> int:
         mask = torch.zeros(300, 300, device="cuda", dtype=dtype)
         mask.masked_fill_(torch.rand(300, 300, device="cuda") < 0.3, float("-inf")).fill_diagonal_(0.0)
         for kwargs in ({"is_causal": True}, {"mask": mask}, {}):
-            fused = attention.attend_cuda(q, k, v, 0.125, **kwargs)
-            portable = attention.attend_math(q, k, v, 0.125, chunk=64, **kwargs)
+            fused = attend.attend_cuda(q, k, v, 0.125, **kwargs)
+            portable = attend.attend_math(q, k, v, 0.125, chunk=64, **kwargs)
             d_out = (fused[0].float() - portable[0].float()).abs().max().item()
             d_lse = (fused[1].float() - portable[1].float()).abs().max().item()
             print(f"attend_cuda {dtype} {list(kwargs) or ['none']}: out {d_out:.2e}, lse {d_lse:.2e}")

@@ -9,9 +9,10 @@ in increasing order, the queries' own keys last. A decode step (one query row) t
 :func:`~selfextend.core.decode_query.self_extend_decode`, which needs no mask.
 
 For prefill on CUDA with triton installed, gapless keys take one fused Triton kernel
-(:mod:`selfextend.core.fused_prefill`). Elsewhere the efficient kernel never builds a (Lq, Lk) score
-matrix: it runs two attention passes with a fused kernel that also returns the log-sum-exp of each row,
-and merges them exactly:
+(:mod:`selfextend.core.fused_prefill`); a long 16-bit prefill (:data:`SPLIT_ROWS`) takes its grouped pairs
+from cuDNN's causal attention first and the kernel walks only the neighbor band. Elsewhere the efficient
+kernel never builds a (Lq, Lk) score matrix: it runs two attention passes with a fused kernel that also
+returns the log-sum-exp of each row (:mod:`selfextend.core.attend`), and merges them exactly:
 
 - neighbor pass: query blocks against only the keys of their band ``(i - W, i]``;
 - grouped pass: in slot space, query row ``r`` (at slot ``off + r``) sees keys
@@ -25,17 +26,17 @@ position, query block by query block, so memory stays (block, Lk) there too.
 
 from __future__ import annotations
 
-import warnings
+from collections.abc import Callable
 
 import torch
 
+from selfextend.core.attend import attend, attend_split, merge_into, warn_fallback
 from selfextend.core.cells import KeyCells
 from selfextend.core.decode_query import grouped_prefix, self_extend_decode
 from selfextend.core.fused_prefill import fused_prefill_applies, fused_rotate, fused_self_extend_prefill
 from selfextend.core.masked import attention_by_position, repeat_kv, soft_cap
 from selfextend.core.positions import grouped_key_positions, grouped_query_positions, is_neighbor
 from selfextend.core.rope import RotationTable, rotate
-from selfextend.core.validate import first_line
 
 NEIGHBOR_BLOCK = 256
 # Prefills of this many query rows or more, in 16-bit floats, split Self-Extend in two on the fused path:
@@ -43,151 +44,6 @@ NEIGHBOR_BLOCK = 256
 # 420), then the neighbor band in our kernel, each row's softmax starting from the grouped result. Shorter
 # ones take the one kernel (a new shape costs cuDNN a plan, worth it only over many rows).
 SPLIT_ROWS = 4096
-
-
-def attend(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    scale: float,
-    is_causal: bool = False,
-    mask: torch.Tensor | None = None,
-    softcap: float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention that also returns the natural log-sum-exp of each row's scaled scores.
-
-    q (B, H, Lq, D), k/v (B, Hkv, Lk, D) with Hkv dividing H (query head ``h`` reads KV head
-    ``h // (H / Hkv)``) -> out (B, H, Lq, D), lse (B, H, Lq) in float32. ``is_causal`` is top-left aligned
-    (row r sees keys 0..r); ``mask`` is additive, in q's dtype. On the CPU the fused kernel reads the shared
-    KV heads in place (no (B, H, Lk, D) copies of the keys and values); the other paths repeat them.
-    ``softcap`` (attention logit soft-capping, Gemma 2), which no fused kernel computes, takes the math.
-    """
-    if softcap is not None:
-        return attend_math(q, k, v, scale, is_causal, mask, softcap=softcap)
-    if q.device.type == "cpu":
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, is_causal, attn_mask=mask, scale=scale
-        )
-        return out, lse
-    if q.device.type == "cuda":
-        return fused_or_portable(q, k, v, scale, is_causal, mask)
-    return attend_math(q, k, v, scale, is_causal, mask)
-
-
-def fused_or_portable(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    scale: float,
-    is_causal: bool = False,
-    mask: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``attend`` on a GPU: the fused kernels, or the portable math where they refuse the problem (said once
-    per kind of refusal)."""
-    try:
-        return attend_cuda(q, k, v, scale, is_causal, mask)
-    except torch.OutOfMemoryError:
-        raise
-    except RuntimeError as e:  # a head size, dtype or GPU the fused kernels do not take
-        _warn_fallback(e)
-    return attend_math(q, k, v, scale, is_causal, mask)
-
-
-_FALLBACK_WARNED: set[str] = set()
-
-
-def _warn_fallback(error: RuntimeError) -> None:
-    """Say once per kind of failure that the fused CUDA kernels were refused and the portable (slower) math
-    runs instead, so a broken GPU path is seen, not silently slow."""
-    first = first_line(error)
-    if first not in _FALLBACK_WARNED:
-        _FALLBACK_WARNED.add(first)
-        warnings.warn(f"fused CUDA attention refused ({first}); using the portable kernel", stacklevel=3)
-
-
-def attend_cuda(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    scale: float,
-    is_causal: bool = False,
-    mask: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``attend`` through torch's fused CUDA kernels that return the log-sum-exp.
-
-    cuDNN's attention for half-precision inputs without a mask (KV heads read in place; on an H200 with
-    torch 2.11 it is what ``scaled_dot_product_attention`` picks, 610 TFLOP/s at 32k tokens against flash
-    attention's 345: ``experiments/gpu/sdpa_probe.py``), flash attention where cuDNN refuses;
-    memory-efficient attention (which takes an additive bias and float32) otherwise. Raises RuntimeError
-    where none applies, and ``attend`` then falls back to the portable kernel. Causal calls here are
-    always square (Lq == Lk), where top-left and bottom-right alignment agree.
-    """
-    lq, lk = q.shape[-2], k.shape[-2]
-    if mask is None and q.dtype in (torch.float16, torch.bfloat16):
-        try:
-            out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
-                q, k, v, None, True, 0.0, is_causal, scale=scale
-            )[:2]
-            return out, lse.reshape(q.shape[:-1]).float()  # (B, H, Lq, 1) -> (B, H, Lq)
-        except RuntimeError:  # (a cuDNN without attention, a shape it refuses)
-            pass
-    k, v = repeat_kv(k, q.shape[1] // k.shape[1]), repeat_kv(v, q.shape[1] // v.shape[1])
-    if mask is None and q.dtype in (torch.float16, torch.bfloat16):
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, scale=scale)[
-            :2
-        ]
-        return out, lse.float()
-    bias = None
-    if mask is not None:
-        # The kernel wants the bias rows 16-element aligned: pad the storage, keep the view Lk wide.
-        padded = mask.new_empty(*mask.shape[:-1], -(-lk // 16) * 16)
-        padded[..., :lk] = mask
-        bias = padded[..., :lk].expand(q.shape[0], q.shape[1], lq, lk)  # (B, H, Lq, Lk)
-    out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
-        q, k, v, bias, True, 0.0, is_causal, scale=scale
-    )[:2]
-    return out, lse[..., :lq].float()  # the kernel pads the lse rows to a multiple of 32
-
-
-def attend_math(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    scale: float,
-    is_causal: bool = False,
-    mask: torch.Tensor | None = None,
-    chunk: int = 1024,
-    softcap: float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Portable ``attend``: explicit matmuls over query chunks, so memory stays (chunk, Lk)."""
-    lq, lk = q.shape[-2], k.shape[-2]
-    k, v = repeat_kv(k, q.shape[1] // k.shape[1]), repeat_kv(v, q.shape[1] // v.shape[1])
-    out = torch.empty_like(q)
-    lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
-    for r0 in range(0, lq, chunk):
-        r1 = min(r0 + chunk, lq)
-        s = torch.matmul(q[..., r0:r1, :].float(), k.float().transpose(-1, -2)) * scale  # (B, H, c, Lk)
-        s = soft_cap(s, softcap)
-        if mask is not None:
-            s = s + mask[..., r0:r1, :].float()
-        if is_causal:
-            rows = torch.arange(r0, r1, device=q.device)[:, None]
-            s = s.masked_fill(torch.arange(lk, device=q.device)[None] > rows, float("-inf"))
-        lse[..., r0:r1] = torch.logsumexp(s, dim=-1)
-        p = torch.exp(s - lse[..., r0:r1, None])
-        out[..., r0:r1, :] = torch.matmul(p, v.float()).to(q.dtype)
-    return out, lse
-
-
-def merge_into(
-    out: torch.Tensor, lse: torch.Tensor, other: torch.Tensor, other_lse: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact softmax merge of two attention results over disjoint key sets, via their log-sum-exp."""
-    new_lse = torch.logaddexp(lse, other_lse)
-    w_self = torch.exp(lse - new_lse)[..., None]
-    w_other = torch.exp(other_lse - new_lse)[..., None]
-    merged = out.float() * w_self + other.float() * w_other
-    return merged.to(out.dtype), new_lse
 
 
 def _neighbor_pass(
@@ -240,13 +96,21 @@ def sliding_window_attention(
 
 
 def grouped_pass(
-    q_g: torch.Tensor, k_g: torch.Tensor, v: torch.Tensor, window: int, scale: float, softcap: float | None
+    q_g: torch.Tensor,
+    k_g: torch.Tensor,
+    v: torch.Tensor,
+    window: int,
+    scale: float,
+    softcap: float | None,
+    attend_with: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> tuple[int, torch.Tensor, torch.Tensor] | None:
-    """Query rows against keys at distance >= W, at grouped positions.
+    """Query rows against keys at distance >= W, at grouped positions (through ``attend_with``, default
+    :func:`~selfextend.core.attend.attend`).
 
     ``k_g`` holds only the first ``Lk - W`` keys (the ones any row can see grouped).
     Returns (first row that has grouped keys, out, lse for rows from it on), or None.
     """
+    call = attend_with or attend
     lq = q_g.shape[-2]
     n_grouped = k_g.shape[-2]  # = Lk - W
     c = n_grouped - lq  # row r sees grouped keys 0 .. r + c
@@ -254,19 +118,32 @@ def grouped_pass(
         first = -c
         if first >= lq:
             return None
-        out, lse = attend(q_g[..., first:, :], k_g, v[..., :n_grouped, :], scale, True, softcap=softcap)
+        out, lse = call(q_g[..., first:, :], k_g, v[..., :n_grouped, :], scale, True, softcap=softcap)
         return first, out, lse
-    out, lse = attend(q_g, k_g[..., c:, :], v[..., c:n_grouped, :], scale, True, softcap=softcap)
+    out, lse = call(q_g, k_g[..., c:, :], v[..., c:n_grouped, :], scale, True, softcap=softcap)
     if c > 0:
-        out_a, lse_a = attend(q_g, k_g[..., :c, :], v[..., :c, :], scale, softcap=softcap)
+        out_a, lse_a = call(q_g, k_g[..., :c, :], v[..., :c, :], scale, softcap=softcap)
         out, lse = merge_into(out, lse, out_a, lse_a)
     return 0, out, lse
 
 
 def split_applies(q: torch.Tensor) -> bool:
     """Whether a fused prefill of ``q`` takes its grouped pairs from torch's causal kernel first
-    (:data:`SPLIT_ROWS`): 16-bit floats, where cuDNN and flash attention run, and many rows."""
+    (:data:`SPLIT_ROWS`): 16-bit floats, where cuDNN runs, and many rows."""
     return q.dtype in (torch.float16, torch.bfloat16) and q.shape[-2] >= SPLIT_ROWS
+
+
+def _split_grouped(
+    q_g: torch.Tensor, k_g: torch.Tensor, v: torch.Tensor, window: int, scale: float
+) -> tuple[int, torch.Tensor, torch.Tensor] | None:
+    """The split's grouped pairs, or None where cuDNN refuses them (said once; the one kernel runs)."""
+    try:
+        return grouped_pass(q_g, k_g, v, window, scale, None, attend_split)
+    except torch.OutOfMemoryError:
+        raise
+    except RuntimeError as e:
+        warn_fallback(e, "cuDNN refused Self-Extend's grouped pairs ({}); every pair in the one kernel")
+        return None
 
 
 def untagged_cells(k: torch.Tensor, q_pos: torch.Tensor) -> KeyCells:
@@ -328,7 +205,7 @@ def self_extend_attention(
     if fused:
         grouped = None
         if q_g is not None and k_g is not None and softcap is None and split_applies(q):
-            grouped = grouped_pass(q_g, k_g, v, window, scale, None)
+            grouped = _split_grouped(q_g, k_g, v, window, scale)
         return fused_self_extend_prefill(q, k, v, q_g, k_g, window, scale, softcap, grouped=grouped)
     out, lse = _neighbor_pass(q, k, v, window, scale, softcap)
     if n_grouped <= 0:

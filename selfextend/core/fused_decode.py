@@ -66,9 +66,12 @@ def fused_decode_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> b
 
 @lru_cache(maxsize=8)
 def _programs(device: torch.device) -> int:
-    """How many programs fill the device: four per multiprocessor on CUDA, a few under the interpreter."""
+    """How many programs fill the device: two per multiprocessor on CUDA (what one holds at once at the
+    default tiles: one wave, no tail; on an H200 at 32k cells 1,024 cells a program took 0.067 ms a layer,
+    512 (four a multiprocessor) 0.073, 256 0.083: experiments/gpu/check_fused_decode.py), a few under the
+    interpreter."""
     if device.type == "cuda":
-        return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+        return 2 * torch.cuda.get_device_properties(device).multi_processor_count
     return 4
 
 
