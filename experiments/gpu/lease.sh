@@ -6,11 +6,11 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:-.}
-nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv > "$out/smi.csv" 2>&1
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv 2>&1
 for spec in "$@"; do
     IFS=: read -r section seconds flags <<< "$spec"
     mkdir -p "$out/$section"
     start=$SECONDS
     OUT="$out/$section" timeout "$seconds" bash experiments/gpu/run.sh --only "$section" $flags
-    echo "== section $section: exit $? after $((SECONDS - start)) s (limit $seconds)" | tee -a "$out/smi.csv"
+    echo "== section $section: exit $? after $((SECONDS - start)) s (limit $seconds)"
 done
