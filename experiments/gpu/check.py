@@ -1,4 +1,4 @@
-"""Every GPU check of issue 48 in one run (estimated 5-6 minutes on an H200; not yet run on one).
+"""Every GPU check of issue 48 in one run (about 5.5 minutes on an H200; lease.sh runs its sections apart).
 
 1. **parity** (tiny random models, float32): generate through two context shifts (Llama, Qwen3, Gemma 3;
    plain and Self-Extend), greedy and seeded, on ``cuda`` against the CPU; two batched slots against each

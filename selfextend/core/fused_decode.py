@@ -87,9 +87,10 @@ def default_config(
     (16 for both: a 32-cell tile's pipeline of grouped 256-wide keys takes 185 KiB of shared memory, more
     than an A100 has), half of it for float32 cells (at least 16), 4 warps, 3 tiles in flight: a guess
     that compiles without spilling registers for sm_90 and sm_80 (experiments/gpu/kernel_build.py; grouped
-    float32 cells and 256-wide grouped heads spill 40-128 bytes a thread), not yet timed
-    (experiments/gpu/check_fused_decode.py times others); runs of cells long enough to fill the device
-    once (at least 4 tiles, so a program's setup is paid back). On the cards with 99 KiB of shared memory
+    float32 cells and 256-wide grouped heads spill 40-128 bytes a thread), timed on an H200 for the 8B
+    shape's bf16 head 128 only (experiments/gpu/check_fused_decode.py: 64-cell tiles, 4 warps, 3 stages the
+    fastest of those tried); runs of cells long enough to fill the device once (at least 4 tiles, so a
+    program's setup is paid back). On the cards with 99 KiB of shared memory
     a program (8.6, 8.9: RTX 30/40, A10, L4) the 16-cell tile of grouped 256-wide keys takes 112 KiB at 2
     or 3 tiles in flight and its launch is refused: there one tile at a time, 8 warps (56 KiB; 56 bytes
     spilled a thread, where 4 warps spill 144)."""
