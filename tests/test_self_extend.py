@@ -337,7 +337,7 @@ def test_portable_kernel_equals_cpu_flash_kernel(monkeypatch):
     assert (portable - reference).abs().max() < TOL
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (passed on an H100, 2026-11-24)")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (passed on an H200, 2026-11-30)")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_fused_kernels_equal_portable(dtype):
     """cuDNN / flash / memory-efficient attention with log-sum-exp against the portable kernel, on a GPU,

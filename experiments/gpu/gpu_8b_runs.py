@@ -5,7 +5,13 @@ CPU path's to bf16 tolerance"; chat the same).
 
 Random weights give near-flat logits, so two devices' greedy tokens part at the first near-tie: the CPU is
 fed the GPU's tokens (teacher forcing) and the logits of every step are compared, as the largest difference
-over the largest logit. The CPU copy of the model takes about 16 GB of host memory and a few seconds a
+over the largest logit. What bf16's tolerance is here was measured, not assumed: on an H200 (2026-11-30) two
+slots stepped together parted from each stepped alone by 6e-2 at the one step whose products were rounded
+in another order, and the GPU from the CPU by 6-7e-2, where a fixed 2e-2 was asked. So each bf16 path is
+judged by a float32 copy of the model on the GPU, written the same tokens: a path under test passes when
+it is as close to it as the path it is checked against, within :data:`RATIO` (or within :data:`FLOOR`
+of it). A fault (a wrong position, a stale cell) puts a path far from the float32 model; rounding in
+another order does not. The CPU copy of the model takes about 16 GB of host memory and a few seconds a
 token (14 tokens a run: 8 to the shift, 6 after). ``chat`` takes the default model's tokenizer and chat
 template (``.gpu/tiny``'s, else the installed default model's): its 49,152 ids are all rows of the shape's
 128,256; the ids past them that the random model picks decode to no text, as a padded vocabulary's do.
@@ -13,6 +19,7 @@ template (``.gpu/tiny``'s, else the installed default model's): its 49,152 ids a
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import statistics
 import time
@@ -31,7 +38,7 @@ from selfextend.generation.generator import Generator
 from selfextend.kv.cache import ContextShiftCache
 
 CTX, KEEP, PROMPT_LEN, TOKENS = 64, 4, 56, 14  # a context shift after 8 tokens
-TOLERANCE = 2e-2  # bfloat16 keeps 8 bits; 32 layers of differently ordered sums
+RATIO, FLOOR = 2.0, 1e-3  # a path under test within RATIO x its yardstick's error from float32, or FLOOR
 CHAT_CTX, CHAT_TOKENS = 64, 8  # the second turn shifts the first exchange out
 TURNS = ("Hello! What is a rotary position embedding?", "And what does a context shift drop?")
 TINY = Path(__file__).resolve().parents[2] / ".gpu" / "tiny"  # prepare.sh's tiny model: the tokenizer
@@ -44,20 +51,49 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _generator(model: torch.nn.Module) -> Generator:
-    return Generator(model, ContextShiftCache(model, CTX, n_keep=KEEP, dtype=torch.bfloat16))
+    dtype = next(model.parameters()).dtype  # (bf16 cells; the float32 copy's float32)
+    return Generator(model, ContextShiftCache(model, CTX, n_keep=KEEP, dtype=dtype))
 
 
-def _teacher_forced(gpu: torch.nn.Module, cpu: torch.nn.Module, prompt: list[int]) -> tuple[float, int]:
-    """Greedy tokens on the GPU through the context shifts; the CPU written the same tokens. The worst
-    relative logit difference over the steps, and the GPU cache's shifts."""
-    a, b = _generator(gpu), _generator(cpu)
-    la, lb = a.feed(prompt), b.feed(prompt)
-    worst = _relative(la, lb)
-    for _ in range(TOKENS):
-        token = int(la.argmax())
-        la, lb = a.write([token]), b.write([token])
-        worst = max(worst, _relative(la, lb))
-    return worst, a.cache.shifts
+def _exact(model: torch.nn.Module) -> torch.nn.Module:
+    """A float32 copy of ``model`` on its device (32 GB for the 8B shape): the yardstick."""
+    return copy.deepcopy(model).float()
+
+
+def _judged(tested: float, yardstick: float) -> bool:
+    """Whether a path ``tested`` away from the float32 model is as close as its ``yardstick`` path."""
+    return tested <= RATIO * yardstick + FLOOR
+
+
+def _teacher_forced(
+    gpu: torch.nn.Module, cpu: torch.nn.Module, exact: torch.nn.Module, prompt: list[int]
+) -> tuple[dict[str, float], int]:
+    """Greedy tokens on the GPU through the context shifts; the CPU and the float32 copy written the same
+    tokens. The worst relative logit difference over the steps of the GPU's and the CPU's from the float32
+    copy's and of the GPU's from the CPU's; the GPU cache's shifts."""
+    gens = [_generator(m) for m in (gpu, cpu, exact)]
+    logits = [g.feed(prompt) for g in gens]
+    worst = dict.fromkeys(("gpu", "cpu", "apart"), 0.0)
+    for step in range(TOKENS + 1):
+        a, b, c = logits
+        worst = {
+            "gpu": max(worst["gpu"], _relative(a, c)),
+            "cpu": max(worst["cpu"], _relative(b, c)),
+            "apart": max(worst["apart"], _relative(a, b)),
+        }
+        if step < TOKENS:
+            token = int(a.argmax())
+            logits = [g.write([token]) for g in gens]
+    return worst, gens[0].cache.shifts
+
+
+def _said(worst: dict[str, float]) -> dict[str, str]:
+    """The errors of a record: each path's from the float32 copy, and the two apart."""
+    return {
+        "gpu_from_float32": f"{worst['gpu']:.1e}",
+        "cpu_from_float32": f"{worst['cpu']:.1e}",
+        "gpu_from_cpu": f"{worst['apart']:.1e}",
+    }
 
 
 def _slot_times(model: torch.nn.Module, prompt: list[int]) -> dict[str, float]:
@@ -106,65 +142,80 @@ def runs(
     prompt = torch.randint(100, vocab - 1, (PROMPT_LEN,), generator=g).tolist()
     spec = f"selfextend:G={group},W={window}"
     if slots:
-        with applied(gpu_model, parse_method(spec)):  # the slots' rows through Self-Extend's grouped cells
-            guarded("8b two slots", _two_slots, report, gpu_model, prompt, gpu)
+        exact = _exact(gpu_model)
+        # the slots' rows through Self-Extend's grouped cells
+        with applied(gpu_model, parse_method(spec)), applied(exact, parse_method(spec)):
+            guarded("8b two slots", _two_slots, report, gpu_model, exact, prompt, gpu)
             guarded("8b two slots ms a step", _report_slot_times, report, gpu_model, prompt, gpu)
+        del exact
     if not cpu_copy:
         return
     device = next(gpu_model.parameters()).device
     cpu = copy.deepcopy(gpu_model).to("cpu") if device.type != "cpu" else copy.deepcopy(gpu_model)
+    exact = _exact(gpu_model)
     for se in (False, True):
         name = "8b generate" + (f" self-extend G={group} W={window}" if se else "")
-        guarded(
-            name, _generate, report, name, gpu_model, cpu, prompt, parse_method(spec) if se else None, gpu
-        )
+        method = parse_method(spec) if se else None
+        guarded(name, _generate, report, name, (gpu_model, cpu, exact), prompt, method, gpu)
     for method in ("plain", spec):
-        guarded(f"8b ppl {method}", _ppl, report, gpu_model, cpu, prompt, method, gpu)
+        guarded(f"8b ppl {method}", _ppl, report, (gpu_model, cpu, exact), prompt, method, gpu)
     guarded(f"8b passkey answer {spec}", _passkey, report, gpu_model, cpu, prompt, spec, gpu)
-    guarded("8b chat", _chat, report, gpu_model, cpu, gpu)
-    del cpu
+    guarded("8b chat", _chat, report, (gpu_model, cpu, exact), gpu)
+    del cpu, exact
 
 
 def _generate(
     report: Callable[..., None],
     name: str,
-    gpu_model: torch.nn.Module,
-    cpu: torch.nn.Module,
+    models: tuple[torch.nn.Module, torch.nn.Module, torch.nn.Module],
     prompt: list[int],
     method: Method | None,
     gpu: str,
 ) -> None:
-    """Greedy through a context shift on the GPU, the CPU teacher-forced, under ``method`` (None: plain)."""
-    if method is None:
-        worst, shifts = _teacher_forced(gpu_model, cpu, prompt)
-    else:
-        with applied(gpu_model, method), applied(cpu, method):
-            worst, shifts = _teacher_forced(gpu_model, cpu, prompt)
-    ok = worst < TOLERANCE and shifts >= 1
-    report(name, ok=ok, worst_relative_logit=f"{worst:.1e}", shifts=shifts, gpu=gpu)
+    """Greedy through a context shift on the GPU, the CPU and the float32 copy teacher-forced, under
+    ``method`` (None: plain)."""
+    with contextlib.ExitStack() as stack:
+        for model in models if method is not None else ():
+            stack.enter_context(applied(model, method))
+        worst, shifts = _teacher_forced(*models, prompt)
+    ok = _judged(worst["gpu"], worst["cpu"]) and shifts >= 1
+    report(name, ok=ok, **_said(worst), shifts=shifts, gpu=gpu)
 
 
-def _two_slots(report: Callable[..., None], gpu_model: torch.nn.Module, prompt: list[int], gpu: str) -> None:
+def _two_slots(
+    report: Callable[..., None],
+    gpu_model: torch.nn.Module,
+    exact: torch.nn.Module,
+    prompt: list[int],
+    gpu: str,
+) -> None:
     """Two slots in one forward (the server's batched step) against each written alone, on the GPU, each
-    through a shift."""
+    through a shift, both judged by the float32 copy written the same tokens."""
     batched = BatchedDecode(gpu_model, shared_from=2)
     gens, alone = [_generator(gpu_model) for _ in range(2)], [_generator(gpu_model) for _ in range(2)]
-    logits = [x.feed(prompt[:n]) for x, n in zip(gens, (56, 52), strict=True)]
-    solo = [x.feed(prompt[:n]) for x, n in zip(alone, (56, 52), strict=True)]
-    steps = []  # each step's worst of the two slots: flat (rounding) or rising at the shift (a fault)
+    truth = [_generator(exact) for _ in range(2)]
+    lengths = (56, 52)
+    logits = [x.feed(prompt[:n]) for x, n in zip(gens, lengths, strict=True)]
+    solo = [x.feed(prompt[:n]) for x, n in zip(alone, lengths, strict=True)]
+    want = [x.feed(prompt[:n]) for x, n in zip(truth, lengths, strict=True)]
+    steps = []  # each step's worst of the two slots, batched against alone: where they part
+    worst = dict.fromkeys(("gpu", "cpu"), 0.0)  # (the batched rows', and each alone's, from float32)
     for _ in range(TOKENS):
         tokens = [int(x.argmax()) for x in logits]
         logits = batched(list(zip(gens, tokens, strict=True)))
         solo = [x.write([t]) for x, t in zip(alone, tokens, strict=True)]
+        want = [x.write([t]) for x, t in zip(truth, tokens, strict=True)]
         steps.append(max(_relative(x, y) for x, y in zip(logits, solo, strict=True)))
+        worst["gpu"] = max(worst["gpu"], *(_relative(x, y) for x, y in zip(logits, want, strict=True)))
+        worst["cpu"] = max(worst["cpu"], *(_relative(x, y) for x, y in zip(solo, want, strict=True)))
     shifts = [x.cache.shifts for x in gens]
-    worst = max(steps)
-    ok = worst < TOLERANCE and min(shifts) >= 1
+    ok = _judged(worst["gpu"], worst["cpu"]) and min(shifts) >= 1
     report(
         "8b two slots",
         ok=ok,
-        worst_relative_logit=f"{worst:.1e}",
-        per_step=[f"{x:.0e}" for x in steps],
+        batched_from_float32=f"{worst['gpu']:.1e}",
+        alone_from_float32=f"{worst['cpu']:.1e}",
+        per_step_apart=[f"{x:.0e}" for x in steps],
         shifts=shifts,
         gpu=gpu,
     )
@@ -178,19 +229,21 @@ def _report_slot_times(
 
 def _ppl(
     report: Callable[..., None],
-    gpu_model: torch.nn.Module,
-    cpu: torch.nn.Module,
+    models: tuple[torch.nn.Module, torch.nn.Module, torch.nn.Module],
     prompt: list[int],
     spec: str,
     gpu: str,
 ) -> None:
-    """``ppl``'s per-token scores of the prompt under ``spec`` on both devices."""
+    """``ppl``'s per-token scores of the prompt under ``spec`` on both devices and the float32 copy
+    (largest absolute differences, in nats)."""
     ids = torch.tensor([prompt])
-    device = next(gpu_model.parameters()).device
-    with applied(gpu_model, parse_method(spec)), applied(cpu, parse_method(spec)):
-        a, b = token_nll(gpu_model, ids.to(device)), token_nll(cpu, ids)
-    diff = float((a.float().cpu() - b.float()).abs().max())
-    report(f"8b ppl {spec}", ok=diff < 0.05, max_abs_nll_difference=f"{diff:.1e}", gpu=gpu)
+    with contextlib.ExitStack() as stack:
+        for model in models:
+            stack.enter_context(applied(model, parse_method(spec)))
+        a, b, c = (token_nll(m, ids.to(next(m.parameters()).device)).float().cpu() for m in models)
+    worst = {"gpu": float((a - c).abs().max()), "cpu": float((b - c).abs().max())}
+    worst["apart"] = float((a - b).abs().max())
+    report(f"8b ppl {spec}", ok=_judged(worst["gpu"], worst["cpu"]), **_said(worst), gpu=gpu)
 
 
 def _passkey(
@@ -236,14 +289,20 @@ def _chat_turns(model: torch.nn.Module, tokenizer, forced: list[int] | None = No
     return seen, tokens, replies, session.cache.shifts
 
 
-def _chat(report: Callable[..., None], gpu_model: torch.nn.Module, cpu: torch.nn.Module, gpu: str) -> None:
-    """``chat``'s session on the GPU (greedy) and on the CPU written the same tokens: every step's logits
-    to bfloat16's tolerance, the same replies' text and shifts."""
+def _chat(
+    report: Callable[..., None], models: tuple[torch.nn.Module, torch.nn.Module, torch.nn.Module], gpu: str
+) -> None:
+    """``chat``'s session on the GPU (greedy), on the CPU and the float32 copy written the same tokens:
+    every step's logits judged by the float32 copy's, the same replies' text and shifts."""
     tokenizer = _tokenizer()
-    a_logits, tokens, a_replies, a_shifts = _chat_turns(gpu_model, tokenizer)
-    b_logits, _, b_replies, b_shifts = _chat_turns(cpu, tokenizer, forced=tokens)
-    worst = max(_relative(x, y) for x, y in zip(a_logits, b_logits, strict=True))
-    ok = worst < TOLERANCE and a_replies == b_replies and a_shifts == b_shifts >= 1
-    report(
-        "8b chat", ok=ok, worst_relative_logit=f"{worst:.1e}", tokens=len(tokens), shifts=a_shifts, gpu=gpu
-    )
+    a_logits, tokens, a_replies, a_shifts = _chat_turns(models[0], tokenizer)
+    b_logits, _, b_replies, b_shifts = _chat_turns(models[1], tokenizer, forced=tokens)
+    c_logits = _chat_turns(models[2], tokenizer, forced=tokens)[0]
+
+    def apart(xs: list[torch.Tensor], ys: list[torch.Tensor]) -> float:
+        return max(_relative(x, y) for x, y in zip(xs, ys, strict=True))
+
+    worst = {"gpu": apart(a_logits, c_logits), "cpu": apart(b_logits, c_logits)}
+    worst["apart"] = apart(a_logits, b_logits)
+    ok = _judged(worst["gpu"], worst["cpu"]) and a_replies == b_replies and a_shifts == b_shifts >= 1
+    report("8b chat", ok=ok, **_said(worst), tokens=len(tokens), shifts=a_shifts, gpu=gpu)
