@@ -422,3 +422,32 @@ def test_an_input_or_cache_past_the_reach_is_warned_once():
         warnings.simplefilter("always")
         ContextShiftCache(model, 2 * reach)
     assert [str(w.message).split(" is past")[0] for w in caught] == [f"a cache of {2 * reach:,} tokens"]
+
+
+def test_untagged_positions_are_read_on_the_host_once_per_tensor():
+    """transformers hands every layer of a forward the same position ids (views of one tensor): their
+    first position is read on the host (a GPU sync) once, not once a layer; an in-place edit or a new
+    tensor is read again, and the values are those of a fresh read."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from selfextend.core.attention import untagged_cells
+
+    class Reads(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._local_scalar_dense.default:  # int(), bool() of a tensor
+                Reads.count += 1
+            return func(*args, **(kwargs or {}))
+
+    k = torch.zeros(1, 2, 6, 4)
+    ids = torch.arange(10, 16)[None]
+    with Reads():
+        firsts = [untagged_cells(k, ids.expand(1, -1)).first for _ in range(4)]
+        once = Reads.count
+        ids.add_(5)
+        edited = untagged_cells(k, ids.expand(1, -1)).first
+        chunk = untagged_cells(torch.zeros(1, 2, 8, 4), ids).first  # keys before the queries (a cache)
+        gaps = untagged_cells(k, torch.tensor([[0, 1, 3, 4, 5, 6]])).first
+    assert firsts == [10] * 4 and once == 2  # (the gap test and the first position: one layer's reads)
+    assert (edited, chunk, gaps) == (15, 13, None)

@@ -31,7 +31,7 @@ from collections.abc import Callable
 import torch
 
 from selfextend.core.attend import attend, attend_split, merge_into, warn_fallback
-from selfextend.core.cells import KeyCells
+from selfextend.core.cells import KeyCells, read_once
 from selfextend.core.decode_query import grouped_prefix, self_extend_decode
 from selfextend.core.fused_prefill import fused_prefill_applies, fused_rotate, fused_self_extend_prefill
 from selfextend.core.masked import attention_by_position, repeat_kv, soft_cap
@@ -153,12 +153,21 @@ def untagged_cells(k: torch.Tensor, q_pos: torch.Tensor) -> KeyCells:
     the same position)."""
     lk, lq = k.shape[-2], q_pos.shape[-1]
     if lk == lq:
-        positions = q_pos
-        gapless = bool((q_pos[:, -1] - q_pos[:, 0] == lq - 1).all())
-    else:
-        positions = q_pos[:, -1:] - (lk - 1) + torch.arange(lk, device=k.device)  # (B, Lk)
-        gapless = True
-    return KeyCells(positions, int(positions[0, 0]) if gapless else None)
+        return KeyCells(q_pos, _first(q_pos, lk))
+    positions = q_pos[:, -1:] - (lk - 1) + torch.arange(lk, device=k.device)  # (B, Lk)
+    return KeyCells(positions, _first(q_pos, lk))
+
+
+def _first(q_pos: torch.Tensor, lk: int) -> int | None:
+    """``first`` of :func:`untagged_cells`, read on the host once per positions tensor (:func:`read_once`)."""
+    lq = q_pos.shape[-1]
+    if lk != lq:
+        return read_once(q_pos, ("last", lk), lambda: int(q_pos[0, -1]) - (lk - 1))
+
+    def first() -> int | None:
+        return int(q_pos[0, 0]) if bool((q_pos[:, -1] - q_pos[:, 0] == lq - 1).all()) else None
+
+    return read_once(q_pos, "first", first)
 
 
 def self_extend_attention(

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from transformers.masking_utils import causal_mask_function, prepare_padding_mask, sdpa_mask
 
+from selfextend.core.cells import read_once
 from selfextend.core.validate import ValidationError
 
 
@@ -79,7 +80,7 @@ def written(key: torch.Tensor, value: torch.Tensor, q_pos: torch.Tensor) -> tupl
     """Key and value slots up to the last query's position: a static cache (transformers' ``StaticCache``)
     hands every slot of its length, a slot's index its position, those past the queries not yet written
     (zeros); read as gapless keys ending at the last query they gave wrong logits."""
-    last = int(q_pos[:, -1].max()) + 1
+    last = read_once(q_pos, "written", lambda: int(q_pos[:, -1].max()) + 1)  # (once a forward, not a layer)
     if key.shape[2] <= last:
         return key, value
     return key[:, :, :last], value[:, :, :last]
