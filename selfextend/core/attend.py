@@ -96,10 +96,7 @@ def attend_cuda(
     lq, lk = q.shape[-2], k.shape[-2]
     if mask is None and q.dtype in (torch.float16, torch.bfloat16):
         try:
-            out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
-                q, k, v, None, True, 0.0, is_causal, scale=scale
-            )[:2]
-            return out, lse.reshape(q.shape[:-1]).float()  # (B, H, Lq, 1) -> (B, H, Lq)
+            return cudnn_attend(q, k, v, scale, is_causal)
         except RuntimeError:  # (a cuDNN without attention, a shape it refuses)
             pass
     k, v = repeat_kv(k, q.shape[1] // k.shape[1]), repeat_kv(v, q.shape[1] // v.shape[1])
@@ -174,6 +171,13 @@ def attend_split(
     kernel), ``attend`` elsewhere (the CPU's fused kernel, under Triton's interpreter: the tests)."""
     if q.device.type != "cuda":
         return attend(q, k, v, scale, is_causal, softcap=softcap)
+    return cudnn_attend(q, k, v, scale, is_causal)
+
+
+def cudnn_attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, is_causal: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``attend`` through cuDNN's kernel, KV heads read in place (RuntimeError where it refuses)."""
     out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
         q, k, v, None, True, 0.0, is_causal, scale=scale
     )[:2]
