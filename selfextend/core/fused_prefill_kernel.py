@@ -274,7 +274,7 @@ def self_extend_prefill_kernel(
         l_i += tl.where(has, 1.0, 0.0)[:, None]
         go = go_ptr + b * s_ib + h * s_ih + g_row[:, None] * s_im + offs_d[None, :] * s_id
         acc += tl.load(go, mask=has[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0).to(tl.float32)
-    if not BAND:
+    else:
         q_g = tl.load(qg_base + g_tile, mask=q_ok, other=0.0)
         acc, l_i, m_i = _key_range(
             acc, l_i, m_i, q_g, kg_base, v_base, s_cn, s_cd, s_vn, s_vd,
