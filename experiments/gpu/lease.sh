@@ -9,6 +9,10 @@ out=${OUT:-.}
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv 2>&1
 for spec in "$@"; do
     IFS=: read -r section seconds flags <<< "$spec"
+    if [[ ! "$seconds" =~ ^[0-9]+$ ]]; then
+        echo "lease.sh: each argument is SECTION:SECONDS[:FLAGS] (kernel:110), not '$spec'" >&2
+        exit 2
+    fi
     mkdir -p "$out/$section"
     start=$SECONDS
     OUT="$out/$section" timeout "$seconds" bash experiments/gpu/run.sh --only "$section" $flags
