@@ -15,8 +15,8 @@ rotated by the key table's rows in the kernel).
 
 triton is optional: nothing here imports it until a kernel runs, and :func:`fused_decode_applies` says
 no where it is missing. With ``TRITON_INTERPRET=1`` set before triton is imported, the kernels also run
-on CPU tensors (Triton's interpreter: slow, for tests). Not yet run on a GPU; compiled for sm_90 and
-sm_80 by ``experiments/gpu/kernel_build.py``.
+on CPU tensors (Triton's interpreter: slow, for tests). Run on an H200 (``experiments/gpu/runs/``); compiled
+for sm_90, sm_89 and sm_80 by ``experiments/gpu/kernel_build.py``.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from typing import NamedTuple
 
 import torch
 
-from selfextend.core import fused_prefill
 from selfextend.core.fused_prefill import (
     DTYPES,
     MAX_HEAD_DIM,
@@ -34,7 +33,6 @@ from selfextend.core.fused_prefill import (
     kernels_run_on,
     on_device,
     pow2,
-    small_shared,
 )
 from selfextend.core.rope import Rotation
 
@@ -83,25 +81,21 @@ def default_config(
     grouped: bool = False,
     dtype: torch.dtype = torch.bfloat16,
 ) -> DecodeConfig:
-    """Tiles of 64 cells, 32 where Self-Extend rotates keys in the tile (``grouped``) or heads are over 128
-    (16 for both: a 32-cell tile's pipeline of grouped 256-wide keys takes 185 KiB of shared memory, more
-    than an A100 has), half of it for float32 cells (at least 16), 4 warps, 3 tiles in flight: a guess
-    that compiles without spilling registers for sm_90 and sm_80 (experiments/gpu/kernel_build.py; grouped
-    float32 cells and 256-wide grouped heads spill 40-128 bytes a thread), timed on an H200 for the 8B
-    shape's bf16 head 128 only (experiments/gpu/check_fused_decode.py: 64-cell tiles, 4 warps, 3 stages the
-    fastest of those tried); runs of cells long enough to fill the device once (at least 4 tiles, so a
-    program's setup is paid back). On the cards with 99 KiB of shared memory
-    a program (8.6, 8.9: RTX 30/40, A10, L4) the 16-cell tile of grouped 256-wide keys takes 112 KiB at 2
-    or 3 tiles in flight and its launch is refused: there one tile at a time, 8 warps (56 KiB; 56 bytes
-    spilled a thread, where 4 warps spill 144)."""
+    """Tiles of 64 cells, 32 for heads over 128, 16 where Self-Extend rotates keys in the tile (``grouped``)
+    or cells are float32; 4 warps, 3 tiles in flight (2 for rotated keys); 256-wide rotated keys one tile at
+    a time with 8 warps (32 KiB of shared memory: every card takes it). Guesses that compile for sm_90 and
+    sm_80 (experiments/gpu/kernel_build.py) without spilling registers but for 256-wide rotated keys (~560
+    bytes a thread: the captured step reads stored grouped keys instead, which spill none), timed on an
+    H200 for the 8B shape's bf16 head 128 only (experiments/gpu/check_fused_decode.py: 64-cell tiles, 4
+    warps, 3 stages the fastest of those tried); runs of cells long enough to fill the device once (at
+    least 4 tiles, so a program's setup is paid back)."""
     wide = head_dim > 128
-    block_n = 16 if grouped and wide else 32 if grouped or wide else 64
-    block_n = max(16, block_n // 2) if dtype == torch.float32 else block_n
+    block_n = 16 if grouped or dtype == torch.float32 else 32 if wide else 64
     per_head = -(-n_cells * n_kv // _programs(device))  # cells a program takes to fill the device once
     split = -(-max(per_head, 4 * block_n) // block_n) * block_n
-    if grouped and wide and small_shared(fused_prefill.compute_capability(device)):
+    if grouped and wide:
         return DecodeConfig(block_n, split, 8, 1)
-    return DecodeConfig(block_n, split, 4)
+    return DecodeConfig(block_n, split, 4, 2 if grouped else 3)
 
 
 def fused_decode_attention(
@@ -173,7 +167,7 @@ def fused_decode_attention(
             UPCAST=interpreting(),
             HEAD_DIM=d,
             ROT_DIM=cos.shape[-1] if grouped else d,
-            BLOCK_R=max(16, pow2(n_rep)),
+            BLOCK_R=max(4, pow2(n_rep)),
             BLOCK_N=cfg.block_n,
             BLOCK_D=block_d,
             num_warps=cfg.num_warps,
