@@ -61,6 +61,12 @@ CONFIGS = [
     DecodeConfig(64, 256, 4, 3),
     DecodeConfig(32, 512, 4, 3),
     DecodeConfig(64, 512, 8, 3),
+    DecodeConfig(32, 1024, 4, 3),
+    DecodeConfig(32, 256, 4, 3),
+    DecodeConfig(32, 512, 4, 4),
+    DecodeConfig(32, 512, 4, 2),
+    DecodeConfig(16, 512, 4, 3),
+    DecodeConfig(32, 512, 2, 3),
 ]
 
 

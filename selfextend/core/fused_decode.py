@@ -64,12 +64,12 @@ def fused_decode_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> b
 
 @lru_cache(maxsize=8)
 def _programs(device: torch.device) -> int:
-    """How many programs fill the device: two per multiprocessor on CUDA (what one holds at once at the
-    default tiles: one wave, no tail; on an H200 at 32k cells 1,024 cells a program took 0.067 ms a layer,
-    512 (four a multiprocessor) 0.073, 256 0.083: experiments/gpu/check_fused_decode.py), a few under the
-    interpreter."""
+    """How many programs fill the device: four per multiprocessor on CUDA (what one holds at once at the
+    default tiles: one wave, no tail; on an H200 at 32k cells with Self-Extend, 32-cell tiles and 512 cells
+    a program took 0.053 ms a layer, 64-cell tiles and 1,024 cells (two a multiprocessor) 0.059, 512 0.065:
+    experiments/gpu/check_fused_decode.py, run 5), a few under the interpreter."""
     if device.type == "cuda":
-        return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+        return 4 * torch.cuda.get_device_properties(device).multi_processor_count
     return 4
 
 
@@ -81,19 +81,18 @@ def default_config(
     grouped: bool = False,
     dtype: torch.dtype = torch.bfloat16,
 ) -> DecodeConfig:
-    """Tiles of 64 cells, 32 for heads over 128, 16 where Self-Extend rotates keys in the tile (``grouped``)
-    or cells are float32; 4 warps, 3 tiles in flight (2 for rotated keys); 256-wide rotated keys one tile at
-    a time with 8 warps (32 KiB of shared memory: every card takes it). Guesses that compile for sm_90 and
+    """Tiles of 32 cells, 16 where Self-Extend rotates keys in the tile (``grouped``) or cells are
+    float32; 4 warps, 3 tiles in flight (2 for rotated keys); 256-wide rotated keys one tile at a time with 8
+    warps (32 KiB of shared memory: every card takes it). Guesses that compile for sm_90 and
     sm_80 (experiments/gpu/kernel_build.py) without spilling registers but for 256-wide rotated keys (~560
     bytes a thread: the captured step reads stored grouped keys instead, which spill none), timed on an
-    H200 for the 8B shape's bf16 head 128 only (experiments/gpu/check_fused_decode.py: 64-cell tiles, 4
+    H200 for the 8B shape's bf16 head 128 only (experiments/gpu/check_fused_decode.py: 32-cell tiles, 4
     warps, 3 stages the fastest of those tried); runs of cells long enough to fill the device once (at
     least 4 tiles, so a program's setup is paid back)."""
-    wide = head_dim > 128
-    block_n = 16 if grouped or dtype == torch.float32 else 32 if wide else 64
+    block_n = 16 if grouped or dtype == torch.float32 else 32
     per_head = -(-n_cells * n_kv // _programs(device))  # cells a program takes to fill the device once
     split = -(-max(per_head, 4 * block_n) // block_n) * block_n
-    if grouped and wide:
+    if grouped and head_dim > 128:
         return DecodeConfig(block_n, split, 8, 1)
     return DecodeConfig(block_n, split, 4, 2 if grouped else 3)
 
