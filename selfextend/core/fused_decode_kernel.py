@@ -2,18 +2,19 @@
 
 :func:`decode_partials_kernel`: one program per (KV head, run of ``split`` cells) walks its run in tiles of
 ``BLOCK_N`` cells under an online softmax, for all query heads reading that KV head at once (GQA in place:
-each key and value is read once). Per tile it reads the cells' positions first, and loads the keys and
-values of the visible cells only (cells not in use, at a position after every query, and cells outside a
-sliding window are masked lanes: no memory read). The query heads are the rows of a matrix product on the
-matrix units (padded to 16 rows, their smallest tile): scores and the probabilities' product with the
-values accumulate in float32 (16-bit cells multiplied as stored, exact products; float32 operands as three
-TF32 products), which keeps a tile's values in a few registers a thread where sums of broadcast products
-held all of them (255 registers and spills, compiled for sm_90: experiments/gpu/kernel_build.py). With
-Self-Extend, the cells at distance >= W are scored against the grouped query with their keys at grouped
-positions: read where the cache keeps them (``STORED``: in place of the key, a plain cell's bytes), else
-rotated here by the key table's row at their position (rotate-half over the first ``ROT_DIM``
-dimensions). Each program writes its rows' running max, sum and unnormalised output;
-:func:`decode_merge_kernel` merges a head's runs by their maxima (log-sum-exp).
+each key and value is read once). Per tile it reads the cells' positions first, and loads the keys and values
+of the visible cells only (cells not in use, at a position after every query, and cells outside a sliding
+window are masked lanes: no memory read). The query heads are the rows of a matrix product on the matrix units
+(in row groups of 4 or more, four groups: 16 rows, their smallest tile, where the grouped query's and the
+probabilities' parts take what would be padding): scores and the probabilities' product with the values
+accumulate in float32 (16-bit cells multiplied as stored, exact products; float32 operands as three TF32
+products), which keeps a tile's values in a few registers a thread where sums of broadcast products held all
+of them (255 registers and spills, compiled for sm_90: experiments/gpu/kernel_build.py). With Self-Extend, the
+cells at distance >= W are scored against the grouped query with their keys at grouped positions: read where
+the cache keeps them (``STORED``: in place of the key, a plain cell's bytes), else rotated here by the key
+table's row at their position (rotate-half over the first ``ROT_DIM`` dimensions). Each program writes its
+rows' running max, sum and unnormalised output; :func:`decode_merge_kernel` merges a head's runs by their
+maxima (log-sum-exp).
 
 Without triton installed this module still imports: the kernels are then plain functions nobody calls.
 """
@@ -148,8 +149,8 @@ def decode_partials_kernel(
     group 0) and of the grouped query's parts (groups 1-3, :func:`_split`) against the tile's keys, each
     cell's key or its stored grouped key as it needs; then the probabilities' parts against the values,
     accumulated by row group and summed once at the end. Self-Extend's grouped scores and float32's
-    accuracy with 16-bit cells so cost no product of their own (seven products a tile, 16 rows of which 4
-    real, took 0.082 ms a layer at 32k cells on an H200, where SDPA took 0.040 without Self-Extend).
+    accuracy with 16-bit cells so cost no product of their own (on an H200 at 32k cells with Self-Extend,
+    seven products a tile of 16 rows, 4 of them real, took 0.082 ms a layer; these 0.067).
 
     Where ``LIMITED``, the cells in use are the slots up to the one at ``last_ptr`` (read on the device):
     a program past them reads nothing. Every load of a cell is masked by its visibility rather than skipped
