@@ -46,6 +46,8 @@ CASES = [
     ("bf16 plain unused 4/2 d64", 4, 2, 64, 50, torch.bfloat16, 1, 0, None, "unused", None, SMALL),
     ("bf16 g4 w8 4/1 d128", 4, 1, 128, 37, torch.bfloat16, 4, 8, None, "ordered", None, SMALL),
     ("fp16 g2 w8 ring 2/2 d16", 2, 2, 16, 37, torch.float16, 2, 8, None, "ring", None, SMALL),
+    ("bf16 g2 w8 16/2 d32", 16, 2, 32, 37, torch.bfloat16, 2, 8, None, "ordered", None, SMALL),
+    ("g3 w8 5/1 d16", 5, 1, 16, 37, torch.float32, 3, 8, None, "ordered", None, SMALL),
     ("dispatch g3 w8 unused 4/2", 4, 2, 64, 70, torch.float32, 3, 8, None, "unused", None, None),
     ("dispatch bf16 sliding 12", 4, 2, 16, 33, torch.bfloat16, 1, 0, 12, "ring", None, None),
 ]
@@ -84,6 +86,7 @@ STORED = {
     "g4 w16 unused 4/2 d128",
     "bf16 g4 w8 4/1 d128",
     "fp16 g2 w8 ring 2/2 d16",
+    "bf16 g2 w8 16/2 d32",
 }
 
 

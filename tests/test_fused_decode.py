@@ -25,8 +25,9 @@ CASES = ROOT / "tests" / "fused_decode_cases.py"
 
 def test_kernels_equal_attend_in_the_interpreter():
     """Every case of fused_decode_cases.py (plain, sliding rings, Self-Extend G 2-4 with W inside and past
-    the cells and at distances W - 1 / W, cells not in use, GQA 4/1, 4/2, 6/2, 2/2, head sizes 16-128 and a
-    partial rotary one, float32, bfloat16, float16, 1-3 cells, counts off the tiles) within float32's
+    the cells and at distances W - 1 / W, cells not in use, GQA 4/1, 4/2, 6/2, 2/2, 16/2 (8 query heads a
+    KV head: row groups of 8), 5/1, head sizes 16-128 and a partial rotary one, float32, bfloat16, float16,
+    1-3 cells, counts off the tiles) within float32's
     tolerance, two through attend's dispatch; then GraphedDecode's static step with the kernels taken
     equals the direct step through a context shift (a Llama; a Gemma 3 with a sliding layer), run eagerly
     and recorded once then replayed as a CUDA graph would (tests/graph_replay.py)."""

@@ -367,7 +367,10 @@ def test_chat_replies_are_the_same_with_drafts(source: str, stops: tuple[str, ..
             plain_held = held
     assert replies[0] == replies[1] and held == plain_held and shifts >= 1
     assert not stops or any(r.endswith("the sea ") for r in replies[0]), replies[0]  # cut where it stops
-    assert source == "lookup" or Wrong.proposed > (20 if stops else 50)  # drafts checked: shorter replies
+    # drafts checked, some kept and some refused (how many depends on the replies' lengths, which depend on
+    # the CPU's products: 39 drafts on an AVX2-only EPYC, past 50 on an AVX-512 Xeon)
+    drafted, kept = chat.gen.drafted, chat.gen.kept
+    assert 0 < kept < drafted and (source == "lookup" or Wrong.proposed == drafted), (drafted, kept)
 
 
 def _replies(engine, prompts: list[list[int]], max_tokens: int, stops=(), ignore_eos=False) -> list[str]:
